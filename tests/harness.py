@@ -1,0 +1,161 @@
+"""Run a function on N gloo/CPU processes; the one spawn helper every distributed test uses.
+
+Starting N fresh Python processes (each importing torch) costs seconds on 2 cores, so the
+workers of each world size are started once and reused across tests: each holds an
+initialised gloo process group and runs the functions it is sent.  A test that fails on a
+rank re-raises here with that rank and its traceback; a test that times out, or whose ranks
+do not all answer, kills its pool (no process left behind) and the next test starts afresh.
+
+    results = run(fn, world_size, *args, timeout=120)   # fn(*args) on every rank
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+
+_CTX = mp.get_context("spawn")
+_POOLS: dict[int, "_Pool"] = {}
+_GRACE_S = 3.0  # after one rank fails, how long the others get to answer
+
+
+class RankError(RuntimeError):
+    """A function raised on one or more ranks."""
+
+
+def run(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
+    """Call fn(*args, **kwargs) on every rank of a gloo world; return the per-rank results."""
+    if not 1 <= world_size <= 8:
+        raise ValueError(f"world_size={world_size}: the harness runs 1..8 processes")
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        return pool.call(fn, args, kwargs, timeout)
+    except (TimeoutError, _Broken):
+        pool.kill()
+        _POOLS.pop(world_size, None)
+        raise
+
+
+def shutdown() -> None:
+    """Stop every worker pool."""
+    for pool in list(_POOLS.values()):
+        pool.kill()
+    _POOLS.clear()
+
+
+atexit.register(shutdown)
+
+
+class _Broken(RankError):
+    """Some ranks failed and the others never answered: the pool is unusable."""
+
+
+class _Pool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.results = _CTX.Queue()
+        self.tasks = [_CTX.Queue() for _ in range(world_size)]
+        port = _free_port()
+        saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        try:
+            self.procs = [
+                _CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
+                                                   list(sys.path), os.getpid()), daemon=True)
+                for r in range(world_size)]
+            for p in self.procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def call(self, fn, args, kwargs, timeout: float) -> list:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        answers: dict[int, tuple[bool, object]] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < self.world_size:
+            failed = any(not ok for ok, _ in answers.values())
+            wait = min(deadline, self._first_failure + _GRACE_S) if failed else deadline
+            try:
+                rank, ok, value = self.results.get(timeout=max(0.0, wait - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(answers))
+                if failed:
+                    raise _Broken(self._report(answers, f"ranks {missing} never answered"))
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {self.world_size} ranks: "
+                                   f"ranks {missing} did not finish within {timeout:.0f}s")
+            if not ok and not any(not o for o, _ in answers.values()):
+                self._first_failure = time.monotonic()
+            answers[rank] = (ok, value)
+        if any(not ok for ok, _ in answers.values()):
+            raise RankError(self._report(answers, ""))
+        return [answers[r][1] for r in range(self.world_size)]
+
+    _first_failure = 0.0
+
+    def _report(self, answers, extra: str) -> str:
+        lines = [f"failed on {self.world_size} ranks" + (f"; {extra}" if extra else "")]
+        for rank in sorted(answers):
+            ok, value = answers[rank]
+            if not ok:
+                lines.append(f"--- rank {rank} ---\n{value}")
+        return "\n".join(lines)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=10)
+        for q in [self.results, *self.tasks]:
+            q.cancel_join_thread()
+            q.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(1.0)
+
+
+def _worker(rank, world_size, port, tasks, results, path, parent_pid):
+    sys.path[:] = path
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=300))
+    while True:
+        fn, args, kwargs = tasks.get()
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, traceback.format_exc()))

@@ -1,0 +1,87 @@
+"""Grid: every factorisation of 1, 2, 4, 8 ranks against an independent computation."""
+
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+from harness import run
+from pipezero.topology import Grid, grid_shape
+
+
+def _factorisations(n):
+    return [(p, d, t) for p, d, t in itertools.product(range(1, n + 1), repeat=3) if p * d * t == n]
+
+
+def _expected(rank, p, d, t):
+    # independent: enumerate the grid in (pipe, data, tensor) order, tensor fastest
+    order = list(itertools.product(range(p), range(d), range(t)))
+    return order[rank]
+
+
+def _check_all(shapes):
+    out = []
+    for p, d, t in shapes:
+        grid = Grid(pipe=p, data=d, tensor=t)
+        me = _expected(grid.rank, p, d, t)
+        assert (grid.pipe_rank, grid.data_rank, grid.tensor_rank) == me
+        for r in range(grid.world_size):
+            c = grid.coords(r)
+            assert (c.pipe, c.data, c.tensor) == _expected(r, p, d, t)
+            assert grid.rank_of(pipe=c.pipe, data=c.data, tensor=c.tensor) == r
+        for axis, i in (("pipe", 0), ("data", 1), ("tensor", 2)):
+            members = [r for r in range(grid.world_size)
+                       if all(_expected(r, p, d, t)[j] == me[j] for j in range(3) if j != i)]
+            assert grid.group_ranks(axis) == members
+            group = getattr(grid, f"{axis}_group")
+            assert dist.get_process_group_ranks(group) == members
+            assert grid.mesh[axis].size() == len(members)
+        assert grid.is_first_stage == (me[0] == 0)
+        assert grid.is_last_stage == (me[0] == p - 1)
+        assert grid.prev_rank == (None if me[0] == 0 else grid.rank - d * t)
+        assert grid.next_rank == (None if me[0] == p - 1 else grid.rank + d * t)
+        assert Grid(pipe=p, data=None, tensor=t).data_size == d
+        out.append(repr(grid))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_every_factorisation(world):
+    shapes = _factorisations(world)
+    results = run(_check_all, world, shapes)
+    assert results[0] == [f"Grid(pipe={p}, data={d}, tensor={t})" for p, d, t in shapes]
+
+
+def _bad_grid(kwargs):
+    try:
+        Grid(**kwargs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pipe=2, data=3, tensor=1), "Grid(pipe=2, data=3, tensor=1) needs 6 processes, but 4 were started"),
+    (dict(pipe=3, data=None, tensor=1), "cannot infer the data degree"),
+    (dict(pipe=0, data=None, tensor=1), "Grid(pipe=0)"),
+    (dict(pipe=1, data=None, tensor=-2), "Grid(tensor=-2)"),
+])
+def test_bad_sizes_raise_on_every_rank(kwargs, message):
+    messages = run(_bad_grid, 4, kwargs, timeout=60)
+    assert all(m is not None and message in m for m in messages), messages
+
+
+def test_grid_shape_is_pure():
+    assert grid_shape(8, pipe=2, data=None, tensor=2) == (2, 2, 2)
+    with pytest.raises(ValueError, match="positive integer"):
+        grid_shape(4, pipe=True)
+
+
+def _describe():
+    return Grid(pipe=2, data=None, tensor=1).describe()
+
+
+def test_describe_marks_this_rank():
+    tables = run(_describe, 2)
+    assert "0     0     0       0  <- me" in tables[0]
+    assert "1     1     0       0  <- me" in tables[1]
