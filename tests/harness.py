@@ -31,8 +31,12 @@ class RankError(RuntimeError):
     """A function raised on one or more ranks."""
 
 
-def run(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
-    """Call fn(*args, **kwargs) on every rank of a gloo world; return the per-rank results."""
+def run(fn, world_size: int, *args, timeout: float = 120.0, discard: bool = False, **kwargs) -> list:
+    """Call fn(*args, **kwargs) on every rank of a gloo world; return the per-rank results.
+
+    discard=True stops the workers afterwards: for tests that leave the process group
+    unusable on purpose (a gloo receive that timed out closes its connection).
+    """
     if not 1 <= world_size <= 8:
         raise ValueError(f"world_size={world_size}: the harness runs 1..8 processes")
     pool = _POOLS.get(world_size)
@@ -41,9 +45,12 @@ def run(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
     try:
         return pool.call(fn, args, kwargs, timeout)
     except (TimeoutError, _Broken):
-        pool.kill()
-        _POOLS.pop(world_size, None)
+        discard = True
         raise
+    finally:
+        if discard:
+            pool.kill()
+            _POOLS.pop(world_size, None)
 
 
 def shutdown() -> None:

@@ -1,0 +1,196 @@
+"""comm/: p2p bit-exactness, paired 1F1B-like exchanges, bucketed collectives vs per-tensor ones."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run
+from pipezero.comm import (P2P, TRAFFIC, CommTimeout, all_gather, all_gather_coalesced, all_reduce,
+                           all_reduce_coalesced, plan_buckets, reduce_scatter, reduce_scatter_coalesced)
+
+
+def _payload(step, src, shapes=((3, 5), (7,), (2, 2, 2))):
+    g = torch.Generator().manual_seed(1000 * step + src)
+    a = torch.randn(*shapes[0], generator=g)
+    b = torch.randint(-50, 50, shapes[1], generator=g)
+    c = torch.randn(*shapes[2], generator=g).to(torch.bfloat16)
+    d = torch.rand(4, generator=g) > 0.5
+    return a.requires_grad_(), b, c, d
+
+
+def _ring(steps, variable):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p2p = P2P(variable_shapes=variable)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for step in range(steps):
+        shapes = ((3, 5 + step), (7 + step,), (2, step + 1, 2)) if variable else ((3, 5), (7,), (2, 2, 2))
+        got = p2p.exchange(sends=[(nxt, "ring", _payload(step, rank, shapes))], recvs=[(prv, "ring")])[0]
+        want = _payload(step, prv, shapes)
+        assert [t.dtype for t in got] == [t.dtype for t in want]
+        assert got[0].requires_grad and not got[1].requires_grad
+        for g, w in zip(got, want):
+            assert torch.equal(g, w.detach())
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tuples_of_mixed_dtypes_bit_exact(world):
+    assert all(run(_ring, world, 3, False))
+
+
+def test_variable_shapes_mode():
+    assert all(run(_ring, 2, 3, True))
+
+
+def _one_f_one_b(m):
+    """Activations flow down, gradients up, with paired send/recv as in 1F1B's steady state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p2p = P2P()
+    prv, nxt = rank - 1, rank + 1
+    first, last = rank == 0, rank == world - 1
+    warmup = min(world - rank - 1, m)
+    acts, seen = [], []
+    fwd_i = bwd_i = 0
+
+    def forward():
+        nonlocal fwd_i
+        x = torch.full((2,), float(fwd_i)) if first else p2p.recv(prv, "act")[0]
+        acts.append(x + 1)
+        fwd_i += 1
+        return x + 1
+
+    for _ in range(warmup):
+        y = forward()
+        if not last:
+            p2p.send(nxt, "act", (y,))
+    for _ in range(m - warmup):
+        y = forward()
+        if last:
+            grad = y * 0 + bwd_i
+        else:
+            grad = p2p.exchange(sends=[(nxt, "act", (y,))], recvs=[(nxt, "grad")])[0][0]
+        seen.append(grad[0].item())
+        if not first:
+            p2p.send(prv, "grad", (grad,))
+        bwd_i += 1
+    while bwd_i < m:
+        grad = y * 0 + bwd_i if last else p2p.recv(nxt, "grad")[0]
+        seen.append(grad[0].item())
+        if not first:
+            p2p.send(prv, "grad", (grad,))
+        bwd_i += 1
+    return seen
+
+
+def test_paired_exchange_under_1f1b_pattern():
+    results = run(_one_f_one_b, 4, 6)
+    assert all(r == [float(i) for i in range(6)] for r in results)
+
+
+def _silent_peer():
+    if dist.get_rank() == 0:
+        try:
+            P2P(timeout_s=1).recv(1, "act3")
+        except CommTimeout as e:
+            return str(e)
+    return None  # rank 1 never sends
+
+
+def test_timeout_names_rank_peer_and_stream():
+    msg = run(_silent_peer, 2, discard=True)[0]
+    assert "rank 0" in msg and "'act3' from rank 1" in msg
+
+
+def _tensors(seed):
+    """Odd-sized tensors of several dtypes holding dyadic values, so every summation order is exact
+    (gloo sums a large bucket and a small tensor in different orders at world 3)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def dyadic(*shape):
+        return torch.randint(-1000, 1000, shape, generator=g) / 64
+
+    sizes = [7, 1, 33, 128, 5, 64, 3]
+    return [dyadic(s) for s in sizes] + [dyadic(3, 3).to(torch.bfloat16), dyadic(11).double()]
+
+
+def _coalesced_vs_plain(bucket_bytes):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecation warnings in the user's face
+        mine = _tensors(rank)
+        reference = [t.clone() for t in mine]
+        for t in reference:
+            all_reduce(t)
+        summed = [t.clone() for t in mine]
+        all_reduce_coalesced(summed, bucket_bytes=bucket_bytes).wait()
+        for s, r in zip(summed, reference):
+            assert torch.equal(s, r), (s, r)
+
+        averaged = [t.clone() for t in mine]
+        all_reduce_coalesced(averaged, bucket_bytes=bucket_bytes, average=True).wait()
+        for a, r in zip(averaged, reference):
+            torch.testing.assert_close(a, r / world)
+
+        # reduce-scatter: the owned region of each bucket equals the plain all-reduce there
+        scattered = [t.clone() for t in mine]
+        reduce_scatter_coalesced(scattered, bucket_bytes=bucket_bytes).wait()
+        for bucket in plan_buckets(mine, bucket_bytes):
+            flat_s = torch.cat([scattered[i].reshape(-1) for i in bucket])
+            flat_r = torch.cat([reference[i].reshape(-1) for i in bucket])
+            flat_m = torch.cat([mine[i].reshape(-1) for i in bucket])
+            shard = -(-flat_r.numel() // world)
+            lo, hi = rank * shard, min((rank + 1) * shard, flat_r.numel())
+            assert torch.equal(flat_s[lo:hi], flat_r[lo:hi])
+            assert torch.equal(torch.cat([flat_s[:lo], flat_s[hi:]]), torch.cat([flat_m[:lo], flat_m[hi:]]))
+
+        # all-gather: every rank contributes its region of its own tensors
+        full = _tensors(99)
+        partial = [torch.zeros_like(t) for t in full]
+        for bucket in plan_buckets(full, bucket_bytes):
+            flat = torch.cat([full[i].reshape(-1) for i in bucket])
+            shard = -(-flat.numel() // world)
+            offset = 0
+            for i in bucket:
+                n = partial[i].numel()
+                lo, hi = max(rank * shard, offset), min((rank + 1) * shard, offset + n)
+                if lo < hi:
+                    partial[i].view(-1)[lo - offset:hi - offset] = full[i].view(-1)[lo - offset:hi - offset]
+                offset += n
+        all_gather_coalesced(partial, bucket_bytes=bucket_bytes).wait()
+        for p, f in zip(partial, full):
+            assert torch.equal(p, f)
+    return True
+
+
+@pytest.mark.parametrize("world, bucket_bytes", [(1, 256), (2, 64), (3, 10**6), (4, 256)])
+def test_bucketed_equal_plain_collectives(world, bucket_bytes):
+    assert all(run(_coalesced_vs_plain, world, bucket_bytes))
+
+
+def _flat_collectives():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    TRAFFIC.reset()
+    x = torch.arange(12, dtype=torch.float32) + rank
+    out = torch.empty(12 // world)
+    reduce_scatter(out, x, average=True)
+    expected = (torch.arange(12, dtype=torch.float32) * world + sum(range(world))) / world
+    torch.testing.assert_close(out, expected.chunk(world)[rank])
+    full = torch.empty(12)
+    all_gather(full, out)
+    torch.testing.assert_close(full, expected)
+    return TRAFFIC.snapshot()
+
+
+def test_flat_collectives_and_traffic():
+    snaps = run(_flat_collectives, 2)
+    assert snaps[0]["reduce_scatter"]["bytes"] == 48 and snaps[0]["all_gather"]["calls"] == 1
+    assert "all_gather@ranks[0,1]" in snaps[0]["by_group"] or "all_gather@world" in snaps[0]["by_group"]
+
+
+def test_plan_buckets_groups_dtypes_and_caps_size():
+    ts = [torch.zeros(10), torch.zeros(10, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(100)]
+    assert plan_buckets(ts, 80) == [[0, 2], [1], [3]]
+    with pytest.raises(ValueError, match="bucket_bytes=0"):
+        plan_buckets(ts, 0)
