@@ -1,0 +1,146 @@
+"""Show a schedule: a step x rank text grid, a chrome://tracing timeline, a PNG.
+
+The text grid uses torch-style cells ("0F3" = chunk 0, forward, microbatch 3) and is what
+ScheduleError prints; `Custom.from_text` reads it back.  The picture draws one row per rank
+with a box per action (F, B, I, W in distinct colours, later chunks lighter), for a file or
+for TensorBoard's `add_image(..., dataformats="HWC")`.  Only numpy is needed; pillow writes
+the PNG when it is installed, otherwise a small zlib writer does.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pipezero.pipe.actions import Action, Op
+
+if TYPE_CHECKING:
+    from pipezero.pipe.simulate import SimResult
+
+__all__ = ["to_text", "to_chrome_trace", "to_image", "to_png", "COLORS"]
+
+COLORS: dict[Op, tuple[int, int, int]] = {
+    Op.FORWARD: (66, 133, 244),          # blue
+    Op.BACKWARD: (142, 68, 173),         # purple
+    Op.BACKWARD_INPUT: (52, 168, 83),    # green
+    Op.BACKWARD_WEIGHT: (251, 140, 0),   # orange
+}
+
+
+def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
+    """The step x rank grid of a schedule (dict rank -> actions) or of a SimResult.
+
+    For a dict, step k is the k-th action of each rank's list. For a SimResult, each row is
+    one distinct start time, so idle ranks show blank cells. `mark` holds (rank, step)
+    cells to bracket, e.g. "[0F3]" (steps index the lists, for dicts only).
+    """
+    if isinstance(schedule, Mapping):
+        p = len(schedule)
+        rows = max((len(schedule[r]) for r in range(p)), default=0)
+        cells = [[str(schedule[r][k]) if k < len(schedule[r]) else "" for r in range(p)]
+                 for k in range(rows)]
+        labels = [str(k) for k in range(rows)]
+    else:
+        cells, labels, p = _timed_cells(schedule)
+    marked = set(mark)
+    for r, k in marked:
+        if 0 <= k < len(cells) and 0 <= r < p:
+            cells[k][r] = f"[{cells[k][r] or ' '}]"
+    width = max([len(f"rank {p - 1}")] + [len(c) for row in cells for c in row]) + 2
+    label_w = max([len("step")] + [len(x) for x in labels])
+    head = "step".rjust(label_w) + "  " + "".join(f"rank {r}".ljust(width) for r in range(p))
+    body = [lab.rjust(label_w) + "  " + "".join(c.ljust(width) for c in row)
+            for lab, row in zip(labels, cells)]
+    return "\n".join(line.rstrip() for line in [head, *body])
+
+
+def _timed_cells(result: "SimResult") -> tuple[list[list[str]], list[str], int]:
+    p = result.num_stages
+    times = sorted({e.start for e in result.timeline})
+    row_of = {t: k for k, t in enumerate(times)}
+    cells = [[""] * p for _ in times]
+    for e in result.timeline:
+        cells[row_of[e.start]][e.rank] = str(e.action)
+    return cells, [f"{t:g}" for t in times], p
+
+
+def to_chrome_trace(result: "SimResult", time_unit_us: float = 1000.0) -> dict[str, Any]:
+    """A chrome://tracing (or Perfetto) JSON dict: one row (thread) per rank.
+
+    One simulated time unit is drawn as `time_unit_us` microseconds (default 1 ms).
+    Save with `json.dump(trace, f)`.
+    """
+    events: list[dict[str, Any]] = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in range(result.num_stages)]
+    for e in result.timeline:
+        events.append({
+            "name": str(e.action), "cat": e.action.op.name.lower(), "ph": "X", "pid": 0,
+            "tid": e.rank, "ts": e.start * time_unit_us, "dur": (e.end - e.start) * time_unit_us,
+            "args": {"chunk": e.action.chunk, "microbatch": e.action.microbatch,
+                     "op": e.action.op.name, "step": e.step}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"makespan": result.makespan, "bubble": result.bubble}}
+
+
+def _color(a: Action, num_chunks: int) -> np.ndarray:
+    """The op's colour, lighter for later chunks (chunk c of v mixed 0.5*c/v with white)."""
+    base = np.array(COLORS[a.op], dtype=np.float64)
+    mix = 0.5 * a.chunk / max(num_chunks, 1)
+    return base + (255.0 - base) * mix
+
+
+def to_image(result: "SimResult", px_per_unit: float | None = None,
+             row_height: int = 24, gap: int = 4) -> np.ndarray:
+    """The timeline as an H x W x 3 uint8 array: rank 0 on top, time to the right.
+
+    `px_per_unit` defaults to a width of about 1200 pixels (at least 2 per time unit).
+    """
+    span = max(result.makespan, 1e-9)
+    scale = px_per_unit if px_per_unit is not None else max(2.0, 1200.0 / span)
+    width = int(np.ceil(span * scale)) + 2 * gap
+    height = result.num_stages * (row_height + gap) + gap
+    img = np.full((height, width, 3), 255, dtype=np.uint8)
+    for e in result.timeline:
+        x0 = gap + int(round(e.start * scale))
+        x1 = max(gap + int(round(e.end * scale)), x0 + 1)
+        y0 = gap + e.rank * (row_height + gap)
+        fill = _color(e.action, result.num_chunks)
+        img[y0:y0 + row_height, x0:x1] = (fill * 0.6).astype(np.uint8)  # border
+        if x1 - x0 > 2 and row_height > 2:
+            img[y0 + 1:y0 + row_height - 1, x0 + 1:x1 - 1] = fill.astype(np.uint8)
+    return img
+
+
+def to_png(result: "SimResult", path: str | Path, **image_kwargs: Any) -> Path:
+    """Write `to_image(result)` as a PNG file and return its path."""
+    path = Path(path)
+    img = to_image(result, **image_kwargs)
+    try:
+        from PIL import Image
+    except ImportError:
+        path.write_bytes(encode_png(img))
+    else:
+        Image.fromarray(img).save(path, format="PNG")
+    return path
+
+
+def encode_png(img: np.ndarray) -> bytes:
+    """A minimal RGB PNG encoder (no filtering, zlib-compressed) for when pillow is absent."""
+    if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+        raise ValueError(f"encode_png needs an H x W x 3 uint8 array, got {img.dtype} {img.shape}")
+    h, w, _ = img.shape
+    raw = b"".join(b"\x00" + img[y].tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))

@@ -1,0 +1,136 @@
+"""Simulate a schedule with per-action costs: timeline, makespan, bubble, peak activations.
+
+Event-driven, in-order execution: every rank runs its list in order; an action starts when
+its rank is free and every input it needs has finished (plus `p2p` latency when the input
+comes from another rank; sends never block).  Costs are per action, i.e. per chunk: to
+compare an interleaved schedule with v chunks against a one-chunk one at equal model size,
+give it costs 1/v as large (the bubble *fraction* does not change when every cost is
+scaled by the same factor and p2p = 0).
+
+Definitions:
+
+* bubble = idle / (num_stages * makespan), idle = num_stages * makespan - total busy time;
+  every rank is counted from time 0 to the makespan.
+* live activations: the activations of (chunk, microbatch) on a rank are live from the
+  start of its F until the end of its B, or until the end of its W when the backward is
+  split (the weight gradient still needs the layer inputs).  `peak_activations[rank]` is
+  the largest number of live (chunk, microbatch) pairs; divide by num_chunks
+  (`peak_stage_activations`) for units of one whole stage's microbatch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from pipezero.pipe.actions import Action, Op
+from pipezero.pipe.validate import execute, resolve_placement, validate
+
+__all__ = ["Costs", "Event", "SimResult", "simulate"]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of one action of one chunk; B (unsplit) costs backward_input + backward_weight."""
+
+    forward: float = 1.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    p2p: float = 0.0  # latency added when an input comes from another rank
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward_input", "backward_weight", "p2p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"Costs.{name}={value!r} must be a number")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"Costs.{name}={value!r} must be a finite number >= 0")
+
+    def of(self, op: Op) -> float:
+        """The duration of one action of kind `op`."""
+        if op is Op.FORWARD:
+            return float(self.forward)
+        if op is Op.BACKWARD_INPUT:
+            return float(self.backward_input)
+        if op is Op.BACKWARD_WEIGHT:
+            return float(self.backward_weight)
+        return float(self.backward_input + self.backward_weight)
+
+
+class Event(NamedTuple):
+    """One action as simulated: `step` is its index in the rank's list."""
+
+    rank: int
+    step: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What simulate() found; see the module docstring for the definitions."""
+
+    timeline: list[Event]          # sorted by (start, rank)
+    makespan: float
+    busy: dict[int, float]         # rank -> total busy time
+    bubble: float                  # idle / (num_stages * makespan)
+    peak_activations: dict[int, int]  # rank -> most live (chunk, microbatch) pairs
+    num_stages: int
+    num_chunks: int
+
+    @property
+    def idle(self) -> float:
+        """Total idle time of all ranks between 0 and the makespan."""
+        return self.num_stages * self.makespan - sum(self.busy.values())
+
+    def peak_stage_activations(self) -> dict[int, float]:
+        """peak_activations in units of one whole stage's microbatch (pairs / num_chunks)."""
+        return {r: n / self.num_chunks for r, n in self.peak_activations.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """Plain numbers, e.g. for logging next to a measured step."""
+        return {"makespan": self.makespan, "bubble": self.bubble,
+                "peak_activations": dict(self.peak_activations)}
+
+
+def simulate(actions: Any, num_stages: int | None = None, costs: Costs = Costs(),
+             placement: Any = "looped") -> SimResult:
+    """Validate, then simulate `actions` (a dict rank -> list of Action, or a schedule).
+
+    `placement` is "looped", "v" or a schedule object; a schedule passed as `actions`
+    supplies its own placement (and needs num_stages).
+    """
+    if not isinstance(costs, Costs):
+        raise TypeError(f"costs must be a Costs(...), got {type(costs).__name__}")
+    if callable(getattr(actions, "actions", None)):
+        placement = actions
+    table = validate(actions, num_stages, placement)
+    events, stuck = execute(table, resolve_placement(placement), lambda a: costs.of(a.op), costs.p2p)
+    assert not stuck, "validate() passed, so execution cannot get stuck"
+    timeline = sorted((Event(*e) for e in events), key=lambda e: (e.start, e.rank))
+    makespan = max((e.end for e in timeline), default=0.0)
+    p = len(table)
+    busy = {r: 0.0 for r in range(p)}
+    for e in timeline:
+        busy[e.rank] += e.end - e.start
+    idle = p * makespan - sum(busy.values())
+    return SimResult(
+        timeline=timeline, makespan=makespan, busy=busy,
+        bubble=idle / (p * makespan) if makespan > 0 else 0.0,
+        peak_activations={r: _peak_live(acts) for r, acts in table.items()},
+        num_stages=p,
+        num_chunks=1 + max(a.chunk for acts in table.values() for a in acts))
+
+
+def _peak_live(acts: list[Action]) -> int:
+    """Most (chunk, microbatch) activations live at once on one rank (in-order execution)."""
+    live = peak = 0
+    for a in acts:
+        if a.op is Op.FORWARD:
+            live += 1
+            peak = max(peak, live)
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):  # validated: W only when split
+            live -= 1
+    return peak
