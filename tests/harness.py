@@ -101,9 +101,15 @@ class _Pool:
             failed = any(not ok for ok, _ in answers.values())
             wait = min(deadline, self._first_failure + _GRACE_S) if failed else deadline
             try:
-                rank, ok, value = self.results.get(timeout=max(0.0, wait - time.monotonic()))
+                rank, ok, value = self.results.get(timeout=min(1.0, max(0.0, wait - time.monotonic())))
             except queue.Empty:
                 missing = sorted(set(range(self.world_size)) - set(answers))
+                dead = [r for r in missing if not self.procs[r].is_alive()]
+                if dead:
+                    codes = [self.procs[r].exitcode for r in dead]
+                    raise _Broken(self._report(answers, f"ranks {dead} died (exit codes {codes})"))
+                if time.monotonic() < wait:
+                    continue
                 if failed:
                     raise _Broken(self._report(answers, f"ranks {missing} never answered"))
                 raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {self.world_size} ranks: "
