@@ -1,0 +1,197 @@
+"""Simulator: the published bubble and memory results, exactly; rendering of a simulated run."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from pipezero.pipe import (Costs, Custom, GPipe, Interleaved1F1B, OneFOneB, Op, ZeroBubbleH1,
+                           ZeroBubbleV, simulate, to_chrome_trace, to_image, to_png, to_text)
+from pipezero.pipe.render import COLORS
+
+P_RANGE = range(1, 9)
+M_RANGE = range(1, 33)
+SAME_FB = Costs(forward=2, backward_input=1, backward_weight=1)  # F = B = I + W
+
+
+@pytest.mark.parametrize("p", P_RANGE)
+def test_gpipe_and_1f1b_bubble_and_memory(p):
+    for m in M_RANGE:
+        for sched in (GPipe(m), OneFOneB(m)):
+            res = simulate(sched, p, SAME_FB)
+            assert res.makespan == (m + p - 1) * 4, (sched, p)  # (m+p-1)(F+B)
+            assert res.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+        assert simulate(OneFOneB(m), p).peak_activations[0] == min(p, m)
+        assert simulate(GPipe(m), p).peak_activations[0] == m
+
+
+@pytest.mark.parametrize("p", P_RANGE)
+def test_interleaved_bubble(p):
+    # per-chunk costs are a stage's divided by v; the fraction is the same for any common scale
+    for v in (2, 3, 4):
+        for m in range(p, 33, p):
+            res = simulate(Interleaved1F1B(m, num_chunks=v), p, SAME_FB)
+            assert res.makespan == (v * m + p - 1) * 4, (p, m, v)
+            assert res.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    m = 2 * p
+    scaled = simulate(Interleaved1F1B(m), p, Costs(forward=0.5, backward_input=0.25, backward_weight=0.25))
+    assert scaled.makespan == (2 * m + p - 1) * (0.5 + 0.5) and scaled.bubble == pytest.approx((p - 1) / (2 * m + p - 1))
+
+
+@pytest.mark.parametrize("p", P_RANGE)
+def test_zero_bubble_h1_a_third_of_1f1b_idle_at_1f1b_memory(p):
+    for m in M_RANGE:
+        zb, base = simulate(ZeroBubbleH1(m), p), simulate(OneFOneB(m), p)  # F = I = W = 1
+        if m >= p:
+            assert zb.idle * 3 == base.idle
+            assert zb.idle == p * (p - 1)  # each rank idles (p-1) F's worth
+        else:
+            assert zb.idle < base.idle or p == 1
+        assert max(zb.peak_activations.values()) == max(base.peak_activations.values()) == min(p, m)
+
+
+@pytest.mark.parametrize("p", P_RANGE)
+def test_zero_bubble_v_reaches_the_fill_bound(p):
+    # rank p-1 cannot start before p-1 chunk forwards have passed, and each rank has 6m work:
+    # ZB-V reaches makespan 6m + p - 1 exactly once m >= 2p - 1 (bubble (p-1)/(6m+p-1)).
+    for m in M_RANGE:
+        res = simulate(ZeroBubbleV(m), p)
+        if m >= 2 * p - 1:
+            assert res.makespan == 6 * m + p - 1, (p, m)
+            assert res.bubble == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+            assert max(res.peak_stage_activations().values()) == p  # 1F1B's peak, in stages
+        assert max(res.peak_stage_activations().values()) <= max(p, min(m, p)), (p, m)
+
+
+def test_zero_bubble_v_beats_1f1b_and_h1_at_equal_work():
+    p, m = 4, 16
+    chunk = Costs(forward=1, backward_input=1, backward_weight=1)
+    stage = Costs(forward=2, backward_input=2, backward_weight=2)   # one stage = two chunks
+    v, h1, base = simulate(ZeroBubbleV(m), p, chunk), simulate(ZeroBubbleH1(m), p, stage), \
+        simulate(OneFOneB(m), p, stage)
+    assert v.bubble < h1.bubble < base.bubble
+    assert v.idle * 2 == h1.idle and v.idle * 6 == base.idle
+
+
+def test_p2p_latency_gpipe():
+    p, m, c = 3, 4, 0.5
+    res = simulate(GPipe(m), p, Costs(forward=1, backward_input=0.5, backward_weight=0.5, p2p=c))
+    assert res.makespan == 2 * m + 2 * (p - 1) * (1 + c)
+    same_rank = simulate(GPipe(m), 1, Costs(p2p=10.0))  # no cross-rank edges: no latency
+    assert same_rank.makespan == m * 3
+
+
+def test_timeline_respects_dependencies_and_rank_order():
+    res = simulate(ZeroBubbleV(5), 3, Costs(forward=1.0, backward_input=1.5, backward_weight=0.5, p2p=0.25))
+    by_rank: dict[int, list] = {}
+    for e in res.timeline:
+        by_rank.setdefault(e.rank, []).append(e)
+        assert e.end - e.start == pytest.approx({Op.FORWARD: 1.0, Op.BACKWARD_INPUT: 1.5,
+                                                 Op.BACKWARD_WEIGHT: 0.5}[e.action.op])
+    for r, evs in by_rank.items():
+        evs.sort(key=lambda e: e.step)
+        assert all(a.end <= b.start for a, b in zip(evs, evs[1:]))
+    end = {(e.rank, str(e.action)): e.end for e in res.timeline}
+    # V placement, p = 3: stage 2 (rank 2, chunk 0) feeds stage 3 (rank 2, chunk 1) locally,
+    # stage 3 feeds stage 4 (rank 1, chunk 1) across ranks (+p2p)
+    start = {(e.rank, str(e.action)): e.start for e in res.timeline}
+    assert start[(2, "1F0")] >= end[(2, "0F0")]
+    assert start[(1, "1F0")] >= end[(2, "1F0")] + 0.25
+    assert start[(2, "1I0")] >= end[(1, "1I0")] + 0.25
+
+
+def test_costs_checked():
+    with pytest.raises(ValueError, match="Costs.forward=-1"):
+        Costs(forward=-1)
+    with pytest.raises(TypeError, match="Costs.p2p"):
+        Costs(p2p="1")
+    with pytest.raises(TypeError, match="Costs"):
+        simulate(OneFOneB(2), 2, costs={"forward": 1})
+    assert Costs(backward_input=2, backward_weight=3).of(Op.BACKWARD) == 5
+
+
+def test_custom_schedule_simulates():
+    sched = Custom({0: ["0F0", "0F1", "0B0", "0B1"], 1: ["0F0", "0B0", "0F1", "0B1"]})
+    res = simulate(sched, 2, Costs(forward=1, backward_input=1, backward_weight=1))
+    # rank 1: 0F0 [1,2] 0B0 [2,4] 0F1 [4,5] 0B1 [5,7]; rank 0: 0B0 [4,6] 0B1 [7,9]
+    assert res.makespan == 9
+    assert res.peak_activations == {0: 2, 1: 1}
+
+
+def test_text_of_a_simulation_shows_idle_as_blank():
+    text = to_text(simulate(OneFOneB(4), 3))
+    lines = text.splitlines()
+    assert lines[1].split() == ["0", "0F0"]         # only rank 0 busy at t = 0
+    assert lines[3].split() == ["2", "0F2", "0F1", "0F0"]
+
+
+def test_chrome_trace():
+    res = simulate(ZeroBubbleH1(4), 2, Costs(forward=1, backward_input=2, backward_weight=1))
+    trace = json.loads(json.dumps(to_chrome_trace(res)))
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 2 * 4 * 3 and {e["tid"] for e in spans} == {0, 1}
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    i0 = next(e for e in spans if e["name"] == "0I0" and e["tid"] == 0)
+    assert i0["dur"] == 2000.0 and i0["cat"] == "backward_input"
+    assert max(e["ts"] + e["dur"] for e in spans) == res.makespan * 1000
+
+
+def test_image_colours_ops_and_shades_chunks():
+    res = simulate(ZeroBubbleV(4), 2)
+    img = to_image(res, px_per_unit=10, row_height=12, gap=2)
+    assert img.dtype == np.uint8 and img.shape == (2 * 14 + 2, int(res.makespan * 10) + 4, 3)
+    pixels = {tuple(px) for px in img.reshape(-1, 3)}
+    for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
+        assert COLORS[op] in pixels, op                           # chunk 0: base colour
+        light = tuple(int(c + (255 - c) * 0.25) for c in COLORS[op])
+        assert light in pixels, op                                # chunk 1: lighter
+    assert COLORS[Op.BACKWARD] not in pixels
+    # rank 1 is idle at t in [0, 1): white there, rank 0 busy
+    row1, row0 = 2 + 14 + 6, 2 + 6
+    assert tuple(img[row1, 2 + 5]) == (255, 255, 255) and tuple(img[row0, 2 + 5]) == COLORS[Op.FORWARD]
+
+
+def _read_png(data: bytes) -> np.ndarray:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, size = 8, b"", None
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body)
+        if kind == b"IHDR":
+            size = struct.unpack(">II", body[:8])
+            assert body[8:10] == b"\x08\x02"  # 8-bit RGB
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    w, h = size
+    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + 3 * w)
+    assert (raw[:, 0] == 0).all(), "the fallback writer uses filter 0 only"
+    return raw[:, 1:].reshape(h, w, 3)
+
+
+def test_png_without_pillow(tmp_path, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_pil(name, *args, **kwargs):
+        if name == "PIL" or name.startswith("PIL."):
+            raise ImportError("no pillow here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pil)
+    res = simulate(OneFOneB(3), 2)
+    path = to_png(res, tmp_path / "s.png")
+    np.testing.assert_array_equal(_read_png(path.read_bytes()), to_image(res))
+
+
+def test_png_with_pillow(tmp_path):
+    image_mod = pytest.importorskip("PIL.Image")
+    res = simulate(Interleaved1F1B(4), 2)
+    path = to_png(res, tmp_path / "s.png")
+    np.testing.assert_array_equal(np.asarray(image_mod.open(path).convert("RGB")), to_image(res))
