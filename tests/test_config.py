@@ -1,0 +1,247 @@
+"""ds_config parsing: the seed config, a catalogue of bad configs, "auto" sizes, batch arithmetic, LR schedules."""
+
+import copy
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipezero.train.config import ConfigError, OffloadDevice, ScheduleKind, parse_config
+from pipezero.train.config_optim import (SchedulerConfig, SchedulerType, WarmupType, build_optimizer,
+                                         build_scheduler, lr_at)
+
+SEED = Path(__file__).resolve().parents[1] / "examples" / "configs" / "seed_ds_config.json"
+
+
+def _seed():
+    return json.loads(SEED.read_text())
+
+
+def test_seed_config_verbatim():
+    cfg = parse_config(SEED, world_size=4, hidden_size=64)
+    assert cfg.fp16.enabled and cfg.fp16.dynamic and cfg.fp16.min_loss_scale == 1e-5
+    assert cfg.zero.stage == 3 and cfg.zero.overlap_comm and cfg.zero.contiguous_gradients
+    assert cfg.zero.offload_optimizer.device is OffloadDevice.CPU and cfg.zero.offload_param.pin_memory
+    assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_size, cfg.batch.accumulation_steps) == (32, 8, 1)
+    assert cfg.steps_per_print == 100 and not cfg.wall_clock_breakdown
+    zero = cfg.zero.to_dict()  # what ZeroOptimizer.from_config receives
+    assert zero["reduce_bucket_size"] == 64 * 64
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
+    assert zero["stage3_param_persistence_threshold"] == 640
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    fp16 = cfg.fp16.to_dict()  # what LossScaler.from_config receives: DeepSpeed's keys and values
+    assert {k: fp16[k] for k in _seed()["fp16"]} == _seed()["fp16"]
+
+
+def test_auto_left_unresolved_is_refused_at_hand_over():
+    cfg = parse_config(SEED, world_size=1)
+    assert cfg.zero.has_auto
+    with pytest.raises(ConfigError, match="reduce_bucket_size.*hidden_size"):
+        cfg.zero.to_dict()
+    resolved = cfg.zero.resolve_auto(1024)
+    assert resolved.reduce_bucket_size == 1024 * 1024 and resolved.stage3_param_persistence_threshold == 10240
+
+
+def test_explicit_sizes_are_kept_and_5e8_is_an_int():
+    raw = _seed()
+    raw["zero_optimization"].update(reduce_bucket_size=5e8, stage3_prefetch_bucket_size=123)
+    zero = parse_config(raw, hidden_size=8).zero
+    assert zero.reduce_bucket_size == 500_000_000 and isinstance(zero.reduce_bucket_size, int)
+    assert zero.stage3_prefetch_bucket_size == 123 and zero.stage3_param_persistence_threshold == 80
+
+
+@pytest.mark.parametrize("keys, world, pipe, expect", [
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, 1, (32, 4, 2)),
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}, 6, 2, (48, 4, 4)),
+    ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5}, 8, 4, (30, 3, 5)),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 4, 1,
+     (24, 2, 3)),
+    ({"train_batch_size": 16}, 2, 1, (16, 8, 1)),
+    ({"train_micro_batch_size_per_gpu": 2}, 4, 2, (4, 2, 1)),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+      "pipeline": {"stages": 2, "micro_batches": 4}}, 4, None, (16, 2, 4)),
+])
+def test_batch_arithmetic(keys, world, pipe, expect):
+    raw = dict(keys)
+    if pipe is not None:
+        raw["pipeline"] = {"stages": pipe}
+    b = parse_config(raw, world_size=world).batch
+    assert (b.train_batch_size, b.micro_batch_size, b.accumulation_steps) == expect
+    assert b.train_batch_size == b.micro_batch_size * b.accumulation_steps * b.data_degree
+
+
+def _with(path, value):
+    """The seed config with one key (a tuple path) set, or deleted when value is _DEL."""
+    raw = copy.deepcopy(_seed())
+    *parents, last = path
+    node = raw
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is _DEL:
+        del node[last]
+    else:
+        node[last] = value
+    return raw
+
+
+_DEL = object()
+
+# (path, value, world, words the error must contain): each a config a user could plausibly write
+BAD = [
+    (("train_batch_size",), 30, 4, ["train_batch_size", "30", "4"]),
+    (("train_batch_size",), -1, 1, ["train_batch_size", "-1"]),
+    (("train_batch_size",), "32", 1, ["train_batch_size", "integer"]),
+    (("train_micro_batch_size_per_gpu",), 3, 4, ["train_batch_size", "32", "3", "4", "12"]),
+    (("gradient_accumulation_steps",), 3, 1, ["train_batch_size", "32", "gradient_accumulation_steps 3"]),
+    (("gradient_accumulation_steps",), 0.5, 1, ["gradient_accumulation_steps", "integer"]),
+    (("train_batch_size",), _DEL, 1, ["train_micro_batch_size_per_gpu", "at least one"]),
+    (("fp16", "enabled"), "yes", 1, ['["fp16"]["enabled"]', "true or false"]),
+    (("fp16", "loss_scale"), -2, 1, ['["fp16"]["loss_scale"]', "-2"]),
+    (("fp16", "loss_scale_window"), 0, 1, ["loss_scale_window", ">= 1"]),
+    (("fp16", "hysterisis"), 2, 1, ['"hysterisis"', 'did you mean "hysteresis"']),
+    (("fp16", "fp16_master_weights_and_grads"), True, 1, ["fp16_master_weights_and_grads", "fp32"]),
+    (("bf16",), {"enabled": True}, 1, ["fp16", "bf16", "at most one"]),
+    (("zero_optimization", "stage"), 4, 1, ['["zero_optimization"]["stage"]', "4", "3"]),
+    (("zero_optimization", "stage"), 2, 1, ["offload_param", "stage", "3"]),
+    (("zero_optimization", "offload_optimizer", "device"), "nvme", 1, ["nvme", "cpu"]),
+    (("zero_optimization", "offload_optimizer", "device"), "gpu", 1, ["device", "'gpu'", "'cpu'"]),
+    (("zero_optimization", "offload_param", "nvme_path"), "/nvme", 1, ["nvme_path", "cpu"]),
+    (("zero_optimization", "cpu_offload"), True, 1, ["cpu_offload", "offload_optimizer"]),
+    (("zero_optimization", "reduce_bucket_size"), "big", 1, ["reduce_bucket_size", "auto"]),
+    (("zero_optimization", "allgather_bucket_size"), "auto", 1, ["allgather_bucket_size", "HuggingFace"]),
+    (("zero_optimization", "overlap_com"), True, 1, ['"overlap_com"', 'did you mean "overlap_comm"']),
+    (("zero_optimization",), [3], 1, ['["zero_optimization"]', "JSON object"]),
+    (("gradient_clipping",), "auto", 1, ["gradient_clipping", "HuggingFace"]),
+    (("gradient_clipping",), -1.0, 1, ["gradient_clipping", "-1.0"]),
+    (("steps_per_print",), 0, 1, ["steps_per_print", "0"]),
+    (("wall_clock_breakdown",), 1, 1, ["wall_clock_breakdown", "true or false"]),
+    (("tensorboard", "output_path"), 3, 1, ["output_path", "string"]),
+    (("tensorboard", "job"), "x", 1, ['["tensorboard"]["job"]', "job_name"]),
+    (("optimizer",), {"type": "SGD"}, 1, ['["optimizer"]["type"]', "'SGD'", "'AdamW'"]),
+    (("optimizer", "params"), {"lr": 1e-3, "betas": [0.9]}, 1, ["betas", "two numbers"]),
+    (("optimizer", "params"), {"lr": "auto"}, 1, ['["lr"]', "HuggingFace"]),
+    (("scheduler",), {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}, 1,
+     ["total_num_steps", "required"]),
+    (("scheduler",), {"type": "WarmupCosineLR", "params": {"total_num_steps": 5, "warmup_num_steps": 10}}, 1,
+     ["total_num_steps", "5", "warmup_num_steps = 10"]),
+    (("scheduler",), {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}, 1, ["warmup_type", "'log'"]),
+    (("scheduler",), {"type": "WarmupLR", "params": {"cos_min_ratio": 0.1}}, 1, ["cos_min_ratio"]),
+    (("pipeline", "stages"), 3, 4, ["stages", "3", "world size 4"]),
+    (("pipeline", "schedule"), "2f2b", 1, ["schedule", "'1f1b'", "'zbv'"]),
+    (("pipeline", "chunks"), 2, 1, ["chunks", "1f1b", "interleaved_1f1b"]),
+    (("pipeline", "schedule"), "zbv", 1, []),  # fine on its own: zbv defaults to chunks=2
+    (("pipeline", "micro_batches"), 4, 1, ["micro_batches", "4", "gradient_accumulation_steps", "1"]),
+    (("pipeline", "partition_method"), "type:[", 1, ["partition_method", "regex"]),
+    (("pipeline", "partition_method"), "by_size", 1, ["partition_method", "type:<regex>"]),
+    (("amp",), {"enabled": True}, 1, ['["amp"]', "fp16 or bf16"]),
+    (("activation_checkpointing",), {"partition_activations": True}, 1,
+     ["activation_checkpointing", "activation_checkpoint_interval"]),
+    (("train_batch_sise",), 32, 1, ['"train_batch_sise"', 'did you mean "train_batch_size"']),
+]
+
+
+@pytest.mark.parametrize("path, value, world, words", BAD)
+def test_bad_config_names_the_key(path, value, world, words):
+    raw = _with(path, value)
+    if not words:  # the control case of the catalogue: this one must parse
+        parse_config(raw, world_size=world)
+        return
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw, world_size=world)
+    for word in words:
+        assert word in str(err.value), f"{word!r} not in: {err.value}"
+
+
+def test_catalogue_size():
+    assert sum(1 for *_, words in BAD if words) >= 25
+
+
+def test_bad_file_and_json(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text('{"train_batch_size": 8,}')
+    with pytest.raises(ConfigError, match="bad.json.*not valid JSON"):
+        parse_config(tmp_path / "bad.json")
+    with pytest.raises(TypeError, match="path to ds_config.json or a dict"):
+        parse_config(42)
+
+
+def test_cosmetic_keys_warn_once(caplog):
+    raw = _with(("memory_breakdown",), True)
+    raw["zero_optimization"]["stage3_max_live_parameters"] = 1e9
+    logger = logging.getLogger("pipezero")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pipezero"):
+            parse_config(raw)
+            parse_config(raw)
+    finally:
+        logger.removeHandler(caplog.handler)
+    text = [r.getMessage() for r in caplog.records]
+    assert sum("memory_breakdown" in t for t in text) == 1
+    assert sum("stage3_max_live_parameters" in t for t in text) == 1
+
+
+def test_pipeline_section_and_bfloat16_alias():
+    raw = {"train_batch_size": 16, "bfloat16": {"enabled": True},
+           "pipeline": {"stages": 2, "schedule": "Interleaved_1F1B", "chunks": 2, "micro_batches": 4,
+                        "activation_checkpoint_interval": 1, "partition_method": "type:Block"}}
+    cfg = parse_config(raw, world_size=4)
+    assert cfg.bf16.enabled and cfg.pipeline.schedule is ScheduleKind.INTERLEAVED_1F1B
+    assert (cfg.pipeline.chunks, cfg.batch.accumulation_steps, cfg.batch.micro_batch_size) == (2, 4, 2)
+    with pytest.raises(ConfigError, match="bfloat16"):
+        parse_config({**raw, "bf16": {"enabled": True}}, world_size=4)
+
+
+def test_adam_means_adamw_unless_adam_w_mode_false():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    base = {"train_batch_size": 1}
+    opt = parse_config({**base, "optimizer": {"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.1}}}).optimizer
+    assert type(build_optimizer(opt, p)) is torch.optim.AdamW
+    opt = parse_config({**base, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).optimizer
+    assert type(build_optimizer(opt, p)) is torch.optim.Adam
+    built = build_optimizer(parse_config({**base, "optimizer": {"type": "AdamW", "params": {
+        "lr": 0.01, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.5}}}).optimizer, p)
+    g = built.param_groups[0]
+    assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (0.01, (0.8, 0.9), 1e-6, 0.5)
+
+
+def test_lr_schedules_match_their_formulas():
+    lin = SchedulerConfig(type=SchedulerType.WARMUP_LR, warmup_num_steps=4, warmup_type=WarmupType.LINEAR,
+                          warmup_min_lr=0.0, warmup_max_lr=1.0)
+    assert [lr_at(lin, s, 9.0) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    log = SchedulerConfig(type=SchedulerType.WARMUP_LR, warmup_num_steps=8, warmup_max_lr=2.0)
+    assert lr_at(log, 3, 0.0) == pytest.approx(2.0 * math.log(4) / math.log(8))
+    decay = SchedulerConfig(type=SchedulerType.WARMUP_DECAY_LR, warmup_num_steps=2, total_num_steps=6,
+                            warmup_type=WarmupType.LINEAR, warmup_max_lr=1.0)
+    assert [lr_at(decay, s, 0.0) for s in range(8)] == [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    cos = SchedulerConfig(type=SchedulerType.WARMUP_COSINE_LR, warmup_num_steps=2, total_num_steps=6,
+                          warmup_type=WarmupType.LINEAR, warmup_min_ratio=0.5, cos_min_ratio=0.1)
+    got = [lr_at(cos, s, 2.0) for s in (0, 1, 2, 4, 6, 9)]
+    assert got == pytest.approx([1.0, 1.5, 2.0, 2.0 * (0.1 + 0.9 * 0.5), 0.2, 0.2])
+
+
+def test_scheduler_drives_the_optimizer_and_resumes():
+    raw = {"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+           "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 3, "total_num_steps": 10,
+                                                               "warmup_type": "linear"}}}
+    cfg = parse_config(raw)
+    opt = build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(1))])
+    sched = build_scheduler(cfg.scheduler, opt)
+    seen = [opt.param_groups[0]["lr"]]
+    for _ in range(5):
+        opt.step()
+        sched.step()
+        seen.append(opt.param_groups[0]["lr"])
+    assert seen == pytest.approx([lr_at(cfg.scheduler, s, 0.5) for s in range(6)])
+    state = json.loads(json.dumps(sched.state_dict()))  # JSON, for the checkpoint manifest
+    opt2 = build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(1))])
+    sched2 = build_scheduler(cfg.scheduler, opt2)
+    sched2.load_state_dict(state)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(seen[-1])
+    opt2.step()
+    sched2.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(lr_at(cfg.scheduler, 6, 0.5))

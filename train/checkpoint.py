@@ -1,0 +1,344 @@
+"""Checkpoints that survive crashes and load onto another grid: safetensors per rank + a JSON manifest.
+
+Layout of `dir` (every name below is ours; nothing is ever unpickled):
+
+    latest                      name of the newest complete checkpoint, replaced last
+    step_00000100/manifest.json format version, step, grid, world, meta, and per rank file its
+                                bytes, sha256 and tensor names/dtypes/shapes
+    step_00000100/rank_00000.safetensors  ...one per rank
+
+A save writes into `.tmp-step_...`, which only becomes `step_...` by one rename once every
+rank's file and the manifest are on disk; `latest` is swapped after that. A crash at any
+point leaves the previous checkpoint and `latest` as they were, and the half-written
+directory is never read (the next save of that step clears it).
+
+State is keyed by GLOBAL names (e.g. a parameter's name in the single-process model, or
+"optim.exp_avg/layers.3.qkv.weight"), not by rank or flat buffer, so a checkpoint saved on
+one grid loads onto another: `load_checkpoint` merges the rank files into one name -> tensor
+dict (optionally only the names a rank needs) and each rank takes its part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "export_consolidated", "load_checkpoint",
+           "rng_state", "save_checkpoint", "set_rng_state", "step_dir_name"]
+
+FORMAT_VERSION = 1
+_MANIFEST, _LATEST = "manifest.json", "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupted, truncated or does not fit the model."""
+
+
+class Checkpoint(NamedTuple):
+    """A loaded checkpoint: merged tensors by global name, the saver's meta, step and directory."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    step: int
+    path: Path
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of one step's checkpoint."""
+    return f"step_{step:08d}"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+# -- save ---------------------------------------------------------------------------------------
+
+def save_checkpoint(directory: str | os.PathLike, step: int, tensors: Mapping[str, torch.Tensor],
+                    meta: Mapping[str, Any], rank: int = 0, world: int = 1,
+                    grid: Mapping[str, int] | None = None, group: Any = None) -> Path:
+    """Write this rank's tensors; rank 0 seals the checkpoint once every rank's file is written.
+
+    Call on every rank (with world > 1 it synchronises through barriers on `group`). `meta`
+    must be JSON (step counters, data position, lr schedule...); RNG states and anything else
+    that is an array go into `tensors`. Returns the final checkpoint directory.
+    """
+    _check_save_args(step, tensors, meta, rank, world)
+    root = Path(directory)
+    name = step_dir_name(step)
+    tmp = root / f".tmp-{name}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(world, group)
+    entry = _write_rank(tmp, rank, tensors)
+    (tmp / f"rank_{rank:05d}.json").write_text(json.dumps(entry))
+    _barrier(world, group)
+    if rank == 0:
+        _seal(root, tmp, name, step, world, dict(meta), dict(grid or {}))
+    _barrier(world, group)
+    return root / name
+
+
+def _check_save_args(step: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                     rank: int, world: int) -> None:
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"save_checkpoint(step={step!r}): expected an integer >= 0")
+    if not 0 <= rank < world:
+        raise ValueError(f"save_checkpoint(rank={rank}, world={world}): expected 0 <= rank < world")
+    for key, value in tensors.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise TypeError(f"save_checkpoint: tensors[{key!r}] must map a str to a Tensor, "
+                            f"got {type(value).__name__}")
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"save_checkpoint: meta must be plain JSON ({err}); put arrays and RNG "
+                        f"states into `tensors` instead") from None
+
+
+def _cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached contiguous CPU copies; safetensors refuses tensors that share memory, so clone those."""
+    out, seen = {}, set()
+    for key, value in tensors.items():
+        t = value.detach().cpu()
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() in seen:
+            t = t.contiguous().clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[key] = t
+    return out
+
+
+def _write_rank(tmp: Path, rank: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Write one rank file, fsync it, and describe it (size, sha256, tensors) for the manifest."""
+    path = tmp / _rank_file(rank)
+    cpu = _cpu_tensors(tensors)
+    save_file(cpu, str(path), metadata={"format": f"pipezero-checkpoint-v{FORMAT_VERSION}", "rank": str(rank)})
+    _fsync(path)
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
+            "tensors": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+                        for k, v in cpu.items()}}
+
+
+def _seal(root: Path, tmp: Path, name: str, step: int, world: int, meta: dict, grid: dict) -> None:
+    """Rank 0: manifest, one rename of the directory, then the `latest` pointer."""
+    files = []
+    for r in range(world):
+        part = tmp / f"rank_{r:05d}.json"
+        files.append(json.loads(part.read_text()))
+        part.unlink()
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "world": world, "grid": grid,
+                "meta": meta, "files": files}
+    _atomic_write(tmp / _MANIFEST, json.dumps(manifest, indent=1))
+    final = root / name
+    if final.exists():  # re-saving a step: move the old one aside, swap, then drop it
+        old = root / f".old-{name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    _atomic_write(root / _LATEST, name + "\n")
+
+
+def _barrier(world: int, group: Any) -> None:
+    if world > 1:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"save_checkpoint(world={world}) needs an initialised process group")
+        dist.barrier(group=group)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+def load_checkpoint(directory: str | os.PathLike, step: int | None = None,
+                    names: Iterable[str] | Callable[[str], bool] | None = None,
+                    expected: Mapping[str, torch.Tensor | torch.Size | tuple] | None = None,
+                    strict: bool = True) -> Checkpoint:
+    """Verify every rank file of a checkpoint and return its tensors merged by global name.
+
+    `directory` is the checkpoint root (its `latest` is followed unless `step` is given) or one
+    step's directory. `names` (a set or a predicate) loads only those tensors. `expected`
+    (name -> tensor or shape) refuses a checkpoint whose names or shapes do not fit the model;
+    with strict=False, names the checkpoint has but `expected` lacks are allowed.
+    A name saved by several ranks must be the same tensor there; the lowest rank's copy is used.
+    """
+    path = _resolve(Path(directory), step)
+    manifest = _read_manifest(path)
+    wanted = _name_filter(names)
+    merged: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
+    for entry in manifest["files"]:
+        file = _verify_file(path, entry)
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            if keys != set(entry["tensors"]):
+                raise CheckpointError(f"{file}: holds tensors {sorted(keys ^ set(entry['tensors']))[:5]} "
+                                      f"that differ from its manifest entry; the file was replaced")
+            for key in sorted(keys):
+                if key in merged or not wanted(key):
+                    continue
+                merged[key], where[key] = f.get_tensor(key), file.name
+    if expected is not None:
+        _check_fits(path, manifest, merged, expected, strict, wanted)
+    return Checkpoint(merged, manifest["meta"], int(manifest["step"]), path)
+
+
+def _resolve(root: Path, step: int | None) -> Path:
+    if step is not None:
+        return root / step_dir_name(step)
+    if (root / _MANIFEST).exists():
+        return root
+    latest = root / _LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"{root}: no checkpoint here (no '{_LATEST}' pointer and no {_MANIFEST}); "
+                              f"pass the directory save_checkpoint wrote to")
+    name = latest.read_text().strip()
+    if not name.startswith("step_") or "/" in name:
+        raise CheckpointError(f"{latest}: holds {name!r}, not a checkpoint name like 'step_00000100'")
+    return root / name
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    file = path / _MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing; {path} is not a complete checkpoint")
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err}); the manifest is corrupted") from None
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{file}: format_version {version!r}, this pipezero reads {FORMAT_VERSION}")
+    for key in ("step", "world", "meta", "files"):
+        if key not in manifest:
+            raise CheckpointError(f"{file}: lacks the key {key!r}; the manifest is corrupted")
+    if len(manifest["files"]) != manifest["world"]:
+        raise CheckpointError(f"{file}: lists {len(manifest['files'])} rank files for world "
+                              f"{manifest['world']}; the manifest is corrupted")
+    return manifest
+
+
+def _verify_file(path: Path, entry: Mapping[str, Any]) -> Path:
+    file = path / entry["file"]
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing rank file (the manifest lists it); the checkpoint is "
+                              f"incomplete, load an earlier one")
+    size = file.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['bytes']}: the file is "
+                              f"{'truncated' if size < entry['bytes'] else 'longer than written'}")
+    digest = _sha256(file)
+    if digest != entry["sha256"]:
+        raise CheckpointError(f"{file}: bad checksum, sha256 {digest[:16]}... but the manifest says "
+                              f"{entry['sha256'][:16]}...: the file is corrupted")
+    return file
+
+
+def _name_filter(names: Iterable[str] | Callable[[str], bool] | None) -> Callable[[str], bool]:
+    if names is None:
+        return lambda key: True
+    if callable(names):
+        return names
+    chosen = set(names)
+    return chosen.__contains__
+
+
+def _check_fits(path: Path, manifest: Mapping[str, Any], merged: Mapping[str, torch.Tensor],
+                expected: Mapping[str, Any], strict: bool, wanted: Callable[[str], bool]) -> None:
+    """Refuse a checkpoint of another model: missing, unexpected or reshaped names."""
+    saved = {k for e in manifest["files"] for k in e["tensors"] if wanted(k)}
+    missing = sorted(k for k in expected if wanted(k) and k not in saved)
+    unexpected = sorted(saved - set(expected)) if strict else []
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: does not fit the model: missing {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''} ({len(missing)}), unexpected "
+                              f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} ({len(unexpected)})")
+    for key, want in expected.items():
+        if key in merged:
+            shape = tuple(want.shape if isinstance(want, torch.Tensor) else want)
+            if tuple(merged[key].shape) != shape:
+                raise CheckpointError(f"{path}: tensor {key!r} has shape {tuple(merged[key].shape)} in "
+                                      f"the checkpoint but the model wants {shape}: another model")
+
+
+# -- export -------------------------------------------------------------------------------------
+
+def export_consolidated(path: str | os.PathLike, state_dict: Mapping[str, torch.Tensor],
+                        metadata: Mapping[str, str] | None = None) -> Path:
+    """One safetensors file of a whole model that `load_file` + `load_state_dict` restore.
+
+    Tied parameters (one tensor under two names) are written once per name, so a strict
+    `load_state_dict` finds every key. Written to a temporary name and renamed.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tensors = _cpu_tensors({k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)})
+    save_file(tensors, str(tmp), metadata={"format": "pt", **dict(metadata or {})})
+    _fsync(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+# -- RNG ----------------------------------------------------------------------------------------
+
+def rng_state(prefix: str = "rng.") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This process's RNG states: torch CPU (and CUDA) as tensors, Python's `random` as JSON."""
+    import random
+
+    tensors = {prefix + "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors[prefix + "torch_cuda"] = torch.cuda.get_rng_state()
+    version, state, gauss = random.getstate()
+    return tensors, {"python": [version, list(state), gauss]}
+
+
+def set_rng_state(tensors: Mapping[str, torch.Tensor], state: Mapping[str, Any], prefix: str = "rng.") -> None:
+    """Restore what rng_state() returned."""
+    import random
+
+    torch.set_rng_state(tensors[prefix + "torch_cpu"])
+    if prefix + "torch_cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors[prefix + "torch_cuda"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))

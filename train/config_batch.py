@@ -1,0 +1,86 @@
+"""Batch arithmetic: train_batch_size = micro batch x accumulation steps x data degree.
+
+Any two of the three ds_config keys imply the third; all three given must agree. DeepSpeed's
+rule is kept: with only one of train_batch_size / train_micro_batch_size_per_gpu given,
+gradient_accumulation_steps is 1. "auto" (the HuggingFace Trainer's placeholder) counts as
+not given. The pipeline's micro-batches per step are the accumulation steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipezero.train.config_fields import AUTO, ConfigError, Section
+
+__all__ = ["BatchConfig", "data_degree", "resolve_batch"]
+
+_TBS, _MBS, _GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BatchConfig:
+    """Resolved batch sizes; train_batch_size = micro_batch_size x accumulation_steps x data_degree."""
+
+    train_batch_size: int       # samples per optimizer step over the whole job
+    micro_batch_size: int       # samples per forward on one data rank
+    accumulation_steps: int     # micro-batches per optimizer step (pipeline micro_batches)
+    data_degree: int            # data-parallel replicas
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        """Samples one data rank consumes per optimizer step."""
+        return self.micro_batch_size * self.accumulation_steps
+
+
+def data_degree(world_size: int, pipe: int, tensor: int = 1) -> int:
+    """world_size // (pipe * tensor), or a ConfigError naming the numbers."""
+    for name, value in (("world_size", world_size), ("pipe", pipe), ("tensor", tensor)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
+    if world_size % (pipe * tensor):
+        raise ConfigError(f'ds_config["pipeline"]["stages"] = {pipe} x tensor {tensor} does not divide '
+                          f"the world size {world_size}: start a multiple of {pipe * tensor} processes "
+                          f"or change the stages")
+    return world_size // (pipe * tensor)
+
+
+def resolve_batch(top: Section, *, world_size: int, pipe: int = 1, tensor: int = 1,
+                  micro_batches: int | None = None) -> BatchConfig:
+    """Read the three batch keys from the top-level section and complete them."""
+    dp = data_degree(world_size, pipe, tensor)
+    tbs, mbs, gas = (_optional(top, key) for key in (_TBS, _MBS, _GAS))
+    if micro_batches is not None:
+        if gas is not None and gas != micro_batches:
+            raise ConfigError(f'ds_config["pipeline"]["micro_batches"] = {micro_batches} disagrees with '
+                              f'ds_config["{_GAS}"] = {gas}: they are the same number; keep one')
+        gas = micro_batches
+    tbs, mbs, gas = _complete(tbs, mbs, gas, dp)
+    if tbs != mbs * gas * dp:
+        raise ConfigError(f'ds_config["{_TBS}"] = {tbs} != {_MBS} {mbs} x {_GAS} {gas} x data degree '
+                          f"{dp} = {mbs * gas * dp}: change one of them so the product holds")
+    return BatchConfig(train_batch_size=tbs, micro_batch_size=mbs, accumulation_steps=gas, data_degree=dp)
+
+
+def _optional(top: Section, key: str) -> int | None:
+    if top.raw(key) in (None, AUTO):
+        return None
+    return top.int(key, None, lo=1)
+
+
+def _complete(tbs: int | None, mbs: int | None, gas: int | None, dp: int) -> tuple[int, int, int]:
+    """Fill the missing value(s); a division that does not come out even is an error with the numbers."""
+    if tbs is None and mbs is None:
+        raise ConfigError(f'ds_config sets neither "{_TBS}" nor "{_MBS}": set at least one of them '
+                          f"(with {_GAS}, any two imply the third)")
+    if tbs is not None and mbs is not None and gas is None:
+        if tbs % (mbs * dp):
+            raise ConfigError(f'ds_config["{_TBS}"] = {tbs} is not divisible by {_MBS} {mbs} x data '
+                              f"degree {dp} = {mbs * dp}: make it a multiple of {mbs * dp}")
+        return tbs, mbs, tbs // (mbs * dp)
+    gas = 1 if gas is None else gas
+    if mbs is None:
+        if tbs % (gas * dp):
+            raise ConfigError(f'ds_config["{_TBS}"] = {tbs} is not divisible by {_GAS} {gas} x data '
+                              f"degree {dp} = {gas * dp}: make it a multiple of {gas * dp} or set {_MBS}")
+        return tbs, tbs // (gas * dp), gas
+    return (mbs * gas * dp if tbs is None else tbs), mbs, gas

@@ -1,0 +1,187 @@
+"""The optimizer and scheduler sections of ds_config.json, and the torch objects they describe.
+
+Facts kept from DeepSpeed so its users' configs mean the same here: optimizer "Adam" has
+`adam_w_mode` true by default, i.e. decoupled weight decay (AdamW) unless it is set false;
+WarmupLR ramps from warmup_min_lr to warmup_max_lr over warmup_num_steps ("log" ramp:
+log(step+1)/log(n), "linear": step/n) and then stays there; WarmupDecayLR then decays linearly
+to 0 at total_num_steps; WarmupCosineLR multiplies the optimizer's lr by a ratio that ramps
+from warmup_min_ratio to 1 and then follows a cosine down to cos_min_ratio at total_num_steps
+(Loshchilov & Hutter, SGDR, arXiv:1608.03983).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from pipezero.train.config_fields import ConfigError, Section
+
+__all__ = ["OptimizerConfig", "OptimizerType", "SchedulerConfig", "SchedulerType", "WarmupType",
+           "build_optimizer", "build_scheduler", "lr_at"]
+
+
+class OptimizerType(enum.Enum):
+    """Optimizers a config can name."""
+
+    ADAM = "Adam"
+    ADAMW = "AdamW"
+
+
+class SchedulerType(enum.Enum):
+    """LR schedules a config can name."""
+
+    WARMUP_LR = "WarmupLR"
+    WARMUP_DECAY_LR = "WarmupDecayLR"
+    WARMUP_COSINE_LR = "WarmupCosineLR"
+
+
+class WarmupType(enum.Enum):
+    """Shape of the warm-up ramp."""
+
+    LOG = "log"
+    LINEAR = "linear"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OptimizerConfig:
+    """ds_config["optimizer"]: which Adam and its hyper-parameters."""
+
+    type: OptimizerType = OptimizerType.ADAMW
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = True  # AdamW; DeepSpeed's Adam default (adam_w_mode=true)
+
+    @classmethod
+    def parse(cls, sec: Section) -> "OptimizerConfig":
+        """Read {"type": ..., "params": {...}}."""
+        kind = OptimizerType(sec.choice("type", "AdamW", [t.value for t in OptimizerType]))
+        p = sec.section("params")
+        betas = p.raw("betas", [0.9, 0.999])
+        if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+            raise ConfigError(f"{p.where('betas')} = {betas!r}: expected two numbers in [0, 1), "
+                              f"e.g. [0.9, 0.999]")
+        adam_w = p.bool("adam_w_mode", True)
+        p.bool("torch_adam", False)  # always torch's Adam here; accepted either way
+        cfg = cls(type=kind, lr=p.float("lr", 1e-3, lo=0.0), betas=(float(betas[0]), float(betas[1])),
+                  eps=p.float("eps", 1e-8, lo=0.0), weight_decay=p.float("weight_decay", 0.0, lo=0.0),
+                  decoupled_weight_decay=kind is OptimizerType.ADAMW or adam_w)
+        p.finish(known={"amsgrad": "use plain Adam/AdamW (amsgrad is not offered)",
+                        "bias_correction": "Adam always bias-corrects here; remove the key"})
+        sec.finish()
+        return cfg
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SchedulerConfig:
+    """ds_config["scheduler"]: a warm-up schedule, then constant, linear decay or cosine."""
+
+    type: SchedulerType = SchedulerType.WARMUP_LR
+    warmup_num_steps: int = 1000
+    warmup_type: WarmupType = WarmupType.LOG
+    warmup_min_lr: float = 0.0        # WarmupLR / WarmupDecayLR (absolute lr)
+    warmup_max_lr: float = 1e-3       # WarmupLR / WarmupDecayLR (absolute lr)
+    total_num_steps: int | None = None  # WarmupDecayLR / WarmupCosineLR
+    warmup_min_ratio: float = 0.0     # WarmupCosineLR (ratio of the optimizer lr)
+    cos_min_ratio: float = 1e-4       # WarmupCosineLR (ratio of the optimizer lr)
+
+    @classmethod
+    def parse(cls, sec: Section) -> "SchedulerConfig":
+        """Read {"type": ..., "params": {...}}; each type accepts only its own params."""
+        kind = SchedulerType(sec.choice("type", None, [t.value for t in SchedulerType]))
+        p = sec.section("params")
+        common = dict(warmup_num_steps=p.int("warmup_num_steps", 1000, lo=0),
+                      warmup_type=WarmupType(p.choice("warmup_type", "log", [w.value for w in WarmupType])))
+        if kind is SchedulerType.WARMUP_COSINE_LR:
+            extra = dict(warmup_min_ratio=p.float("warmup_min_ratio", 0.0, lo=0.0, hi=1.0),
+                         cos_min_ratio=p.float("cos_min_ratio", 1e-4, lo=0.0, hi=1.0))
+        else:
+            extra = dict(warmup_min_lr=p.float("warmup_min_lr", 0.0, lo=0.0),
+                         warmup_max_lr=p.float("warmup_max_lr", 1e-3, lo=0.0))
+        if kind is not SchedulerType.WARMUP_LR:
+            if not p.has("total_num_steps"):
+                raise ConfigError(f"{p.where('total_num_steps')} is required by {kind.value}: "
+                                  f"set it to the number of optimizer steps of the run")
+            total = p.int("total_num_steps", None, lo=1)
+            if total < common["warmup_num_steps"]:
+                raise ConfigError(f"{p.where('total_num_steps')} = {total} is less than "
+                                  f"warmup_num_steps = {common['warmup_num_steps']}: raise it")
+            extra["total_num_steps"] = total
+        p.finish(known={"last_batch_iteration": "resume restores the schedule position from "
+                                                "the checkpoint; remove the key"})
+        sec.finish()
+        return cls(type=kind, **common, **extra)
+
+
+def _warmup_gamma(step: int, n: int, kind: WarmupType) -> float:
+    """Fraction of the warm-up done after `step` steps (1.0 once warm-up is over)."""
+    if step >= n:
+        return 1.0
+    if kind is WarmupType.LOG:
+        return math.log(step + 1) / math.log(max(2, n))
+    return step / n
+
+
+def lr_at(cfg: SchedulerConfig, step: int, base_lr: float) -> float:
+    """The learning rate at optimizer step `step` (0-based) for an optimizer whose lr is base_lr."""
+    gamma = _warmup_gamma(step, cfg.warmup_num_steps, cfg.warmup_type)
+    if cfg.type is SchedulerType.WARMUP_COSINE_LR:
+        if step < cfg.warmup_num_steps:
+            return base_lr * (cfg.warmup_min_ratio + (1.0 - cfg.warmup_min_ratio) * gamma)
+        span = max(1, cfg.total_num_steps - cfg.warmup_num_steps)
+        progress = min(1.0, (step - cfg.warmup_num_steps) / span)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return base_lr * (cfg.cos_min_ratio + (1.0 - cfg.cos_min_ratio) * cosine)
+    lr = cfg.warmup_min_lr + (cfg.warmup_max_lr - cfg.warmup_min_lr) * gamma
+    if cfg.type is SchedulerType.WARMUP_DECAY_LR and step >= cfg.warmup_num_steps:
+        span = max(1, cfg.total_num_steps - cfg.warmup_num_steps)
+        lr *= max(0.0, (cfg.total_num_steps - step) / span)
+    return lr
+
+
+def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter] | Iterable[dict]
+                    ) -> torch.optim.Optimizer:
+    """The plain torch Adam/AdamW a config describes: the innermost link of the optimizer chain."""
+    cls = torch.optim.AdamW if cfg.decoupled_weight_decay else torch.optim.Adam
+    return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+class _FunctionLR(LRScheduler):
+    """An LRScheduler whose lr is fn(step, initial lr); its state_dict is plain JSON numbers."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, fn: Callable[[int, float], float]):
+        self._fn = fn
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [self._fn(self.last_epoch, base) for base in self.base_lrs]
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.last_epoch, self._step_count = int(state_dict["last_epoch"]), int(state_dict["_step_count"])
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+            group["lr"] = lr
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+
+def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer) -> LRScheduler:
+    """A torch LRScheduler for the config; attach it to the innermost torch optimizer.
+
+    The wrappers of the optimizer chain share that optimizer's `param_groups`, so setting the
+    lr there reaches every link. Call `scheduler.step()` after each optimizer step.
+    """
+    return _FunctionLR(optimizer, functools.partial(_lr_fn, cfg))
+
+
+def _lr_fn(cfg: SchedulerConfig, step: int, base_lr: float) -> float:
+    return lr_at(cfg, step, base_lr)
