@@ -1,0 +1,115 @@
+"""ZeroConfig: the knobs of ZeroOptimizer, and DeepSpeed's `zero_optimization` keys read into it.
+
+"auto" values are resolved from the model's hidden size h the way the Hugging Face
+DeepSpeed integration documents it: reduce_bucket_size = h*h,
+stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold = 10*h.
+Sizes are in elements, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+__all__ = ["ZeroConfig", "resolve_auto"]
+
+_AUTO_RULES = {
+    "reduce_bucket_size": lambda h: h * h,
+    "allgather_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+_OFFLOAD_KEYS = {"device", "pin_memory", "buffer_count", "fast_init", "ratio", "nvme_path", "buffer_size",
+                 "max_in_cpu"}
+
+
+@dataclass(kw_only=True, slots=True)
+class ZeroConfig:
+    """How ZeroOptimizer partitions and moves model state."""
+
+    stage: int = 2
+    """0: averaged gradients (DDP); 1: + sharded optimizer state; 2: + sharded gradients; 3: + sharded parameters."""
+    reduce_bucket_size: int = 50_000_000
+    """Elements per gradient bucket (one collective each)."""
+    allgather_bucket_size: int = 50_000_000
+    """Accepted for DeepSpeed compatibility; updated parameters are gathered per gradient bucket."""
+    overlap_comm: bool = True
+    """Reduce buckets during backward as they fill (False: all at step time)."""
+    contiguous_gradients: bool = True
+    """Accepted for DeepSpeed compatibility; gradients always go through contiguous bucket buffers."""
+    reduce_scatter: bool = True
+    """Accepted for DeepSpeed compatibility; stages 1-3 always reduce-scatter."""
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """Accepted for DeepSpeed compatibility; stage 3 gathers each submodule when it runs."""
+    stage3_param_persistence_threshold: int = 100_000
+    """Stage 3: parameters with fewer elements stay whole on every rank."""
+    stage3_max_live_parameters: int = 1_000_000_000
+    """Accepted for DeepSpeed compatibility."""
+    offload_optimizer: bool = False
+    """Keep fp32 master shards and optimizer state on the CPU and step there."""
+    offload_param: bool = False
+    """Stage 3: keep the owned parameter slices on the CPU between uses."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+            raise ValueError(f"ZeroConfig(stage={self.stage!r}): stage must be 0, 1, 2 or 3")
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                     "stage3_max_live_parameters"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ZeroConfig({name}={value!r}): must be a positive integer number of elements")
+        t = self.stage3_param_persistence_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"ZeroConfig(stage3_param_persistence_threshold={t!r}): must be an integer >= 0")
+        if self.offload_param and self.stage != 3:
+            raise ValueError(f"ZeroConfig(offload_param=True, stage={self.stage}): parameter offload needs "
+                             "stage 3; use offload_optimizer for stages 1-2")
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], hidden_size: int | None = None) -> "ZeroConfig":
+        """Read DeepSpeed's `zero_optimization` section; unknown keys are errors."""
+        if not isinstance(cfg, Mapping):
+            raise TypeError(f"zero_optimization must be a dict, got {type(cfg).__name__}")
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in resolve_auto(cfg, hidden_size).items():
+            if key in ("offload_optimizer", "offload_param"):
+                kwargs[key] = _offload_device(key, value)
+            elif key in known:
+                kwargs[key] = value
+            else:
+                raise ValueError(f"zero_optimization.{key} is not a known key; known keys are "
+                                 f"{sorted(known)}")
+        return cls(**kwargs)
+
+
+def _offload_device(key: str, value: Any) -> bool:
+    """{"device": "cpu"} -> True, {"device": "none"} or None -> False."""
+    if value is None:
+        return False
+    if not isinstance(value, Mapping):
+        raise TypeError(f"zero_optimization.{key} must be a dict like {{\"device\": \"cpu\"}}, got {value!r}")
+    unknown = set(value) - _OFFLOAD_KEYS
+    if unknown:
+        raise ValueError(f"zero_optimization.{key} has unknown keys {sorted(unknown)}; "
+                         f"known keys are {sorted(_OFFLOAD_KEYS)}")
+    device = value.get("device", "none")
+    if device not in ("cpu", "none"):
+        raise ValueError(f"zero_optimization.{key}.device={device!r}: pipezero offloads to \"cpu\" or \"none\" "
+                         "(NVMe offload is not supported)")
+    return device == "cpu"
+
+
+def resolve_auto(cfg: Mapping[str, Any], hidden_size: int | None) -> dict[str, Any]:
+    """Replace "auto" values with the Hugging Face integration's formulas in the hidden size."""
+    out = dict(cfg)
+    for key, value in cfg.items():
+        if value != "auto":
+            continue
+        if key not in _AUTO_RULES:
+            raise ValueError(f"zero_optimization.{key}=\"auto\": only {sorted(_AUTO_RULES)} may be \"auto\"")
+        if hidden_size is None:
+            raise ValueError(f"zero_optimization.{key}=\"auto\" needs the model's hidden size: pass "
+                             "hidden_size= to from_config, or a module with config.hidden_size")
+        out[key] = _AUTO_RULES[key](hidden_size)
+    return out

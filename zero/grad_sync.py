@@ -1,0 +1,206 @@
+"""Gradient reduction: post-accumulate-grad hooks, buckets in flight, the readiness protocol.
+
+A parameter's gradient is "pushed" into its bucket's flat gradient buffer when it becomes
+ready (a post-accumulate-grad hook), unless reduction is held for it (`hold_grad_sync`, the
+pipeline runner's readiness protocol) or suspended (`no_sync`, gradient accumulation); a
+bucket whose parameters are all pushed is reduced asynchronously while backward goes on.
+`finish()` (called by step) pushes and reduces whatever is left, so correctness never
+depends on the hooks, only overlap does.
+
+Per stage (ZeRO, Rajbhandari et al. 2020):
+  0: all-reduce (average) in place into a persistent full gradient buffer (DDP);
+  1: persistent full gradient buffer, reduce-scatter into the owned slice;
+  2, 3: the full buffer lives only from a bucket's first push until its reduce-scatter is
+     done; parameters keep no gradient, the owned slice accumulates the reduced values.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pipezero.comm import Handle, all_reduce, group_size, reduce_scatter
+from pipezero.zero.partition import Bucket
+
+__all__ = ["GradSync"]
+
+_MAX_IN_FLIGHT = 2  # stage 2/3: buckets whose full buffer may be alive while reducing
+
+
+@dataclass(eq=False)
+class _Pending:
+    """Per-bucket progress in the current step window."""
+
+    grad: torch.Tensor | None = None     # full flat gradient buffer (model dtype)
+    pushed: set[int] | None = None       # parameter indices already in `grad` this round
+    seen: set[int] | None = None         # parameter indices whose grad arrived this backward
+    handle: Handle | None = None
+    out: torch.Tensor | None = None      # where the reduced owned values land
+    reduced: bool = False                # reduced at least once since the last step
+
+    def __post_init__(self) -> None:
+        self.pushed, self.seen = set(), set()
+
+
+class GradSync:
+    """Reduces the gradients of bucketed parameters over `group` as they become ready."""
+
+    def __init__(self, buckets: list[Bucket], stage: int, group,
+                 on_backward_done: Callable[[Bucket], None] | None = None, overlap: bool = True):
+        self.buckets, self.stage, self.group, self.overlap = buckets, stage, group, overlap
+        self.replicated = stage == 0 or group_size(group) == 1   # all-reduce or nothing at all
+        self.keep_grads = stage <= 1
+        self.on_backward_done = on_backward_done
+        self._state = {b: _Pending() for b in buckets}
+        self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self._held: set[int] = set()
+        self._suspended = 0
+        self._in_flight: deque[Bucket] = deque()
+        if self.keep_grads:
+            for b in buckets:
+                self._state[b].grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+                self._point_grads(b)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
+
+    # -- the readiness protocol ----------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate .grad locally; no reduction."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    def hold(self, params: Iterable[torch.Tensor]) -> None:
+        """Do not reduce these parameters' gradients until released."""
+        self._held.update(id(p) for p in params if id(p) in self._where)
+
+    def release(self, params: Iterable[torch.Tensor]) -> None:
+        """From now on reduce these parameters' gradients as they become ready."""
+        self._held.difference_update(id(p) for p in params)
+
+    def flush(self, params: Iterable[torch.Tensor]) -> None:
+        """Their backward is done: push them all; launch buckets that are now complete."""
+        touched = []
+        for p in params:
+            if id(p) in self._where and id(p) not in self._held and not self._suspended:
+                b, i = self._where[id(p)]
+                st = self._state[b]
+                if st.handle is None and i not in st.pushed:
+                    self._push(b, i)
+                touched.append(b)
+        for b in dict.fromkeys(touched):
+            st = self._state[b]
+            if st.handle is None and len(st.pushed) == len(b.params):
+                self._launch(b)
+
+    # -- step -------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Reduce everything not yet reduced and wait: every master shard has its .grad."""
+        for b in self.buckets:
+            st = self._state[b]
+            late = not self.keep_grads and any(p.grad is not None for p in b.params)
+            if st.handle is None and (not st.reduced or late or st.pushed):
+                for i in range(len(b.params)):
+                    if i not in st.pushed:
+                        self._push(b, i)
+                self._launch(b)
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
+
+    def end_step(self) -> None:
+        """The optimizer consumed the gradients: a new step window starts."""
+        for st in self._state.values():
+            st.reduced = False
+
+    def zero_grad(self) -> None:
+        """Forget all gradients (the masters' are cleared by the inner optimizer)."""
+        while self._in_flight:
+            b = self._in_flight.popleft()
+            self._state[b].handle.wait()
+            self._state[b].handle = None
+        for b in self.buckets:
+            st = self._state[b]
+            st.pushed.clear()
+            st.seen.clear()
+            st.reduced, st.out = False, None
+            if self.keep_grads:
+                st.grad.zero_()
+                self._point_grads(b)
+            else:
+                st.grad = None
+                for p in b.params:
+                    p.grad = None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- internals ------------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        b, i = self._where[id(p)]
+        st = self._state[b]
+        if self.overlap and not self._suspended and id(p) not in self._held:
+            if st.handle is not None:      # a second synced backward before step: fold in
+                self._in_flight.remove(b)
+                self._complete(b)
+            self._push(b, i)
+            if len(st.pushed) == len(b.params):
+                self._launch(b)
+        st.seen.add(i)
+        if len(st.seen) == len(b.params):
+            st.seen.clear()
+            if self.on_backward_done is not None:
+                self.on_backward_done(b)
+
+    def _point_grads(self, b: Bucket) -> None:
+        grad = self._state[b].grad
+        for i, p in enumerate(b.params):
+            p.grad = b.slot(grad, i)
+
+    def _push(self, b: Bucket, i: int) -> None:
+        """Move parameter i's local gradient into the bucket's flat buffer."""
+        st, p = self._state[b], b.params[i]
+        if st.grad is None:
+            st.grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+        view = b.slot(st.grad, i)
+        if p.grad is None:
+            view.zero_() if self.keep_grads else None
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        p.grad = view if self.keep_grads else None
+        st.pushed.add(i)
+
+    def _launch(self, b: Bucket) -> None:
+        st = self._state[b]
+        if self.replicated:
+            st.out = st.grad
+            st.handle = all_reduce(st.grad, group=self.group, average=True, async_op=True)
+        else:
+            st.out = torch.empty(b.shard_numel, dtype=b.dtype, device=b.device)
+            st.handle = reduce_scatter(st.out, st.grad, group=self.group, average=True, async_op=True)
+        self._in_flight.append(b)
+        while not self.keep_grads and len(self._in_flight) > _MAX_IN_FLIGHT:
+            self._complete(self._in_flight.popleft())
+
+    def _complete(self, b: Bucket) -> None:
+        """Wait for bucket b's reduction and hand the owned values to its master's .grad."""
+        st, master = self._state[b], b.master
+        st.handle.wait()
+        g = st.out if st.out.dtype == master.dtype and st.out.device == master.device \
+            else st.out.to(master.device, master.dtype)
+        if self.keep_grads or master.grad is None:
+            master.grad = g
+        else:
+            master.grad.add_(g)
+        if not self.keep_grads:
+            st.grad = None
+        st.handle, st.out, st.reduced = None, None, True
+        st.pushed.clear()

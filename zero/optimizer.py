@@ -1,0 +1,192 @@
+"""ZeroOptimizer: ZeRO stages 0-3 as one wrapper in the optimizer chain.
+
+The wrapper shares its inner optimizer's `param_groups` list and replaces each group's
+parameters by fp32 shards (one per bucket, see partition.py), so every optimizer inside the
+chain (a LossScaler, Adam) only ever sees and keeps state for this rank's slice.
+`step()` = finish the gradient reductions (mostly done during backward), `inner.step()`,
+then, unless the inner chain skipped the step, all-gather the updated parameters.
+ZeRO: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipezero.comm import all_gather, group_size
+from pipezero.zero.config import ZeroConfig
+from pipezero.zero.grad_sync import GradSync
+from pipezero.zero.partition import Bucket, plan_groups
+from pipezero.zero.stage3 import ParamGatherer
+
+__all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
+
+# torch optimizers whose update of each element reads only that element's state and gradient
+ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD"))
+
+
+def innermost(opt: Any) -> Any:
+    """Follow `.inner` down the chain to the optimizer that holds the state."""
+    seen = 0
+    while hasattr(opt, "inner") and seen < 32:
+        opt, seen = opt.inner, seen + 1
+    return opt
+
+
+class ZeroOptimizer:
+    """Partition optimizer state (1), gradients (2) and parameters (3) over a data-parallel group.
+
+    Stage 0 averages gradients only (like DDP) and keeps fp32 masters for low-precision models.
+    Works on a plain nn.Module (gradients are reduced as they become ready, like DDP) and
+    under a pipeline runner, which drives the readiness protocol (hold/release/flush).
+    """
+
+    def __init__(self, inner: Any, stage: int | None = None, group=None, module: nn.Module | None = None, *,
+                 config: ZeroConfig | None = None, elementwise: bool = False):
+        config = config or ZeroConfig()
+        if stage is not None:
+            config = replace(config, stage=stage)
+        self.config, self.stage, self.inner, self.group = config, config.stage, inner, group
+        self._check_inner(inner, elementwise)
+        if self.stage == 3 and module is None:
+            raise ValueError("ZeroOptimizer(stage=3) needs module=: the model whose submodules gather their "
+                             "parameters before running (ZeroOptimizer(inner, stage=3, module=model))")
+        self.param_groups = inner.param_groups
+        self.defaults = getattr(inner, "defaults", {})
+        self.world = group_size(group)
+        self.rank = dist.get_rank(group) if self.world > 1 else 0
+        parts = 1 if self.stage == 0 else self.world
+        self.buckets: list[Bucket] = plan_groups(
+            self.param_groups, config.reduce_bucket_size, parts, self.rank if parts > 1 else 0,
+            module if self.stage == 3 else None, config.stage3_param_persistence_threshold)
+        self._param_names = _names(module)
+        self._build(module)
+        self.last_step_skipped = False
+
+    # -- construction -------------------------------------------------------------------
+    @staticmethod
+    def _check_inner(inner: Any, elementwise: bool) -> None:
+        if not hasattr(inner, "param_groups") or not hasattr(inner, "step"):
+            raise TypeError(f"ZeroOptimizer wraps an optimizer (or a chain ending in one); got "
+                            f"{type(inner).__name__}")
+        core = innermost(inner)
+        if not elementwise and not isinstance(core, ELEMENTWISE_OPTIMIZERS):
+            names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+            raise TypeError(f"ZeroOptimizer cannot shard {type(core).__name__}: its update may need whole tensors "
+                            f"(per-tensor norms, as LAMB/LARS). Known element-wise optimizers: {names}. If its "
+                            "update really is element-wise, pass elementwise=True")
+        if getattr(core, "state", None):
+            raise ValueError(f"{type(core).__name__} already has state: create the ZeroOptimizer before the "
+                             "first step (load checkpoints with ZeroOptimizer.load_state_dict)")
+
+    def _build(self, module: nn.Module | None) -> None:
+        cfg = self.config
+        offload = torch.device("cpu") if cfg.offload_optimizer or cfg.offload_param else None
+        for b in self.buckets:
+            b.build(offload, keep_full=self.stage < 3 or b.persistent)
+            if cfg.offload_param and not b.persistent:
+                b.local = b.local.cpu()  # gathered onto the compute device when the submodule runs
+            dup = any(getattr(p, "pipezero_duplicate", False) for p in b.params)
+            if dup or (self.stage == 0 and self.rank > 0):
+                b.master.pipezero_duplicate = True
+        for g, group in enumerate(self.param_groups):
+            group["params"] = [b.master for b in self.buckets if b.group_index == g]
+        self._gatherer = None
+        if self.stage == 3:
+            device = self.buckets[0].device if self.buckets else torch.device("cpu")
+            self._gatherer = ParamGatherer(module, self.buckets, self.group, device)
+        done = self._gatherer.release if self._gatherer else None
+        self._sync = GradSync(self.buckets, self.stage, self.group, on_backward_done=done,
+                              overlap=self.config.overlap_comm)
+
+    @classmethod
+    def from_config(cls, inner: Any, cfg: Mapping[str, Any], group=None, module: nn.Module | None = None,
+                    hidden_size: int | None = None, elementwise: bool = False) -> "ZeroOptimizer":
+        """Build from DeepSpeed's `zero_optimization` section ("auto" sizes from the hidden size)."""
+        if hidden_size is None and module is not None:
+            hidden_size = getattr(getattr(module, "config", None), "hidden_size", None)
+        config = ZeroConfig.from_dict(cfg, hidden_size)
+        return cls(inner, group=group, module=module, config=config, elementwise=elementwise)
+
+    # -- the optimizer chain -------------------------------------------------------------
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.inner.scale(loss) if hasattr(self.inner, "scale") else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scale(loss).backward()
+
+    def step(self, closure=None) -> bool:
+        """Reduce gradients into the shards, step the inner chain, gather the new parameters."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step(closure=...) is not supported: run forward/backward first")
+        if hasattr(self.inner, "prepare_grads"):
+            self.inner.prepare_grads()
+        self._sync.finish()
+        if self._gatherer is not None:
+            self._gatherer.release_all()
+        stepped = self.inner.step() is not False
+        self.last_step_skipped = not stepped
+        self._sync.end_step()
+        if stepped:
+            self._publish()
+        return stepped
+
+    def _publish(self) -> None:
+        """Copy masters into the model slices and all-gather the buckets that are kept whole."""
+        handles = []
+        for b in self.buckets:
+            b.publish_master()
+            if b.flat is not None and b.parts > 1:
+                handles.append(all_gather(b.flat, b.local.clone(), group=self.group, async_op=True))
+        for h in handles:
+            h.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=True)
+        self._sync.zero_grad()
+
+    # -- the readiness protocol -------------------------------------------------------------
+    def no_sync(self):
+        """Context: backward passes inside accumulate gradients locally, without reduction."""
+        return self._sync.no_sync()
+
+    def hold_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
+        self._sync.hold(params)
+
+    def release_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
+        self._sync.release(params)
+
+    def flush_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
+        self._sync.flush(params)
+
+    # -- stage 3 ---------------------------------------------------------------------------
+    @contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Every model parameter whole inside the block (stage 3); a no-op for stages 0-2."""
+        with self._gatherer.gathered() if self._gatherer else nullcontext():
+            yield
+
+    # -- state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        from pipezero.zero.state import local_state_dict
+        return local_state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        from pipezero.zero.state import load_local_state_dict
+        load_local_state_dict(self, state)
+
+    def __repr__(self) -> str:
+        inner = self.inner
+        plain = isinstance(inner, torch.optim.Optimizer) and type(inner).__repr__ is torch.optim.Optimizer.__repr__
+        return f"ZeroOptimizer(stage={self.stage}, {type(inner).__name__ if plain else repr(inner)})"
+
+
+def _names(module: nn.Module | None) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters()} if module is not None else {}

@@ -1,0 +1,146 @@
+"""ZeroOptimizer state: per-rank flat shards, and the consolidated single-process layout.
+
+Per rank (`local_state_dict`): the inner chain's own state_dict (its tensors are this
+rank's flat shards, safetensors-friendly) plus JSON-able metadata about the layout, so a
+load onto a different layout fails with a clear message instead of silently misplacing.
+
+Consolidated (`consolidated_state_dict`): the state the innermost torch optimizer would
+have had in one process over the original (unsharded) parameters: per-parameter state
+tensors shaped like the parameters, indexed in param-group order. It is what moves a
+checkpoint between data-parallel degrees: every rank of any group loads it and slices
+out its own shard (`load_consolidated_state_dict`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipezero.comm import all_gather
+from pipezero.zero.partition import Bucket
+
+if TYPE_CHECKING:
+    from pipezero.zero.optimizer import ZeroOptimizer
+
+__all__ = ["local_state_dict", "load_local_state_dict", "consolidated_state_dict",
+           "load_consolidated_state_dict"]
+
+
+def _layout(opt: "ZeroOptimizer") -> dict[str, Any]:
+    return {"stage": opt.stage, "world": opt.world, "rank": opt.rank,
+            "buckets": [[b.group_index, b.padded, [list(s) for s in b.shapes]] for b in opt.buckets]}
+
+
+def local_state_dict(opt: "ZeroOptimizer") -> dict[str, Any]:
+    """This rank's state: the inner chain's state_dict (over the shards) and the layout."""
+    return {"inner": opt.inner.state_dict(), "zero": _layout(opt)}
+
+
+def load_local_state_dict(opt: "ZeroOptimizer", state: dict[str, Any]) -> None:
+    """Load a state saved by local_state_dict on the same layout (stage, group size, rank, model)."""
+    if "consolidated" in state:
+        load_consolidated_state_dict(opt, state)
+        return
+    if not isinstance(state, dict) or "zero" not in state or "inner" not in state:
+        raise ValueError("ZeroOptimizer.load_state_dict expects the dict that ZeroOptimizer.state_dict() or "
+                         "consolidated_state_dict() returned")
+    mine = _layout(opt)
+    if state["zero"] != mine:
+        saved = state["zero"]
+        raise ValueError(f"this per-rank state was saved with stage={saved['stage']}, world={saved['world']}, "
+                         f"rank={saved['rank']} (or another model); here stage={mine['stage']}, "
+                         f"world={mine['world']}, rank={mine['rank']}. To change the data-parallel degree "
+                         "save consolidated_state_dict(opt) and load that")
+    opt.inner.load_state_dict(state["inner"])
+    _restore_masters_from_state(opt)
+
+
+def _restore_masters_from_state(opt: "ZeroOptimizer") -> None:
+    """The masters are not part of the inner state; they follow the model's parameters."""
+    for b in opt.buckets:
+        if b.master.data_ptr() != b.local.data_ptr():
+            with torch.no_grad():
+                b.master.copy_(b.local)
+
+
+def _gather_flat(opt: "ZeroOptimizer", b: Bucket, shard: torch.Tensor) -> torch.Tensor:
+    if b.parts == 1:
+        return shard
+    full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
+    all_gather(full, shard.contiguous(), group=opt.group)
+    return full
+
+
+def consolidated_state_dict(opt: "ZeroOptimizer") -> dict[str, Any]:
+    """The innermost optimizer's state as one process over the unsharded parameters would hold it.
+
+    A collective over the group (every rank must call it); every rank gets the whole dict.
+    Wrapper state (e.g. a loss scale) is kept as the chain's outer state without its tensors.
+    """
+    from pipezero.zero.optimizer import innermost
+    core = innermost(opt.inner)
+    index, state = 0, {}
+    groups = []
+    for g, group in enumerate(opt.param_groups):
+        ids = []
+        for b in (b for b in opt.buckets if b.group_index == g):
+            st = core.state.get(b.master, {})
+            full = {k: _gather_flat(opt, b, v) if _is_shard(v, b) else v for k, v in st.items()}
+            for i, shape in enumerate(b.shapes):
+                if full:
+                    state[index] = {k: (b.slot(v, i).clone() if _is_flat(v, b) else _copy(v))
+                                    for k, v in full.items()}
+                ids.append(index)
+                index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"consolidated": {"state": state, "param_groups": groups}, "zero": {"stage": opt.stage}}
+
+
+def load_consolidated_state_dict(opt: "ZeroOptimizer", state: dict[str, Any]) -> None:
+    """Load a consolidated state (from any group size): every rank slices out its own shard."""
+    from pipezero.zero.optimizer import innermost
+    core = innermost(opt.inner)
+    saved = state["consolidated"]
+    if len(saved["param_groups"]) != len(opt.param_groups):
+        raise ValueError(f"the consolidated state has {len(saved['param_groups'])} param groups, this optimizer "
+                         f"{len(opt.param_groups)}: load it into the same model and param groups")
+    index, new_state = 0, {}
+    for g, group in enumerate(opt.param_groups):
+        hyper = {k: v for k, v in saved["param_groups"][g].items() if k != "params"}
+        for b in (b for b in opt.buckets if b.group_index == g):
+            per_param = [saved["state"].get(index + i) for i in range(len(b.params))]
+            index += len(b.params)
+            if any(s is None for s in per_param):
+                continue
+            new_state[b.master] = _shard_of(b, per_param)
+        group.update(hyper)
+    core.state.clear()
+    for master, st in new_state.items():
+        core.state[master] = st
+
+
+def _shard_of(b: Bucket, per_param: list[dict]) -> dict:
+    """Flatten per-parameter state tensors into the bucket layout and keep this rank's slice."""
+    out = {}
+    for key, first in per_param[0].items():
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            flat = torch.zeros(b.padded, dtype=first.dtype)
+            for i, s in enumerate(per_param):
+                b.slot(flat, i).copy_(s[key])
+            out[key] = b.owned(flat).clone().to(b.master.device)
+        else:
+            out[key] = _copy(first)
+    return out
+
+
+def _is_shard(v: Any, b: Bucket) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.shard_numel
+
+
+def _is_flat(v: Any, b: Bucket) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.padded
+
+
+def _copy(v: Any) -> Any:
+    return v.clone() if isinstance(v, torch.Tensor) else v
