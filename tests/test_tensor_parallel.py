@@ -1,0 +1,57 @@
+"""Tensor parallelism: a layer under torch's ColwiseParallel/RowwiseParallel plan equals the dense layer."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from harness import run
+from pipezero.pipe.tensor_parallel import apply_tensor_plan, check_tensor_plan
+
+
+class MLP(nn.Module):
+    def __init__(self, d=8, hidden=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def _parity(degree):
+    torch.manual_seed(0)
+    dense = MLP()
+    sharded = MLP()
+    sharded.load_state_dict(dense.state_dict())
+    mesh = init_device_mesh("cpu", (degree,), mesh_dim_names=("tensor",))
+    apply_tensor_plan(sharded, mesh, PLAN)
+    x = torch.randn(4, 3, 8)
+    dense(x).pow(2).sum().backward()
+    out = sharded(x)
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(out, dense(x))
+    for (name, p), q in zip(sharded.named_parameters(), dense.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, q.grad, msg=name)
+    dup = [n for n, p in sharded.named_parameters() if getattr(p, "pipezero_duplicate", False)]
+    return dup
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_tensor_parallel_layer_equals_dense(degree):
+    dups = run(_parity, degree, degree)
+    assert dups[0] == [] and all(d == ["norm.weight", "norm.bias"] for d in dups[1:])
+
+
+def test_bad_plans_are_clear_errors():
+    with pytest.raises(ValueError, match=r"up \(Linear\) splits out_features=16 over tensor degree 3"):
+        check_tensor_plan(MLP(), PLAN, 3)
+    with pytest.raises(ValueError, match="names 'gate'"):
+        check_tensor_plan(MLP(), {"gate": ColwiseParallel()}, 2)
