@@ -220,7 +220,7 @@ def load_checkpoint(directory: str | os.PathLike, step: int | None = None,
                     continue
                 merged[key], where[key] = f.get_tensor(key), file.name
     if expected is not None:
-        _check_fits(path, manifest, merged, expected, strict, wanted)
+        _check_fits(path, manifest, merged, where, expected, strict, wanted)
     return Checkpoint(merged, manifest["meta"], int(manifest["step"]), path)
 
 
@@ -285,7 +285,8 @@ def _name_filter(names: Iterable[str] | Callable[[str], bool] | None) -> Callabl
 
 
 def _check_fits(path: Path, manifest: Mapping[str, Any], merged: Mapping[str, torch.Tensor],
-                expected: Mapping[str, Any], strict: bool, wanted: Callable[[str], bool]) -> None:
+                where: Mapping[str, str], expected: Mapping[str, Any], strict: bool,
+                wanted: Callable[[str], bool]) -> None:
     """Refuse a checkpoint of another model: missing, unexpected or reshaped names."""
     saved = {k for e in manifest["files"] for k in e["tensors"] if wanted(k)}
     missing = sorted(k for k in expected if wanted(k) and k not in saved)
@@ -298,8 +299,9 @@ def _check_fits(path: Path, manifest: Mapping[str, Any], merged: Mapping[str, to
         if key in merged:
             shape = tuple(want.shape if isinstance(want, torch.Tensor) else want)
             if tuple(merged[key].shape) != shape:
-                raise CheckpointError(f"{path}: tensor {key!r} has shape {tuple(merged[key].shape)} in "
-                                      f"the checkpoint but the model wants {shape}: another model")
+                raise CheckpointError(f"{path / where[key]}: tensor {key!r} has shape "
+                                      f"{tuple(merged[key].shape)} but the model wants {shape}: "
+                                      f"a checkpoint of another model")
 
 
 # -- export -------------------------------------------------------------------------------------
