@@ -49,8 +49,9 @@ class GPTConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig({name}={value!r}): expected a positive integer")
         if self.d_model % self.n_head:
+            bigger = self.n_head * (self.d_model // self.n_head + 1)
             raise ValueError(f"GPTConfig(d_model={self.d_model}, n_head={self.n_head}): d_model must be "
-                             f"a multiple of n_head; e.g. d_model={self.n_head * (self.d_model // self.n_head + 1)}")
+                             f"a multiple of n_head; e.g. d_model={bigger}")
 
 
 def _fill(module: nn.Module, seed: int) -> None:

@@ -199,7 +199,8 @@ def test_pipeline_section_and_bfloat16_alias():
 def test_adam_means_adamw_unless_adam_w_mode_false():
     p = [torch.nn.Parameter(torch.zeros(2))]
     base = {"train_batch_size": 1}
-    opt = parse_config({**base, "optimizer": {"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.1}}}).optimizer
+    adam = {"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.1}}
+    opt = parse_config({**base, "optimizer": adam}).optimizer
     assert type(build_optimizer(opt, p)) is torch.optim.AdamW
     opt = parse_config({**base, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).optimizer
     assert type(build_optimizer(opt, p)) is torch.optim.Adam

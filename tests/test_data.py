@@ -90,8 +90,9 @@ def test_user_files(tmp_path):
     ids = np.arange(600, dtype=np.uint16) % 500
     ids.tofile(tmp_path / "tok.bin")
     np.save(tmp_path / "tok.npy", ids.astype(np.int32))
-    torch.testing.assert_close(load_tokens(tmp_path / "tok.bin", vocab_size=500), torch.from_numpy(ids.astype(np.int64)))
-    torch.testing.assert_close(load_tokens(tmp_path / "tok.npy", vocab_size=500), torch.from_numpy(ids.astype(np.int64)))
+    want = torch.from_numpy(ids.astype(np.int64))
+    torch.testing.assert_close(load_tokens(tmp_path / "tok.bin", vocab_size=500), want)
+    torch.testing.assert_close(load_tokens(tmp_path / "tok.npy", vocab_size=500), want)
     data = TokenData.from_file(tmp_path / "tok.npy", seq_len=4, vocab_size=500)
     assert data.source.endswith("tok.npy") and data.num_windows("val") >= 1
 
