@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness import run
-from pipezero.zero import ZeroOptimizer
+from pipezero.zero import ZeroConfig, ZeroOptimizer
 
 STEPS = 10
 BATCH = 8  # per data rank... times the world size for the whole batch
@@ -89,6 +89,8 @@ def train_zero(kind: str, stage: int, steps: int = STEPS, build=make_model, tied
     """The same training under ZeroOptimizer; returns the final (gathered) parameters."""
     world = dist.get_world_size()
     model = build()
+    if stage == 3:  # weights partitioned, biases (< 10 elements) persistent
+        kw.setdefault("config", ZeroConfig(stage=3, stage3_param_persistence_threshold=10))
     opt = ZeroOptimizer(make_opt(model, kind), stage=stage, module=model if stage == 3 else None, **kw)
     for step in range(steps):
         x, y = local_batch(world, step, tied)

@@ -40,7 +40,7 @@ def innermost(opt: Any) -> Any:
     return opt
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """Partition optimizer state (1), gradients (2) and parameters (3) over a data-parallel group.
 
     Stage 0 averages gradients only (like DDP) and keeps fp32 masters for low-precision models.
@@ -58,8 +58,12 @@ class ZeroOptimizer:
         if self.stage == 3 and module is None:
             raise ValueError("ZeroOptimizer(stage=3) needs module=: the model whose submodules gather their "
                              "parameters before running (ZeroOptimizer(inner, stage=3, module=model))")
+        # torch's Optimizer base (so LR schedulers accept us) is set up on a placeholder, then
+        # shares the inner chain's param_groups list and state
+        super().__init__([torch.empty(0)], {})
         self.param_groups = inner.param_groups
         self.defaults = getattr(inner, "defaults", {})
+        self.state = getattr(innermost(inner), "state", self.state)
         self.world = group_size(group)
         self.rank = dist.get_rank(group) if self.world > 1 else 0
         parts = 1 if self.stage == 0 else self.world
@@ -183,9 +187,9 @@ class ZeroOptimizer:
         load_local_state_dict(self, state)
 
     def __repr__(self) -> str:
-        inner = self.inner
-        plain = isinstance(inner, torch.optim.Optimizer) and type(inner).__repr__ is torch.optim.Optimizer.__repr__
-        return f"ZeroOptimizer(stage={self.stage}, {type(inner).__name__ if plain else repr(inner)})"
+        own = type(self.inner).__repr__
+        plain = own is torch.optim.Optimizer.__repr__ or own is object.__repr__
+        return f"ZeroOptimizer(stage={self.stage}, {type(self.inner).__name__ if plain else repr(self.inner)})"
 
 
 def _names(module: nn.Module | None) -> dict[int, str]:

@@ -1,0 +1,200 @@
+"""ZeroOptimizer: accumulation, the readiness protocol and overlap, frozen/tied/odd parameters,
+sub-groups, a group of 1, and clear errors. fp32 parity against single-process training."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness import run
+from pipezero.comm import TRAFFIC
+from pipezero.topology import Grid
+from pipezero.zero import ZeroConfig, ZeroOptimizer
+from test_zero_parity import Tied, data, local_batch, make_model, make_opt, reference, train_zero
+
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def _assert_params(results, want, what):
+    for rank, got in enumerate(results):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{what} rank {rank}: {m}")
+
+
+# -- gradient accumulation with no_sync ---------------------------------------------------
+def _accumulate(stage):
+    return train_zero("adam", stage, steps=4, accum=4)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accumulation_no_sync(stage):
+    _assert_params(run(_accumulate, 2, stage), reference("adam", 2, steps=4, accum=4), f"stage {stage}")
+
+
+# -- the pipeline runner's readiness protocol ------------------------------------------------
+def _readiness(stage):
+    """What the runner does: hold all, backward 3 microbatches, release, last backward, flush, step."""
+    world = dist.get_world_size()
+    model = make_model()
+    opt = ZeroOptimizer(make_opt(model, "adamw2"), module=model if stage == 3 else None,
+                        config=ZeroConfig(stage=stage, stage3_param_persistence_threshold=10))
+    params = list(model.parameters())
+    counts = []
+    for step in range(3):
+        x, y = local_batch(world, step)
+        opt.zero_grad()
+        opt.hold_grad_sync(params)
+        TRAFFIC.reset()
+        for m, (xs, ys) in enumerate(zip(x.chunk(4), y.chunk(4))):
+            if m == 3:
+                counts.append(_reductions())           # nothing reduced while held
+                opt.release_grad_sync(params)
+            opt.backward(nn.functional.mse_loss(model(xs), ys) / 4)
+        opt.flush_grad_sync(params)
+        counts.append(_reductions())                   # everything launched before step
+        opt.step()
+    with opt.gathered_parameters():
+        return [p.detach().clone() for p in params], counts
+
+
+def _reductions():
+    snap = TRAFFIC.snapshot()
+    return sum(snap.get(k, {}).get("calls", 0) for k in ("all_reduce", "reduce_scatter"))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_readiness_protocol_reduces_before_step(stage):
+    results = run(_readiness, 2, stage)
+    want = reference("adamw2", 2, steps=3, accum=4)
+    _assert_params([r[0] for r in results], want, f"stage {stage}")
+    for _, counts in results:
+        held, flushed = counts[0::2], counts[1::2]
+        assert held == [0, 0, 0] and all(c > 0 for c in flushed), counts
+
+
+def _overlap_plain_backward(stage):
+    """Plain loss.backward(): small buckets are reduced during backward, before step()."""
+    world = dist.get_world_size()
+    model = make_model()
+    opt = ZeroOptimizer(make_opt(model, "adam"), config=ZeroConfig(stage=stage, reduce_bucket_size=64),
+                        module=model if stage == 3 else None)
+    x, y = local_batch(world, 0)
+    TRAFFIC.reset()
+    nn.functional.mse_loss(model(x), y).backward()
+    during = _reductions()
+    opt.step()
+    return during, len(opt.buckets)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_buckets_reduce_during_backward(stage):
+    for during, buckets in run(_overlap_plain_backward, 2, stage):
+        assert buckets > 2 and during == buckets
+
+
+# -- frozen layers, tied weights -------------------------------------------------------------------
+def _frozen(stage):
+    return train_zero("adamw2", stage, steps=4, build=lambda: make_model(frozen=True))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_layers_skipped(stage):
+    want = reference("adamw2", 4, steps=4, build=lambda: make_model(frozen=True))
+    _assert_params(run(_frozen, 4, stage), want, f"stage {stage}")
+
+
+def _tied(stage):
+    return train_zero("adam", stage, steps=4, build=Tied, tied=True)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tied_weights(stage):
+    results = run(_tied, 2, stage)
+    _assert_params(results, reference("adam", 2, steps=4, build=Tied, tied=True), f"stage {stage}")
+
+
+# -- groups other than the world, and a group of one ------------------------------------------------
+def _data_group_of_grid(stage, pipe):
+    """Each pipe rank trains the whole model over its own data group (pipe x data = world)."""
+    grid = Grid(pipe=pipe)
+    model = make_model()
+    opt = ZeroOptimizer(make_opt(model, "adam"), group=grid.data_group, module=model if stage == 3 else None,
+                        config=ZeroConfig(stage=stage, stage3_param_persistence_threshold=0))
+    TRAFFIC.reset()
+    for step in range(3):
+        x, y = data(grid.data_size, step)
+        xs, ys = x.chunk(grid.data_size)[grid.data_rank], y.chunk(grid.data_size)[grid.data_rank]
+        opt.zero_grad()
+        opt.backward(nn.functional.mse_loss(model(xs), ys))
+        opt.step()
+    calls = sum(v["calls"] for k, v in TRAFFIC.snapshot().items() if k != "by_group")
+    with opt.gathered_parameters():
+        return [p.detach().clone() for p in model.parameters()], calls
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_data_group_of_a_grid(stage):
+    results = run(_data_group_of_grid, 4, stage, 2)
+    _assert_params([r[0] for r in results], reference("adam", 2, steps=3), f"stage {stage}")
+
+
+def test_group_of_one_costs_nothing():
+    results = run(_data_group_of_grid, 2, 2, 2)     # pipe=2 on 2 ranks: data groups of 1
+    _assert_params([r[0] for r in results], reference("adam", 1, steps=3), "data=1")
+    assert [r[1] for r in results] == [0, 0]
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+class Lamb(torch.optim.Optimizer):
+    """A stand-in with a per-tensor trust ratio: not element-wise."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-3})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    ratio = p.norm() / (p.grad.norm() + 1e-12)
+                    p.data.add_(p.grad, alpha=-group["lr"] * float(ratio))
+
+
+def test_refuses_whole_tensor_optimizers():
+    model = make_model()
+    with pytest.raises(TypeError, match="Lamb.*elementwise=True"):
+        ZeroOptimizer(Lamb(model.parameters()), stage=1)
+
+
+def test_bad_arguments():
+    model = make_model()
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        ZeroOptimizer(torch.optim.Adam(model.parameters()), stage=4)
+    with pytest.raises(ValueError, match="needs module="):
+        ZeroOptimizer(torch.optim.Adam(model.parameters()), stage=3)
+    with pytest.raises(TypeError, match="wraps an optimizer"):
+        ZeroOptimizer(model, stage=1)
+
+
+# -- stage 3 really partitions ---------------------------------------------------------------------
+def _stage3_layout():
+    world = dist.get_world_size()
+    model = make_model()
+    opt = ZeroOptimizer(make_opt(model, "adam"), module=model,
+                        config=ZeroConfig(stage=3, stage3_param_persistence_threshold=10))
+    x, y = local_batch(world, 0)
+    opt.backward(nn.functional.mse_loss(model(x), y))
+    opt.step()
+    with torch.no_grad():
+        out = model(x)                                  # inference gathers and releases too
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    shards = sorted(p.numel() for g in opt.param_groups for p in g["params"])
+    return sizes, shards, tuple(out.shape)
+
+
+def test_stage3_keeps_only_small_params_whole():
+    for sizes, shards, shape in run(_stage3_layout, 4):
+        assert shape == (8, 8)
+        assert {n: s for n, s in sizes.items() if s} == {"4.bias": 7, "6.bias": 8}
+        # one bucket per module and persistence: 128+16, 256+16, 112, 56 elements over 4 ranks;
+        # the 7- and 8-element biases (persistent) are padded to 8 and their state sharded too
+        assert shards == sorted([36, 68, 28, 14, 2, 2])
