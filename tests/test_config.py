@@ -36,6 +36,25 @@ def test_seed_config_verbatim():
     assert {k: fp16[k] for k in _seed()["fp16"]} == _seed()["fp16"]
 
 
+def test_sections_are_accepted_by_their_packages():
+    """The contract with precision/ and zero/: the dicts we hand over parse there to the same values."""
+    from pipezero.precision import ScalerConfig
+    from pipezero.zero import ZeroConfig
+
+    raw = _seed()
+    raw["zero_optimization"].update(allgather_partitions=True, reduce_bucket_size=5e8)
+    raw["gradient_clipping"] = 1.0
+    cfg = parse_config(raw, world_size=4, hidden_size=64)
+    ours = ScalerConfig.from_fp16(cfg.fp16.to_dict(), clip_grad_norm=cfg.gradient_clipping)
+    assert ours == ScalerConfig.from_fp16(raw["fp16"], clip_grad_norm=1.0)
+    assert ours.dynamic and ours.min_scale == 1e-5 and ours.init_scale == 2.0 ** 16
+    zero = ZeroConfig.from_dict(cfg.zero.to_dict())
+    assert zero.stage == 3 and zero.reduce_bucket_size == 500_000_000
+    assert zero.stage3_prefetch_bucket_size == int(0.9 * 64 * 64)
+    bf16 = parse_config({"train_batch_size": 1, "bf16": {"enabled": True, "check_grad_overflow": True}}).bf16
+    assert ScalerConfig.from_bf16(bf16.to_dict()).checks_finite
+
+
 def test_auto_left_unresolved_is_refused_at_hand_over():
     cfg = parse_config(SEED, world_size=1)
     assert cfg.zero.has_auto

@@ -46,7 +46,8 @@ ZERO_COSMETIC_KEYS: dict[str, str] = {
         "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
         "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
         "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
-        "ignore_unused_parameters", "memory_efficient_linear", "use_multi_rank_bucket_allreduce")}
+        "ignore_unused_parameters", "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
+        "allgather_partitions")}
 _OFFLOAD_COSMETIC = {k: "a DeepSpeed tuning knob with no counterpart here"
                      for k in ("buffer_count", "buffer_size", "max_in_cpu", "fast_init")}
 _UNSUPPORTED = {
@@ -175,7 +176,6 @@ class ZeroConfig:
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
-    allgather_partitions: bool = True
     reduce_bucket_size: int | str = 500_000_000
     allgather_bucket_size: int = 500_000_000
     stage3_prefetch_bucket_size: int | str = 50_000_000
@@ -195,7 +195,6 @@ class ZeroConfig:
                   overlap_comm=sec.bool("overlap_comm", stage == 3),
                   contiguous_gradients=sec.bool("contiguous_gradients", True),
                   reduce_scatter=sec.bool("reduce_scatter", True),
-                  allgather_partitions=sec.bool("allgather_partitions", True),
                   reduce_bucket_size=sec.int("reduce_bucket_size", 500_000_000, lo=1, auto=True),
                   allgather_bucket_size=sec.int("allgather_bucket_size", 500_000_000, lo=1),
                   stage3_prefetch_bucket_size=sec.int("stage3_prefetch_bucket_size", 50_000_000,
