@@ -4,6 +4,7 @@ import io
 import logging
 import time
 
+import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing import event_accumulator
@@ -20,7 +21,7 @@ def test_tensorboard_scalars_and_image_read_back(tmp_path):
             tb.scalars({"loss": 2.0 - step, "lr": torch.tensor(1e-3 * (step + 1))}, step, prefix="train/")
         tb.scalar("val/loss", 1.5, 2)
         tb.image("timeline", torch.rand(3, 8, 12), 2)
-        tb.image("timeline_u8", torch.zeros(5, 7, 3, dtype=torch.uint8), 2)
+        tb.image("timeline_u8", np.zeros((5, 7, 3), dtype=np.uint8), 2)  # pipe.to_image's form
     acc = event_accumulator.EventAccumulator(str(tmp_path / "job"), size_guidance={"images": 0})
     acc.Reload()
     tags = acc.Tags()

@@ -15,7 +15,7 @@ import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Mapping, TextIO
+from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
 
 import torch
 
@@ -117,10 +117,12 @@ class TensorBoardWriter:
         for tag, value in values.items():
             self.scalar(prefix + tag, value, step)
 
-    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
-        """An image as a CHW float tensor in [0, 1] or an HWC uint8 tensor."""
+    def image(self, tag: str, image: torch.Tensor | Any, step: int) -> None:
+        """An image: CHW float in [0, 1], or HWC uint8 (tensor or numpy, e.g. pipe.to_image's timeline)."""
         if self._writer is None:
             return
+        if not isinstance(image, torch.Tensor):
+            image = torch.as_tensor(image)
         if image.dtype == torch.uint8:
             self._writer.add_image(tag, image, step, dataformats="HWC")
         else:
