@@ -42,6 +42,20 @@ def test_round_trip_latest_and_step(tmp_path):
     assert list(only.tensors) == ["w"]
 
 
+def test_views_of_one_buffer_and_pruning(tmp_path):
+    assert ck.latest_step(tmp_path) is None
+    flat = torch.arange(20.0)  # e.g. ZeRO shards: views into one flat buffer
+    views = {"a": flat[2:6], "b": flat[10:20].view(2, 5), "c": flat[::2]}
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, views, {})
+    assert ck.latest_step(tmp_path) == 3
+    for key, value in load_checkpoint(tmp_path).tensors.items():
+        torch.testing.assert_close(value, views[key], rtol=0, atol=0)
+    removed = ck.prune_checkpoints(tmp_path, keep=2)
+    assert [p.name for p in removed] == ["step_00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+
+
 def test_resaving_a_step_replaces_it(tmp_path):
     save_checkpoint(tmp_path, 5, _state(0), {})
     save_checkpoint(tmp_path, 5, _state(1), {})

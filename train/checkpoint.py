@@ -32,8 +32,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "export_consolidated", "load_checkpoint",
-           "rng_state", "save_checkpoint", "set_rng_state", "step_dir_name"]
+__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "export_consolidated", "latest_step",
+           "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint", "set_rng_state",
+           "step_dir_name"]
 
 FORMAT_VERSION = 1
 _MANIFEST, _LATEST = "manifest.json", "latest"
@@ -302,6 +303,27 @@ def _check_fits(path: Path, manifest: Mapping[str, Any], merged: Mapping[str, to
                 raise CheckpointError(f"{path / where[key]}: tensor {key!r} has shape "
                                       f"{tuple(merged[key].shape)} but the model wants {shape}: "
                                       f"a checkpoint of another model")
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The step `latest` points to, or None when no checkpoint was ever completed there (start fresh)."""
+    latest = Path(directory) / _LATEST
+    if not latest.is_file():
+        return None
+    return int(_resolve(Path(directory), None).name.removeprefix("step_"))
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (never the one `latest` names); rank 0 only."""
+    if not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"prune_checkpoints(keep={keep!r}): expected an integer >= 1")
+    root = Path(directory)
+    current = latest_step(root)
+    steps = sorted((p for p in root.glob("step_*") if (p / _MANIFEST).is_file()), reverse=True)
+    doomed = [p for p in steps[keep:] if current is None or p.name != step_dir_name(current)]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
 
 
 # -- export -------------------------------------------------------------------------------------
