@@ -31,6 +31,16 @@ def test_accumulation_no_sync(stage):
     _assert_params(run(_accumulate, 2, stage), reference("adam", 2, steps=4, accum=4), f"stage {stage}")
 
 
+def _accumulate_synced(stage):
+    return train_zero("adam", stage, steps=3, accum=2, sync_each=True)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accumulation_reducing_every_backward(stage):
+    """Several synced backward passes before one step add up (no no_sync, like DDP)."""
+    _assert_params(run(_accumulate_synced, 2, stage), reference("adam", 2, steps=3, accum=2), f"stage {stage}")
+
+
 # -- the pipeline runner's readiness protocol ------------------------------------------------
 def _readiness(stage):
     """What the runner does: hold all, backward 3 microbatches, release, last backward, flush, step."""

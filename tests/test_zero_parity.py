@@ -85,7 +85,8 @@ def local_batch(world: int, step: int, tied: bool = False):
     return x.chunk(world)[r], y.chunk(world)[r]
 
 
-def train_zero(kind: str, stage: int, steps: int = STEPS, build=make_model, tied=False, accum=1, **kw) -> list:
+def train_zero(kind: str, stage: int, steps: int = STEPS, build=make_model, tied=False, accum=1,
+               sync_each=False, **kw) -> list:
     """The same training under ZeroOptimizer; returns the final (gathered) parameters."""
     world = dist.get_world_size()
     model = build()
@@ -96,7 +97,7 @@ def train_zero(kind: str, stage: int, steps: int = STEPS, build=make_model, tied
         x, y = local_batch(world, step, tied)
         opt.zero_grad()
         for m, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
-            ctx = opt.no_sync() if m < accum - 1 else _null()
+            ctx = opt.no_sync() if m < accum - 1 and not sync_each else _null()
             with ctx:
                 opt.backward(nn.functional.mse_loss(model(xs), ys) / accum)
         assert opt.step() is True

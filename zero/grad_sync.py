@@ -7,11 +7,13 @@ bucket whose parameters are all pushed is reduced asynchronously while backward 
 `finish()` (called by step) pushes and reduces whatever is left, so correctness never
 depends on the hooks, only overlap does.
 
-Per stage (ZeRO, Rajbhandari et al. 2020):
-  0: all-reduce (average) in place into a persistent full gradient buffer (DDP);
-  1: persistent full gradient buffer, reduce-scatter into the owned slice;
+Per stage (ZeRO, Rajbhandari et al. 2020), reduced values stay in the model dtype until
+step() hands them to the fp32 masters (so between backward and step the model state takes the
+paper's 2+2+12 bytes per parameter, split as the stage says):
+  0: all-reduce (average) in place in a persistent full buffer; .grad are views of it (DDP);
+  1: persistent full buffer, reduce-scatter; the owned region keeps the reduced values;
   2, 3: the full buffer lives only from a bucket's first push until its reduce-scatter is
-     done; parameters keep no gradient, the owned slice accumulates the reduced values.
+     done; parameters keep no gradient, a shard-sized buffer keeps the reduced values.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ class _Pending:
     pushed: set[int] | None = None       # parameter indices already in `grad` this round
     seen: set[int] | None = None         # parameter indices whose grad arrived this backward
     handle: Handle | None = None
-    out: torch.Tensor | None = None      # where the reduced owned values land
+    out: torch.Tensor | None = None      # where the reduction writes the owned values
+    shard: torch.Tensor | None = None    # stage 2/3: the reduced owned values so far
     reduced: bool = False                # reduced at least once since the last step
+    rescale: bool = False                # stage 1: the owned region holds an average, not a sum
 
     def __post_init__(self) -> None:
         self.pushed, self.seen = set(), set()
@@ -54,7 +58,8 @@ class GradSync:
                  on_backward_done: Callable[[Bucket], None] | None = None, overlap: bool = True):
         self.buckets, self.stage, self.group, self.overlap = buckets, stage, group, overlap
         self.replicated = stage == 0 or group_size(group) == 1   # all-reduce or nothing at all
-        self.keep_grads = stage <= 1
+        self.keep_grads = stage <= 1      # a persistent full gradient buffer per bucket
+        self.views = stage == 0           # parameters' .grad are views of that buffer
         self.on_backward_done = on_backward_done
         self._state = {b: _Pending() for b in buckets}
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
@@ -64,8 +69,11 @@ class GradSync:
         if self.keep_grads:
             for b in buckets:
                 self._state[b].grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-                self._point_grads(b)
+                if self.views:
+                    self._point_grads(b)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
+        if self.views:  # autograd is about to add into a view that may still be under all-reduce
+            self._hooks += [p.register_hook(lambda grad, b=b: self._settle(b)) for b in buckets for p in b.params]
 
     # -- the readiness protocol ----------------------------------------------------------
     @contextmanager
@@ -105,7 +113,7 @@ class GradSync:
         """Reduce everything not yet reduced and wait: every master shard has its .grad."""
         for b in self.buckets:
             st = self._state[b]
-            late = not self.keep_grads and any(p.grad is not None for p in b.params)
+            late = not self.views and any(p.grad is not None for p in b.params)
             if st.handle is None and (not st.reduced or late or st.pushed):
                 for i in range(len(b.params)):
                     if i not in st.pushed:
@@ -113,6 +121,8 @@ class GradSync:
                 self._launch(b)
         while self._in_flight:
             self._complete(self._in_flight.popleft())
+        for b in self.buckets:
+            self._hand_over(b)
 
     def end_step(self) -> None:
         """The optimizer consumed the gradients: a new step window starts."""
@@ -129,12 +139,14 @@ class GradSync:
             st = self._state[b]
             st.pushed.clear()
             st.seen.clear()
-            st.reduced, st.out = False, None
+            st.reduced, st.rescale, st.out, st.shard = False, False, None, None
             if self.keep_grads:
                 st.grad.zero_()
-                self._point_grads(b)
             else:
                 st.grad = None
+            if self.views:
+                self._point_grads(b)
+            else:
                 for p in b.params:
                     p.grad = None
 
@@ -148,9 +160,7 @@ class GradSync:
         b, i = self._where[id(p)]
         st = self._state[b]
         if self.overlap and not self._suspended and id(p) not in self._held:
-            if st.handle is not None:      # a second synced backward before step: fold in
-                self._in_flight.remove(b)
-                self._complete(b)
+            self._settle(b)                # a second synced backward before step: fold in
             self._push(b, i)
             if len(st.pushed) == len(b.params):
                 self._launch(b)
@@ -159,6 +169,12 @@ class GradSync:
             st.seen.clear()
             if self.on_backward_done is not None:
                 self.on_backward_done(b)
+
+    def _settle(self, b: Bucket) -> None:
+        """Complete bucket b's reduction if it is still under way."""
+        if self._state[b].handle is not None:
+            self._in_flight.remove(b)
+            self._complete(b)
 
     def _point_grads(self, b: Bucket) -> None:
         grad = self._state[b].grad
@@ -171,11 +187,19 @@ class GradSync:
         if st.grad is None:
             st.grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
         view = b.slot(st.grad, i)
-        if p.grad is None:
-            view.zero_() if self.keep_grads else None
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-        p.grad = view if self.keep_grads else None
+        if self.views:
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+        else:
+            if st.rescale:        # a new round on top of reduced values: make them a sum again
+                b.owned(st.grad).mul_(b.parts)
+                st.rescale = False
+            if p.grad is not None:
+                view.add_(p.grad)
+            p.grad = None
         st.pushed.add(i)
 
     def _launch(self, b: Bucket) -> None:
@@ -191,16 +215,26 @@ class GradSync:
             self._complete(self._in_flight.popleft())
 
     def _complete(self, b: Bucket) -> None:
-        """Wait for bucket b's reduction and hand the owned values to its master's .grad."""
-        st, master = self._state[b], b.master
+        """Wait for bucket b's reduction and keep the owned reduced values (model dtype)."""
+        st = self._state[b]
         st.handle.wait()
-        g = st.out if st.out.dtype == master.dtype and st.out.device == master.device \
-            else st.out.to(master.device, master.dtype)
-        if self.keep_grads or master.grad is None:
-            master.grad = g
-        else:
-            master.grad.add_(g)
-        if not self.keep_grads:
+        if self.keep_grads and not self.replicated:          # stage 1: owned region = average, rest 0
+            owned = b.owned(st.grad)
+            owned.copy_(st.out)
+            st.grad[:b.part * b.shard_numel].zero_()
+            st.grad[(b.part + 1) * b.shard_numel:].zero_()
+            st.rescale = True
+        elif not self.keep_grads:                             # stage 2/3: accumulate the shard
+            st.shard = st.out if st.shard is None else st.shard.add_(st.out)
             st.grad = None
         st.handle, st.out, st.reduced = None, None, True
         st.pushed.clear()
+
+    def _hand_over(self, b: Bucket) -> None:
+        """Give the reduced owned values to the master as its .grad (fp32, on its device)."""
+        st, master = self._state[b], b.master
+        g = b.owned(st.grad) if self.keep_grads else st.shard
+        if g is None:
+            return
+        master.grad = g if g.dtype == master.dtype and g.device == master.device \
+            else g.to(master.device, master.dtype)
