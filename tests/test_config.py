@@ -36,6 +36,28 @@ def test_seed_config_verbatim():
     assert {k: fp16[k] for k in _seed()["fp16"]} == _seed()["fp16"]
 
 
+def test_a_typical_deepspeed_user_config():
+    raw = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "gradient_clipping": 1.0,
+           "steps_per_print": 2000, "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                     "weight_decay": 0.01}},
+           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5,
+                                                             "warmup_num_steps": 100, "total_num_steps": 1000}},
+           "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                                 "sub_group_size": 1e9, "reduce_bucket_size": 5e8,
+                                 "stage3_prefetch_bucket_size": 5e8, "stage3_param_persistence_threshold": 1e6,
+                                 "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                                 "stage3_gather_16bit_weights_on_model_save": True},
+           "tensorboard": {"enabled": True, "output_path": "logs/", "job_name": "gpt_small"}}
+    cfg = parse_config(raw, world_size=8)
+    assert cfg.batch.train_batch_size == 4 * 8 * 8 and cfg.gradient_clipping == 1.0
+    assert cfg.scheduler.type is SchedulerType.WARMUP_DECAY_LR and cfg.scheduler.total_num_steps == 1000
+    assert cfg.zero.stage3_param_persistence_threshold == 1_000_000 and cfg.bf16.enabled
+    assert (cfg.tensorboard.enabled, cfg.tensorboard.output_path, cfg.tensorboard.job_name) == (
+        True, "logs/", "gpt_small")
+
+
 def test_sections_are_accepted_by_their_packages():
     """The contract with precision/ and zero/: the dicts we hand over parse there to the same values."""
     from pipezero.precision import ScalerConfig
@@ -189,8 +211,9 @@ def test_bad_file_and_json(tmp_path):
 
 
 def test_cosmetic_keys_warn_once(caplog):
-    raw = _with(("memory_breakdown",), True)
-    raw["zero_optimization"]["stage3_max_live_parameters"] = 1e9
+    # warn_once is per process: these two keys appear in no other test
+    raw = _with(("dump_state",), True)
+    raw["zero_optimization"]["round_robin_gradients"] = True
     logger = logging.getLogger("pipezero")
     logger.addHandler(caplog.handler)
     try:
@@ -200,8 +223,8 @@ def test_cosmetic_keys_warn_once(caplog):
     finally:
         logger.removeHandler(caplog.handler)
     text = [r.getMessage() for r in caplog.records]
-    assert sum("memory_breakdown" in t for t in text) == 1
-    assert sum("stage3_max_live_parameters" in t for t in text) == 1
+    assert sum("dump_state" in t for t in text) == 1
+    assert sum("round_robin_gradients" in t for t in text) == 1
 
 
 def test_pipeline_section_and_bfloat16_alias():

@@ -52,7 +52,7 @@ class Section:
         """A JSON true/false."""
         value = self.raw(key, default)
         if not isinstance(value, bool):
-            raise ConfigTypeError(f"{self.where(key)} = {value!r}: expected true or false")
+            raise ConfigTypeError(f"{self.where(key)} = {value!r}: expected true or false{_auto_hint(value)}")
         return value
 
     def int(self, key: str, default: Any, lo: int | None = None, hi: int | None = None,
