@@ -23,6 +23,7 @@ def _seed():
 def test_seed_config_verbatim():
     cfg = parse_config(SEED, world_size=4, hidden_size=64)
     assert cfg.fp16.enabled and cfg.fp16.dynamic and cfg.fp16.min_loss_scale == 1e-5
+    assert cfg.compute_dtype == torch.float16
     assert cfg.zero.stage == 3 and cfg.zero.overlap_comm and cfg.zero.contiguous_gradients
     assert cfg.zero.offload_optimizer.device is OffloadDevice.CPU and cfg.zero.offload_param.pin_memory
     assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_size, cfg.batch.accumulation_steps) == (32, 8, 1)
@@ -232,7 +233,8 @@ def test_pipeline_section_and_bfloat16_alias():
            "pipeline": {"stages": 2, "schedule": "Interleaved_1F1B", "chunks": 2, "micro_batches": 4,
                         "activation_checkpoint_interval": 1, "partition_method": "type:Block"}}
     cfg = parse_config(raw, world_size=4)
-    assert cfg.bf16.enabled and cfg.pipeline.schedule is ScheduleKind.INTERLEAVED_1F1B
+    assert cfg.bf16.enabled and cfg.compute_dtype == torch.bfloat16
+    assert cfg.pipeline.schedule is ScheduleKind.INTERLEAVED_1F1B
     assert (cfg.pipeline.chunks, cfg.batch.accumulation_steps, cfg.batch.micro_batch_size) == (2, 4, 2)
     with pytest.raises(ConfigError, match="bfloat16"):
         parse_config({**raw, "bf16": {"enabled": True}}, world_size=4)

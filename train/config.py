@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import torch
+
 from pipezero.train.config_batch import BatchConfig, resolve_batch
 from pipezero.train.config_fields import AUTO, ConfigError, ConfigTypeError, Section
 from pipezero.train.config_optim import OptimizerConfig, SchedulerConfig
@@ -314,6 +316,11 @@ class TrainConfig:
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
     raw: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: float16, bfloat16 or float32."""
+        return torch.float16 if self.fp16.enabled else torch.bfloat16 if self.bf16.enabled else torch.float32
 
 
 def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: int | None = None,
