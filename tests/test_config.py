@@ -170,6 +170,8 @@ BAD = [
     (("scheduler",), {"type": "WarmupCosineLR", "params": {"total_num_steps": 5, "warmup_num_steps": 10}}, 1,
      ["total_num_steps", "5", "warmup_num_steps = 10"]),
     (("scheduler",), {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}, 1, ["warmup_type", "'log'"]),
+    (("scheduler",), {"params": {}}, 1, ['["scheduler"]["type"] is required', "WarmupCosineLR"]),
+    (("scheduler",), {"type": "OneCycle"}, 1, ['["scheduler"]["type"]', "'OneCycle'", "'WarmupLR'"]),
     (("scheduler",), {"type": "WarmupLR", "params": {"cos_min_ratio": 0.1}}, 1, ["cos_min_ratio"]),
     (("pipeline", "stages"), 3, 4, ["stages", "3", "world size 4"]),
     (("pipeline", "schedule"), "2f2b", 1, ["schedule", "'1f1b'", "'zbv'"]),

@@ -96,6 +96,9 @@ class SchedulerConfig:
     @classmethod
     def parse(cls, sec: Section) -> "SchedulerConfig":
         """Read {"type": ..., "params": {...}}; each type accepts only its own params."""
+        if not sec.has("type"):
+            raise ConfigError(f'{sec.where("type")} is required: one of '
+                              f'{", ".join(t.value for t in SchedulerType)}')
         kind = SchedulerType(sec.choice("type", None, [t.value for t in SchedulerType]))
         p = sec.section("params")
         common = dict(warmup_num_steps=p.int("warmup_num_steps", 1000, lo=0),
