@@ -30,7 +30,8 @@ from pipezero.train.config_optim import OptimizerConfig, SchedulerConfig
 
 __all__ = ["BF16Config", "BatchConfig", "COSMETIC_KEYS", "ConfigError", "ConfigTypeError",
            "FP16Config", "OffloadConfig", "OffloadDevice", "PipelineConfig", "ScheduleKind",
-           "TensorBoardConfig", "TrainConfig", "ZERO_COSMETIC_KEYS", "ZeroConfig", "parse_config"]
+           "TensorBoardConfig", "TrainConfig", "ZERO_COSMETIC_KEYS", "ZeroOptimizationConfig",
+           "parse_config"]
 
 # Keys that change nothing we compute: accepted with a one-time warning (key -> why).
 COSMETIC_KEYS: dict[str, str] = {
@@ -164,7 +165,7 @@ class OffloadConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class ZeroConfig:
+class ZeroOptimizationConfig:
     """ds_config["zero_optimization"]: ZeRO stage, offload, overlap and bucket sizes.
 
     Bucket sizes are element counts, as in DeepSpeed. "auto" sizes follow the model's hidden
@@ -186,7 +187,7 @@ class ZeroConfig:
     _AUTO_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
     @classmethod
-    def parse(cls, sec: Section) -> "ZeroConfig":
+    def parse(cls, sec: Section) -> "ZeroOptimizationConfig":
         """Read the section and check that offload fits the stage."""
         if "cpu_offload" in sec.data:
             raise ConfigError(f'{sec.where("cpu_offload")} is DeepSpeed\'s old spelling: write '
@@ -217,7 +218,7 @@ class ZeroConfig:
         """Whether some size is still "auto"."""
         return any(getattr(self, k) == AUTO for k in self._AUTO_KEYS)
 
-    def resolve_auto(self, hidden_size: int) -> "ZeroConfig":
+    def resolve_auto(self, hidden_size: int) -> "ZeroOptimizationConfig":
         """A copy with every "auto" size computed from the model's hidden size."""
         if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
             raise ValueError(f"hidden_size={hidden_size!r}: expected the model's width, a positive int")
@@ -307,7 +308,7 @@ class TrainConfig:
     batch: BatchConfig
     fp16: FP16Config
     bf16: BF16Config
-    zero: ZeroConfig
+    zero: ZeroOptimizationConfig
     pipeline: PipelineConfig
     tensorboard: TensorBoardConfig
     optimizer: OptimizerConfig | None = None
@@ -336,7 +337,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         raise ConfigError('ds_config["fp16"]["enabled"] and ds_config["bf16"]["enabled"] are both true: '
                           "enable at most one")
     pipeline = PipelineConfig.parse(top.section("pipeline"))
-    zero = ZeroConfig.parse(top.section("zero_optimization"))
+    zero = ZeroOptimizationConfig.parse(top.section("zero_optimization"))
     if hidden_size is not None:
         zero = zero.resolve_auto(hidden_size)
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
