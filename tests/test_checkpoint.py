@@ -143,6 +143,25 @@ def test_two_ranks_merge_and_load_into_single_process_model(two_rank_ckpt):
         torch.testing.assert_close(value, truth[key], rtol=0, atol=0)
 
 
+def _load_other_half(directory):
+    """Each rank of a new grid loads only the names it now owns (here: the other rank's half)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    truth = GPT(CFG).state_dict()
+    mine = {k for i, k in enumerate(sorted(truth)) if i % 2 != rank}
+    got = load_checkpoint(directory, names=mine, expected={k: truth[k] for k in mine}, strict=True)
+    assert set(got.tensors) == mine
+    for key in mine:
+        torch.testing.assert_close(got.tensors[key], truth[key], rtol=0, atol=0)
+    return len(mine)
+
+
+def test_each_rank_loads_only_its_new_share(two_rank_ckpt):
+    counts = run(_load_other_half, 2, str(two_rank_ckpt))
+    assert sum(counts) == len(GPT(CFG).state_dict())
+
+
 def _corrupt(src, dst, how):
     shutil.copytree(src, dst)
     step = dst / "step_00000003"
