@@ -98,8 +98,10 @@ def test_timers_accumulate_per_phase_and_sync():
             time.sleep(0.01)
     with timers(Phase.OPTIMIZER):
         pass
+    timers.add(Phase.COMMUNICATION, 0.25)
     ms = timers.elapsed_ms(reset=False)
-    assert set(ms) == {"forward", "optimizer"} and ms["forward"] >= 20 and len(synced) == 6
+    assert set(ms) == {"forward", "optimizer", "communication"} and len(synced) == 6
+    assert ms["forward"] >= 20 and ms["communication"] == 250.0
     assert timers.format().startswith("forward ") and timers.elapsed_ms() == {}
     with pytest.raises(TypeError, match="Phase.FORWARD"):
         with timers("forward"):

@@ -213,6 +213,14 @@ class Timers:
             self._total[phase] += time.perf_counter() - start
             self._count[phase] += 1
 
+    def add(self, phase: Phase, seconds: float) -> None:
+        """Count time measured elsewhere, e.g. comm's TRAFFIC seconds for Phase.COMMUNICATION."""
+        if not isinstance(phase, Phase):
+            raise TypeError(f"Timers phase {phase!r}: expected a Phase, e.g. Phase.COMMUNICATION")
+        if self.enabled:
+            self._total[phase] += seconds
+            self._count[phase] += 1
+
     def _barrier(self) -> None:
         if self._sync is not None:
             self._sync()
