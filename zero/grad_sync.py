@@ -18,6 +18,7 @@ paper's 2+2+12 bytes per parameter, split as the stage says):
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,6 +52,16 @@ class _Pending:
         self.pushed, self.seen = set(), set()
 
 
+def _weak(method: Callable) -> Callable:
+    """A function calling `method` while its object lives (a no-op after)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
+
 class GradSync:
     """Reduces the gradients of bucketed parameters over `group` as they become ready."""
 
@@ -71,9 +82,12 @@ class GradSync:
                 self._state[b].grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
                 if self.views:
                     self._point_grads(b)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
+        # hooks hold the GradSync weakly: parameters must not keep a dropped optimizer alive
+        on_grad = _weak(self._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for b in buckets for p in b.params]
         if self.views:  # autograd is about to add into a view that may still be under all-reduce
-            self._hooks += [p.register_hook(lambda grad, b=b: self._settle(b)) for b in buckets for p in b.params]
+            settle = _weak(self._settle)
+            self._hooks += [p.register_hook(lambda grad, b=b: settle(b)) for b in buckets for p in b.params]
 
     # -- the readiness protocol ----------------------------------------------------------
     @contextmanager
@@ -119,10 +133,14 @@ class GradSync:
                     if i not in st.pushed:
                         self._push(b, i)
                 self._launch(b)
-        while self._in_flight:
-            self._complete(self._in_flight.popleft())
+        self.wait()
         for b in self.buckets:
             self._hand_over(b)
+
+    def wait(self) -> None:
+        """Complete the reductions under way; launch nothing new."""
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
 
     def end_step(self) -> None:
         """The optimizer consumed the gradients: a new step window starts."""

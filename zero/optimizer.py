@@ -170,6 +170,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def flush_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
         self._sync.flush(params)
 
+    def wait_grad_sync(self) -> None:
+        """Wait for the reductions launched so far (step() does this itself; for measuring)."""
+        self._sync.wait()
+
     # -- stage 3 ---------------------------------------------------------------------------
     @contextmanager
     def gathered_parameters(self) -> Iterator[None]:
