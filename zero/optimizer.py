@@ -66,6 +66,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state = getattr(innermost(inner), "state", self.state)
         self.world = group_size(group)
         self.rank = dist.get_rank(group) if self.world > 1 else 0
+        # the single-process layout (consolidated state): every group's original parameters, in order
+        self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in self.param_groups]
         parts = 1 if self.stage == 0 else self.world
         self.buckets: list[Bucket] = plan_groups(
             self.param_groups, config.reduce_bucket_size, parts, self.rank if parts > 1 else 0,

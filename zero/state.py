@@ -72,52 +72,60 @@ def _gather_flat(opt: "ZeroOptimizer", b: Bucket, shard: torch.Tensor) -> torch.
     return full
 
 
+def _slots(opt: "ZeroOptimizer") -> dict[int, tuple[Bucket, int]]:
+    return {id(p): (b, i) for b in opt.buckets for i, p in enumerate(b.params)}
+
+
 def consolidated_state_dict(opt: "ZeroOptimizer") -> dict[str, Any]:
     """The innermost optimizer's state as one process over the unsharded parameters would hold it.
 
     A collective over the group (every rank must call it); every rank gets the whole dict.
-    Wrapper state (e.g. a loss scale) is kept as the chain's outer state without its tensors.
+    Parameters are numbered in param-group order, as torch's Optimizer.state_dict does.
     """
     from pipezero.zero.optimizer import innermost
-    core = innermost(opt.inner)
-    index, state = 0, {}
-    groups = []
-    for g, group in enumerate(opt.param_groups):
+    core, slots = innermost(opt.inner), _slots(opt)
+    full = {}
+    for b in opt.buckets:
+        st = core.state.get(b.master, {})
+        full[b] = {k: _gather_flat(opt, b, v) if _is_shard(v, b) else v for k, v in st.items()}
+    state, groups, index = {}, [], 0
+    for group, params in zip(opt.param_groups, opt.original_params):
         ids = []
-        for b in (b for b in opt.buckets if b.group_index == g):
-            st = core.state.get(b.master, {})
-            full = {k: _gather_flat(opt, b, v) if _is_shard(v, b) else v for k, v in st.items()}
-            for i, shape in enumerate(b.shapes):
-                if full:
-                    state[index] = {k: (b.slot(v, i).clone() if _is_flat(v, b) else _copy(v))
-                                    for k, v in full.items()}
-                ids.append(index)
-                index += 1
+        for p in params:
+            if id(p) in slots:
+                b, i = slots[id(p)]
+                if full[b]:
+                    state[index] = {k: b.slot(v, i).clone() if _is_flat(v, b) else _copy(v)
+                                    for k, v in full[b].items()}
+            ids.append(index)
+            index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     return {"consolidated": {"state": state, "param_groups": groups}, "zero": {"stage": opt.stage}}
 
 
 def load_consolidated_state_dict(opt: "ZeroOptimizer", state: dict[str, Any]) -> None:
-    """Load a consolidated state (from any group size): every rank slices out its own shard."""
+    """Load a consolidated state (from any group size or stage): every rank slices out its own shard."""
     from pipezero.zero.optimizer import innermost
-    core = innermost(opt.inner)
+    core, slots = innermost(opt.inner), _slots(opt)
     saved = state["consolidated"]
-    if len(saved["param_groups"]) != len(opt.param_groups):
-        raise ValueError(f"the consolidated state has {len(saved['param_groups'])} param groups, this optimizer "
-                         f"{len(opt.param_groups)}: load it into the same model and param groups")
-    index, new_state = 0, {}
-    for g, group in enumerate(opt.param_groups):
-        hyper = {k: v for k, v in saved["param_groups"][g].items() if k != "params"}
-        for b in (b for b in opt.buckets if b.group_index == g):
-            per_param = [saved["state"].get(index + i) for i in range(len(b.params))]
-            index += len(b.params)
-            if any(s is None for s in per_param):
-                continue
-            new_state[b.master] = _shard_of(b, per_param)
-        group.update(hyper)
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+    mine = [len(params) for params in opt.original_params]
+    if sizes != mine:
+        raise ValueError(f"the consolidated state has param groups of {sizes} parameters, this optimizer "
+                         f"{mine}: load it into the same model and param groups")
+    per_bucket: dict[Bucket, list] = {b: [None] * len(b.params) for b in opt.buckets}
+    index = 0
+    for group, params, hyper in zip(opt.param_groups, opt.original_params, saved["param_groups"]):
+        group.update({k: v for k, v in hyper.items() if k != "params"})
+        for p in params:
+            if id(p) in slots and index in saved["state"]:
+                b, i = slots[id(p)]
+                per_bucket[b][i] = saved["state"][index]
+            index += 1
     core.state.clear()
-    for master, st in new_state.items():
-        core.state[master] = st
+    for b, per_param in per_bucket.items():
+        if all(s is not None for s in per_param):
+            core.state[b.master] = _shard_of(b, per_param)
 
 
 def _shard_of(b: Bucket, per_param: list[dict]) -> dict:
