@@ -96,18 +96,21 @@ class SimResult:
 
 
 def simulate(actions: Any, num_stages: int | None = None, costs: Costs = Costs(),
-             placement: Any = "looped") -> SimResult:
+             placement: Any = "looped", *, channels: str = "kind",
+             sends: str = "async") -> SimResult:
     """Validate, then simulate `actions` (a dict rank -> list of Action, or a schedule).
 
     `placement` is "looped", "v" or a schedule object; a schedule passed as `actions`
-    supplies its own placement (and needs num_stages).
+    supplies its own placement (and needs num_stages). `channels` and `sends` describe
+    the executor as in validate(); "blocking" sends also delay the timeline.
     """
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a Costs(...), got {type(costs).__name__}")
     if callable(getattr(actions, "actions", None)):
         placement = actions
-    table = validate(actions, num_stages, placement)
-    events, stuck = execute(table, resolve_placement(placement), lambda a: costs.of(a.op), costs.p2p)
+    table = validate(actions, num_stages, placement, channels=channels, sends=sends)
+    events, stuck = execute(table, resolve_placement(placement), lambda a: costs.of(a.op),
+                            costs.p2p, blocking_sends=sends == "blocking")
     assert not stuck, "validate() passed, so execution cannot get stuck"
     timeline = sorted((Event(*e) for e in events), key=lambda e: (e.start, e.rank))
     makespan = max((e.end for e in timeline), default=0.0)

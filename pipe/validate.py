@@ -23,7 +23,7 @@ list) and the offending cells in brackets.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
@@ -83,26 +83,41 @@ def normalize(actions: Any, num_stages: int | None = None) -> dict[int, list[Act
 
 
 def validate(actions: Any, num_stages: int | None = None, placement: Any = "looped",
-             num_microbatches: int | None = None) -> dict[int, list[Action]]:
+             num_microbatches: int | None = None, *, channels: str = "kind",
+             sends: str = "async") -> dict[int, list[Action]]:
     """Raise ScheduleError unless `actions` can run; return the checked table.
 
     `placement` is "looped", "v" or a schedule object (its `.placement` is used); when
     `actions` is itself a schedule object its placement wins. `num_microbatches`, when
     given, must match the microbatches the actions cover.
+
+    The executor model: `channels` "kind" (one ordered channel per sender, receiver and
+    activation/gradient) or "pair" (one per sender and receiver); `sends` "async" (a send
+    never holds up its rank) or "blocking" (the rank's next action waits until the
+    receiver has posted the receive, i.e. has finished the action before the consumer).
     """
     if callable(getattr(actions, "actions", None)):
         placement = actions
     name = resolve_placement(placement)
+    _check_mode(channels=channels, sends=sends)
     table = normalize(actions, num_stages)
-    p = len(table)
     v, m = _shape(table, num_microbatches)
     _check_coverage(table, v, m)
     _check_local_order(table)
-    _check_streams(table, p, name)
-    _, stuck = execute(table, name, lambda a: 1.0, 0.0)
+    _check_channels(table, name, channels)
+    _, stuck = execute(table, name, lambda a: 1.0, 0.0, blocking_sends=sends == "blocking")
     if stuck:
-        _raise_deadlock(table, name, stuck)
+        _raise_deadlock(table, name, stuck, sends)
     return table
+
+
+_MODES = {"channels": ("kind", "pair"), "sends": ("async", "blocking")}
+
+
+def _check_mode(**given: str) -> None:
+    for name, value in given.items():
+        if value not in _MODES[name]:
+            raise ValueError(f"{name}={value!r} is not one of {_MODES[name]}")
 
 
 def _shape(table: dict[int, list[Action]], num_microbatches: int | None) -> tuple[int, int]:
@@ -180,35 +195,69 @@ def _local_prerequisite(a: Action) -> Action | None:
     return None
 
 
-def _check_streams(table: dict[int, list[Action]], p: int, placement: str) -> None:
-    """Across each stage boundary the receiver takes transfers in the sender's order."""
-    v = 1 + max(a.chunk for acts in table.values() for a in acts)
-    steps = {(r, a): s for r, acts in table.items() for s, a in enumerate(acts)}
-    for s in range(p * v - 1):
-        lo, hi = owner(s, p, placement), owner(s + 1, p, placement)
-        if lo[0] == hi[0]:
-            continue  # same rank: no transfer
-        _compare(table, steps, "activations", (lo, s), (hi, s + 1), (Op.FORWARD,))
-        _compare(table, steps, "gradients", (hi, s + 1), (lo, s), _BACKWARDS)
+class Transfer(NamedTuple):
+    """One message between ranks: `kind` "activation" or "gradient" from virtual stage
+    `src_stage` to `dst_stage` for `microbatch`."""
+
+    src: int
+    dst: int
+    kind: str
+    src_stage: int
+    dst_stage: int
+    microbatch: int
 
 
-def _compare(table: dict[int, list[Action]], steps: dict[Key, int], what: str,
-             src: tuple[tuple[int, int], int], dst: tuple[tuple[int, int], int],
-             ops: tuple[Op, ...]) -> None:
-    (sr, sc), s_stage = src
-    (dr, dc), d_stage = dst
-    sent = [a.microbatch for a in table[sr] if a.chunk == sc and a.op in ops]
-    taken = [a.microbatch for a in table[dr] if a.chunk == dc and a.op in ops]
-    for k, (x, y) in enumerate(zip(sent, taken)):
-        if x != y:
-            send_cell = next(a for a in table[sr] if a.chunk == sc and a.op in ops and a.microbatch == x)
-            recv_cell = next(a for a in table[dr] if a.chunk == dc and a.op in ops and a.microbatch == y)
-            raise ScheduleError(
-                f"{what} from virtual stage {s_stage} (rank {sr}) to virtual stage {d_stage} "
-                f"(rank {dr}) arrive out of order: transfer #{k} is sent by {send_cell} "
-                f"(microbatch {x}) but received by {recv_cell} (microbatch {y}); sender and "
-                f"receiver must handle microbatches across a boundary in the same order",
-                table, [(sr, steps[(sr, send_cell)]), (dr, steps[(dr, recv_cell)])])
+def transfers(rank: int, a: Action, num_stages: int, num_chunks: int,
+              placement: str) -> tuple[Transfer | None, Transfer | None]:
+    """(what `a` on `rank` receives, what it sends); None when the peer stage is local."""
+    s = virtual_stage(rank, a.chunk, num_stages, placement)
+    last = num_stages * num_chunks - 1
+    if a.op is Op.FORWARD:
+        kind, before, after = "activation", s - 1, s + 1
+    elif a.op in _BACKWARDS:
+        kind, before, after = "gradient", s + 1, s - 1
+    else:
+        return None, None
+    recv = send = None
+    if 0 <= before <= last and owner(before, num_stages, placement)[0] != rank:
+        recv = Transfer(owner(before, num_stages, placement)[0], rank, kind, before, s, a.microbatch)
+    if 0 <= after <= last and owner(after, num_stages, placement)[0] != rank:
+        send = Transfer(rank, owner(after, num_stages, placement)[0], kind, s, after, a.microbatch)
+    return recv, send
+
+
+def _check_channels(table: dict[int, list[Action]], placement: str, channels: str) -> None:
+    """On every channel the receiver takes the messages in the order the sender sends them.
+
+    channels="kind": one ordered channel per (sender, receiver, activation|gradient);
+    channels="pair": one per (sender, receiver) for both kinds (a single untagged channel).
+    """
+    p, v = len(table), _num_chunks(table)
+    sent: dict[tuple, list[tuple[Transfer, int]]] = {}
+    taken: dict[tuple, list[tuple[Transfer, int]]] = {}
+    for r, acts in table.items():
+        for step, a in enumerate(acts):
+            recv, send = transfers(r, a, p, v, placement)
+            for t, book in ((send, sent), (recv, taken)):
+                if t is not None:
+                    key = (t.src, t.dst) if channels == "pair" else (t.src, t.dst, t.kind)
+                    book.setdefault(key, []).append((t, step))
+    for key in sorted(set(sent) | set(taken)):
+        for k, ((x, sx), (y, sy)) in enumerate(zip(sent.get(key, []), taken.get(key, []))):
+            if x != y:
+                what = "" if channels == "pair" else f" ({x.kind}s)"
+                raise ScheduleError(
+                    f"rank {x.src} -> rank {x.dst}{what} out of order: message #{k} is sent by "
+                    f"{table[x.src][sx]} ({x.kind} of microbatch {x.microbatch}, stage "
+                    f"{x.src_stage}->{x.dst_stage}) but the receiver's #{k} receive is "
+                    f"{table[y.dst][sy]} ({y.kind} of microbatch {y.microbatch}, stage "
+                    f"{y.src_stage}->{y.dst_stage}); both ranks must handle the messages "
+                    f"of a channel in the same order (channels={channels!r})",
+                    table, [(x.src, sx), (y.dst, sy)])
+
+
+def _num_chunks(table: dict[int, list[Action]]) -> int:
+    return 1 + max((a.chunk for acts in table.values() for a in acts), default=0)
 
 
 def dependencies(rank: int, a: Action, num_stages: int, num_chunks: int, placement: str,
@@ -247,16 +296,16 @@ class _BackwardKind:
 
 
 def execute(table: dict[int, list[Action]], placement: str,
-            duration: Callable[[Action], float], p2p: float
+            duration: Callable[[Action], float], p2p: float, blocking_sends: bool = False
             ) -> tuple[list[tuple[int, int, Action, float, float]], dict[int, int]]:
     """Run every rank's list in order; an action starts when its rank is free and its
-    inputs have arrived (a dependency on another rank adds `p2p`).
+    inputs have arrived (a dependency on another rank adds `p2p`). With `blocking_sends`
+    an action also waits until the messages of the rank's previous action were taken.
 
     Returns the events (rank, step, action, start, end) and, for a deadlock, the step at
     which each unfinished rank is stuck (empty when everything ran).
     """
-    p = len(table)
-    kind = _BackwardKind(table)
+    waits = _waits(table, placement, blocking_sends)
     ptr = {r: 0 for r in table}
     free = {r: 0.0 for r in table}
     end: dict[Key, float] = {}
@@ -266,17 +315,15 @@ def execute(table: dict[int, list[Action]], placement: str,
         progress = False
         for r, acts in table.items():
             while ptr[r] < len(acts):
-                a = acts[ptr[r]]
                 ready = free[r]
-                for dr, da in dependencies(r, a, p, kind.num_chunks, placement, kind):
-                    t = end.get((dr, da))
-                    if t is None:
+                for key in waits[(r, ptr[r])]:
+                    if key not in end:
                         break
-                    ready = max(ready, t + (p2p if dr != r else 0.0))
+                    ready = max(ready, end[key] + (p2p if key[0] != r else 0.0))
                 else:
-                    done = ready + duration(a)
-                    end[(r, a)], free[r] = done, done
-                    events.append((r, ptr[r], a, ready, done))
+                    a = acts[ptr[r]]
+                    end[(r, a)] = free[r] = ready + duration(a)
+                    events.append((r, ptr[r], a, ready, free[r]))
                     ptr[r] += 1
                     progress = True
                     continue
@@ -285,20 +332,45 @@ def execute(table: dict[int, list[Action]], placement: str,
     return events, stuck
 
 
-def _raise_deadlock(table: dict[int, list[Action]], placement: str, stuck: dict[int, int]) -> None:
-    p = len(table)
+def _waits(table: dict[int, list[Action]], placement: str, blocking_sends: bool
+           ) -> dict[tuple[int, int], list[Key]]:
+    """(rank, step) -> the actions that must have ended before that step can start."""
+    p, v = len(table), _num_chunks(table)
     kind = _BackwardKind(table)
+    waits = {(r, k): dependencies(r, a, p, v, placement, kind)
+             for r, acts in table.items() for k, a in enumerate(acts)}
+    if blocking_sends:
+        step_of = {(r, a): k for r, acts in table.items() for k, a in enumerate(acts)}
+        for r, acts in table.items():
+            for k in range(1, len(acts)):
+                _, send = transfers(r, acts[k - 1], p, v, placement)
+                if send is None:
+                    continue
+                c = owner(send.dst_stage, p, placement)[1]
+                op = Op.FORWARD if send.kind == "activation" else kind(send.dst, c, send.microbatch)
+                at = step_of.get((send.dst, Action(op, c, send.microbatch)), 0)
+                if at > 0:  # the receiver posts its receive once its previous action is done
+                    waits[(r, k)].append((send.dst, table[send.dst][at - 1]))
+    return waits
+
+
+def _raise_deadlock(table: dict[int, list[Action]], placement: str, stuck: dict[int, int],
+                    sends: str) -> None:
+    waits = _waits(table, placement, sends == "blocking")
     r = min(stuck)
     a = table[r][stuck[r]]
     steps = {(q, x): s for q, acts in table.items() for s, x in enumerate(acts)}
-    for dr, da in dependencies(r, a, p, kind.num_chunks, placement, kind):
+    data = set(dependencies(r, a, len(table), _num_chunks(table), placement, _BackwardKind(table)))
+    for dr, da in waits[(r, stuck[r])]:
         if dr in stuck and steps.get((dr, da), -1) >= stuck[dr]:
-            blocker = table[dr][stuck[dr]]
+            why = (f"waits for {da} on rank {dr} (step {steps[(dr, da)]})" if (dr, da) in data
+                   else f"waits for rank {dr} to take the message of step {stuck[r] - 1} "
+                        f"({table[r][stuck[r] - 1]}), which it does after its step "
+                        f"{steps[(dr, da)]} ({da}) (sends='blocking')")
             raise ScheduleError(
-                f"deadlock: rank {r} step {stuck[r]} ({a}) waits for {da} on rank {dr} "
-                f"(step {steps[(dr, da)]}), but rank {dr} is stuck earlier at step "
-                f"{stuck[dr]} ({blocker}); no rank can proceed. Reorder the lists so each "
-                f"action's inputs are produced before it is reached",
+                f"deadlock: rank {r} step {stuck[r]} ({a}) {why}, but rank {dr} is stuck "
+                f"earlier at step {stuck[dr]} ({table[dr][stuck[dr]]}); no rank can proceed. "
+                f"Reorder the lists so each action's inputs are produced before it is reached",
                 table, sorted(stuck.items()))
     raise ScheduleError(f"deadlock: rank {r} step {stuck[r]} ({a}) waits for an input that "
                         f"never arrives", table, sorted(stuck.items()))

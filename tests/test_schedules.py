@@ -227,3 +227,26 @@ def test_marked_grid_text():
     text = to_text({0: [Action.parse("0F0"), Action.parse("0B0")], 1: [Action.parse("0F0")]},
                    mark=[(1, 0)])
     assert text.splitlines() == ["step  rank 0  rank 1", "   0  0F0     [0F0]", "   1  0B0"]
+
+
+def test_executor_models():
+    # the 1F1B family runs on the plainest executor: one untagged channel per rank pair
+    # and sends that block until the peer posts the receive
+    for p in (2, 3, 4):
+        for m in (1, p, 2 * p + 1):
+            for sched in (GPipe(m), OneFOneB(m), ZeroBubbleH1(m)):
+                validate(sched, p, channels="pair", sends="blocking")
+    # ZB-V mixes activations and gradients between the same two ranks in different orders
+    with pytest.raises(ScheduleError, match=r"rank 0 -> rank 1 out of order.*channels='pair'") as info:
+        validate(ZeroBubbleV(4), 2, channels="pair")
+    _assert_marked(info.value, "0F2", "1I0")
+    # interleaved (m > p) and ZB-V need sends that do not hold up the sender
+    with pytest.raises(ScheduleError, match=r"deadlock.*to take the message.*sends='blocking'") as info:
+        validate(Interleaved1F1B(4), 2, sends="blocking")
+    _assert_marked(info.value, "0F3", "0F2")
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(ZeroBubbleV(4), 2, sends="blocking")
+    with pytest.raises(ValueError, match="sends='eager'"):
+        validate(OneFOneB(2), 2, sends="eager")
+    with pytest.raises(ValueError, match="channels='tag'"):
+        validate(OneFOneB(2), 2, channels="tag")

@@ -195,3 +195,17 @@ def test_png_with_pillow(tmp_path):
     res = simulate(Interleaved1F1B(4), 2)
     path = to_png(res, tmp_path / "s.png")
     np.testing.assert_array_equal(np.asarray(image_mod.open(path).convert("RGB")), to_image(res))
+
+
+def test_blocking_sends_can_only_delay():
+    for sched, p in [(OneFOneB(8), 4), (ZeroBubbleH1(8), 4), (GPipe(3), 3)]:
+        costs = Costs(forward=1, backward_input=1, backward_weight=1, p2p=0.5)
+        fast = simulate(sched, p, costs)
+        slow = simulate(sched, p, costs, channels="pair", sends="blocking")
+        assert slow.makespan >= fast.makespan
+    # ZB-H1 only beats 1F1B when a send does not hold up the sender: with blocking sends
+    # the deferred W's wait for the peer and the makespan falls back to 1F1B's
+    zb_async = simulate(ZeroBubbleH1(8), 4, SAME_FB)
+    zb_blocking = simulate(ZeroBubbleH1(8), 4, SAME_FB, sends="blocking")
+    one_f_one_b = simulate(OneFOneB(8), 4, SAME_FB, sends="blocking")
+    assert zb_async.makespan < one_f_one_b.makespan == zb_blocking.makespan == (8 + 4 - 1) * 4
