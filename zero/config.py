@@ -19,6 +19,10 @@ _AUTO_RULES = {
     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "stage3_param_persistence_threshold": lambda h: 10 * h,
 }
+# DeepSpeed keys about features pipezero does not have, or does not need a knob for: accepted, ignored
+_IGNORED_KEYS = {"sub_group_size", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+                 "stage3_gather_fp16_weights_on_model_save", "round_robin_gradients", "load_from_fp32_weights",
+                 "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear"}
 _OFFLOAD_KEYS = {"device", "pin_memory", "buffer_count", "fast_init", "ratio", "nvme_path", "buffer_size",
                  "max_in_cpu"}
 
@@ -53,14 +57,11 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
             raise ValueError(f"ZeroConfig(stage={self.stage!r}): stage must be 0, 1, 2 or 3")
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                     "stage3_max_live_parameters"):
+        for name, low in (("reduce_bucket_size", 1), ("allgather_bucket_size", 1), ("stage3_max_live_parameters", 1),
+                          ("stage3_prefetch_bucket_size", 0), ("stage3_param_persistence_threshold", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ZeroConfig({name}={value!r}): must be a positive integer number of elements")
-        t = self.stage3_param_persistence_threshold
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise ValueError(f"ZeroConfig(stage3_param_persistence_threshold={t!r}): must be an integer >= 0")
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"ZeroConfig({name}={value!r}): must be an integer number of elements >= {low}")
         if self.offload_param and self.stage != 3:
             raise ValueError(f"ZeroConfig(offload_param=True, stage={self.stage}): parameter offload needs "
                              "stage 3; use offload_optimizer for stages 1-2")
@@ -77,9 +78,11 @@ class ZeroConfig:
                 kwargs[key] = _offload_device(key, value)
             elif key in known:
                 kwargs[key] = value
+            elif key in _IGNORED_KEYS:
+                continue
             else:
                 raise ValueError(f"zero_optimization.{key} is not a known key; known keys are "
-                                 f"{sorted(known)}")
+                                 f"{sorted(known)} (and DeepSpeed's {sorted(_IGNORED_KEYS)}, ignored)")
         return cls(**kwargs)
 
 
