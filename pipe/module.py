@@ -1,0 +1,220 @@
+"""PipelineModule: this rank's share of a model given as a list of layers.
+
+The layer list is split into `pipe x num_chunks` contiguous virtual stages (pipe/partition.py),
+placed on ranks looped or V-shaped (pipe/placement.py), and only the local layers are ever
+built. Each layer is built under its own seed (seed + its index), so every stage builds the
+same values a single process would: a parameter's name ("layers.3.weight",
+"tied.embed.weight") is the same as in the whole model, which is what lets a checkpoint
+saved on one grid load onto another. The idea follows DeepSpeed's PipelineModule
+(Rasley et al. 2020) and GPipe's layer lists (Huang et al. 2019).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipezero.comm import all_reduce_coalesced
+from pipezero.pipe.partition import partition, partition_table
+from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
+from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
+from pipezero.topology import Grid
+
+__all__ = ["PipelineModule"]
+
+
+class PipelineModule(nn.Module):
+    """The local layers of a pipelined model, grouped into this rank's virtual chunks.
+
+    `model(x, chunk=c)` runs chunk c; `model.parameters()` are this rank's only, so any
+    optimizer chain composes with it. `activation_checkpoint_interval=k` recomputes each run
+    of k layers in backward (torch.utils.checkpoint, non-reentrant; Chen et al. 2016).
+    """
+
+    def __init__(self, layers: Sequence[Any], grid: Grid, loss_fn: Callable | None = None,
+                 partition_method: str = "parameters", num_chunks: int = 1,
+                 activation_checkpoint_interval: int = 0, placement: str = "looped",
+                 seed: int = 0, device: torch.device | str | None = None):
+        super().__init__()
+        _check_args(layers, num_chunks, activation_checkpoint_interval, placement)
+        self.grid, self.loss_fn, self.placement = grid, loss_fn, placement
+        self.num_stages, self.num_chunks = grid.pipe_size, num_chunks
+        self.num_virtual_stages = self.num_stages * num_chunks
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.seed = seed
+        self.device = torch.device(device) if device is not None else _default_device()
+        self._specs = list(layers)
+        self.bounds = partition(self._specs, self.num_virtual_stages, partition_method)
+        self.stage_ids = [virtual_stage(grid.pipe_rank, c, self.num_stages, placement) for c in range(num_chunks)]
+        self.layers = nn.ModuleDict()
+        self.tied = nn.ModuleDict()
+        self._calls: dict[int, Callable[[Any], Any]] = {}
+        for chunk in range(num_chunks):
+            for index in range(*self.chunk_range(chunk)):
+                self._build(index)
+        self._tie_groups: dict[str, Any] = {}
+        self._make_tie_groups()
+
+    # -- structure --------------------------------------------------------------------
+    def chunk_range(self, chunk: int) -> tuple[int, int]:
+        """[first, last + 1) global layer indices of local `chunk`."""
+        stage = self.stage_ids[chunk]
+        return self.bounds[stage], self.bounds[stage + 1]
+
+    def is_first(self, chunk: int) -> bool:
+        """Does local `chunk` hold virtual stage 0 (it reads the data)?"""
+        return self.stage_ids[chunk] == 0
+
+    def is_last(self, chunk: int) -> bool:
+        """Does local `chunk` hold the last virtual stage (it computes the loss)?"""
+        return self.stage_ids[chunk] == self.num_virtual_stages - 1
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """Parameters local `chunk` uses (a tied module's appear in every chunk that uses it)."""
+        seen: dict[int, nn.Parameter] = {}
+        for index in range(*self.chunk_range(chunk)):
+            layer = self._specs[index]
+            if isinstance(layer, TiedLayerSpec):
+                module = self.tied[layer.key]
+            elif str(index) in self.layers:
+                module = self.layers[str(index)]
+            else:
+                continue
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def describe(self) -> str:
+        """The partition as a one-screen table (virtual stage, rank, chunk, layers, parameters)."""
+        return partition_table(self._specs, self.bounds, self.num_stages, self.placement, self.grid.pipe_rank)
+
+    # -- compute --------------------------------------------------------------------
+    def forward(self, x: Any, chunk: int = 0) -> Any:
+        """Run local `chunk` on `x` (a tensor or a tuple of tensors)."""
+        lo, hi = self.chunk_range(chunk)
+        k = self.activation_checkpoint_interval
+        if not k or not torch.is_grad_enabled():
+            return self._run(lo, hi, x)
+        for start in range(lo, hi, k):
+            x = checkpoint(self._run, start, min(hi, start + k), x, use_reentrant=False)
+        return x
+
+    def loss(self, output: Any, target: Any) -> torch.Tensor:
+        """loss_fn(output, target) of the last virtual stage."""
+        if self.loss_fn is None:
+            raise ValueError("PipelineModule(loss_fn=None) cannot compute a loss; pass loss_fn=")
+        return self.loss_fn(output, target)
+
+    def _run(self, lo: int, hi: int, x: Any) -> Any:
+        for index in range(lo, hi):
+            x = self._calls[index](x)
+        return x
+
+    # -- building ---------------------------------------------------------------------
+    def _build(self, index: int) -> None:
+        layer = self._specs[index]
+        if isinstance(layer, TiedLayerSpec):
+            if layer.key not in self.tied:
+                first = next(i for i, s in enumerate(self._specs)
+                             if isinstance(s, TiedLayerSpec) and s.key == layer.key)
+                self.tied[layer.key] = self._seeded_build(layer, first)
+            module = self.tied[layer.key]
+            fn = layer.forward_fn
+            self._calls[index] = (lambda x, m=module, f=fn: f(m, x)) if fn is not None else module
+        elif isinstance(layer, LayerSpec):
+            self.layers[str(index)] = self._seeded_build(layer, index)
+            self._calls[index] = self.layers[str(index)]
+        elif isinstance(layer, nn.Module):
+            self.layers[str(index)] = layer.to(self.device)
+            self._calls[index] = layer
+        else:
+            self._calls[index] = layer
+
+    def _seeded_build(self, spec: LayerSpec, index: int) -> nn.Module:
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+            torch.manual_seed(self.seed + index)
+            with self.device:
+                return spec.build()
+
+    # -- tied weights -------------------------------------------------------------------
+    def _make_tie_groups(self) -> None:
+        """One process group per tied key and (data, tensor) coordinate, created on every rank
+        in the same order (dist.new_group is collective); then broadcast from the first owner."""
+        grid = self.grid
+        for key, indices in _tied_indices(self._specs).items():
+            owners = [owner(_stage_of(self.bounds, i), self.num_stages, self.placement)[0] for i in indices]
+            ranks_pipe = sorted(set(owners))
+            if len(ranks_pipe) < 2:
+                continue
+            for data in range(grid.data_size):
+                for tensor in range(grid.tensor_size):
+                    ranks = [grid.rank_of(pipe=p, data=data, tensor=tensor) for p in ranks_pipe]
+                    group = dist.new_group(ranks)
+                    if grid.rank in ranks:
+                        self._tie_groups[key] = (group, grid.rank_of(pipe=owners[0]))
+        for key, (group, src) in self._tie_groups.items():
+            spec = self._specs[_tied_indices(self._specs)[key][0]]
+            for p in spec.tied_parameters(self.tied[key]):
+                with torch.no_grad():
+                    dist.broadcast(p.data, src=src, group=group)
+                if src != grid.rank:
+                    p.pipezero_duplicate = True
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """Local parameters shared with other pipeline ranks (their grads are summed over the owners)."""
+        out = []
+        for key in self._tie_groups:
+            spec = self._specs[_tied_indices(self._specs)[key][0]]
+            out += spec.tied_parameters(self.tied[key])
+        return out
+
+    def allreduce_tied_grads(self) -> None:
+        """Sum the gradients of tied parameters over their owners (before the optimizer step)."""
+        for key, (group, _) in self._tie_groups.items():
+            spec = self._specs[_tied_indices(self._specs)[key][0]]
+            params = spec.tied_parameters(self.tied[key])
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            all_reduce_coalesced([p.grad for p in params], group=group).wait()
+
+
+def _tied_indices(layers: Sequence[Any]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        if isinstance(layer, TiedLayerSpec):
+            out.setdefault(layer.key, []).append(i)
+    return out
+
+
+def _stage_of(bounds: Sequence[int], index: int) -> int:
+    return next(s for s in range(len(bounds) - 1) if bounds[s] <= index < bounds[s + 1])
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_args(layers: Sequence[Any], num_chunks: int, interval: int, placement: str) -> None:
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ValueError(f"PipelineModule(layers={layers!r}): expected a non-empty list of "
+                         "LayerSpec / TiedLayerSpec / nn.Module / callable")
+    for i, layer in enumerate(layers):
+        if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
+            raise TypeError(f"layers[{i}]={layer!r} is neither a LayerSpec, an nn.Module nor a callable")
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"PipelineModule(num_chunks={num_chunks!r}): expected a positive integer")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"PipelineModule(placement={placement!r}): expected one of {PLACEMENTS}")
+    if placement == "v" and num_chunks % 2:
+        raise ValueError(f"PipelineModule(placement='v', num_chunks={num_chunks}): a V-shaped placement "
+                         "pairs chunks down and back up, so num_chunks must be even (ZeroBubbleV uses 2)")
+    if not isinstance(interval, int) or interval < 0:
+        raise ValueError(f"activation_checkpoint_interval={interval!r}: expected 0 (off) or a positive integer")

@@ -1,0 +1,544 @@
+"""PipelineRunner: run one rank's share of a schedule (the only part of pipe/ that talks to the network).
+
+The schedule is data: for this rank an ordered list of actions F / B / I / W on (chunk,
+microbatch). Before each action the runner exchanges, in ONE batched call, the sends the
+previous action produced and the receive the next action needs (Megatron's
+send-forward-recv-backward pairing, Narayanan et al. 2021), so paired transfers never
+deadlock. Activations of adjacent virtual stages on the same rank (the tip of a V) pass
+locally. Zero-bubble schedules (Qi et al. 2023) split B into I (input gradient, with
+torch.autograd.grad on the stage inputs, keeping the graph) and W (weight gradient).
+
+W policy (documented simplification): W runs the retained graph's backward once more and
+keeps only the parameter gradients, so the I/W split costs one extra backward-input of
+compute; it is exact, and it moves the weight work where the schedule put it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import zlib
+from typing import Any, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipezero.comm import TRAFFIC, CommTimeout
+from pipezero.comm.p2p import decode_meta, encode_meta
+from pipezero.pipe.actions import Action, Op
+from pipezero.pipe.module import PipelineModule
+from pipezero.pipe.placement import owner, virtual_stage
+from pipezero.pipe.timeline import Timeline, bubble_fraction, gather_events
+
+__all__ = ["PipelineRunner", "PipelineTimeout"]
+
+_META_WORDS = encode_meta(()).numel()
+
+
+class PipelineTimeout(TimeoutError):
+    """A peer never answered; the message names rank, stage, action and microbatch."""
+
+
+class _Step(NamedTuple):
+    action: Action
+    stage: int                      # virtual stage of the action's chunk
+    need: tuple[int, str] | None    # (pipe rank, stream key) the action's input comes from
+    send: tuple[int, str] | None    # (pipe rank, stream key) to send after it
+    recvs: tuple = ()               # (pipe rank, key, microbatch) to receive first, in the sender's order
+
+
+class PipelineRunner:
+    """Executes a schedule on a PipelineModule: train_step (forward + backward), eval_step (forward).
+
+    Does not call optimizer.step(): the user does, after train_step returns (tied-weight
+    gradients are already summed then). With a data degree > 1 pass an optimizer that
+    reduces gradients over grid.data_group (ZeroOptimizer; stage 0 behaves like DDP); the
+    runner drives its readiness hooks (hold / release / flush) so reductions overlap the
+    pipeline's cool-down.
+    """
+
+    def __init__(self, model: PipelineModule, schedule: Any, optimizer: Any = None,
+                 timeout_s: float = 300.0, variable_shapes: bool = False):
+        _check_schedule(model, schedule, optimizer)
+        self.model, self.schedule, self.optimizer = model, schedule, optimizer
+        self.grid = model.grid
+        self.num_microbatches = schedule.num_microbatches
+        self.timeout_s, self.variable_shapes = timeout_s, variable_shapes
+        actions = schedule.actions(model.num_stages)
+        self.steps = _plan_all(actions, model)[self.grid.pipe_rank]
+        forward_only = {r: [a for a in acts if a.op is Op.FORWARD] for r, acts in actions.items()}
+        self.forward_steps = _plan_all(forward_only, model)[self.grid.pipe_rank]
+        self.last_pipe_rank = owner(model.num_virtual_stages - 1, model.num_stages, model.placement)[0]
+        self.timeline = Timeline(self.grid.rank, model.device)
+        self._p2p: _PipeP2P | None = None
+        self._side_group = _side_group(self.grid)
+        self._signature: int | None = None
+
+    # -- public --------------------------------------------------------------------------
+    def train_step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+        """Forward and backward of every microbatch; returns the mean loss on every rank."""
+        if self.model.loss_fn is None:
+            raise ValueError("train_step needs PipelineModule(loss_fn=...) to compute the loss")
+        self._start(inputs, targets, need_targets=True)
+        self._hold()
+        self._run(self.steps, train=True)
+        self.model.allreduce_tied_grads()
+        self._release(self.model.tied_parameters())
+        return self._mean_loss()
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any = None, targets: Any = None) -> Any:
+        """Forward only. With targets: the mean loss on every rank; without: the last stage's
+        outputs (concatenated along dim 0) on the last-stage rank, None elsewhere."""
+        with_loss = self._start(inputs, targets, need_targets=False)
+        self._run(self.forward_steps, train=False, with_loss=with_loss)
+        if with_loss:
+            return self._mean_loss()
+        if self.grid.pipe_rank != self.last_pipe_rank:
+            return None
+        outs = [self._outputs[mb] for mb in range(self.num_microbatches)]
+        if isinstance(outs[0], torch.Tensor):
+            return torch.cat(outs)
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+
+    def measured_bubble(self) -> float:
+        """Idle share of the last step over the pipeline ranks (a collective on grid.pipe_group)."""
+        return bubble_fraction(gather_events(self.timeline.events, self.grid.pipe_group))
+
+    # -- step setup ------------------------------------------------------------------------
+    def _start(self, inputs: Any, targets: Any, need_targets: bool) -> bool:
+        """Check the batch on every rank (one small all-reduce), split it, reset the step state."""
+        m, model = self.num_microbatches, self.model
+        holds_first = any(model.is_first(c) for c in range(model.num_chunks))
+        holds_last = any(model.is_last(c) for c in range(model.num_chunks))
+        words = [0] * 6
+        if holds_first:
+            words[0:2] = _batch_problem(inputs, m)
+            words[4] = _signature(inputs) if not words[0] and not words[1] else 0
+        if holds_last and (need_targets or targets is not None):
+            words[2:4] = _batch_problem(targets, m)
+        words[5] = int(holds_last and targets is None)
+        flags = torch.tensor(words, dtype=torch.int64, device=model.device)
+        dist.all_reduce(flags)
+        _raise_batch_errors(flags.tolist(), m, need_targets)
+        self._new_p2p_if_shapes_changed(flags[4].item())
+        self._inputs = _split(inputs, m, model.device) if holds_first else None
+        self._targets = _split(targets, m, model.device) if holds_last and targets is not None else None
+        self._received: dict[tuple[str, int], Any] = {}
+        self._stash: dict[tuple[int, int], Any] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, Any] = {}
+        self.timeline.begin()
+        return flags[5].item() == 0
+
+    def _new_p2p_if_shapes_changed(self, signature: int) -> None:
+        if self._p2p is None or signature != self._signature or self.variable_shapes:
+            self._p2p = _PipeP2P(self.grid.pipe_group, self._side_group, self.timeout_s, self.model.device)
+            self._signature = signature
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _run(self, steps: Sequence[_Step], train: bool, with_loss: bool = True) -> None:
+        sends: list = []
+        last_use = _last_weight_use(steps, self.model) if train else {}
+        for i, step in enumerate(steps):
+            if sends or step.recvs:
+                self._exchange(sends, step.recvs, step)
+            release = last_use.get(i)
+            if release:
+                self._release(release, flush=False)
+            with self.timeline.span(str(step.action), "compute"):
+                sends = self._do(step, train, with_loss)
+            if release:
+                self._flush(release)
+        if sends:
+            self._exchange(sends, (), steps[-1])
+        try:
+            with self.timeline.span("wait", "comm"):
+                self._p2p.drain()
+        except CommTimeout as e:
+            raise PipelineTimeout(f"rank {self.grid.rank} (pipe stage {self.grid.pipe_rank}): sends of this step "
+                                  f"never completed after the last action {steps[-1].action}: {e}") from e
+        self.timeline.finish()
+
+    def _exchange(self, sends: list, recvs: Sequence[tuple[int, str, int]], step: _Step) -> None:
+        peer = self.grid.rank_of
+        out = [(peer(pipe=p), key, tensors) for p, key, tensors in sends]
+        ins = [(peer(pipe=p), key) for p, key, _ in recvs]
+        try:
+            with self.timeline.span("wait", "comm"):
+                got = self._p2p.exchange(out, ins)
+        except CommTimeout as e:
+            a = step.action
+            raise PipelineTimeout(
+                f"rank {self.grid.rank} (pipe stage {self.grid.pipe_rank}) timed out around action {a} "
+                f"({a.op.name} of chunk {a.chunk}, virtual stage {step.stage}, microbatch {a.microbatch}); "
+                f"a peer never answered: {e}") from e
+        for (_, key, mb), tensors in zip(recvs, got):
+            self._received[(key, mb)] = tensors[0] if len(tensors) == 1 else tensors
+
+    def _do(self, step: _Step, train: bool, with_loss: bool) -> list:
+        op = step.action.op
+        if op is Op.FORWARD:
+            return self._forward(step, train, with_loss)
+        if op is Op.BACKWARD_WEIGHT:
+            outs, grads = self._stash.pop(("w", *step.action[1:]))
+            torch.autograd.backward(outs, grads)
+            return []
+        return self._backward(step, keep_graph=op is Op.BACKWARD_INPUT)
+
+    def _forward(self, step: _Step, train: bool, with_loss: bool) -> list:
+        _, chunk, mb = step.action
+        model, s = self.model, step.stage
+        if model.is_first(chunk):
+            x = self._inputs[mb]
+        else:
+            x = self._take(f"a{s - 1}", mb, step)
+        out = model(x, chunk=chunk)
+        if model.is_last(chunk):
+            if with_loss:
+                loss = model.loss(out, self._targets[mb])
+                self._losses[mb] = loss.detach()
+                out = loss
+            else:
+                self._outputs[mb] = out
+        if train:
+            self._stash[(chunk, mb)] = (x, out)
+        if step.send:
+            return [(step.send[0], step.send[1], out)]
+        if not model.is_last(chunk):  # the next virtual stage is on this rank
+            self._received[(f"a{s}", mb)] = _detached(out)
+        return []
+
+    def _backward(self, step: _Step, keep_graph: bool) -> list:
+        _, chunk, mb = step.action
+        model, s = self.model, step.stage
+        x, out = self._stash.pop((chunk, mb))
+        if model.is_last(chunk):
+            loss = out / self.num_microbatches
+            scale = getattr(self.optimizer, "scale", None)
+            outs, grads = [scale(loss) if scale is not None else loss], [None]
+        else:
+            got = self._take(f"g{s + 1}", mb, step)
+            got = (got,) if isinstance(got, torch.Tensor) else tuple(got)
+            outs = [t for t in _tensors(out) if t.requires_grad]
+            grads = list(got)
+            if len(grads) != len(outs):
+                raise RuntimeError(f"{step.action}: {len(outs)} outputs need gradients but {len(grads)} arrived")
+        leaves = [t for t in _tensors(x) if t.requires_grad]
+        if keep_graph:
+            in_grads = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True) \
+                if leaves else ()
+            self._stash[("w", chunk, mb)] = (outs, grads)
+        else:
+            torch.autograd.backward(outs, grads)
+            in_grads = [t.grad for t in leaves]
+        in_grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, in_grads))
+        if model.is_first(chunk):
+            return []
+        if step.send:
+            return [(step.send[0], step.send[1], in_grads)]
+        self._received[(f"g{s}", mb)] = in_grads[0] if len(in_grads) == 1 else in_grads
+        return []
+
+    def _take(self, key: str, mb: int, step: _Step) -> Any:
+        try:
+            return self._received.pop((key, mb))
+        except KeyError:
+            raise ValueError(f"schedule error on pipe rank {self.grid.pipe_rank}: action {step.action} runs "
+                             f"before its input {key!r} of microbatch {mb} exists; check the action order "
+                             "(validate the schedule)") from None
+
+    # -- gradient readiness (protocol 3) and loss ------------------------------------------
+    def _hold(self) -> None:
+        hold = getattr(self.optimizer, "hold_grad_sync", None)
+        if hold is not None:
+            hold(list(self.model.parameters()))
+
+    def _release(self, params: list, flush: bool = True) -> None:
+        release = getattr(self.optimizer, "release_grad_sync", None)
+        if release is not None and params:
+            release(params)
+            if flush:
+                self._flush(params)
+
+    def _flush(self, params: list) -> None:
+        flush = getattr(self.optimizer, "flush_grad_sync", None)
+        if flush is not None:
+            flush(params)
+
+    def _mean_loss(self) -> torch.Tensor:
+        """Mean over microbatches (and data replicas), broadcast from the last stage over the pipe."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.model.device)
+        if self.grid.pipe_rank == self.last_pipe_rank:
+            loss = torch.stack([self._losses[mb].float() for mb in range(self.num_microbatches)]).mean()
+            if self.grid.data_size > 1:
+                dist.all_reduce(loss, group=self.grid.data_group)
+                loss /= self.grid.data_size
+        if self.grid.pipe_size > 1:
+            dist.broadcast(loss, src=self.grid.rank_of(pipe=self.last_pipe_rank), group=self.grid.pipe_group)
+        return loss
+
+
+class _PipeP2P:
+    """Point-to-point transfers for the runner: no wait ever blocks a send that a peer needs.
+
+    comm's P2P exchanges all metadata first, then all data, each phase a rendezvous; a rank
+    that sends an activation while it receives a NEW gradient stream would wait for that
+    gradient's metadata while its peer waits for the activation (a deadlock in GPipe's first
+    step). Here the first transfer of each stream travels with its metadata on a side channel
+    (tag 1 on gloo; a gloo twin group beside nccl), posted at once; transfers of known streams
+    form one batch of sends and receives (Megatron's pairing, nccl-friendly), posted at once;
+    only then are the new streams received, one by one in the sender's order. Both sides
+    agree on which channel carries a message (its stream is new to both), and each channel
+    keeps the per-pair order, which is all order-matching transports (nccl) need.
+    """
+
+    def __init__(self, group, side_group, timeout_s: float, device: torch.device):
+        self.group, self.side = group, side_group
+        self.tag = 1 if side_group is group else 0
+        self.side_device = device if side_group is group else torch.device("cpu")
+        self.timeout, self.device = datetime.timedelta(seconds=timeout_s), device
+        self._sent: set[tuple[int, str]] = set()
+        self._meta: dict[tuple[int, str], list] = {}
+        self._pending: list = []  # sends not yet known to be complete (torch pipelining waits them late too)
+
+    def drain(self) -> None:
+        """Wait for every send still in flight (at the end of a step)."""
+        pending, self._pending = self._pending, []
+        self._wait(pending, [], [])
+
+    def exchange(self, sends: Sequence, recvs: Sequence[tuple[int, str]]) -> list[tuple[torch.Tensor, ...]]:
+        """Send (peer, key, tensors) and receive (peer, key); returns the received tuples in order."""
+        sends = [(peer, key, tuple(ts) if isinstance(ts, (tuple, list)) else (ts,)) for peer, key, ts in sends]
+        new = [(peer, key) not in self._sent for peer, key, _ in sends]
+        side_ops = []
+        for peer, key, tensors in (s for s, is_new in zip(sends, new) if is_new):
+            side_ops.append(dist.P2POp(dist.isend, encode_meta(tensors).to(self.side_device), peer, self.side, self.tag))
+            side_ops += [dist.P2POp(dist.isend, t.detach().to(self.side_device).contiguous(), peer, self.side, self.tag)
+                         for t in tensors]
+            self._sent.add((peer, key))
+        self._pending += dist.batch_isend_irecv(side_ops) if side_ops else []
+        known = [i for i, (peer, key) in enumerate(recvs) if (peer, key) in self._meta]
+        out: list = [None] * len(recvs)
+        ops = [dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group)
+               for (peer, key, tensors), is_new in zip(sends, new) if not is_new for t in tensors]
+        num_sends = len(ops)
+        for i in known:
+            out[i] = self._buffers(*recvs[i], self.device)
+            ops += [dist.P2POp(dist.irecv, b, recvs[i][0], self.group) for b in out[i]]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) == len(ops):  # one work per operation (gloo): sends complete in the background
+            self._pending += works[:num_sends]
+            works = works[num_sends:]
+        _count(sends, recvs)
+        for i, (peer, key) in enumerate(recvs):
+            if out[i] is None:
+                out[i] = self._receive_new(peer, key)
+        self._wait(works, sends, recvs)
+        for (peer, key), bufs in zip(recvs, out):
+            for b, (_, grad, _) in zip(bufs, self._meta[(peer, key)]):
+                if grad and b.is_floating_point():
+                    b.requires_grad_(True)
+        return out
+
+    def _receive_new(self, peer: int, key: str) -> tuple[torch.Tensor, ...]:
+        meta = torch.empty(_META_WORDS, dtype=torch.int64, device=self.side_device)
+        self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, meta, peer, self.side, self.tag)]), [], [(peer, key)])
+        self._meta[(peer, key)] = decode_meta(meta.cpu())
+        bufs = self._buffers(peer, key, self.side_device)
+        if bufs:
+            ops = [dist.P2POp(dist.irecv, b, peer, self.side, self.tag) for b in bufs]
+            self._wait(dist.batch_isend_irecv(ops), [], [(peer, key)])
+        return tuple(b.to(self.device) for b in bufs)
+
+    def _buffers(self, peer: int, key: str, device) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, _, shape in self._meta[(peer, key)])
+
+    def _wait(self, works: list, sends: Sequence, recvs: Sequence) -> None:
+        try:
+            for work in works:
+                work.wait(self.timeout)
+        except RuntimeError as e:
+            what = [f"send {k!r} to rank {p}" for p, k, _ in sends] + [f"recv {k!r} from rank {p}" for p, k in recvs]
+            raise CommTimeout(f"rank {dist.get_rank()}: p2p did not complete within "
+                              f"{self.timeout.total_seconds():.0f}s: {'; '.join(what)} ({e})") from e
+
+
+def _count(sends: Sequence, recvs: Sequence) -> None:
+    me = dist.get_rank()
+    for peer, _, tensors in sends:
+        TRAFFIC.add("p2p_send", sum(t.numel() * t.element_size() for t in tensors), group=f"{me}->{peer}")
+    for peer, _ in recvs:
+        TRAFFIC.add("p2p_recv", 0, group=f"{peer}->{me}")
+
+
+# -- static plan of the schedule ----------------------------------------------------------------
+def _plan_all(actions: dict[int, list[Action]], model: PipelineModule) -> dict[int, list[_Step]]:
+    """Every rank's steps with their transfers.
+
+    Transfers between two ranks must be received in the order they were sent (nccl matches
+    point-to-point operations by order), so a rank that needs a message receives first every
+    earlier message of that sender it has not received yet (ZeroBubbleV needs this).
+    """
+    p, chunks = model.num_stages, model.num_chunks
+    if sorted(actions) != list(range(p)):
+        raise ValueError(f"schedule.actions({p}) returned ranks {sorted(actions)}; expected 0..{p - 1}")
+    plans, sent = {}, {}
+    for rank in range(p):
+        plans[rank] = []
+        for action in actions[rank]:
+            if not isinstance(action, Action) or not 0 <= action.chunk < chunks:
+                raise ValueError(f"rank {rank}: {action!r} is not an Action on a chunk in 0..{chunks - 1}")
+            step = _step(action, rank, model)
+            plans[rank].append(step)
+            if step.send:
+                sent.setdefault((rank, step.send[0]), []).append((step.send[1], action.microbatch))
+    for rank in range(p):
+        taken = {src: 0 for src, dst in sent if dst == rank}
+        for i, step in enumerate(plans[rank]):
+            if step.need:
+                plans[rank][i] = step._replace(recvs=_take_until(sent, taken, step, rank))
+        for src, count in taken.items():
+            if count != len(sent[(src, rank)]):
+                raise ValueError(f"schedule: rank {src} sends {_seq(sent[(src, rank)][count:])} to rank {rank}, "
+                                 "which never uses them")
+    return plans
+
+
+def _take_until(sent: dict, taken: dict, step: _Step, rank: int) -> tuple:
+    src, key = step.need
+    seq, start = sent.get((src, rank), []), taken.get(src, 0)
+    want = (key, step.action.microbatch)
+    if want in seq[:start]:
+        return ()
+    if want not in seq[start:]:
+        raise ValueError(f"schedule: rank {rank} runs {step.action}, which needs {key}/mb{want[1]} from rank "
+                         f"{src}, but rank {src} never sends it; every forward needs its predecessor's forward "
+                         "and every backward its successor's backward")
+    end = seq.index(want, start) + 1
+    taken[src] = end
+    return tuple((src, k, mb) for k, mb in seq[start:end])
+
+
+def _step(action: Action, rank: int, model: PipelineModule) -> _Step:
+    p, v, placement = model.num_stages, model.num_virtual_stages, model.placement
+    s = virtual_stage(rank, action.chunk, p, placement)
+    prev_rank = owner(s - 1, p, placement)[0] if s > 0 else None
+    next_rank = owner(s + 1, p, placement)[0] if s < v - 1 else None
+    remote = lambda r: r is not None and r != rank  # noqa: E731
+    if action.op is Op.FORWARD:
+        return _Step(action, s, (prev_rank, f"a{s - 1}") if remote(prev_rank) else None,
+                     (next_rank, f"a{s}") if remote(next_rank) else None)
+    if action.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+        return _Step(action, s, (next_rank, f"g{s + 1}") if remote(next_rank) else None,
+                     (prev_rank, f"g{s}") if remote(prev_rank) else None)
+    return _Step(action, s, None, None)
+
+
+def _seq(items: list) -> str:
+    text = ", ".join(f"{k}/mb{mb}" for k, mb in items[:8])
+    return f"[{text}{', ...' if len(items) > 8 else ''}]"
+
+
+def _last_weight_use(steps: Sequence[_Step], model: PipelineModule) -> dict[int, list]:
+    """Step index -> the (untied) parameters whose last gradient contribution that step makes.
+
+    A parameter's gradient is final after the last B (or W, when backward is split) of the
+    last chunk using it; that is when the optimizer may start reducing it.
+    """
+    weight_ops = (Op.BACKWARD, Op.BACKWARD_WEIGHT)
+    last_of_chunk = {s.action.chunk: i for i, s in enumerate(steps) if s.action.op in weight_ops}
+    tied = {id(t) for t in model.tied_parameters()}
+    final: dict[int, tuple[int, Any]] = {}
+    for chunk, index in last_of_chunk.items():
+        for param in model.chunk_parameters(chunk):
+            if id(param) not in tied and index >= final.get(id(param), (-1, None))[0]:
+                final[id(param)] = (index, param)
+    out: dict[int, list] = {}
+    for index, param in final.values():
+        out.setdefault(index, []).append(param)
+    return out
+
+
+# -- checks and batch helpers ------------------------------------------------------------
+def _check_schedule(model: PipelineModule, schedule: Any, optimizer: Any) -> None:
+    if not isinstance(model, PipelineModule):
+        raise TypeError(f"PipelineRunner(model={type(model).__name__}): expected a PipelineModule")
+    for attr in ("num_microbatches", "actions"):
+        if not hasattr(schedule, attr):
+            raise TypeError(f"PipelineRunner: schedule {schedule!r} has no {attr!r}; expected an object with "
+                            "num_microbatches, num_chunks, placement and actions(num_stages)")
+    m = schedule.num_microbatches
+    if not isinstance(m, int) or m < 1:
+        raise ValueError(f"schedule.num_microbatches={m!r}: expected a positive integer")
+    chunks = getattr(schedule, "num_chunks", 1)
+    if chunks != model.num_chunks:
+        raise ValueError(f"{type(schedule).__name__} runs {chunks} chunks per rank but "
+                         f"PipelineModule(num_chunks={model.num_chunks}); make them equal")
+    placement = getattr(schedule, "placement", "looped")
+    if placement != model.placement:
+        raise ValueError(f"{type(schedule).__name__} places chunks {placement!r} but "
+                         f"PipelineModule(placement={model.placement!r}); make them equal")
+    if getattr(optimizer, "stage", None) == 3:
+        raise ValueError("PipelineRunner does not run ZeRO stage 3 (it would gather every chunk's parameters "
+                         "once per microbatch); use ZeroOptimizer(stage=2), which keeps full weights per stage")
+
+
+def _side_group(grid: Any) -> Any:
+    """The pipe group itself on gloo; beside nccl, a gloo twin (created on every rank, in order)."""
+    if dist.get_backend(grid.pipe_group) != "nccl":
+        return grid.pipe_group
+    mine = None
+    for data in range(grid.data_size):
+        for tensor in range(grid.tensor_size):
+            ranks = [grid.rank_of(pipe=p, data=data, tensor=tensor) for p in range(grid.pipe_size)]
+            group = dist.new_group(ranks, backend="gloo")
+            mine = group if grid.rank in ranks else mine
+    return mine
+
+
+def _tensors(x: Any) -> tuple:
+    return (x,) if isinstance(x, torch.Tensor) else tuple(t for t in x if isinstance(t, torch.Tensor))
+
+
+def _detached(x: Any) -> Any:
+    """A same-rank hand-off: a new graph leaf per tensor, as if it had come over the network."""
+    cut = lambda t: t.detach().requires_grad_(t.requires_grad)  # noqa: E731
+    return cut(x) if isinstance(x, torch.Tensor) else tuple(cut(t) for t in x)
+
+
+def _batch_problem(batch: Any, m: int) -> list[int]:
+    """[missing, indivisible batch size (0 if fine)] for the inputs or targets of this rank."""
+    if batch is None:
+        return [1, 0]
+    sizes = {t.shape[0] for t in _tensors(batch)} if not isinstance(batch, torch.Tensor) else {batch.shape[0]}
+    if len(sizes) != 1:
+        return [0, -1]
+    size = sizes.pop()
+    return [0, size if size % m else 0]
+
+
+def _raise_batch_errors(w: list[int], m: int, need_targets: bool) -> None:
+    if w[0]:
+        raise ValueError("train_step/eval_step: the first pipeline stage got inputs=None; pass the batch there")
+    if w[1]:
+        raise ValueError(f"the inputs' batch dimension ({w[1] if w[1] > 0 else 'differs between tensors'}) "
+                         f"does not split into num_microbatches={m} equal microbatches; use a batch "
+                         f"that is a multiple of {m}")
+    if w[2] and need_targets:
+        raise ValueError("train_step: the last pipeline stage got targets=None; pass the targets there")
+    if w[3]:
+        raise ValueError(f"the targets' batch dimension ({w[3] if w[3] > 0 else 'differs between tensors'}) "
+                         f"does not split into num_microbatches={m} equal microbatches")
+
+
+def _signature(batch: Any) -> int:
+    """A number that changes when the microbatch shapes change (then metadata is sent afresh)."""
+    shapes = tuple((tuple(t.shape), str(t.dtype)) for t in _tensors(batch))
+    return zlib.crc32(repr(shapes).encode())
+
+
+def _split(batch: Any, m: int, device: torch.device) -> list:
+    if isinstance(batch, torch.Tensor):
+        return list(batch.to(device).chunk(m))
+    parts = [t.to(device).chunk(m) if isinstance(t, torch.Tensor) else [t] * m for t in batch]
+    return [tuple(p[i] for p in parts) for i in range(m)]

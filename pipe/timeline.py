@@ -1,0 +1,115 @@
+"""The real timeline of a pipeline step: when each action ran on each rank.
+
+The executor records every compute action and every wait on the network; from those the
+measured bubble (idle share of the ranks' time) is what the simulator predicts for the same
+schedule, and the events export as a chrome trace (chrome://tracing, ui.perfetto.dev).
+On CUDA the times come from CUDA events resolved once at the end of the step, so recording
+never synchronises the GPU mid-step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Event", "Timeline", "bubble_fraction", "chrome_trace", "gather_events"]
+
+
+@dataclass
+class Event:
+    """One span on one rank: `kind` is "compute" (an action) or "comm" (waiting on peers)."""
+
+    name: str
+    kind: str
+    rank: int
+    start: float  # seconds, monotonic clock shared by the processes of one host
+    end: float
+
+
+class Timeline:
+    """Records the events of the current step on this rank."""
+
+    def __init__(self, rank: int, device: torch.device | str = "cpu"):
+        self.rank = rank
+        self.cuda = torch.device(device).type == "cuda"
+        self.events: list[Event] = []
+        self._pending: list[tuple[str, str, object, object]] = []
+        self._origin: tuple[float, object] | None = None
+
+    def begin(self) -> None:
+        """Start a new step (drops the previous step's events)."""
+        self.events, self._pending = [], []
+        marker = None
+        if self.cuda:
+            marker = torch.cuda.Event(enable_timing=True)
+            marker.record()
+        self._origin = (time.perf_counter(), marker)
+
+    @contextmanager
+    def span(self, name: str, kind: str) -> Iterator[None]:
+        """Time the body as one event."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._pending.append((name, kind, start, end))
+        else:
+            start = time.perf_counter()
+            yield
+            self.events.append(Event(name, kind, self.rank, start, time.perf_counter()))
+
+    def finish(self) -> None:
+        """Resolve CUDA events into times (one synchronisation, at the end of the step)."""
+        if self.cuda and self._pending:
+            torch.cuda.synchronize()
+            host0, marker = self._origin
+            for name, kind, start, end in self._pending:
+                self.events.append(Event(name, kind, self.rank, host0 + marker.elapsed_time(start) / 1e3,
+                                         host0 + marker.elapsed_time(end) / 1e3))
+            self._pending = []
+
+    def bubble(self) -> float:
+        """This rank's idle share of its step: 1 - compute time / span."""
+        return bubble_fraction(self.events)
+
+
+def bubble_fraction(events: Sequence[Event]) -> float:
+    """1 - (compute time summed over ranks) / (step span summed over ranks).
+
+    The span of each rank is from its first to its last event; with the ranks started
+    together this is the simulator's definition (idle area / ranks x makespan).
+    """
+    busy, span = 0.0, 0.0
+    for rank in sorted({e.rank for e in events}):
+        mine = [e for e in events if e.rank == rank]
+        busy += sum(e.end - e.start for e in mine if e.kind == "compute")
+        span += max(e.end for e in mine) - min(e.start for e in mine)
+    return 1.0 - busy / span if span > 0 else 0.0
+
+
+def gather_events(events: Sequence[Event], group=None) -> list[Event]:
+    """Every rank's events of `group` on every rank (a collective)."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, [asdict(e) for e in events], group=group)
+    return [Event(**e) for part in gathered for e in part]
+
+
+def chrome_trace(events: Sequence[Event], path: str | None = None) -> dict:
+    """The events as a chrome trace (one row per rank); written to `path` when given."""
+    t0 = min((e.start for e in events), default=0.0)
+    trace = {"traceEvents": [
+        {"name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
+         "ts": (e.start - t0) * 1e6, "dur": (e.end - e.start) * 1e6} for e in events]}
+    trace["traceEvents"] += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+                             for r in sorted({e.rank for e in events})]
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(trace, f)
+    return trace

@@ -1,0 +1,177 @@
+"""A tiny tied-embedding language model, as layer specs and as its plain single-process truth.
+
+The pipeline tests build the first through PipelineModule and compare against the second,
+which is written with plain PyTorch only (the same per-layer seeds: layer i under seed + i).
+Stages pass a tuple (hidden, mask) where mask is an int64 tensor that needs no gradient.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
+
+VOCAB, WIDTH, SEQ = 16, 8, 4
+
+
+class Block(nn.Module):
+    """A residual tanh MLP on (hidden, mask)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        h, mask = x
+        return h + torch.tanh(self.lin(h)) * mask.unsqueeze(-1).to(h.dtype), mask
+
+
+def embed(module, ids):
+    return module(ids), (ids % 3 != 0).long()
+
+
+def head(module, x):
+    return x[0] @ module.weight.t()
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def specs(num_blocks: int) -> list:
+    return ([TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=embed)]
+            + [LayerSpec(Block, WIDTH) for _ in range(num_blocks)]
+            + [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=head)])
+
+
+class Reference(nn.Module):
+    """The same model in one process, parameter names as PipelineModule gives them."""
+
+    def __init__(self, num_blocks: int, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed + 0)
+        self.tied = nn.ModuleDict({"embed": nn.Embedding(VOCAB, WIDTH)})
+        blocks = {}
+        for i in range(1, num_blocks + 1):
+            torch.manual_seed(seed + i)
+            blocks[str(i)] = Block(WIDTH)
+        self.layers = nn.ModuleDict(blocks)
+
+    def forward(self, ids):
+        emb = self.tied["embed"]
+        x = (emb(ids), (ids % 3 != 0).long())
+        for block in self.layers.values():
+            x = block(x)
+        return x[0] @ emb.weight.t()
+
+
+def batch(step: int, size: int, seq: int = SEQ):
+    """Deterministic token ids and targets for one step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (size, seq), generator=g)
+    targets = torch.randint(0, VOCAB, (size, seq), generator=g)
+    return ids, targets
+
+
+def reference_run(num_blocks: int, steps: int, size: int, lr: float, optim: str = "sgd", seqs=None):
+    """Losses per step and final parameters of the single-process truth."""
+    model = Reference(num_blocks)
+    opt = (torch.optim.SGD if optim == "sgd" else torch.optim.Adam)(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        ids, targets = batch(step, size, seqs[step] if seqs else SEQ)
+        loss = loss_fn(model(ids), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+# -- the distributed side -------------------------------------------------------------------
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from harness import run  # noqa: E402
+from pipezero.pipe.actions import Action, Op  # noqa: E402
+from pipezero.pipe.module import PipelineModule  # noqa: E402
+from pipezero.pipe.runner import PipelineRunner  # noqa: E402
+from pipezero.topology import Grid  # noqa: E402
+
+
+class HandGPipe:
+    """A user's hand-written schedule: any object with these attributes is accepted."""
+
+    num_chunks, placement, split_backward = 1, "looped", False
+
+    def __init__(self, num_microbatches):
+        self.num_microbatches = num_microbatches
+
+    def actions(self, num_stages):
+        m = self.num_microbatches
+        return {r: [Action(Op.FORWARD, 0, i) for i in range(m)] + [Action(Op.BACKWARD, 0, i) for i in range(m)]
+                for r in range(num_stages)}
+
+
+def make_schedule(name, m):
+    from pipezero.pipe import schedules
+
+    if name == "HandGPipe":
+        return HandGPipe(m)
+    return getattr(schedules, name)(num_microbatches=m)
+
+
+def train_pipeline(pipe, name, m, num_blocks, steps, size, lr, optim="sgd", ckpt=0, seqs=None):
+    """Train on every rank; return (losses, {global name: param}) of this rank."""
+    grid = Grid(pipe=pipe)
+    sched = make_schedule(name, m)
+    model = PipelineModule(specs(num_blocks), grid=grid, loss_fn=loss_fn, num_chunks=sched.num_chunks,
+                           placement=sched.placement, activation_checkpoint_interval=ckpt)
+    opt = (torch.optim.SGD if optim == "sgd" else torch.optim.Adam)(model.parameters(), lr=lr)
+    runner = PipelineRunner(model, sched, optimizer=opt)
+    replica, replicas = grid.data_rank, grid.data_size
+    losses = []
+    for step in range(steps):
+        ids, targets = batch(step, size, seqs[step] if seqs else SEQ)
+        share = size // replicas
+        ids, targets = ids[replica * share:(replica + 1) * share], targets[replica * share:(replica + 1) * share]
+        loss = runner.train_step(ids if grid.is_first_stage else None, targets)
+        if replicas > 1:  # plain data parallelism by hand (no reducing optimizer in this test)
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=grid.data_group)
+                p.grad /= replicas
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_parity(results, num_blocks, steps, size, lr, optim="sgd", seqs=None):
+    ref_losses, ref_params = reference_run(num_blocks, steps, size, lr, optim, seqs)
+    seen = set()
+    for losses, params in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-5, msg=name)
+            seen.add(name)
+    assert seen == set(ref_params), set(ref_params) ^ seen
+
+
+@pytest.mark.parametrize("world, pipe, name, m, blocks", [
+    (2, 2, "HandGPipe", 2, 2),
+    (2, 2, "GPipe", 4, 2),
+    (2, 2, "OneFOneB", 4, 3),
+    (4, 4, "OneFOneB", 8, 4),
+    (4, 2, "OneFOneB", 4, 2),          # pipe 2 x data 2
+    (2, 2, "Interleaved1F1B", 4, 4),
+    (4, 4, "Interleaved1F1B", 4, 8),
+    (2, 2, "ZeroBubbleH1", 4, 2),
+    (4, 4, "ZeroBubbleH1", 4, 4),
+    (2, 2, "ZeroBubbleV", 4, 2),
+    (4, 2, "ZeroBubbleV", 4, 4),       # pipe 2 x data 2, V placement (embedding and head on rank 0)
+    (4, 4, "ZeroBubbleV", 8, 8),
+])
+def test_parity_with_single_process(world, pipe, name, m, blocks):
+    steps, size, lr = 3, 8, 0.5
+    results = run(train_pipeline, world, pipe, name, m, blocks, steps, size, lr, timeout=120)
+    assert_parity(results, blocks, steps, size, lr)
