@@ -250,3 +250,29 @@ def test_executor_models():
         validate(OneFOneB(2), 2, sends="eager")
     with pytest.raises(ValueError, match="channels='tag'"):
         validate(OneFOneB(2), 2, channels="tag")
+
+
+def _torch_order(cls_name: str, p: int, m: int, placement: str) -> dict[int, list[Action]]:
+    """torch.distributed.pipelining's order for the same schedule (private API: skip if gone)."""
+    from pipezero.pipe.placement import owner
+    tps = pytest.importorskip("torch.distributed.pipelining.schedules")
+    try:
+        sched = object.__new__(getattr(tps, cls_name))
+        sched.pp_group_size, sched._n_microbatches, sched.n_local_stages = p, m, 2
+        sched.num_stages, sched.microbatches_per_round = 2 * p, m // max(1, m // p)
+        order = {r: sched._calculate_single_rank_operations(r) for r in range(p)}
+        ops = {"F": Op.FORWARD, "B": Op.BACKWARD, "I": Op.BACKWARD_INPUT, "W": Op.BACKWARD_WEIGHT}
+        return {r: [Action(ops[a.computation_type.value], owner(a.stage_index, p, placement)[1],
+                           a.microbatch_index) for a in acts if a is not None]
+                for r, acts in order.items()}
+    except (AttributeError, TypeError, KeyError) as e:  # torch changed its private API
+        pytest.skip(f"torch pipelining internals changed: {e!r}")
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_same_orders_as_torch_pipelining(p):
+    for m in (1, p, 2 * p, 2 * p + 1, 4 * p):
+        assert ZeroBubbleV(m).actions(p) == _torch_order("ScheduleZBVZeroBubble", p, m, "v"), m
+        if m % p == 0:
+            assert Interleaved1F1B(m).actions(p) == \
+                _torch_order("ScheduleInterleaved1F1B", p, m, "looped"), m
