@@ -15,11 +15,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from pipezero.pipe.actions import Action, Op
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from pipezero.pipe.simulate import SimResult
 
 __all__ = ["to_text", "to_chrome_trace", "to_image", "to_png", "COLORS"]
@@ -90,6 +90,8 @@ def to_chrome_trace(result: "SimResult", time_unit_us: float = 1000.0) -> dict[s
 
 def _color(a: Action, num_chunks: int) -> np.ndarray:
     """The op's colour, lighter for later chunks (chunk c of v mixed 0.5*c/v with white)."""
+    import numpy as np
+
     base = np.array(COLORS[a.op], dtype=np.float64)
     mix = 0.5 * a.chunk / max(num_chunks, 1)
     return base + (255.0 - base) * mix
@@ -101,6 +103,8 @@ def to_image(result: "SimResult", px_per_unit: float | None = None,
 
     `px_per_unit` defaults to a width of about 1200 pixels (at least 2 per time unit).
     """
+    import numpy as np  # only the picture needs numpy
+
     span = max(result.makespan, 1e-9)
     scale = px_per_unit if px_per_unit is not None else max(2.0, 1200.0 / span)
     width = int(np.ceil(span * scale)) + 2 * gap
@@ -132,7 +136,7 @@ def to_png(result: "SimResult", path: str | Path, **image_kwargs: Any) -> Path:
 
 def encode_png(img: np.ndarray) -> bytes:
     """A minimal RGB PNG encoder (no filtering, zlib-compressed) for when pillow is absent."""
-    if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+    if str(img.dtype) != "uint8" or img.ndim != 3 or img.shape[2] != 3:
         raise ValueError(f"encode_png needs an H x W x 3 uint8 array, got {img.dtype} {img.shape}")
     h, w, _ = img.shape
     raw = b"".join(b"\x00" + img[y].tobytes() for y in range(h))

@@ -10,11 +10,17 @@ without a process group.  The rules, for virtual stage s of S = num_stages * num
 * W of stage s for i needs its own I for i;
 * every rank runs, for each of its chunks and each microbatch, one F and either one B or
   one I and one W, and nothing twice;
-* between two virtual stages on different ranks, the receiver takes the activations
-  (gradients) in the order the sender sends them: the executor keeps one ordered stream per
-  stage boundary and direction;
-* run in order on every rank, with sends that never block and receives that wait for their
-  data, the schedule finishes (no deadlock).
+* messages between two ranks are taken in the order they are sent, per ordered channel:
+  channels="kind" (default) keeps one channel per (sender, receiver, activation|gradient),
+  channels="pair" one per (sender, receiver), as a single untagged transport does;
+* run in order on every rank, with receives that wait for their data, the schedule
+  finishes (no deadlock). sends="async" (default): a send never holds up its rank;
+  sends="blocking": the rank's next action waits until the receiver has posted the
+  receive (it posts it once the action before the consuming one is done), which is how
+  a batched send+receive that waits for both behaves when the transport (nccl, large
+  messages) cannot buffer. ZB-V needs channels="kind"; ZB-V and interleaved 1F1B with
+  m > p need sends="async"; GPipe, 1F1B and ZB-H1 pass every model (ZB-H1 loses its gain
+  under blocking sends, see bench/RESULTS.md).
 
 A failure raises ScheduleError with the step x rank grid (step = position in the rank's
 list) and the offending cells in brackets.
@@ -29,7 +35,8 @@ from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.render import to_text
 
-__all__ = ["ScheduleError", "validate"]
+__all__ = ["ScheduleError", "validate", "Transfer", "transfers", "dependencies", "execute",
+           "normalize", "resolve_placement"]
 
 _BACKWARDS = (Op.BACKWARD, Op.BACKWARD_INPUT)
 Key = tuple[int, Action]  # (rank, action): one action of the whole schedule
