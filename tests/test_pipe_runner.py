@@ -175,3 +175,67 @@ def test_parity_with_single_process(world, pipe, name, m, blocks):
     steps, size, lr = 3, 8, 0.5
     results = run(train_pipeline, world, pipe, name, m, blocks, steps, size, lr, timeout=120)
     assert_parity(results, blocks, steps, size, lr)
+
+
+# -- features on top of the schedules -----------------------------------------------------------
+class Scaled:
+    """A minimal loss-scaling wrapper (protocol 1): the runner must backpropagate scale(loss)."""
+
+    def __init__(self, inner, factor):
+        self.inner, self.factor, self.scaled = inner, factor, 0
+
+    def scale(self, loss):
+        self.scaled += 1
+        return loss * self.factor
+
+    def step(self):
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                p.grad /= self.factor
+        self.inner.step()
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+
+def train_features(pipe, name, m, blocks, steps, size, lr, optim, ckpt, seqs, wrap):
+    """Activation checkpointing, Adam, a loss-scaling wrapper or ZeroOptimizer, variable lengths."""
+    grid = Grid(pipe=pipe)
+    sched = make_schedule(name, m)
+    model = PipelineModule(specs(blocks), grid=grid, loss_fn=loss_fn, num_chunks=sched.num_chunks,
+                           placement=sched.placement, activation_checkpoint_interval=ckpt)
+    inner = (torch.optim.SGD if optim == "sgd" else torch.optim.Adam)(model.parameters(), lr=lr)
+    if wrap == "scaled":
+        opt = Scaled(inner, 8.0)
+    elif wrap.startswith("zero"):
+        from pipezero.zero import ZeroOptimizer
+        opt = ZeroOptimizer(inner, stage=int(wrap[-1]), group=grid.data_group)
+    else:
+        opt = inner
+    runner = PipelineRunner(model, sched, optimizer=opt)
+    losses, share = [], size // grid.data_size
+    for step in range(steps):
+        ids, targets = batch(step, size, seqs[step])
+        mine = slice(grid.data_rank * share, (grid.data_rank + 1) * share)
+        losses.append(runner.train_step(ids[mine], targets[mine]).item())
+        opt.step()
+        opt.zero_grad()
+    if wrap == "scaled":
+        last = any(model.is_last(c) for c in range(model.num_chunks))
+        assert opt.scaled == (steps * m if last else 0), opt.scaled
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world, pipe, name, m, optim, ckpt, wrap", [
+    (2, 2, "OneFOneB", 4, "adam", 1, "scaled"),       # Adam, checkpoint every layer, loss scaling
+    (2, 2, "ZeroBubbleV", 4, "sgd", 2, "none"),       # checkpointing under the I/W split
+    (4, 2, "Interleaved1F1B", 4, "sgd", 0, "zero1"),  # ZeroOptimizer stage 1 reduces over data
+    (4, 2, "ZeroBubbleH1", 4, "adam", 0, "zero2"),    # stage 2: reduce-scatter overlapping the pipeline
+])
+def test_parity_features(world, pipe, name, m, optim, ckpt, wrap):
+    steps, size, blocks = 3, 8, 4
+    lr = 0.5 if optim == "sgd" else 0.01
+    seqs = [4, 6, 3]  # variable sequence length between steps
+    results = run(train_features, world, pipe, name, m, blocks, steps, size, lr, optim, ckpt, seqs, wrap,
+                  timeout=120)
+    assert_parity(results, blocks, steps, size, lr, optim, seqs)
