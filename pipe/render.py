@@ -45,8 +45,11 @@ def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
         cells = [[str(schedule[r][k]) if k < len(schedule[r]) else "" for r in range(p)]
                  for k in range(rows)]
         labels = [str(k) for k in range(rows)]
-    else:
+    elif hasattr(schedule, "timeline"):
         cells, labels, p = _timed_cells(schedule)
+    else:
+        raise TypeError(f"to_text needs a dict rank -> actions (e.g. sched.actions(num_stages)) "
+                        f"or a SimResult, got {type(schedule).__name__}")
     marked = set(mark)
     for r, k in marked:
         if 0 <= k < len(cells) and 0 <= r < p:

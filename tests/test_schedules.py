@@ -227,6 +227,8 @@ def test_marked_grid_text():
     text = to_text({0: [Action.parse("0F0"), Action.parse("0B0")], 1: [Action.parse("0F0")]},
                    mark=[(1, 0)])
     assert text.splitlines() == ["step  rank 0  rank 1", "   0  0F0     [0F0]", "   1  0B0"]
+    with pytest.raises(TypeError, match=r"sched.actions\(num_stages\)"):
+        to_text(OneFOneB(2))
 
 
 def test_executor_models():
