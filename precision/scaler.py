@@ -65,7 +65,7 @@ class LossScaler(ChainWrapper):
             config = section
         elif dtype == torch.float16:
             config = ScalerConfig.from_fp16(section, clip_grad_norm=clip_grad_norm)
-        elif dtype in (torch.bfloat16, torch.float32):
+        elif dtype == torch.bfloat16:
             config = ScalerConfig.from_bf16(section, clip_grad_norm=clip_grad_norm)
         else:
             raise ValueError(f"LossScaler.from_config(dtype={dtype}): expected torch.float16 (an fp16 "

@@ -212,6 +212,19 @@ def test_repr_shows_the_nesting():
         == "LossScaler(static=128, clip=1, SGD)"
 
 
+def test_lr_scheduler_drives_the_whole_chain():
+    params = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))]
+    adam = torch.optim.Adam(params, lr=1.0)
+    opt = LossScaler(MasterWeights(adam))
+    assert opt.param_groups is adam.param_groups
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    params[0].grad = torch.ones(2, dtype=torch.float16)
+    assert opt.step() is True
+    sched.step()
+    assert adam.param_groups[0]["lr"] == 0.5
+    assert adam.param_groups[0]["params"][0].dtype == torch.float32  # Adam steps the fp32 master
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(init_scale=0), ValueError, "init_scale=0"),
     (dict(init_scale=-4.0), ValueError, "init_scale=-4.0"),
