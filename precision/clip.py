@@ -76,12 +76,14 @@ def _agree(stats: torch.Tensor, group) -> tuple[float, bool]:
     return sumsq, bad == 0 and math.isfinite(sumsq)
 
 
-def grad_stats(params: Iterable[torch.Tensor], group=None, scale: float = 1.0) -> GradStats:
+def grad_stats(params: Iterable[torch.Tensor] | dict, group=None, scale: float = 1.0) -> GradStats:
     """The global norm of `params`' grads divided by `scale`, and whether all of them are finite.
 
+    `params` may also be grouped_grads(params), computed once by a caller that reuses it.
     Every rank of `group` (default: the whole world) must call it, even with no grads.
     """
-    stats = _local_sums(grouped_grads(params), comm_device(group))
+    groups = params if isinstance(params, dict) else grouped_grads(params)
+    stats = _local_sums(groups, comm_device(group))
     sumsq, finite = _agree(stats, group)
     norm = math.sqrt(sumsq) / scale if finite else (math.nan if math.isnan(sumsq) else math.inf)
     return GradStats(norm, finite)
@@ -114,11 +116,11 @@ def clip_grad_norm(params: Iterable[torch.Tensor] | torch.Tensor, max_norm: floa
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"clip_grad_norm(max_norm={max_norm!r}): must be a positive number")
-    params = _param_list(params)
-    stats = grad_stats(params, group)
+    groups = grouped_grads(_param_list(params))
+    stats = grad_stats(groups, group)
     if stats.finite:
         coef = stats.clip_coef(float(max_norm))
         if coef < 1.0:
-            for grads, _ in grouped_grads(params).values():
+            for grads, _ in groups.values():
                 torch._foreach_mul_(grads, coef)
     return torch.tensor(stats.norm, dtype=torch.float32)

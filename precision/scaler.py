@@ -111,16 +111,16 @@ class LossScaler(ChainWrapper):
     def _unscale_and_check(self) -> bool:
         """Unscale (and clip) the grads in place; return whether every rank's grads are finite."""
         inv_scale = 1.0 / self.loss_scale
+        groups = grouped_grads(self._params())
         if self.config.clip_grad_norm > 0:
-            stats = grad_stats(self._params(), self.group, scale=self.loss_scale)
+            stats = grad_stats(groups, self.group, scale=self.loss_scale)
             self.last_grad_norm = stats.norm
             if stats.finite:
                 factor = inv_scale * stats.clip_coef(self.config.clip_grad_norm)
                 if factor != 1.0:
-                    for grads, _ in grouped_grads(self._params()).values():
+                    for grads, _ in groups.values():
                         torch._foreach_mul_(grads, factor)
             return stats.finite
-        groups = grouped_grads(self._params())
         if not self.config.checks_finite:
             for grads, _ in groups.values():
                 torch._foreach_mul_(grads, inv_scale)
