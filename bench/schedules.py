@@ -20,7 +20,7 @@ import argparse
 import time
 from typing import Any, Callable
 
-from pipezero.pipe import (Action, Costs, GPipe, Interleaved1F1B, OneFOneB, Op, ScheduleError,
+from pipezero.pipe import (Action, Costs, DualPipeV, GPipe, Interleaved1F1B, OneFOneB, Op, ScheduleError,
                            ZeroBubbleH1, ZeroBubbleV, simulate, validate)
 from pipezero.pipe.placement import owner
 
@@ -44,17 +44,20 @@ def torch_order(name: str, p: int, m: int) -> tuple[dict[int, list[Action]], str
         sched = object.__new__(tps.ScheduleZBVZeroBubble)
         sched.pp_group_size, sched.num_stages, sched._n_microbatches = p, 2 * p, m
         placement = "v"
+    elif name == "DualPipeV":
+        sched = object.__new__(tps.ScheduleDualPipeV)
+        sched.pp_group_size, sched._n_microbatches = p, m
+        placement = "v"
     else:
         raise ValueError(name)
     out = {}
     for rank in range(p):
         acts = []
-        for a in sched._calculate_single_rank_operations(rank):
-            if a is None:
-                continue
-            r, chunk = owner(a.stage_index, p, placement)
-            assert r == rank
-            acts.append(Action(_TORCH_OPS[a.computation_type.value], chunk, a.microbatch_index))
+        for step in sched._calculate_single_rank_operations(rank):
+            for a in () if step is None else (step.sub_actions or (step,)):  # overlapped: F, B
+                r, chunk = owner(a.stage_index, p, placement)
+                assert r == rank
+                acts.append(Action(_TORCH_OPS[a.computation_type.value], chunk, a.microbatch_index))
         out[rank] = acts
     return out, placement
 
@@ -100,8 +103,9 @@ def main() -> None:
     print(head)
     for p in args.stages:
         for m in args.microbatches:
-            for name, ours in (("Interleaved1F1B", Interleaved1F1B(m)), ("ZeroBubbleV", ZeroBubbleV(m))):
-                if name == "Interleaved1F1B" and m % p:
+            for name, ours in (("Interleaved1F1B", Interleaved1F1B(m)), ("ZeroBubbleV", ZeroBubbleV(m)),
+                               ("DualPipeV", DualPipeV(m))):
+                if (name == "Interleaved1F1B" and m % p) or (name == "DualPipeV" and m < 2 * p):
                     continue
                 row = compare(name, ours, p, m, costs)
                 print(f"{name:<16}{p:>3}{m:>4}{row['bubble']:>9.4f}{row['torch_bubble']:>9.4f}"
@@ -122,8 +126,9 @@ def executor_table(stages: list[int], microbatches: list[int], p2p: float) -> No
     print(f"{'schedule':<16}{'p':>3}{'m':>4}{'async/kind':>12}{'blocking/pair':>15}")
     for p in stages:
         for m in microbatches:
-            for sched in (GPipe(m), OneFOneB(m), ZeroBubbleH1(m), Interleaved1F1B(m), ZeroBubbleV(m)):
-                if isinstance(sched, Interleaved1F1B) and m % p:
+            for sched in (GPipe(m), OneFOneB(m), ZeroBubbleH1(m), Interleaved1F1B(m), ZeroBubbleV(m),
+                          DualPipeV(m)):
+                if (isinstance(sched, Interleaved1F1B) and m % p) or (isinstance(sched, DualPipeV) and m < 2 * p):
                     continue
                 unit = 2.0 / sched.num_chunks
                 costs = Costs(forward=unit, backward_input=unit, backward_weight=unit, p2p=p2p)

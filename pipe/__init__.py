@@ -2,12 +2,12 @@
 
 from pipezero.pipe.actions import Action, Op, Schedule
 from pipezero.pipe.render import to_chrome_trace, to_image, to_png, to_text
-from pipezero.pipe.schedules import (Custom, GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1,
-                                     ZeroBubbleV)
+from pipezero.pipe.schedules import (Custom, DualPipeV, GPipe, Interleaved1F1B, OneFOneB,
+                                     ZeroBubbleH1, ZeroBubbleV)
 from pipezero.pipe.simulate import Costs, SimResult, simulate
 from pipezero.pipe.validate import ScheduleError, validate
 
 __all__ = ["Action", "Op", "Schedule",
-           "GPipe", "OneFOneB", "Interleaved1F1B", "ZeroBubbleH1", "ZeroBubbleV", "Custom",
+           "GPipe", "OneFOneB", "Interleaved1F1B", "ZeroBubbleH1", "ZeroBubbleV", "DualPipeV", "Custom",
            "validate", "ScheduleError", "simulate", "Costs", "SimResult",
            "to_text", "to_chrome_trace", "to_png", "to_image"]

@@ -20,7 +20,8 @@ from typing import ClassVar
 from pipezero.pipe.actions import Action, Op, Schedule
 from pipezero.pipe.placement import PLACEMENTS
 
-__all__ = ["GPipe", "OneFOneB", "Interleaved1F1B", "ZeroBubbleH1", "ZeroBubbleV", "Custom"]
+__all__ = ["GPipe", "OneFOneB", "Interleaved1F1B", "ZeroBubbleH1", "ZeroBubbleV", "DualPipeV",
+           "Custom"]
 
 F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
 
@@ -201,6 +202,53 @@ class ZeroBubbleV(_Base):
         return [a for a in ops.out if a.microbatch < m]
 
 
+@dataclass(frozen=True)
+class DualPipeV(_Base):
+    """DualPipeV: the V placement of ZB-V, with the steady state pairing a forward of one
+    chunk with a backward of the other (the pairs an executor can overlap to hide
+    communication), full backwards in the middle and split ones at both ends.
+
+    Listed in order (each pair as F then B); needs num_microbatches >= 2 * num_stages.
+    DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (DualPipe); the V ("cut-in-half")
+    variant of Qi et al.
+    """
+
+    num_microbatches: int
+    num_chunks: ClassVar[int] = 2
+    placement: ClassVar[str] = "v"
+    split_backward: ClassVar[bool] = True  # some backwards are split into I and W
+
+    def actions(self, num_stages: int) -> Schedule:
+        _check_count(f"{self!r}.actions", "num_stages", num_stages)
+        if self.num_microbatches < 2 * num_stages:
+            raise ValueError(f"{self!r} on num_stages={num_stages}: needs num_microbatches >= "
+                             f"2 * num_stages = {2 * num_stages}, or use ZeroBubbleV")
+        return super().actions(num_stages)
+
+    def _rank(self, rank: int, num_stages: int) -> list[Action]:
+        p, m, r = num_stages, self.num_microbatches, rank
+        ops = _VOps(m)
+        for _ in range(2 * (p - r - 1)):                                   # warm-up: down the V
+            ops.emit(F, 0)
+        for _ in range(r + 1):
+            ops.emit(F, 0), ops.emit(F, 1)
+        for _ in range(p - r - 1):                                         # first turns, split
+            ops.backward(1, split=True), ops.weight(), ops.emit(F, 1)
+        for _ in range(m - 2 * p + r + 1):                                 # steady: F/B pairs
+            ops.emit(F, 0), ops.backward(1), ops.emit(F, 1), ops.backward(0)
+        for _ in range(p - r - 1):
+            ops.backward(1), ops.emit(F, 1), ops.backward(0)
+        half = (r + 1) // 2                                                # drain: split from here
+        for i in range(r + 1):
+            ops.backward(1, split=i > half or (i == half and r % 2 == 1))
+            ops.backward(0, split=i >= half)
+        for _ in range(p - r - 1):
+            ops.weight(), ops.backward(0, split=True)
+        while ops.deferred:
+            ops.weight()
+        return ops.out
+
+
 class _VOps:
     """Per-(op, chunk) counters that emit the next microbatch, up to n of each."""
 
@@ -208,6 +256,7 @@ class _VOps:
         self.n = n
         self.next: dict[tuple[Op, int], int] = {}
         self.out: list[Action] = []
+        self.deferred: list[Action] = []  # W's owed by split backwards, oldest first
 
     def left(self, op: Op, chunk: int) -> bool:
         return self.next.get((op, chunk), 0) < self.n
@@ -221,6 +270,18 @@ class _VOps:
     def drain(self, op: Op, chunk: int) -> None:
         while self.left(op, chunk):
             self.emit(op, chunk)
+
+    def backward(self, chunk: int, split: bool = False) -> None:
+        """The chunk's next backward: B, or I with its W deferred (see weight())."""
+        i = self.next.get((B, chunk), 0)
+        self.out.append(Action(I if split else B, chunk, i))
+        self.next[(B, chunk)] = i + 1
+        if split:
+            self.deferred.append(Action(W, chunk, i))
+
+    def weight(self) -> None:
+        """The oldest deferred W."""
+        self.out.append(self.deferred.pop(0))
 
 
 @dataclass(frozen=True)

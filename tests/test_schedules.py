@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from pipezero.pipe import (Action, Custom, GPipe, Interleaved1F1B, OneFOneB, Op, ScheduleError,
-                           ZeroBubbleH1, ZeroBubbleV, to_text, validate)
+from pipezero.pipe import (Action, Custom, DualPipeV, GPipe, Interleaved1F1B, OneFOneB, Op,
+                           ScheduleError, ZeroBubbleH1, ZeroBubbleV, to_text, validate)
 
 P_RANGE = range(1, 9)
 M_RANGE = range(1, 33)
@@ -19,6 +19,8 @@ def _schedules(p: int, m: int):
     out = [GPipe(m), OneFOneB(m), ZeroBubbleH1(m), ZeroBubbleV(m)]
     if m % p == 0:
         out += [Interleaved1F1B(m), Interleaved1F1B(m, num_chunks=3)]
+    if m >= 2 * p:
+        out.append(DualPipeV(m))
     return out
 
 
@@ -44,11 +46,19 @@ def test_all_schedules_validate_and_cover_every_microbatch_once(p):
         for sched in _schedules(p, m):
             table = sched.actions(p)
             validate(table, p, sched)
-            ops = {Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT} if sched.split_backward \
-                else {Op.FORWARD, Op.BACKWARD}
-            want = Counter((op, c, i) for op in ops for c in range(sched.num_chunks) for i in range(m))
             for r, acts in table.items():
-                assert Counter(acts) == want, (sched, p, r)
+                seen = Counter(acts)
+                assert all(n == 1 for n in seen.values()), (sched, p, r)
+                for c in range(sched.num_chunks):
+                    for i in range(m):
+                        assert Action(Op.FORWARD, c, i) in seen
+                        whole = Action(Op.BACKWARD, c, i) in seen
+                        split = {Action(Op.BACKWARD_INPUT, c, i), Action(Op.BACKWARD_WEIGHT, c, i)} <= set(seen)
+                        assert whole != split, (sched, p, r, c, i)
+                        assert whole or sched.split_backward
+                want = (3 if sched.split_backward else 2) * sched.num_chunks * m
+                if not isinstance(sched, DualPipeV):  # DualPipeV mixes B and I+W
+                    assert len(acts) == want, (sched, p, r)
 
 
 def test_one_f_one_b_phases():
@@ -77,7 +87,7 @@ def test_zero_bubble_h1_defers_w_by_rank():
 @pytest.mark.parametrize("bad, exc", [(0, ValueError), (-1, ValueError), ("4", TypeError),
                                       (True, TypeError), (2.0, TypeError)])
 def test_bad_microbatches(bad, exc):
-    for cls in (GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1, ZeroBubbleV):
+    for cls in (GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1, ZeroBubbleV, DualPipeV):
         with pytest.raises(exc, match="num_microbatches"):
             cls(num_microbatches=bad)
 
@@ -89,6 +99,8 @@ def test_bad_stages_and_chunks():
         Interleaved1F1B(6).actions(4)
     with pytest.raises(ValueError, match="num_chunks"):
         Interleaved1F1B(4, num_chunks=1)
+    with pytest.raises(ValueError, match=r"num_microbatches >= 2 \* num_stages = 8"):
+        DualPipeV(7).actions(4)
 
 
 def test_validate_bad_containers():
@@ -167,7 +179,8 @@ def test_missing_forward_on_one_rank():
         validate(table, 2)
 
 
-@pytest.mark.parametrize("sched", [GPipe(4), OneFOneB(4), Interleaved1F1B(4), ZeroBubbleH1(4), ZeroBubbleV(4)],
+@pytest.mark.parametrize("sched", [GPipe(4), OneFOneB(4), Interleaved1F1B(4), ZeroBubbleH1(4), ZeroBubbleV(4),
+                                   DualPipeV(4)],
                          ids=lambda s: type(s).__name__)
 def test_dropping_or_swapping_an_action_breaks_validation(sched):
     table = sched.actions(2)
@@ -264,9 +277,11 @@ def _torch_order(cls_name: str, p: int, m: int, placement: str) -> dict[int, lis
         sched.num_stages, sched.microbatches_per_round = 2 * p, m // max(1, m // p)
         order = {r: sched._calculate_single_rank_operations(r) for r in range(p)}
         ops = {"F": Op.FORWARD, "B": Op.BACKWARD, "I": Op.BACKWARD_INPUT, "W": Op.BACKWARD_WEIGHT}
-        return {r: [Action(ops[a.computation_type.value], owner(a.stage_index, p, placement)[1],
-                           a.microbatch_index) for a in acts if a is not None]
+        flat = {r: [x for a in acts if a is not None for x in (a.sub_actions or (a,))]  # overlapped pairs: F, B
                 for r, acts in order.items()}
+        return {r: [Action(ops[a.computation_type.value], owner(a.stage_index, p, placement)[1],
+                           a.microbatch_index) for a in acts]
+                for r, acts in flat.items()}
     except (AttributeError, TypeError, KeyError) as e:  # torch changed its private API
         pytest.skip(f"torch pipelining internals changed: {e!r}")
 
@@ -278,3 +293,5 @@ def test_same_orders_as_torch_pipelining(p):
         if m % p == 0:
             assert Interleaved1F1B(m).actions(p) == \
                 _torch_order("ScheduleInterleaved1F1B", p, m, "looped"), m
+        if m >= 2 * p:
+            assert DualPipeV(m).actions(p) == _torch_order("ScheduleDualPipeV", p, m, "v"), m

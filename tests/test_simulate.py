@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from pipezero.pipe import (Costs, Custom, GPipe, Interleaved1F1B, OneFOneB, Op, ZeroBubbleH1,
+from pipezero.pipe import (Costs, Custom, DualPipeV, GPipe, Interleaved1F1B, OneFOneB, Op, ZeroBubbleH1,
                            ZeroBubbleV, simulate, to_chrome_trace, to_image, to_png, to_text)
 from pipezero.pipe.render import COLORS
 
@@ -66,6 +66,16 @@ def test_zero_bubble_v_reaches_the_fill_bound(p):
             assert res.bubble == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
             assert max(res.peak_stage_activations().values()) == p  # 1F1B's peak, in stages
         assert max(res.peak_stage_activations().values()) <= max(p, min(m, p)), (p, m)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_dual_pipe_v_run_in_order(p):
+    # run one action at a time (no F/B overlap), DualPipeV has ZB-V's makespan and holds one
+    # more chunk activation (its full backwards in the middle free them later)
+    for m in range(2 * p, 33, 3):
+        dual, zbv = simulate(DualPipeV(m), p), simulate(ZeroBubbleV(m), p)
+        assert dual.makespan == zbv.makespan == 6 * m + p - 1, (p, m)
+        assert max(dual.peak_activations.values()) == 2 * p + 1
 
 
 def test_zero_bubble_v_beats_1f1b_and_h1_at_equal_work():
