@@ -36,6 +36,8 @@ class LossScaler(ChainWrapper):
 
     `step()` returns False (and sets `last_step_skipped`) when any rank of `group` (default:
     the whole world) saw an inf/nan gradient; parameters and optimizer state are then untouched.
+    Numbers for logging: `loss_scale`, `skipped_steps`, `last_grad_norm` (the global norm of the
+    unscaled gradients before clipping; computed only when clipping, else nan).
     """
 
     def __init__(self, inner: Any, init_scale: float = 2.0 ** 16, dynamic: bool = True,

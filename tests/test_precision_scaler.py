@@ -225,6 +225,14 @@ def test_lr_scheduler_drives_the_whole_chain():
     assert adam.param_groups[0]["params"][0].dtype == torch.float32  # Adam steps the fp32 master
 
 
+def test_masters_keep_the_duplicate_mark():
+    tied = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    tied.pipezero_duplicate = True
+    own = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    masters = MasterWeights(torch.optim.SGD([tied, own], lr=0.1)).param_groups[0]["params"]
+    assert [getattr(m, "pipezero_duplicate", False) for m in masters] == [True, False]
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(init_scale=0), ValueError, "init_scale=0"),
     (dict(init_scale=-4.0), ValueError, "init_scale=-4.0"),
