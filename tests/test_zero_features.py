@@ -208,3 +208,38 @@ def test_stage3_keeps_only_small_params_whole():
         # one bucket per module and persistence: 128+16, 256+16, 112, 56 elements over 4 ranks;
         # the 7- and 8-element biases (persistent) are padded to 8 and their state sharded too
         assert shards == sorted([36, 68, 28, 14, 2, 2])
+
+
+def _where_accumulated(stage):
+    world = dist.get_world_size()
+    model = make_model()
+    opt = ZeroOptimizer(make_opt(model, "adam"), stage=stage)
+    x, y = local_batch(world, 0)
+    with opt.no_sync():
+        nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad is None for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage,in_buffer", [(1, True), (2, False)])
+def test_no_sync_accumulates_in_the_stage1_buffer(stage, in_buffer):
+    """Stage 1 keeps one full gradient buffer, so accumulation must not add a second copy in .grad."""
+    for flags in run(_where_accumulated, 2, stage):
+        assert all(f == in_buffer for f in flags), flags
+
+
+def _blocks():
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))  # noqa: E731
+    return nn.Sequential(block(), nn.Tanh(), block())
+
+
+def _stage3_blocks():
+    return train_zero("sgd", 3, steps=3, build=_blocks,
+                      config=ZeroConfig(stage=3, stage3_param_persistence_threshold=0))
+
+
+def test_stage3_gathers_a_block_as_one_unit():
+    from pipezero.zero.partition import stage3_units
+    units = stage3_units(_blocks())
+    assert [(type(m).__name__, recurse) for m, recurse in units] == [("Sequential", True)] * 2
+    _assert_params(run(_stage3_blocks, 2), reference("sgd", 2, steps=3, build=_blocks), "blocks")

@@ -47,6 +47,7 @@ class _Pending:
     shard: torch.Tensor | None = None    # stage 2/3: the reduced owned values so far
     reduced: bool = False                # reduced at least once since the last step
     rescale: bool = False                # stage 1: the owned region holds an average, not a sum
+    dirty: bool = False                  # stage 1: local gradients added since the last launch
 
     def __post_init__(self) -> None:
         self.pushed, self.seen = set(), set()
@@ -128,7 +129,7 @@ class GradSync:
         for b in self.buckets:
             st = self._state[b]
             late = not self.views and any(p.grad is not None for p in b.params)
-            if st.handle is None and (not st.reduced or late or st.pushed):
+            if st.handle is None and (not st.reduced or late or st.pushed or st.dirty):
                 for i in range(len(b.params)):
                     if i not in st.pushed:
                         self._push(b, i)
@@ -157,7 +158,7 @@ class GradSync:
             st = self._state[b]
             st.pushed.clear()
             st.seen.clear()
-            st.reduced, st.rescale, st.out, st.shard = False, False, None, None
+            st.reduced, st.rescale, st.dirty, st.out, st.shard = False, False, False, None, None
             if self.keep_grads:
                 st.grad.zero_()
             else:
@@ -182,6 +183,9 @@ class GradSync:
             self._push(b, i)
             if len(st.pushed) == len(b.params):
                 self._launch(b)
+        elif self.keep_grads and not self.views:   # stage 1: accumulate locally in the buffer
+            self._settle(b)
+            self._add_local(b, i)
         st.seen.add(i)
         if len(st.seen) == len(b.params):
             st.seen.clear()
@@ -212,13 +216,19 @@ class GradSync:
                 view.copy_(p.grad)
             p.grad = view
         else:
-            if st.rescale:        # a new round on top of reduced values: make them a sum again
-                b.owned(st.grad).mul_(b.parts)
-                st.rescale = False
-            if p.grad is not None:
-                view.add_(p.grad)
-            p.grad = None
+            self._add_local(b, i)
         st.pushed.add(i)
+
+    def _add_local(self, b: Bucket, i: int) -> None:
+        """Add parameter i's .grad into the bucket buffer (not yet reduced) and drop it."""
+        st, p = self._state[b], b.params[i]
+        if st.rescale:        # a new round on top of reduced values: make them a sum again
+            b.owned(st.grad).mul_(b.parts)
+            st.rescale = False
+        if p.grad is not None:
+            b.slot(st.grad, i).add_(p.grad)
+            p.grad = None
+            st.dirty = True
 
     def _launch(self, b: Bucket) -> None:
         st = self._state[b]
@@ -245,7 +255,7 @@ class GradSync:
         elif not self.keep_grads:                             # stage 2/3: accumulate the shard
             st.shard = st.out if st.shard is None else st.shard.add_(st.out)
             st.grad = None
-        st.handle, st.out, st.reduced = None, None, True
+        st.handle, st.out, st.reduced, st.dirty = None, None, True, False
         st.pushed.clear()
 
     def _hand_over(self, b: Bucket) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["Bucket", "plan_groups"]
+__all__ = ["Bucket", "plan_groups", "stage3_units"]
 
 
 @dataclass(eq=False)
@@ -134,8 +134,8 @@ def plan_groups(param_groups: list[dict], bucket_numel: int, parts: int, part: i
     else:
         seen: set[int] = set()
         runs = []
-        for sub in module.modules():
-            own = [p for p in sub.parameters(recurse=False) if id(p) in where and p.requires_grad
+        for sub, recurse in stage3_units(module):
+            own = [p for p in sub.parameters(recurse=recurse) if id(p) in where and p.requires_grad
                    and id(p) not in seen]
             seen.update(id(p) for p in own)
             runs.append(own)
@@ -148,6 +148,29 @@ def plan_groups(param_groups: list[dict], bucket_numel: int, parts: int, part: i
     for run in runs:
         buckets += _split_run(run, where, limit, parts, part, module is not None, persistence_threshold)
     return buckets
+
+
+def stage3_units(module: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """The submodules that gather their parameters as one unit in stage 3, with `recurse`.
+
+    An element of an nn.ModuleList / nn.Sequential (a transformer block, a pipeline layer) is
+    one unit with all its parameters, so a block costs one all-gather, as FSDP2 wrapping each
+    block does; any other module with parameters of its own is a unit of those.
+    """
+    blocks = {id(c) for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+              for c in m.children() if next(c.parameters(), None) is not None}
+    units: list[tuple[nn.Module, bool]] = []
+
+    def walk(m: nn.Module) -> None:
+        if id(m) in blocks:
+            units.append((m, True))
+            return
+        if next(m.parameters(recurse=False), None) is not None:
+            units.append((m, False))
+        for child in m.children():
+            walk(child)
+    walk(module)
+    return units
 
 
 def _split_run(run, where, limit, parts, part, stage3, threshold) -> list[Bucket]:

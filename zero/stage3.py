@@ -1,6 +1,7 @@
 """ZeRO stage 3 module hooks: gather a submodule's parameters just before it runs, free them after.
 
-Each submodule's own parameters form buckets (see partition.plan_groups). A forward
+Each unit (a block of a ModuleList/Sequential, or a module's own parameters; see
+partition.stage3_units) forms buckets. A forward
 pre-hook all-gathers them, a forward hook frees them again; a hook on the module's outputs
 gathers them once more when backward reaches the module (its gradient w.r.t. the outputs is
 being computed, so its own backward is next), and they are freed when all their gradients
@@ -19,7 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from pipezero.comm import all_gather
-from pipezero.zero.partition import Bucket
+from pipezero.zero.partition import Bucket, stage3_units
 
 __all__ = ["ParamGatherer"]
 
@@ -31,8 +32,8 @@ class ParamGatherer:
         self.group, self.device = group, compute_device
         where = {id(p): b for b in buckets for p in b.params}
         self._needs: dict[nn.Module, list[Bucket]] = {}
-        for sub in module.modules():
-            own = [where[id(p)] for p in sub.parameters(recurse=False) if id(p) in where]
+        for sub, recurse in stage3_units(module):
+            own = [where[id(p)] for p in sub.parameters(recurse=recurse) if id(p) in where]
             own = [b for b in dict.fromkeys(own) if not b.persistent]
             if own:
                 self._needs[sub] = own
