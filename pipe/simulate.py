@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from pipezero.pipe.actions import Action, Op
-from pipezero.pipe.validate import execute, resolve_placement, validate
+from pipezero.pipe.validate import check_static, execute, raise_deadlock
 
 __all__ = ["Costs", "Event", "SimResult", "simulate"]
 
@@ -106,12 +106,11 @@ def simulate(actions: Any, num_stages: int | None = None, costs: Costs = Costs()
     """
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a Costs(...), got {type(costs).__name__}")
-    if callable(getattr(actions, "actions", None)):
-        placement = actions
-    table = validate(actions, num_stages, placement, channels=channels, sends=sends)
-    events, stuck = execute(table, resolve_placement(placement), lambda a: costs.of(a.op),
-                            costs.p2p, blocking_sends=sends == "blocking")
-    assert not stuck, "validate() passed, so execution cannot get stuck"
+    table, name = check_static(actions, num_stages, placement, None, channels, sends)
+    events, stuck = execute(table, name, lambda a: costs.of(a.op), costs.p2p,
+                            blocking_sends=sends == "blocking")
+    if stuck:  # whether a rank gets stuck does not depend on the costs
+        raise_deadlock(table, name, stuck, sends)
     timeline = sorted((Event(*e) for e in events), key=lambda e: (e.start, e.rank))
     makespan = max((e.end for e in timeline), default=0.0)
     p = len(table)

@@ -35,8 +35,8 @@ from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.render import to_text
 
-__all__ = ["ScheduleError", "validate", "Transfer", "transfers", "dependencies", "execute",
-           "normalize", "resolve_placement"]
+__all__ = ["ScheduleError", "validate", "check_static", "execute", "raise_deadlock", "Transfer",
+           "transfers", "dependencies", "normalize", "resolve_placement"]
 
 _BACKWARDS = (Op.BACKWARD, Op.BACKWARD_INPUT)
 Key = tuple[int, Action]  # (rank, action): one action of the whole schedule
@@ -103,6 +103,17 @@ def validate(actions: Any, num_stages: int | None = None, placement: Any = "loop
     never holds up its rank) or "blocking" (the rank's next action waits until the
     receiver has posted the receive, i.e. has finished the action before the consumer).
     """
+    table, name = check_static(actions, num_stages, placement, num_microbatches, channels, sends)
+    _, stuck = execute(table, name, lambda a: 1.0, 0.0, blocking_sends=sends == "blocking")
+    if stuck:
+        raise_deadlock(table, name, stuck, sends)
+    return table
+
+
+def check_static(actions: Any, num_stages: int | None, placement: Any,
+                 num_microbatches: int | None, channels: str, sends: str
+                 ) -> tuple[dict[int, list[Action]], str]:
+    """Every check of validate() but the deadlock run; returns (table, placement name)."""
     if callable(getattr(actions, "actions", None)):
         placement = actions
     name = resolve_placement(placement)
@@ -112,10 +123,7 @@ def validate(actions: Any, num_stages: int | None = None, placement: Any = "loop
     _check_coverage(table, v, m)
     _check_local_order(table)
     _check_channels(table, name, channels)
-    _, stuck = execute(table, name, lambda a: 1.0, 0.0, blocking_sends=sends == "blocking")
-    if stuck:
-        _raise_deadlock(table, name, stuck, sends)
-    return table
+    return table, name
 
 
 _MODES = {"channels": ("kind", "pair"), "sends": ("async", "blocking")}
@@ -159,6 +167,8 @@ def _check_one(table: dict[int, list[Action]], r: int, c: int, i: int,
     has = {op: where.get(Action(op, c, i)) for op in Op}
     f, b, inp, w = (has[Op.FORWARD], has[Op.BACKWARD], has[Op.BACKWARD_INPUT],
                     has[Op.BACKWARD_WEIGHT])
+    if f is not None and (b is None) != (inp is None and w is None) and (inp is None) == (w is None):
+        return  # one F and either B or I and W
     present = [(r, s) for s in has.values() if s is not None]
     cell = {op: str(Action(op, c, i)) for op in Op}
     if f is None:
@@ -361,8 +371,9 @@ def _waits(table: dict[int, list[Action]], placement: str, blocking_sends: bool
     return waits
 
 
-def _raise_deadlock(table: dict[int, list[Action]], placement: str, stuck: dict[int, int],
-                    sends: str) -> None:
+def raise_deadlock(table: dict[int, list[Action]], placement: str, stuck: dict[int, int],
+                   sends: str) -> None:
+    """Raise the ScheduleError for a run of execute() that got `stuck`."""
     waits = _waits(table, placement, sends == "blocking")
     r = min(stuck)
     a = table[r][stuck[r]]
