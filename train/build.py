@@ -1,0 +1,162 @@
+"""One call: a ds_config plus layer specs (or a plain model) -> the explicit parts of a training job.
+
+`build(config, specs=..., loss_fn=...)` composes what a user would otherwise write by hand
+(DESIGN.md): a Grid, the PipelineModule, the optimizer chain
+`ZeroOptimizer(stage, LossScaler(..., Adam))`, the LR scheduler, the schedule and the
+PipelineRunner, and returns them in a small dataclass. Nothing is hidden: the loop talks to
+the parts directly. With `model=` (a plain nn.Module, e.g. the seed's MLP) there is no
+pipeline: the parts are the grid, the model and the optimizer chain (ZeRO stages 0-3).
+
+Every check that can fail on user input runs before the first collective, on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from pipezero.pipe import GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1, ZeroBubbleV
+from pipezero.pipe.module import PipelineModule
+from pipezero.pipe.runner import PipelineRunner
+from pipezero.precision import LossScaler
+from pipezero.topology import Grid
+from pipezero.train.config import ScheduleKind, TrainConfig, parse_config
+from pipezero.train.config_optim import OptimizerConfig, build_optimizer, build_scheduler
+from pipezero.train.log import warn_once
+from pipezero.zero import ZeroOptimizer
+
+__all__ = ["Parts", "build", "make_schedule", "resolve_precision"]
+
+_SCHEDULES = {ScheduleKind.GPIPE: GPipe, ScheduleKind.ONE_F_ONE_B: OneFOneB,
+              ScheduleKind.INTERLEAVED_1F1B: Interleaved1F1B, ScheduleKind.ZB_H1: ZeroBubbleH1,
+              ScheduleKind.ZBV: ZeroBubbleV}
+
+
+@dataclass(eq=False)
+class Parts:
+    """The parts of one training job; `optimizer` is the outermost link of the chain."""
+
+    config: TrainConfig
+    grid: Grid
+    module: nn.Module                 # a PipelineModule (this rank's layers) or the user's model
+    optimizer: ZeroOptimizer          # ZeroOptimizer(stage, LossScaler(..., Adam/AdamW))
+    scaler: LossScaler                # the middle link: loss scale, skips, clipping, grad norm
+    inner: torch.optim.Optimizer      # the torch optimizer (the scheduler drives its lr)
+    scheduler: LRScheduler | None
+    schedule: Any = None              # pipeline only
+    runner: PipelineRunner | None = None
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+
+
+def make_schedule(kind: ScheduleKind, num_microbatches: int, chunks: int = 1) -> Any:
+    """The pipe/ schedule object a config names."""
+    if not isinstance(kind, ScheduleKind):
+        raise TypeError(f"make_schedule({kind!r}): expected a ScheduleKind, e.g. ScheduleKind.ONE_F_ONE_B")
+    if kind is ScheduleKind.INTERLEAVED_1F1B:
+        return Interleaved1F1B(num_microbatches=num_microbatches, num_chunks=chunks)
+    return _SCHEDULES[kind](num_microbatches=num_microbatches)
+
+
+def resolve_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The compute dtype to use: fp16 on a device that cannot multiply in fp16 falls back to bf16."""
+    if dtype != torch.float16 or device.type != "cpu":
+        return dtype
+    try:
+        torch.ones(2, 2, dtype=torch.float16) @ torch.ones(2, 2, dtype=torch.float16)
+        return dtype
+    except RuntimeError:
+        warn_once("fp16 is not supported by this CPU's torch build: computing in bf16 instead "
+                  '(set "bf16": {"enabled": true} to silence this)')
+        return torch.bfloat16
+
+
+def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
+          specs: Sequence[Any] | None = None, model: nn.Module | None = None,
+          loss_fn: Callable | None = None, hidden_size: int | None = None, seed: int = 0,
+          device: torch.device | str | None = None) -> Parts:
+    """Config + layer specs (a pipeline) or a model (no pipeline) -> Parts.
+
+    `config` is a ds_config path, dict or an already parsed TrainConfig (for the world size
+    the process group, or $WORLD_SIZE, has). `hidden_size` resolves "auto" ZeRO bucket sizes.
+    """
+    cfg = _config(config, hidden_size)
+    _check_build_args(cfg, specs, model, loss_fn)
+    dev = torch.device(device) if device is not None else _default_device()
+    dtype = resolve_precision(cfg.compute_dtype, dev)
+    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=1)
+    schedule = None
+    if specs is not None:
+        schedule = make_schedule(cfg.pipeline.schedule, cfg.batch.accumulation_steps, cfg.pipeline.chunks)
+        module = PipelineModule(list(specs), grid, loss_fn=loss_fn, partition_method=cfg.pipeline.partition_method,
+                                num_chunks=cfg.pipeline.chunks, placement=schedule.placement,
+                                activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
+                                seed=seed, device=dev)
+    else:
+        module = model.to(dev)
+    module.to(dtype)
+    inner = build_optimizer(cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])
+    scaler = _scaler(cfg, inner, dtype)
+    zero = ZeroOptimizer.from_config(scaler, cfg.zero.to_dict(), group=grid.data_group,
+                                     module=module if cfg.zero.stage == 3 else None)
+    scheduler = build_scheduler(cfg.scheduler, inner) if cfg.scheduler is not None else None
+    runner = PipelineRunner(module, schedule, optimizer=zero) if specs is not None else None
+    return Parts(config=cfg, grid=grid, module=module, optimizer=zero, scaler=scaler, inner=inner,
+                 scheduler=scheduler, schedule=schedule, runner=runner, dtype=dtype, device=dev)
+
+
+def _config(config: Any, hidden_size: int | None) -> TrainConfig:
+    if isinstance(config, TrainConfig):
+        if hidden_size is not None and config.zero.has_auto:
+            from dataclasses import replace
+            return replace(config, zero=config.zero.resolve_auto(hidden_size))
+        return config
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    return parse_config(config, world_size=world, hidden_size=hidden_size)
+
+
+def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any) -> None:
+    """Every user error, before any process group work."""
+    if (specs is None) == (model is None):
+        raise ValueError("build(config, specs=..., model=...): pass exactly one of specs= (a list of "
+                         "LayerSpec for a pipeline) or model= (an nn.Module, no pipeline)")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"build(model={type(model).__name__}): expected an nn.Module")
+    if cfg.zero.has_auto:
+        raise ValueError('ds_config["zero_optimization"] has "auto" sizes: pass build(..., hidden_size=) '
+                         "(the model's width) to resolve them")
+    if specs is not None:
+        if loss_fn is None:
+            raise ValueError("build(specs=...) needs loss_fn=: the last pipeline stage computes the loss")
+        if cfg.zero.stage == 3:
+            raise ValueError('ds_config["zero_optimization"]["stage"] = 3 with a pipeline: the runner keeps '
+                             "whole weights per stage; use stage 2 (or 1) with pipeline stages, or pass "
+                             "model= for ZeRO-3 without a pipeline")
+        if len(specs) < cfg.pipeline.stages * cfg.pipeline.chunks:
+            raise ValueError(f"{len(specs)} layers cannot fill {cfg.pipeline.stages} pipeline stages x "
+                             f"{cfg.pipeline.chunks} chunks: use fewer stages/chunks or more layers")
+    elif cfg.pipeline.stages > 1:
+        raise ValueError(f'ds_config["pipeline"]["stages"] = {cfg.pipeline.stages} needs specs= (a list of '
+                         "LayerSpec) to cut the model into stages; pass specs= or set stages to 1")
+    if cfg.zero.stage == 3 and (cfg.zero.offload_param.device.value == "cpu") and not torch.cuda.is_available():
+        warn_once("ZeRO-3 parameter offload on a CPU-only machine moves nothing: parameters already live there")
+
+
+def _scaler(cfg: TrainConfig, inner: torch.optim.Optimizer, dtype: torch.dtype) -> LossScaler:
+    """fp16: dynamic/static loss scaling; bf16 and fp32: a pass-through that clips if asked."""
+    clip = cfg.gradient_clipping
+    if dtype == torch.float16:
+        return LossScaler.from_config(inner, cfg.fp16.to_dict(), dtype=torch.float16, clip_grad_norm=clip)
+    return LossScaler.from_config(inner, cfg.bf16.to_dict(), dtype=torch.bfloat16, clip_grad_norm=clip)
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,219 @@
+"""Training state by GLOBAL parameter name: save on one grid, load onto another, export for one process.
+
+A checkpoint holds, under names that do not depend on the grid:
+
+    model/<param name>            fp32 weights (the ZeRO masters, gathered: exact for bf16/fp16 too)
+    optim/<param name>/<key>      the torch optimizer's per-parameter state (exp_avg, exp_avg_sq, step)
+    rng.<rank>.torch_cpu          each rank's torch RNG (restored when the world size is unchanged)
+
+and as JSON meta the step, the LR schedule position, the data position, the non-torch links
+of the optimizer chain (the loss scale and its counters) and Python's RNG. Parameter names are
+PipelineModule's ("layers.3.qkv.weight", "tied.embed.weight"): the same on every grid, so a
+pipe 2 x data 2 checkpoint loads into pipe 1 x data 4, pipe 4 x data 1 or one process. Only
+data rank 0 of each stage writes weights and optimizer state (ZeRO's state is consolidated
+over the data group first); `export_model` maps the names onto the single-process model's
+(tied weights under every name that uses them) for `safetensors.torch.load_file`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from pipezero.comm import all_gather
+from pipezero.pipe.spec import TiedLayerSpec
+from pipezero.train.checkpoint import (export_consolidated, latest_step, load_checkpoint, rng_state,
+                                       save_checkpoint, set_rng_state)
+from pipezero.train.checkpoint_state import flatten_state, unflatten_state
+from pipezero.zero.state import consolidated_state_dict
+
+__all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_state", "single_process_names"]
+
+_MODEL, _OPTIM = "model/", "optim/"
+
+
+def _param_names(parts: Any) -> dict[int, str]:
+    return {id(p): n for n, p in parts.module.named_parameters()}
+
+
+def _ordered_params(zero: Any) -> list[Any]:
+    """Parameters in the index order of ZeRO's consolidated optimizer state."""
+    return [p for params in zero.original_params for p in params]
+
+
+def _full_master(zero: Any, bucket: Any) -> torch.Tensor:
+    """The whole fp32 flat master of a bucket (an all-gather over the data group when sharded)."""
+    if bucket.parts == 1:
+        return bucket.master.detach()
+    shard = bucket.master.detach().to(bucket.device)
+    full = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
+    all_gather(full, shard.contiguous(), group=zero.group)
+    return full
+
+
+def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(this rank's tensors, the JSON meta) of a checkpoint; a collective over the data group."""
+    zero, names = parts.optimizer, _param_names(parts)
+    writer = parts.grid.data_rank == 0 and parts.grid.tensor_rank == 0
+    tensors: dict[str, torch.Tensor] = {}
+    for bucket in zero.buckets:
+        full = _full_master(zero, bucket)
+        if writer:
+            for i, p in enumerate(bucket.params):
+                tensors[_MODEL + names[id(p)]] = bucket.slot(full, i).float().cpu()
+    consolidated = consolidated_state_dict(zero)["consolidated"]["state"]
+    if writer:
+        for index, p in enumerate(_ordered_params(zero)):
+            for key, value in consolidated.get(index, {}).items():
+                tensors[f"{_OPTIM}{names[id(p)]}/{key}"] = torch.as_tensor(value).cpu()
+    rng_tensors, rng_json = rng_state(prefix=f"rng.{parts.grid.rank}.")
+    tensors.update(rng_tensors)
+    chain_tensors, chain = _chain_state(zero)
+    tensors.update(chain_tensors if parts.grid.rank == 0 else {})
+    meta = {"step": step, "data": dict(data_state or {}), "chain": chain, "rng": rng_json,
+            "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
+            "grid": _grid_dict(parts.grid), "dtype": str(parts.dtype).removeprefix("torch.")}
+    return tensors, meta
+
+
+def _chain_state(zero: Any) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """The own state of each link between ZeRO and the torch optimizer (e.g. the loss scale)."""
+    tensors, skeletons, link, i = {}, [], zero.inner, 0
+    while hasattr(link, "inner"):
+        own = {k: v for k, v in link.state_dict().items() if k != "inner"}
+        part, skeleton = flatten_state(own, f"chain.{i}")
+        tensors.update(part)
+        skeletons.append(skeleton)
+        link, i = link.inner, i + 1
+    return tensors, skeletons
+
+
+def _grid_dict(grid: Any) -> dict[str, int]:
+    return {"pipe": grid.pipe_size, "data": grid.data_size, "tensor": grid.tensor_size}
+
+
+def save_state(parts: Any, directory: str | os.PathLike, step: int,
+               data_state: Mapping[str, Any] | None = None) -> Path:
+    """Save the whole training state as checkpoint `step` under `directory` (call on every rank)."""
+    tensors, meta = gather_state(parts, data_state, step)
+    return save_checkpoint(directory, step, tensors, meta, rank=parts.grid.rank,
+                           world=parts.grid.world_size, grid=meta["grid"])
+
+
+def load_state(parts: Any, directory: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
+    """Load a checkpoint (any grid's) into these parts; returns its meta (step, data position...).
+
+    Each rank reads only the names of its own parameters. Refused with CheckpointError when the
+    checkpoint does not fit the model (missing or reshaped parameters) or is damaged.
+    """
+    names = _param_names(parts)
+    local = set(names.values())
+    rank_prefix = f"rng.{parts.grid.rank}."
+    def wanted(key: str) -> bool:
+        if key.startswith(rank_prefix) or key.startswith("chain."):
+            return True
+        return "/" in key and key.split("/")[1] in local
+    expected = {_MODEL + n: p.shape for n, p in parts.module.named_parameters()}
+    ckpt = load_checkpoint(directory, step, names=wanted, expected=expected, strict=False)
+    t, meta = ckpt.tensors, ckpt.meta
+    _load_weights(parts, t, names)
+    _load_chain(parts.optimizer, t, meta["chain"])
+    _load_optimizer(parts.optimizer, t, names)
+    if parts.scheduler is not None and meta.get("scheduler") is not None:
+        parts.scheduler.load_state_dict(meta["scheduler"])
+    if rank_prefix + "torch_cpu" in t and meta["grid"] == _grid_dict(parts.grid):
+        set_rng_state(t, meta["rng"], prefix=rank_prefix)
+    return {**meta, "step": ckpt.step, "path": str(ckpt.path)}
+
+
+def _load_weights(parts: Any, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
+    """Write the fp32 weights into the flat buffers (model dtype) and the fp32 masters."""
+    zero, done = parts.optimizer, set()
+    with torch.no_grad():
+        for b in zero.buckets:
+            flat = torch.zeros(b.padded, dtype=torch.float32)
+            for i, p in enumerate(b.params):
+                b.slot(flat, i).copy_(t[_MODEL + names[id(p)]])
+                done.add(id(p))
+            if b.flat is not None:
+                b.flat.copy_(flat.to(b.flat.device, b.dtype))
+            elif b.local is not None:
+                b.local.copy_(b.owned(flat).to(b.local.device, b.dtype))
+            if b.master.data_ptr() != (b.local.data_ptr() if b.local is not None else -1):
+                b.master.copy_(b.owned(flat).to(b.master.device))
+        for p in parts.module.parameters():
+            if id(p) not in done:
+                p.copy_(t[_MODEL + names[id(p)]].to(p.dtype))
+
+
+def _load_chain(zero: Any, t: Mapping[str, torch.Tensor], skeletons: list[Any]) -> None:
+    link = zero.inner
+    for skeleton in skeletons:
+        own = unflatten_state(dict(t), skeleton)
+        link.load_state_dict({"inner": link.inner.state_dict(), **own})
+        link = link.inner
+
+
+def _load_optimizer(zero: Any, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
+    """Per-parameter optimizer state by name -> ZeRO's consolidated form -> every rank's shard."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, p in enumerate(_ordered_params(zero)):
+        prefix = f"{_OPTIM}{names[id(p)]}/"
+        entry = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
+        if entry:
+            state[index] = entry
+    groups, start = [], 0
+    for group, params in zip(zero.param_groups, zero.original_params):
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(start, start + len(params)))})
+        start += len(params)
+    zero.load_state_dict({"consolidated": {"state": state, "param_groups": groups}, "zero": {"stage": zero.stage}})
+
+
+def resume_if_any(parts: Any, directory: str | os.PathLike) -> dict[str, Any] | None:
+    """Load the latest complete checkpoint under `directory` if there is one; None to start fresh."""
+    if latest_step(directory) is None:
+        return None
+    return load_state(parts, directory)
+
+
+# -- export for one process -------------------------------------------------------------------------
+
+def single_process_names(specs: Sequence[Any]) -> Callable[[str], list[str]]:
+    """Map a PipelineModule name to the single-process model's names ("layers.<i>.<attr>").
+
+    "layers.i.x" stays as it is; "tied.<key>.<attr>" becomes "layers.<i>.<attr>" for every layer
+    i of that key whose module has that parameter (an embedding and the head reusing it).
+    """
+    owners: dict[str, list[tuple[int, set[str]]]] = {}
+    for i, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            with torch.device("meta"):
+                keys = set(spec.build().state_dict())
+            owners.setdefault(spec.key, []).append((i, keys))
+
+    def mapping(name: str) -> list[str]:
+        match = re.fullmatch(r"tied\.([^.]+)\.(.+)", name)
+        if match is None:
+            return [name]
+        key, attr = match.groups()
+        return [f"layers.{i}.{attr}" for i, keys in owners.get(key, []) if attr in keys]
+    return mapping
+
+
+def export_model(directory: str | os.PathLike, path: str | os.PathLike, specs: Sequence[Any],
+                 step: int | None = None, dtype: torch.dtype | None = None) -> Path:
+    """One safetensors file of the whole model under the single-process names (from any grid's checkpoint)."""
+    ckpt = load_checkpoint(directory, step, names=lambda k: k.startswith(_MODEL))
+    mapping = single_process_names(specs)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in ckpt.tensors.items():
+        for name in mapping(key[len(_MODEL):]):
+            out[name] = value.to(dtype) if dtype is not None else value
+    return export_consolidated(path, out, metadata={"step": str(ckpt.step)})
+
