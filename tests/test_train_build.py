@@ -1,0 +1,114 @@
+"""build(): the seed's ds_config and a pipeline config become explicit parts; bad combinations raise."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from harness import run
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED_CONFIG = ROOT / "examples" / "configs" / "seed_ds_config.json"
+sys.path.insert(0, str(ROOT / "examples"))
+from gpt import GPTConfig, gpt_loss, gpt_specs  # noqa: E402
+
+TINY = GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=8)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def _seed_parts() -> dict:
+    """The seed's config verbatim, on its MLP: ZeRO-3 + offload + fp16 dynamic scaling, one step."""
+    from pipezero.train.build import build
+
+    parts = build(str(SEED_CONFIG), model=_mlp(), hidden_size=512)
+    x = torch.randn(32, 784, dtype=parts.dtype)
+    y = torch.randint(0, 10, (32,))
+    loss = nn.functional.cross_entropy(parts.module(x).float(), y)
+    parts.optimizer.backward(loss)
+    stepped = parts.optimizer.step()
+    return {"repr": repr(parts.optimizer), "stage": parts.optimizer.stage, "scale": parts.scaler.loss_scale,
+            "batch": parts.config.batch, "runner": parts.runner, "dtype": parts.dtype, "stepped": stepped,
+            "finite": bool(torch.isfinite(loss))}
+
+
+def test_seed_config_builds_the_chain():
+    got = run(_seed_parts, 1)[0]
+    assert got["stage"] == 3 and got["runner"] is None
+    assert got["repr"].startswith("ZeroOptimizer(stage=3, LossScaler(dynamic")
+    assert got["batch"].train_batch_size == 32 and got["batch"].micro_batch_size == 32
+    assert got["dtype"] in (torch.float16, torch.bfloat16)  # fp16, or bf16 where the CPU lacks fp16
+    assert got["finite"]
+    # an fp16 run starts at 2**16: the first step may overflow and halve the scale, never anything else
+    assert got["scale"] == 2.0 ** 16 if got["stepped"] else got["scale"] == 2.0 ** 15
+
+
+def _pipeline_parts(schedule: str) -> tuple[str, str, int, int]:
+    from pipezero.train.build import build
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+           "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": 2}, "pipeline": {"stages": 2, "schedule": schedule},
+           "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}}}
+    parts = build(cfg, specs=gpt_specs(TINY), loss_fn=gpt_loss)
+    x = torch.randint(0, 256, (8, 8))
+    loss = parts.runner.train_step(x, x)
+    parts.optimizer.step()
+    parts.scheduler.step()
+    dtypes = {p.dtype for p in parts.module.parameters()}
+    return (repr(parts.optimizer), type(parts.schedule).__name__, parts.module.num_chunks,
+            parts.grid.data_size, dtypes == {torch.bfloat16}, bool(torch.isfinite(loss)))
+
+
+@pytest.mark.parametrize("schedule, cls, chunks", [("1f1b", "OneFOneB", 1), ("zbv", "ZeroBubbleV", 2)])
+def test_pipeline_config_builds_module_schedule_runner(schedule, cls, chunks):
+    for opt, name, num_chunks, data, bf16, finite in run(_pipeline_parts, 4, schedule):
+        assert opt == "ZeroOptimizer(stage=2, LossScaler(off, clip=1, AdamW))"
+        assert (name, num_chunks, data, bf16, finite) == (cls, chunks, 2, True, True)
+
+
+BAD = [  # (build kwargs, config changes, words the error must contain)
+    ({"specs": "gpt", "model": "mlp"}, {}, ["exactly one of specs= ", "model="]),
+    ({}, {}, ["exactly one of specs="]),
+    ({"specs": "gpt", "loss_fn": None}, {}, ["loss_fn="]),
+    ({"specs": "gpt"}, {"zero_optimization": {"stage": 3}}, ["stage", "3", "use stage 2"]),
+    ({"model": "mlp"}, {"pipeline": {"stages": 2}}, ["stages", "specs="]),
+    ({"model": "mlp"}, {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, ["auto", "hidden_size="]),
+    ({"specs": "short"}, {"pipeline": {"stages": 2, "schedule": "zbv"}}, ["3 layers", "2 pipeline stages x 2 chunks"]),
+    ({"model": "not a module"}, {}, ["expected an nn.Module"]),
+    ({"specs": "gpt"}, {"pipeline": {"stages": 3}}, ["stages", "3", "does not divide the world size 4"]),
+]
+
+
+def _build_errors() -> list[str]:
+    from pipezero.train.build import build
+
+    out = []
+    for kwargs, changes, _ in BAD:
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, **changes}
+        args = {"loss_fn": gpt_loss, **kwargs}
+        for key, value in list(args.items()):
+            args[key] = {"gpt": gpt_specs(TINY), "short": gpt_specs(TINY)[:3], "mlp": _mlp()}.get(value, value) \
+                if isinstance(value, str) else value
+        try:
+            build(cfg, **args)
+            out.append("built")
+        except (ValueError, TypeError) as err:
+            out.append(f"{type(err).__name__}: {err}")
+    return out
+
+
+def test_bad_combinations_raise_on_every_rank_before_any_collective():
+    # 4 ranks: an error raised on some ranks only would leave the others hanging in Grid()
+    results = run(_build_errors, 4, timeout=60)
+    for rank_messages in results:
+        for (_, _, words), message in zip(BAD, rank_messages):
+            for word in words:
+                assert word in message, f"{word!r} not in {message!r}"
+    assert results[0] == results[3]
