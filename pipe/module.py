@@ -173,15 +173,47 @@ class PipelineModule(nn.Module):
             out += spec.tied_parameters(self.tied[key])
         return out
 
-    def allreduce_tied_grads(self) -> None:
-        """Sum the gradients of tied parameters over their owners (before the optimizer step)."""
-        for key, (group, _) in self._tie_groups.items():
+    def detach_tied(self) -> None:
+        """Until reduce_tied_grads(): backward accumulates tied gradients into stand-ins.
+
+        Owners must sum their tied gradients before the optimizer sees them, but an optimizer
+        may take a gradient away as soon as it is accumulated (ZeRO moves it into its buffer).
+        So during the step each shared weight is replaced by a stand-in leaf that views the
+        same storage; the optimizer's hooks on the real parameter never fire.
+        """
+        self._stand_ins = []
+        for key in self._tie_groups:
             spec = self._specs[_tied_indices(self._specs)[key][0]]
-            params = spec.tied_parameters(self.tied[key])
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            all_reduce_coalesced([p.grad for p in params], group=group).wait()
+            module = self.tied[key]
+            for attr in spec.tied_weight_attrs:
+                real = module._parameters[attr]
+                stand_in = nn.Parameter(real.detach(), requires_grad=real.requires_grad)
+                module._parameters[attr] = stand_in
+                self._stand_ins.append((module, attr, real, stand_in))
+
+    def reduce_tied_grads(self, reduce: bool = True) -> list[nn.Parameter]:
+        """Put the real tied weights back and add their gradients, summed over the owners, to .grad.
+
+        Returns the tied parameters whose .grad changed (the runner then releases them).
+        """
+        swaps, self._stand_ins = getattr(self, "_stand_ins", []), []
+        for module, attr, real, _ in swaps:
+            module._parameters[attr] = real
+        if not reduce:
+            return []
+        by_key: dict[int, list] = {}
+        for module, attr, real, stand_in in swaps:
+            by_key.setdefault(id(module), []).append((real, stand_in))
+        for key, (group, _) in self._tie_groups.items():
+            pairs = by_key.get(id(self.tied[key]), [])
+            grads = [torch.zeros_like(r) if s.grad is None else s.grad for r, s in pairs]
+            all_reduce_coalesced(grads, group=group).wait()
+            for (real, _), grad in zip(pairs, grads):
+                if real.grad is None:
+                    real.grad = grad
+                else:
+                    real.grad.add_(grad)
+        return [real for _, _, real, _ in swaps]
 
 
 def _tied_indices(layers: Sequence[Any]) -> dict[str, list[int]]:

@@ -69,7 +69,9 @@ class PipelineRunner:
         self.forward_steps = _plan_all(forward_only, model)[self.grid.pipe_rank]
         self.last_pipe_rank = owner(model.num_virtual_stages - 1, model.num_stages, model.placement)[0]
         self.timeline = Timeline(self.grid.rank, model.device)
+        self._release_plan = _last_weight_use(self.steps, model)
         self._p2p: _PipeP2P | None = None
+        self._p2ps: dict[bool, _PipeP2P] = {}  # train / eval: streams differ in requires_grad
         self._side_group = _side_group(self.grid)
         self._signature: int | None = None
 
@@ -80,9 +82,14 @@ class PipelineRunner:
             raise ValueError("train_step needs PipelineModule(loss_fn=...) to compute the loss")
         self._start(inputs, targets, need_targets=True)
         self._hold()
-        self._run(self.steps, train=True)
-        self.model.allreduce_tied_grads()
-        self._release(self.model.tied_parameters())
+        self.model.detach_tied()
+        try:
+            self._run(self.steps, train=True)
+        except BaseException:
+            self.model.reduce_tied_grads(reduce=False)  # put the weights back; no collective on failure
+            raise
+        tied = self.model.reduce_tied_grads()
+        self._release(tied)
         return self._mean_loss()
 
     @torch.no_grad()
@@ -120,7 +127,7 @@ class PipelineRunner:
         flags = torch.tensor(words, dtype=torch.int64, device=model.device)
         dist.all_reduce(flags)
         _raise_batch_errors(flags.tolist(), m, need_targets)
-        self._new_p2p_if_shapes_changed(flags[4].item())
+        self._new_p2p_if_shapes_changed(flags[4].item(), need_targets)
         self._inputs = _split(inputs, m, model.device) if holds_first else None
         self._targets = _split(targets, m, model.device) if holds_last and targets is not None else None
         self._received: dict[tuple[str, int], Any] = {}
@@ -130,15 +137,18 @@ class PipelineRunner:
         self.timeline.begin()
         return flags[5].item() == 0
 
-    def _new_p2p_if_shapes_changed(self, signature: int) -> None:
-        if self._p2p is None or signature != self._signature or self.variable_shapes:
-            self._p2p = _PipeP2P(self.grid.pipe_group, self._side_group, self.timeout_s, self.model.device)
-            self._signature = signature
+    def _new_p2p_if_shapes_changed(self, signature: int, train: bool) -> None:
+        """Stream metadata is cached per shape signature and mode; new shapes start new streams."""
+        if signature != self._signature or self.variable_shapes:
+            self._p2ps, self._signature = {}, signature
+        if train not in self._p2ps:
+            self._p2ps[train] = _PipeP2P(self.grid.pipe_group, self._side_group, self.timeout_s, self.model.device)
+        self._p2p = self._p2ps[train]
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self, steps: Sequence[_Step], train: bool, with_loss: bool = True) -> None:
         sends: list = []
-        last_use = _last_weight_use(steps, self.model) if train else {}
+        last_use = self._release_plan if train else {}
         for i, step in enumerate(steps):
             if sends or step.recvs:
                 self._exchange(sends, step.recvs, step)

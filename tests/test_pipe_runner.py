@@ -239,3 +239,105 @@ def test_parity_features(world, pipe, name, m, optim, ckpt, wrap):
     results = run(train_features, world, pipe, name, m, blocks, steps, size, lr, optim, ckpt, seqs, wrap,
                   timeout=120)
     assert_parity(results, blocks, steps, size, lr, optim, seqs)
+
+
+# -- eval, timeline, errors ----------------------------------------------------------------------
+def eval_and_trace(pipe, name, m, blocks, size, path):
+    from pipezero.pipe.timeline import chrome_trace, gather_events
+
+    grid = Grid(pipe=pipe)
+    sched = make_schedule(name, m)
+    model = PipelineModule(specs(blocks), grid=grid, loss_fn=loss_fn, num_chunks=sched.num_chunks,
+                           placement=sched.placement)
+    runner = PipelineRunner(model, sched)
+    ids, targets = batch(0, size)
+    loss = runner.eval_step(ids, targets).item()
+    logits = runner.eval_step(ids)
+    grads = [p.grad for p in model.parameters()]
+    train_loss = runner.train_step(ids, targets).item()
+    events = gather_events(runner.timeline.events, grid.pipe_group)
+    chrome_trace(events, path)
+    names = sorted(e.name for e in runner.timeline.events if e.kind == "compute")
+    return dict(loss=loss, logits=logits, no_grads=all(g is None for g in grads), train_loss=train_loss,
+                bubble=runner.measured_bubble(), names=names,
+                expected=sorted(str(a) for a in sched.actions(pipe)[grid.pipe_rank]))
+
+
+def test_eval_step_and_timeline(tmp_path):
+    import json
+
+    path = str(tmp_path / "trace.json")
+    out = run(eval_and_trace, 2, 2, "ZeroBubbleV", 4, 2, 8, path)
+    ids, targets = batch(0, 8)
+    with torch.no_grad():
+        ref = Reference(2)(ids)
+    for o in out:
+        torch.testing.assert_close(torch.tensor(o["loss"]), loss_fn(ref, targets), rtol=1e-5, atol=1e-5)
+        assert o["no_grads"] and o["train_loss"] == pytest.approx(o["loss"], rel=1e-6)
+        assert o["names"] == o["expected"]  # one compute event per action of the schedule
+        assert 0.0 < o["bubble"] < 1.0
+    assert out[1]["logits"] is None  # V placement: the last virtual stage is on rank 0
+    torch.testing.assert_close(out[0]["logits"], ref, rtol=1e-5, atol=1e-5)
+    trace = json.load(open(path))["traceEvents"]
+    assert {e["tid"] for e in trace} == {0, 1} and sum(e.get("cat") == "compute" for e in trace) == 2 * 24
+
+
+def silent_peer(timeout_s):
+    from pipezero.pipe.runner import PipelineTimeout
+
+    grid = Grid(pipe=2)
+    model = PipelineModule(specs(2), grid=grid, loss_fn=loss_fn)
+    runner = PipelineRunner(model, make_schedule("OneFOneB", 2), timeout_s=timeout_s)
+    ids, targets = batch(0, 4)
+    if grid.pipe_rank == 1:  # joins the batch check, then never answers
+        runner._start(None, targets, need_targets=True)
+        return None
+    try:
+        runner.train_step(ids, None)
+    except PipelineTimeout as e:
+        return str(e)
+    return "no timeout"
+
+
+def test_silent_peer_times_out_with_a_clear_message():
+    message = run(silent_peer, 2, 1.0, discard=True)[0]  # a gloo timeout closes the connection
+    assert "rank 0 (pipe stage 0) timed out around action 0B0" in message, message
+    assert "virtual stage 0, microbatch 0" in message and "from rank 1" in message, message
+
+
+def bad_runner(case):
+    grid = Grid(pipe=2)
+    chunks = 2 if case == "chunks" else 1
+    model = PipelineModule(specs(2), grid=grid, loss_fn=loss_fn, num_chunks=chunks)
+    ids, targets = batch(0, 8)
+    try:
+        if case == "chunks":
+            PipelineRunner(model, make_schedule("OneFOneB", 4))
+        elif case == "zero3":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            opt.stage = 3
+            PipelineRunner(model, make_schedule("OneFOneB", 4), optimizer=opt)
+        elif case == "batch":
+            PipelineRunner(model, make_schedule("GPipe", 3)).train_step(ids, targets)
+        elif case == "targets":
+            PipelineRunner(model, make_schedule("GPipe", 2)).train_step(ids, None)
+        elif case == "order":
+            sched = HandGPipe(2)
+            sched.actions = lambda p: {0: [Action(Op.FORWARD, 0, 0), Action(Op.BACKWARD, 0, 0)],
+                                       1: HandGPipe(2).actions(2)[1]}  # rank 0 forgets microbatch 1
+            PipelineRunner(model, sched)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case, message", [
+    ("chunks", "OneFOneB runs 1 chunks per rank but PipelineModule(num_chunks=2)"),
+    ("zero3", "does not run ZeRO stage 3"),
+    ("batch", "batch dimension (8) does not split into num_microbatches=3"),
+    ("targets", "the last pipeline stage got targets=None"),
+    ("order", "rank 1 sends [g1/mb1] to rank 0, which never uses them"),
+])
+def test_bad_runner_input_raises_on_every_rank(case, message):
+    messages = run(bad_runner, 2, case)
+    assert all(m is not None and message in m for m in messages), messages
