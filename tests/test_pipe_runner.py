@@ -170,6 +170,9 @@ def assert_parity(results, num_blocks, steps, size, lr, optim="sgd", seqs=None):
     (2, 2, "ZeroBubbleV", 4, 2),
     (4, 2, "ZeroBubbleV", 4, 4),       # pipe 2 x data 2, V placement (embedding and head on rank 0)
     (4, 4, "ZeroBubbleV", 8, 8),
+    (2, 2, "DualPipeV", 4, 4),
+    (4, 4, "DualPipeV", 8, 8),
+    (8, 4, "OneFOneB", 4, 4),          # pipe 4 x data 2, once
 ])
 def test_parity_with_single_process(world, pipe, name, m, blocks):
     steps, size, lr = 3, 8, 0.5
