@@ -31,7 +31,7 @@ from pipezero.train.config_optim import OptimizerConfig, build_optimizer, build_
 from pipezero.train.log import warn_once
 from pipezero.zero import ZeroOptimizer
 
-__all__ = ["Parts", "build", "make_schedule", "resolve_precision"]
+__all__ = ["Parts", "build", "init_process_group", "make_schedule", "resolve_precision"]
 
 _SCHEDULES = {ScheduleKind.GPIPE: GPipe, ScheduleKind.ONE_F_ONE_B: OneFOneB,
               ScheduleKind.INTERLEAVED_1F1B: Interleaved1F1B, ScheduleKind.ZB_H1: ZeroBubbleH1,
@@ -77,6 +77,34 @@ def resolve_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:
         return torch.bfloat16
 
 
+def init_process_group(timeout_s: float = 600.0) -> None:
+    """Start the default process group from torchrun's env, safe across `torchrun --max-restarts`.
+
+    A restarted attempt reuses the rendezvous store, where the previous attempt's gloo
+    addresses still sit under the same keys; a new rank then connects to a dead peer. The
+    keys are put under a prefix per attempt (TORCHELASTIC_RESTART_COUNT). Without torchrun
+    this is topology's init_distributed (a world of one).
+    """
+    if dist.is_initialized():
+        return
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        from pipezero.topology.env import init_distributed
+        init_distributed(timeout_s)
+        return
+    import datetime
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"pipezero/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
           specs: Sequence[Any] | None = None, model: nn.Module | None = None,
           loss_fn: Callable | None = None, hidden_size: int | None = None, seed: int = 0,
@@ -90,6 +118,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     _check_build_args(cfg, specs, model, loss_fn)
     dev = torch.device(device) if device is not None else _default_device()
     dtype = resolve_precision(cfg.compute_dtype, dev)
+    init_process_group()
     grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=1)
     schedule = None
     if specs is not None:

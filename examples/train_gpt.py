@@ -1,0 +1,235 @@
+"""Train the small GPT of examples/gpt.py with a pipeline, ZeRO and mixed precision, top to bottom.
+
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # pipe 2 x data 2, CPU or GPU
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --schedule zbv --zero-stage 1
+    tensorboard --logdir runs/gpt
+
+The corpus is the standard library's own source code (byte tokens, on every machine with
+Python), or --data-path. Everything the loop uses is an explicit part returned by
+pipezero.train.build; nothing hides behind an engine. Re-running with the same --out resumes
+from the latest checkpoint there (so does a torchrun --max-restarts restart after a crash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpt import GPTConfig, flops_per_token, gpt_loss, gpt_specs  # noqa: E402
+
+from pipezero.comm import TRAFFIC  # noqa: E402
+from pipezero.pipe import simulate, to_image, to_text  # noqa: E402
+from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
+from pipezero.precision import global_grad_norm  # noqa: E402
+from pipezero.train.build import build  # noqa: E402
+from pipezero.train.checkpoint import prune_checkpoints  # noqa: E402
+from pipezero.train.data import ShardedBatches, TokenData  # noqa: E402
+from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger  # noqa: E402
+from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars  # noqa: E402
+from pipezero.train.state import export_model, resume_if_any, save_state  # noqa: E402
+
+PEAK_FLOPS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}  # H100/H200 SXM, dense
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pipe", type=int, default=2, help="pipeline stages")
+    p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
+    p.add_argument("--tensor", type=int, default=1, choices=[1], help="tensor parallel degree (1 for now)")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"])
+    p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (accumulation)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch per data rank")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--config", default=None, help="a ds_config.json; the flags above override its keys")
+    p.add_argument("--data-path", default=None, help="your own text/.bin/.npy file (default: stdlib sources)")
+    p.add_argument("--out", default="runs/gpt", help="TensorBoard logs, checkpoints and the exported model")
+    p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to resume from")
+    p.add_argument("--eval-interval", type=int, default=50)
+    p.add_argument("--save-interval", type=int, default=100)
+    p.add_argument("--steps-per-print", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def ds_config(args: argparse.Namespace) -> dict:
+    """The ds_config this run uses: --config (if any) with the command line's choices on top."""
+    cfg = json.loads(Path(args.config).read_text()) if args.config else {}
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        cfg.pop(key, None)
+    cfg["train_micro_batch_size_per_gpu"] = args.batch_size
+    cfg["gradient_accumulation_steps"] = args.micro_batches
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1,
+                                                           "betas": [0.9, 0.95]}})
+    cfg.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
+        "warmup_num_steps": max(1, args.steps // 20), "total_num_steps": args.steps, "cos_min_ratio": 0.1}})
+    cfg.setdefault("gradient_clipping", 1.0)
+    cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": args.precision == "fp16"}
+    cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": args.precision == "bf16"}
+    cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": args.zero_stage}
+    cfg["pipeline"] = {**cfg.get("pipeline", {}), "stages": args.pipe, "schedule": args.schedule}
+    cfg["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
+    if args.steps_per_print:
+        cfg["steps_per_print"] = args.steps_per_print
+    cfg.setdefault("steps_per_print", 10)
+    return cfg
+
+
+def main(argv=None) -> float:
+    args = parse_args(argv)
+    log = get_logger("train_gpt")
+    model_cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
+
+    # -- the parts: grid, pipeline module, optimizer chain, lr schedule, schedule, runner ----------
+    parts = build(ds_config(args), specs=gpt_specs(model_cfg), loss_fn=gpt_loss, hidden_size=args.d_model)
+    grid, runner, opt, cfg = parts.grid, parts.runner, parts.optimizer, parts.config
+    if args.data is not None and args.data != grid.data_size:
+        raise ValueError(f"--data {args.data} but {grid.world_size} processes / --pipe {args.pipe} give "
+                         f"{grid.data_size}: launch torchrun --nproc-per-node {args.pipe * args.data}")
+    log.info("grid %s, optimizer %s, schedule %s, %s\n%s", grid, opt, parts.schedule,
+             str(parts.dtype).removeprefix("torch."), parts.module.describe())
+
+    # -- data: byte tokens, this data rank's share of every global batch ---------------------------
+    if args.data_path:
+        data = TokenData.from_file(args.data_path, args.seq_len)
+    else:
+        data = TokenData.stdlib(args.seq_len)
+    per_rank = cfg.batch.per_rank_batch_size
+    train = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="train")
+    val = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="val", shuffle=False)
+
+    # -- resume from the latest checkpoint under --out, if there is one -----------------------------
+    ckpt_dir = Path(args.out) / "checkpoints"
+    meta = resume_if_any(parts, ckpt_dir)
+    if args.resume and meta is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; drop --resume to start fresh")
+    start = 0
+    if meta is not None:
+        train.load_state_dict(meta["data"])
+        start = meta["step"]
+        log.info("resumed from %s at step %d", meta["path"], start)
+
+    # -- logging --------------------------------------------------------------------------------------
+    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
+    timers = Timers(enabled=cfg.wall_clock_breakdown,
+                    sync=torch.cuda.synchronize if parts.device.type == "cuda" else None)
+    progress = Progress(args.steps - start, desc="train")
+    tokens_per_step = cfg.batch.train_batch_size * args.seq_len
+    peak = PEAK_FLOPS.get(parts.dtype) if parts.device.type == "cuda" else None
+    sim = simulate(parts.schedule, grid.pipe_size)
+    tb.image("pipeline/simulated", to_image(sim), start)
+    log.info("schedule (simulated bubble %.3f):\n%s", sim.bubble, to_text(sim))
+
+    loss = torch.tensor(float("nan"))
+    for step in range(start, args.steps):
+        _crash_for_the_restart_test(step, grid.rank)
+        TRAFFIC.reset()
+        t0 = time.perf_counter()
+
+        # forward + backward of every micro-batch, as the schedule orders them
+        x, y = train.next_batch()
+        loss = runner.train_step(x, y)
+        _time_actions(timers, runner.timeline.events)
+
+        # the optimizer chain: reduce (ZeRO), unscale/check/clip (LossScaler), AdamW, gather
+        with timers(Phase.OPTIMIZER):
+            stepped = opt.step()
+            grad_norm = parts.scaler.last_grad_norm if cfg.gradient_clipping else \
+                float(global_grad_norm([p for g in opt.param_groups for p in g["params"]]))
+            lr = opt.param_groups[0]["lr"]
+            parts.scheduler.step()
+            opt.zero_grad()
+        traffic = traffic_scalars(TRAFFIC.snapshot())
+        timers.add(Phase.COMMUNICATION, sum(v for k, v in traffic.items() if k.startswith("seconds/")))
+        dt = time.perf_counter() - t0
+
+        # what the step shows
+        done = step + 1
+        tokens_s = tokens_per_step / dt
+        scalars = {"train/loss": loss.item(), "train/lr": lr, "train/loss_scale": parts.scaler.loss_scale,
+                   "train/skipped_steps": parts.scaler.skipped_steps, "train/grad_norm": grad_norm,
+                   "perf/tokens_per_s": tokens_s, "perf/step_s": dt,
+                   "memory/peak_bytes": peak_memory_bytes(parts.device),
+                   **{f"comm/{k}": v for k, v in traffic.items()}}
+        util = mfu(tokens_s, flops_per_token(model_cfg), grid.world_size, peak)
+        if util is not None:
+            scalars["perf/mfu"] = util
+        if done % cfg.steps_per_print == 0 or done == start + 1 or done == args.steps:
+            scalars["pipeline/measured_bubble"] = runner.measured_bubble()  # a collective: every rank
+            if done == start + 1 or done == args.steps:
+                _timeline_picture(tb, runner, grid, parts.module.num_chunks, args.out, done)
+            log.info("step %d/%d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.0f tok/s | bubble %.2f%s",
+                     done, args.steps, loss.item(), lr, parts.scaler.loss_scale, grad_norm, tokens_s,
+                     scalars["pipeline/measured_bubble"], "" if stepped else " | SKIPPED (inf/nan)")
+            if cfg.wall_clock_breakdown:
+                log.info("time: %s", timers.format())
+        tb.scalars(scalars, done)
+        progress.update(loss=loss.item())
+
+        if done % args.eval_interval == 0 or done == args.steps:
+            val_loss = evaluate(runner, val, batches=4)
+            tb.scalar("val/loss", val_loss, done)
+            log.info("step %d | val loss %.4f", done, val_loss)
+        if done % args.save_interval == 0 or done == args.steps:
+            save_state(parts, ckpt_dir, done, train.state_dict())
+            if grid.rank == 0:
+                prune_checkpoints(ckpt_dir, keep=2)
+
+    if grid.rank == 0 and (ckpt_dir / "latest").exists():
+        path = export_model(ckpt_dir, Path(args.out) / "model.safetensors", gpt_specs(model_cfg))
+        log.info("exported %s (safetensors.torch.load_file + GPT.load_state_dict)", path)
+        summary = {"steps": args.steps, "resumed_from": start, "final_loss": loss.item()}
+        (Path(args.out) / "summary.json").write_text(json.dumps(summary))
+    tb.close()
+    return loss.item()
+
+
+@torch.no_grad()
+def evaluate(runner, val: ShardedBatches, batches: int) -> float:
+    """Mean loss over the first `batches` validation batches (the same ones every time)."""
+    val.load_state_dict({"epoch": 0, "step": 0})
+    losses = [runner.eval_step(*val.next_batch()).item() for _ in range(min(batches, val.steps_per_epoch))]
+    return sum(losses) / len(losses)
+
+
+def _time_actions(timers: Timers, events) -> None:
+    """wall_clock_breakdown from the runner's own timeline: forward, backward and waiting on peers."""
+    for e in events:
+        phase = Phase.COMMUNICATION if e.kind == "comm" else Phase.FORWARD if "F" in e.name else Phase.BACKWARD
+        if phase is not Phase.COMMUNICATION:
+            timers.add(phase, e.end - e.start)
+
+
+def _timeline_picture(tb: TensorBoardWriter, runner, grid, num_chunks: int, out: str, step: int) -> None:
+    """The measured timeline of this step: a TensorBoard image and a chrome trace (every pipe rank joins)."""
+    events = gather_events(runner.timeline.events, grid.pipe_group)
+    if grid.data_rank == 0 and grid.rank == 0:
+        result = timeline_result(events, lambda r: grid.coords(r).pipe, grid.pipe_size, num_chunks)
+        tb.image("pipeline/measured", to_image(result), step)
+        chrome_trace(events, os.path.join(out, f"timeline_step{step}.json"))
+
+
+def _crash_for_the_restart_test(step: int, rank: int) -> None:
+    """Fault injection: PIPEZERO_CRASH_AT=step:rank kills that rank once (the first torchrun attempt)."""
+    spec = os.environ.get("PIPEZERO_CRASH_AT")
+    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        at, who = (int(v) for v in spec.split(":"))
+        if (step, rank) == (at, who):
+            print(f"[rank {rank}] PIPEZERO_CRASH_AT: exiting at step {step}", file=sys.stderr, flush=True)
+            os._exit(17)
+
+
+if __name__ == "__main__":
+    main()
