@@ -1,0 +1,219 @@
+"""Pipeline step time: pipezero's PipelineRunner vs torch.distributed.pipelining, same model, same split.
+
+For each schedule both run the same GPT (examples/gpt.py layers, embedding and head untied
+since torch.distributed.pipelining cannot tie weights across stages), cut at the same layer
+boundaries (pipezero's partition, "type:Block"), the same microbatches and the same fp32
+(or, on CUDA, bf16-autocast) policy. Printed: median step seconds, ratio torch/ours
+(> 1: we are faster), measured bubble of our runner next to the simulator's prediction
+for equal-cost actions.
+
+    python bench/pipe.py                       # CPU, gloo, 2 and 4 processes
+    python bench/pipe.py --device cuda --world 2 --layers 24 --d-model 2048 --heads 16 \\
+        --seq 2048 --vocab 32000 --batch 32 --microbatches 8      # the lead's 2 x H200 run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from examples.gpt import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
+from pipezero.pipe import (GPipe, Interleaved1F1B, LayerSpec, OneFOneB, PipelineModule,  # noqa: E402
+                           PipelineRunner, ZeroBubbleV)
+from pipezero.pipe.placement import owner  # noqa: E402
+from pipezero.pipe.timeline import gather_events  # noqa: E402
+from pipezero.topology import Grid  # noqa: E402
+
+# ours -> torch.distributed.pipelining's schedule of the same name
+SCHEDULES = {"GPipe": (GPipe, "ScheduleGPipe"), "1F1B": (OneFOneB, "Schedule1F1B"),
+             "Interleaved1F1B": (Interleaved1F1B, "ScheduleInterleaved1F1B"),
+             "ZeroBubbleV": (ZeroBubbleV, "ScheduleZBVZeroBubble")}
+
+
+def _specs(cfg: GPTConfig) -> list:
+    return [LayerSpec(r.cls, *r.args) for r in gpt_layers(cfg)]
+
+
+def _batch(args, device):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _autocast(device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
+        "cpu", enabled=False)
+
+
+def run_ours(name, args, grid, device):
+    cls, _ = SCHEDULES[name]
+    sched = cls(num_microbatches=args.microbatches)
+    model = PipelineModule(_specs(_cfg(args)), grid=grid, loss_fn=gpt_loss, num_chunks=sched.num_chunks,
+                           placement=sched.placement, partition_method="type:Block", device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    runner = PipelineRunner(model, sched, optimizer=opt)
+    ids, targets = _batch(args, device)
+    times, bubbles, costs = [], [], []
+    for step in range(args.warmup + args.steps):
+        _sync(device)
+        start = time.perf_counter()
+        with _autocast(device):
+            runner.train_step(ids, targets)
+        opt.step()
+        opt.zero_grad()
+        _sync(device)
+        if step >= args.warmup:
+            times.append(_max_over_ranks(time.perf_counter() - start, device))
+            bubbles.append(runner.measured_bubble())
+            costs.append(_costs(gather_events(runner.timeline.events, grid.pipe_group)))
+    return statistics.median(times), statistics.median(bubbles), model.bounds, costs[-1]
+
+
+def _costs(events) -> dict:
+    """Mean seconds of each op letter (F, B, I, W) over every rank's compute events."""
+    by_op: dict[str, list[float]] = {}
+    for e in events:
+        if e.kind == "compute":
+            by_op.setdefault(e.name[1], []).append(e.end - e.start)
+    return {op: statistics.mean(d) for op, d in by_op.items()}
+
+
+def run_torch(name, args, grid, device, bounds):
+    from torch.distributed import pipelining
+
+    _, torch_name = SCHEDULES[name]
+    ours = SCHEDULES[name][0](num_microbatches=args.microbatches)
+    p, chunks = grid.pipe_size, ours.num_chunks
+    specs = _specs(_cfg(args))
+    stages = []
+    for stage in range(p * chunks):
+        rank, _ = owner(stage, p, ours.placement)
+        if rank != grid.pipe_rank:
+            continue
+        torch.manual_seed(stage)
+        with device:
+            layers = torch.nn.Sequential(*[s.build() for s in specs[bounds[stage]:bounds[stage + 1]]])
+        stages.append(pipelining.PipelineStage(layers, stage, p * chunks, device, group=grid.pipe_group))
+    schedule_cls = getattr(pipelining, torch_name)
+    sched = schedule_cls(stages if chunks > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=gpt_loss)
+    params = [q for s in stages for q in s.submod.parameters()]
+    opt = torch.optim.SGD(params, lr=1e-4)
+    ids, targets = _batch(args, device)
+    first = any(s.is_first for s in stages)
+    last = any(s.is_last for s in stages)
+    times = []
+    for step in range(args.warmup + args.steps):
+        _sync(device)
+        start = time.perf_counter()
+        with _autocast(device):
+            sched.step(*((ids,) if first else ()), target=targets if last else None)
+        opt.step()
+        opt.zero_grad()
+        _sync(device)
+        if step >= args.warmup:
+            times.append(_max_over_ranks(time.perf_counter() - start, device))
+    return statistics.median(times)
+
+
+def _cfg(args) -> GPTConfig:
+    return GPTConfig(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
+                     seq_len=args.seq)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _max_over_ranks(seconds: float, device) -> float:
+    t = torch.tensor([seconds], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def worker(rank, world, args, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, args.threads))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=600))
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    grid = Grid(pipe=world)
+    rows = []
+    for name in args.schedules:
+        ours, bubble, bounds, costs = run_ours(name, args, grid, device)
+        try:
+            theirs = run_torch(name, args, grid, device, bounds)
+        except Exception as e:  # noqa: BLE001 - report the peer's failure in the table, keep going
+            theirs = float("nan")
+            if rank == 0:
+                print(f"torch {name}: {type(e).__name__}: {e}", flush=True)
+        rows.append((name, ours, theirs, bubble, costs))
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def _predicted_bubble(name, p, m, measured: dict) -> float:
+    """The simulator's bubble for the same schedule, fed the measured mean action times."""
+    from pipezero.pipe import Costs, simulate
+
+    sched = SCHEDULES[name][0](num_microbatches=m)
+    half_b = measured.get("B", 0.0) / 2
+    costs = Costs(forward=measured["F"], backward_input=measured.get("I", half_b),
+                  backward_weight=measured.get("W", half_b))
+    try:
+        return simulate(sched, num_stages=p, costs=costs, channels="kind", sends="async").bubble
+    except Exception as e:  # noqa: BLE001 - the table then shows nan
+        print(f"simulate {name}: {e}")
+        return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4], help="pipeline sizes to run")
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    args = parser.parse_args()
+    print(f"{datetime.date.today()} torch {torch.__version__} device={args.device} GPT {args.layers}x{args.d_model} "
+          f"heads {args.heads} seq {args.seq} vocab {args.vocab} batch {args.batch} m={args.microbatches} "
+          f"({'bf16 autocast, fp32 weights' if args.device == 'cuda' else 'fp32'})")
+    print("| p | schedule | ours s | torch s | torch/ours | bubble measured | bubble simulated |")
+    print("|---|---|---|---|---|---|---|")
+    ctx = mp.get_context("spawn")
+    for world in args.world:
+        queue = ctx.SimpleQueue()
+        port = 29500 + os.getpid() % 1000 + world
+        mp.spawn(worker, args=(world, args, port, queue), nprocs=world, join=True)
+        tokens = args.batch * args.seq
+        for name, ours, theirs, bubble, costs in queue.get():
+            sim = _predicted_bubble(name, world, args.microbatches, costs)
+            print(f"| {world} | {name} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} | {bubble:.2f} | "
+                  f"{sim:.2f} |" + (f"  ({tokens / ours:,.0f} tokens/s)" if args.device == "cuda" else ""),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
