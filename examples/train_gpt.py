@@ -40,15 +40,16 @@ PEAK_FLOPS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e1
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pipe", type=int, default=2, help="pipeline stages")
+    p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2)")
     p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
     p.add_argument("--tensor", type=int, default=1, choices=[1], help="tensor parallel degree (1 for now)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"])
-    p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2])
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"],
+                   help="pipeline schedule (default: the config's, else 1f1b)")
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2], help="default: the config's, else 2")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"], help="default: the config's, else fp32")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (accumulation)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch per data rank")
+    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch per data rank (default 4)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=64)
@@ -67,19 +68,28 @@ def parse_args(argv=None) -> argparse.Namespace:
 def ds_config(args: argparse.Namespace) -> dict:
     """The ds_config this run uses: --config (if any) with the command line's choices on top."""
     cfg = json.loads(Path(args.config).read_text()) if args.config else {}
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        cfg.pop(key, None)
-    cfg["train_micro_batch_size_per_gpu"] = args.batch_size
-    cfg["gradient_accumulation_steps"] = args.micro_batches
+    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    if args.batch_size or args.micro_batches or not any(k in cfg for k in batch_keys):
+        for key in batch_keys:
+            cfg.pop(key, None)
+        cfg["train_micro_batch_size_per_gpu"] = args.batch_size or 4
+        cfg["gradient_accumulation_steps"] = args.micro_batches or 4
+        cfg.get("pipeline", {}).pop("micro_batches", None)
+    pipeline = {"stages": 2, "schedule": "1f1b", **cfg.get("pipeline", {})}
+    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule)) if v is not None})
+    cfg["pipeline"] = pipeline
+    zero = {"stage": 2, **cfg.get("zero_optimization", {})}
+    zero.update({"stage": args.zero_stage} if args.zero_stage is not None else {})
+    cfg["zero_optimization"] = zero
+    if args.precision is not None:
+        cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": args.precision == "fp16"}
+        cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": args.precision == "bf16"}
     cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1,
                                                            "betas": [0.9, 0.95]}})
     cfg.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
-        "warmup_num_steps": max(1, args.steps // 20), "total_num_steps": args.steps, "cos_min_ratio": 0.1}})
+        "warmup_num_steps": max(1, args.steps // 20), "total_num_steps": args.steps, "warmup_min_ratio": 0.1,
+        "cos_min_ratio": 0.1}})
     cfg.setdefault("gradient_clipping", 1.0)
-    cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": args.precision == "fp16"}
-    cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": args.precision == "bf16"}
-    cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": args.zero_stage}
-    cfg["pipeline"] = {**cfg.get("pipeline", {}), "stages": args.pipe, "schedule": args.schedule}
     cfg["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
     if args.steps_per_print:
         cfg["steps_per_print"] = args.steps_per_print
@@ -96,8 +106,8 @@ def main(argv=None) -> float:
     parts = build(ds_config(args), specs=gpt_specs(model_cfg), loss_fn=gpt_loss, hidden_size=args.d_model)
     grid, runner, opt, cfg = parts.grid, parts.runner, parts.optimizer, parts.config
     if args.data is not None and args.data != grid.data_size:
-        raise ValueError(f"--data {args.data} but {grid.world_size} processes / --pipe {args.pipe} give "
-                         f"{grid.data_size}: launch torchrun --nproc-per-node {args.pipe * args.data}")
+        raise ValueError(f"--data {args.data} but {grid.world_size} processes / pipe {grid.pipe_size} give "
+                         f"{grid.data_size}: launch torchrun --nproc-per-node {grid.pipe_size * args.data}")
     log.info("grid %s, optimizer %s, schedule %s, %s\n%s", grid, opt, parts.schedule,
              str(parts.dtype).removeprefix("torch."), parts.module.describe())
 

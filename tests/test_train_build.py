@@ -112,3 +112,23 @@ def test_bad_combinations_raise_on_every_rank_before_any_collective():
             for word in words:
                 assert word in message, f"{word!r} not in {message!r}"
     assert results[0] == results[3]
+
+
+def test_cli_simulate_prints_grid_bubble_memory_and_writes_png(tmp_path, capsys):
+    from pipezero.train.cli import main
+
+    png = tmp_path / "zbv.png"
+    assert main(["simulate", "--schedule", "zbv", "--stages", "4", "--microbatches", "8", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 3" in out and "0F0" in out and "1W7" in out
+    assert "bubble 0.059" in out and "peak live activations" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_train_without_examples_says_where_to_get_them(monkeypatch, tmp_path):
+    import pipezero
+    from pipezero.train import cli
+
+    monkeypatch.setattr(pipezero, "__file__", str(tmp_path / "site-packages" / "pipezero" / "__init__.py"))
+    with pytest.raises(FileNotFoundError, match="clone the repository"):
+        cli.examples_dir()

@@ -31,7 +31,7 @@ def _torchrun(nproc: int, out: Path, *args: str, restarts: int = 0, env: dict | 
 
 
 def test_main_job_pipe2_data2_writes_tensorboard_and_checkpoint(tmp_path):
-    _torchrun(4, tmp_path, "--pipe", "2", "--steps", "4", "--save-interval", "2", "--zero-stage", "1")
+    _torchrun(4, tmp_path, "--pipe", "2", "--steps", "4", "--save-interval", "2", "--zero-stage", "2")
     acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0})
     acc.Reload()
     scalars = set(acc.Tags()["scalars"])

@@ -1,0 +1,120 @@
+"""The `pipezero` console command: simulate a schedule, or train the GPT example from a ds_config.
+
+    pipezero simulate --schedule zbv --stages 4 --microbatches 8      # grid, bubble, peak memory, PNG
+    pipezero train CONFIG [train_gpt.py flags]                        # torchrun-style, or re-launched
+
+`train` runs examples/train_gpt.py, located next to the pipezero sources (an editable install
+or a clone: the examples are not part of the wheel). Under torchrun (RANK is set) it runs in
+this process; otherwise it re-launches itself through torch.distributed.run with
+--nproc-per-node processes (default: the pipeline stages x --data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["main", "examples_dir"]
+
+_KINDS = {"gpipe": "GPipe", "1f1b": "OneFOneB", "interleaved_1f1b": "Interleaved1F1B", "zb_h1": "ZeroBubbleH1",
+          "zbv": "ZeroBubbleV"}
+
+
+def examples_dir() -> Path:
+    """The repository's examples/ folder, or a FileNotFoundError that says how to get it."""
+    import pipezero
+
+    root = Path(pipezero.__file__).resolve().parent
+    folder = root / "examples"
+    if not (folder / "train_gpt.py").is_file():
+        raise FileNotFoundError(f"pipezero train needs examples/train_gpt.py, which is not next to the installed "
+                                f"package ({root}); clone the repository and `pip install -e .` there, or run "
+                                f"torchrun examples/train_gpt.py from the clone")
+    return folder
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from pipezero import pipe
+
+    kind = getattr(pipe, _KINDS[args.schedule])
+    if kind is pipe.Interleaved1F1B:
+        schedule = kind(num_microbatches=args.microbatches, num_chunks=args.chunks)
+    else:
+        schedule = kind(num_microbatches=args.microbatches)
+    costs = pipe.Costs(forward=args.forward, backward_input=args.backward_input, backward_weight=args.backward_weight)
+    result = pipe.simulate(schedule, args.stages, costs=costs)
+    print(pipe.to_text(result))
+    peak = ", ".join(f"rank {r}: {n:g}" for r, n in sorted(result.peak_stage_activations().items()))
+    print(f"\n{type(schedule).__name__}: {args.stages} stages, {args.microbatches} microbatches, "
+          f"makespan {result.makespan:g}, bubble {result.bubble:.3f}")
+    print(f"peak live activations (whole-stage microbatches): {peak}")
+    png = Path(args.png or f"{args.schedule}_p{args.stages}_m{args.microbatches}.png")
+    pipe.to_png(result, png)
+    print(f"wrote {png}")
+    return 0
+
+
+def _nproc(config: str, rest: list[str]) -> int:
+    """Pipeline stages (flag, else config, else 2) x data degree (--data flag, else 1)."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--pipe", type=int)
+    flags.add_argument("--data", type=int, default=1)
+    known, _ = flags.parse_known_args(rest)
+    stages = known.pipe
+    if stages is None:
+        stages = json.loads(Path(config).read_text()).get("pipeline", {}).get("stages", 2)
+    return stages * known.data
+
+
+def _train(args: argparse.Namespace, rest: list[str]) -> int:
+    if not Path(args.config).is_file():
+        raise SystemExit(f"pipezero train: config {args.config!r} is not a file")
+    script = examples_dir() / "train_gpt.py"
+    argv = [str(script), "--config", args.config, *rest]
+    if "RANK" in os.environ:  # already under torchrun: one of its workers
+        sys.argv = argv
+        runpy.run_path(str(script), run_name="__main__")
+        return 0
+    nproc = args.nproc_per_node or _nproc(args.config, rest)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={args.max_restarts}", *argv]
+    print("pipezero train: " + " ".join(cmd), file=sys.stderr)
+    return subprocess.call(cmd)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipezero", description="pipeline-parallel training toolkit")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sim = sub.add_parser("simulate", help="simulate a schedule: text grid, bubble, peak memory, PNG")
+    sim.add_argument("--schedule", choices=sorted(_KINDS), default="1f1b")
+    sim.add_argument("--stages", type=int, default=4)
+    sim.add_argument("--microbatches", type=int, default=8)
+    sim.add_argument("--chunks", type=int, default=2, help="interleaved_1f1b: chunks per rank")
+    sim.add_argument("--forward", type=float, default=1.0, help="cost of F")
+    sim.add_argument("--backward-input", type=float, default=1.0, help="cost of I (B = I + W)")
+    sim.add_argument("--backward-weight", type=float, default=1.0, help="cost of W")
+    sim.add_argument("--png", default=None, help="where to write the picture")
+    train = sub.add_parser("train", help="train examples/train_gpt.py with a ds_config (other flags pass through)")
+    train.add_argument("config")
+    train.add_argument("--nproc-per-node", type=int, default=None)
+    train.add_argument("--max-restarts", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `pipezero` command."""
+    args, rest = _parser().parse_known_args(argv)
+    if args.command == "simulate":
+        if rest:
+            raise SystemExit(f"pipezero simulate: unknown arguments {rest}")
+        return _simulate(args)
+    return _train(args, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
