@@ -132,3 +132,54 @@ def test_cli_train_without_examples_says_where_to_get_them(monkeypatch, tmp_path
     monkeypatch.setattr(pipezero, "__file__", str(tmp_path / "site-packages" / "pipezero" / "__init__.py"))
     with pytest.raises(FileNotFoundError, match="clone the repository"):
         cli.examples_dir()
+
+
+def _engine_losses(stage: int) -> list[float]:
+    """The DeepSpeed-shaped loop through initialize(): each data rank takes its half of every batch."""
+    import torch.distributed as dist
+
+    from pipezero.train import initialize
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.3)
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": stage}, "gradient_clipping": 0.5}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine, optimizer, _, _ = initialize(model=model, optimizer=opt, config=cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(4):
+        x, y = _batch(step)
+        mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        loss = nn.functional.cross_entropy(engine(x[mine]), y[mine])
+        engine.backward(loss)
+        engine.step()
+        full = loss.detach().clone()
+        dist.all_reduce(full)
+        losses.append(full.item() / world)
+    return losses
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def test_initialize_engine_matches_plain_pytorch():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    truth = []
+    for step in range(4):
+        x, y = _batch(step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        truth.append(loss.item())
+    for losses in run(_engine_losses, 2, 2):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(truth), rtol=0, atol=1e-5)

@@ -108,14 +108,16 @@ def init_process_group(timeout_s: float = 600.0) -> None:
 def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
           specs: Sequence[Any] | None = None, model: nn.Module | None = None,
           loss_fn: Callable | None = None, hidden_size: int | None = None, seed: int = 0,
-          device: torch.device | str | None = None) -> Parts:
+          device: torch.device | str | None = None, optimizer: torch.optim.Optimizer | None = None) -> Parts:
     """Config + layer specs (a pipeline) or a model (no pipeline) -> Parts.
 
     `config` is a ds_config path, dict or an already parsed TrainConfig (for the world size
     the process group, or $WORLD_SIZE, has). `hidden_size` resolves "auto" ZeRO bucket sizes.
+    `optimizer` (with model= only): your own torch optimizer over the model's parameters, used
+    as the innermost link instead of the config's "optimizer" section.
     """
     cfg = _config(config, hidden_size)
-    _check_build_args(cfg, specs, model, loss_fn)
+    _check_build_args(cfg, specs, model, loss_fn, optimizer)
     dev = torch.device(device) if device is not None else _default_device()
     dtype = resolve_precision(cfg.compute_dtype, dev)
     init_process_group()
@@ -130,7 +132,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     else:
         module = model.to(dev)
     module.to(dtype)
-    inner = build_optimizer(cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])
+    inner = optimizer if optimizer is not None else build_optimizer(
+        cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])
     scaler = _scaler(cfg, inner, dtype)
     zero = ZeroOptimizer.from_config(scaler, cfg.zero.to_dict(), group=grid.data_group,
                                      module=module if cfg.zero.stage == 3 else None)
@@ -150,8 +153,11 @@ def _config(config: Any, hidden_size: int | None) -> TrainConfig:
     return parse_config(config, world_size=world, hidden_size=hidden_size)
 
 
-def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any) -> None:
+def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, optimizer: Any) -> None:
     """Every user error, before any process group work."""
+    if optimizer is not None and (specs is not None or not isinstance(optimizer, torch.optim.Optimizer)):
+        raise TypeError("build(optimizer=...) takes a torch.optim.Optimizer over the parameters of model=; with "
+                        'specs= the optimizer comes from the config\'s "optimizer" section')
     if (specs is None) == (model is None):
         raise ValueError("build(config, specs=..., model=...): pass exactly one of specs= (a list of "
                          "LayerSpec for a pipeline) or model= (an nn.Module, no pipeline)")

@@ -1,0 +1,74 @@
+"""A DeepSpeed-shaped entry point for migrating a loop: `initialize(model=..., config=...)`.
+
+A DeepSpeed user's loop is `engine, optimizer, _, scheduler = deepspeed.initialize(...)`, then
+`engine(x)`, `engine.backward(loss)`, `engine.step()`. Here `initialize` returns the same four
+things, where the engine is a thin view of the explicit parts (`engine.parts`): calling it runs
+the model, `backward` scales the loss through the optimizer chain, `step` steps the chain and
+the LR schedule and clears the gradients. Nothing else lives in it; for pipelines use
+`build(config, specs=...)` and the runner directly (examples/train_gpt.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from pipezero.train.build import Parts, build
+from pipezero.train.config import TrainConfig
+from pipezero.train.config_optim import OptimizerConfig, build_optimizer
+
+__all__ = ["Engine", "initialize"]
+
+
+class Engine:
+    """`engine(x)` = `parts.module(x)`; `backward(loss)`; `step()` -> False when skipped (inf/nan)."""
+
+    def __init__(self, parts: Parts):
+        self.parts = parts
+        self.module, self.optimizer, self.lr_scheduler = parts.module, parts.optimizer, parts.scheduler
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scale the loss (fp16) and run backward; ZeRO reduces gradients as they become ready."""
+        self.optimizer.backward(loss)
+
+    def step(self) -> bool:
+        """Step the optimizer chain and the LR schedule, then clear the gradients."""
+        stepped = self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad()
+        return stepped
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: cast inputs to it (`x.to(engine.dtype)`)."""
+        return self.parts.dtype
+
+
+def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
+               optimizer: torch.optim.Optimizer | None = None,
+               config: str | os.PathLike | Mapping[str, Any] | TrainConfig | None = None,
+               hidden_size: int | None = None) -> tuple[Engine, Any, None, Any]:
+    """(engine, optimizer chain, None, lr scheduler), like deepspeed.initialize.
+
+    The optimizer is yours if given, else the config's "optimizer" section over
+    `model_parameters` (default: every trainable parameter). The third item, DeepSpeed's data
+    loader, is always None: keep your own.
+    """
+    if config is None:
+        raise ValueError("initialize(config=None): pass a ds_config path or dict")
+    if optimizer is None and model_parameters is not None:
+        from pipezero.train.build import _config
+
+        cfg = _config(config, hidden_size)
+        optimizer = build_optimizer(cfg.optimizer or OptimizerConfig(), model_parameters)
+        config = cfg
+    parts = build(config, model=model, hidden_size=hidden_size, optimizer=optimizer)
+    engine = Engine(parts)
+    return engine, parts.optimizer, None, parts.scheduler
