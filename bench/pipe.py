@@ -55,7 +55,8 @@ def _autocast(device):
         "cpu", enabled=False)
 
 
-def run_ours(name, args, grid, device):
+def setup_ours(name, args, grid, device):
+    """Our runner on the GPT; returns (one training step, the model's layer boundaries, the runner)."""
     cls, _ = SCHEDULES[name]
     sched = cls(num_microbatches=args.microbatches)
     model = PipelineModule(_specs(_cfg(args)), grid=grid, loss_fn=gpt_loss, num_chunks=sched.num_chunks,
@@ -63,20 +64,71 @@ def run_ours(name, args, grid, device):
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     runner = PipelineRunner(model, sched, optimizer=opt)
     ids, targets = _batch(args, device)
-    times, bubbles, costs = [], [], []
-    for step in range(args.warmup + args.steps):
-        _sync(device)
-        start = time.perf_counter()
+
+    def step():
         with _autocast(device):
             runner.train_step(ids, targets)
         opt.step()
         opt.zero_grad()
-        _sync(device)
-        if step >= args.warmup:
-            times.append(_max_over_ranks(time.perf_counter() - start, device))
-            bubbles.append(runner.measured_bubble())
-            costs.append(_costs(gather_events(runner.timeline.events, grid.pipe_group)))
-    return statistics.median(times), statistics.median(bubbles), model.bounds, costs[-1]
+    return step, model.bounds, runner
+
+
+def setup_torch(name, args, grid, device, bounds):
+    """torch.distributed.pipelining's schedule of the same name on the same layers and cut."""
+    from torch.distributed import pipelining
+
+    _, torch_name = SCHEDULES[name]
+    ours = SCHEDULES[name][0](num_microbatches=args.microbatches)
+    p, chunks = grid.pipe_size, ours.num_chunks
+    specs = _specs(_cfg(args))
+    stages = []
+    for stage in range(p * chunks):
+        if owner(stage, p, ours.placement)[0] != grid.pipe_rank:
+            continue
+        with device:
+            layers = torch.nn.Sequential(*[s.build() for s in specs[bounds[stage]:bounds[stage + 1]]])
+        stages.append(pipelining.PipelineStage(layers, stage, p * chunks, device, group=grid.pipe_group))
+    schedule_cls = getattr(pipelining, torch_name)
+    sched = schedule_cls(stages if chunks > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=gpt_loss)
+    opt = torch.optim.SGD([q for s in stages for q in s.submod.parameters()], lr=1e-4)
+    ids, targets = _batch(args, device)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+    def step():
+        with _autocast(device):
+            sched.step(*((ids,) if first else ()), target=targets if last else None)
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def compare(name, args, grid, device):
+    """Alternate our step and torch's (so machine noise hits both alike); medians and our bubble."""
+    ours, bounds, runner = setup_ours(name, args, grid, device)
+    try:
+        theirs = setup_torch(name, args, grid, device, bounds)
+    except Exception as e:  # noqa: BLE001 - report the peer's failure in the table, keep going
+        theirs = None
+        if grid.rank == 0:
+            print(f"torch {name}: {type(e).__name__}: {e}", flush=True)
+    times: dict[str, list[float]] = {"ours": [], "torch": []}
+    bubbles, costs = [], {}
+    for i in range(args.warmup + args.steps):
+        for label, step in (("ours", ours), ("torch", theirs)):
+            if step is None:
+                continue
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            elapsed = _max_over_ranks(time.perf_counter() - start, device)
+            if i >= args.warmup:
+                times[label].append(elapsed)
+                if label == "ours":
+                    bubbles.append(runner.measured_bubble())
+                    costs = _costs(gather_events(runner.timeline.events, grid.pipe_group))
+    median = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    return median(times["ours"]), median(times["torch"]), median(bubbles), costs
 
 
 def _costs(events) -> dict:
@@ -86,43 +138,6 @@ def _costs(events) -> dict:
         if e.kind == "compute":
             by_op.setdefault(e.name[1], []).append(e.end - e.start)
     return {op: statistics.mean(d) for op, d in by_op.items()}
-
-
-def run_torch(name, args, grid, device, bounds):
-    from torch.distributed import pipelining
-
-    _, torch_name = SCHEDULES[name]
-    ours = SCHEDULES[name][0](num_microbatches=args.microbatches)
-    p, chunks = grid.pipe_size, ours.num_chunks
-    specs = _specs(_cfg(args))
-    stages = []
-    for stage in range(p * chunks):
-        rank, _ = owner(stage, p, ours.placement)
-        if rank != grid.pipe_rank:
-            continue
-        torch.manual_seed(stage)
-        with device:
-            layers = torch.nn.Sequential(*[s.build() for s in specs[bounds[stage]:bounds[stage + 1]]])
-        stages.append(pipelining.PipelineStage(layers, stage, p * chunks, device, group=grid.pipe_group))
-    schedule_cls = getattr(pipelining, torch_name)
-    sched = schedule_cls(stages if chunks > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=gpt_loss)
-    params = [q for s in stages for q in s.submod.parameters()]
-    opt = torch.optim.SGD(params, lr=1e-4)
-    ids, targets = _batch(args, device)
-    first = any(s.is_first for s in stages)
-    last = any(s.is_last for s in stages)
-    times = []
-    for step in range(args.warmup + args.steps):
-        _sync(device)
-        start = time.perf_counter()
-        with _autocast(device):
-            sched.step(*((ids,) if first else ()), target=targets if last else None)
-        opt.step()
-        opt.zero_grad()
-        _sync(device)
-        if step >= args.warmup:
-            times.append(_max_over_ranks(time.perf_counter() - start, device))
-    return statistics.median(times)
 
 
 def _cfg(args) -> GPTConfig:
@@ -151,16 +166,7 @@ def worker(rank, world, args, port, queue):
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=600))
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     grid = Grid(pipe=world)
-    rows = []
-    for name in args.schedules:
-        ours, bubble, bounds, costs = run_ours(name, args, grid, device)
-        try:
-            theirs = run_torch(name, args, grid, device, bounds)
-        except Exception as e:  # noqa: BLE001 - report the peer's failure in the table, keep going
-            theirs = float("nan")
-            if rank == 0:
-                print(f"torch {name}: {type(e).__name__}: {e}", flush=True)
-        rows.append((name, ours, theirs, bubble, costs))
+    rows = [(name, *compare(name, args, grid, device)) for name in args.schedules]
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -193,7 +199,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per process")
     args = parser.parse_args()

@@ -1,16 +1,19 @@
 """PipelineRunner: run one rank's share of a schedule (the only part of pipe/ that talks to the network).
 
 The schedule is data: for this rank an ordered list of actions F / B / I / W on (chunk,
-microbatch). Before each action the runner exchanges, in ONE batched call, the sends the
-previous action produced and the receive the next action needs (Megatron's
-send-forward-recv-backward pairing, Narayanan et al. 2021), so paired transfers never
-deadlock. Activations of adjacent virtual stages on the same rank (the tip of a V) pass
-locally. Zero-bubble schedules (Qi et al. 2023) split B into I (input gradient, with
-torch.autograd.grad on the stage inputs, keeping the graph) and W (weight gradient).
+microbatch). Before each action the runner posts, in one batch, the sends the previous
+action produced and the receives the next action needs (Megatron's send-forward-recv-backward
+pairing, Narayanan et al. 2021). Sends are asynchronous and waited for at the end of the
+step (as torch.distributed.pipelining does), and messages between two ranks are received in
+the order they were sent (a rank may receive an activation early and keep it): so any schedule
+that is valid with buffered sends runs without deadlock, including ZeroBubbleV and DualPipeV.
+Activations of adjacent virtual stages on the same rank (the tip of a V) pass locally.
 
-W policy (documented simplification): W runs the retained graph's backward once more and
-keeps only the parameter gradients, so the I/W split costs one extra backward-input of
-compute; it is exact, and it moves the weight work where the schedule put it.
+Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split B into I
+(input gradient: torch.autograd.grad on the stage inputs, keeping the graph) and W (weight
+gradient). W policy, a documented simplification: W runs the retained graph's backward once
+more and keeps the parameter gradients, so the split costs one extra backward-input of compute;
+it is exact, and the weight work happens where the schedule put it.
 """
 
 from __future__ import annotations
@@ -322,9 +325,9 @@ class _PipeP2P:
         new = [(peer, key) not in self._sent for peer, key, _ in sends]
         side_ops = []
         for peer, key, tensors in (s for s, is_new in zip(sends, new) if is_new):
-            side_ops.append(dist.P2POp(dist.isend, encode_meta(tensors).to(self.side_device), peer, self.side, self.tag))
-            side_ops += [dist.P2POp(dist.isend, t.detach().to(self.side_device).contiguous(), peer, self.side, self.tag)
-                         for t in tensors]
+            payload = [encode_meta(tensors), *(t.detach() for t in tensors)]
+            side_ops += [dist.P2POp(dist.isend, t.to(self.side_device).contiguous(), peer, self.side, self.tag)
+                         for t in payload]
             self._sent.add((peer, key))
         self._pending += dist.batch_isend_irecv(side_ops) if side_ops else []
         known = [i for i, (peer, key) in enumerate(recvs) if (peer, key) in self._meta]
