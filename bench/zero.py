@@ -173,49 +173,78 @@ def _storages() -> dict[int, int]:
 def _train_step(run: Run, batches, device, low: bool) -> None:
     autocast = torch.autocast("cuda", torch.bfloat16) if low and run.precision.startswith("fp32 weights, bf16 a") \
         else _NullContext()
+    engine = hasattr(run.model, "backward") and hasattr(run.model, "global_steps")
+    if engine:  # DeepSpeed: backward and step every micro-batch; it divides by the accumulation itself
+        for x, y in batches:
+            run.model.backward(F.cross_entropy(run.model(x).float().flatten(0, 1), y.flatten()))
+            run.model.step()
+        return
     for i, (x, y) in enumerate(batches):
         with run.no_sync() if i < len(batches) - 1 else _NullContext(), autocast:
             logits = run.model(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / len(batches)
-            if hasattr(run.model, "backward") and hasattr(run.model, "global_steps"):  # DeepSpeed engine
-                run.model.backward(loss)
-            else:
-                loss.backward()
+            loss.backward()
     run.step()
     run.zero_grad()
 
 
-def measure(name: str, args, device: torch.device) -> tuple[float, float, str]:
-    """Median step seconds and per-rank memory (MiB) of one run."""
-    before = _storages() if device.type == "cpu" else {}
-    run = build(name, args, device)
+def _batches(args, device) -> list:
     g = torch.Generator().manual_seed(dist.get_rank())
-    batches = [(torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device),
-                torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device))
-               for _ in range(args.accum)]
-    low = device.type == "cuda"
-    if low:
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for i in range(args.steps + 2):
-        _sync(device)
-        dist.barrier()
-        start = time.perf_counter()
-        _train_step(run, batches, device, low)
-        _sync(device)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    if low:
-        memory = torch.cuda.max_memory_allocated(device) / 2**20
-    else:  # model state: parameters, optimizer state, and the gradients of one more backward
-        F.cross_entropy(run.model(batches[0][0]).flatten(0, 1), batches[0][1].flatten()).backward()
-        run.settle()
-        after = _storages()
-        memory = sum(n for p, n in after.items() if p not in before) / 2**20
-    precision = run.precision
+    return [(torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device),
+             torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device))
+            for _ in range(args.accum)]
+
+
+def _timed_step(run: Run, batches, device) -> float:
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    _train_step(run, batches, device, device.type == "cuda")
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def model_state_mib(name: str, args, device: torch.device) -> float:
+    """CPU: bytes of the tensors a run adds (parameters, optimizer state, the grads of a backward)."""
+    before = _storages()
+    run, batches = build(name, args, device), _batches(args, device)
+    for _ in range(2):
+        _train_step(run, batches, device, False)
+    loss = F.cross_entropy(run.model(batches[0][0]).flatten(0, 1), batches[0][1].flatten())
+    run.model.backward(loss) if hasattr(run.model, "global_steps") else loss.backward()
+    run.settle()
+    after = _storages()
     del run
     gc.collect()
-    return statistics.median(times), memory, precision
+    return sum(n for p, n in after.items() if p not in before) / 2**20
+
+
+def measure_cpu(names: list[str], args, device) -> dict:
+    """Memory one run at a time; then time all runs round-robin so a busy machine slows all alike."""
+    memory = {name: model_state_mib(name, args, device) for name in names}
+    runs = {name: build(name, args, device) for name in names}
+    batches = _batches(args, device)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(args.steps + 2):
+        for name, run in runs.items():
+            t = _timed_step(run, batches, device)
+            if repeat >= 2:
+                times[name].append(t)
+    return {name: (statistics.median(times[name]), memory[name], runs[name].precision) for name in names}
+
+
+def measure_cuda(names: list[str], args, device) -> dict:
+    """One run at a time (they do not fit together): median step time and peak allocated memory."""
+    out = {}
+    for name in names:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        run, batches = build(name, args, device), _batches(args, device)
+        times = [_timed_step(run, batches, device) for _ in range(args.steps + 2)][2:]
+        out[name] = (statistics.median(times), torch.cuda.max_memory_allocated(device) / 2**20, run.precision)
+        del run, batches
+        gc.collect()
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -247,7 +276,8 @@ def worker(rank: int, world: int, args) -> None:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
-    results = {name: measure(name, args, device) for name in _runs()}
+    measure = measure_cuda if device.type == "cuda" else measure_cpu
+    results = measure(_runs(), args, device)
     if rank == 0:
         _print(results, args, world)
     dist.destroy_process_group()
@@ -257,15 +287,18 @@ def _print(results: dict, args, world: int) -> None:
     tokens = args.batch * args.seq * args.accum * world
     mem = "peak MiB" if args.device == "cuda" else "model state MiB"
     print(f"GPT {args.layers}x{args.hidden}, vocab {args.vocab}, {tokens} tokens/step, {world} ranks, {args.device}")
-    print(f"| run | precision | ms/step | tokens/s | {mem} | peer | speed vs peer | memory vs peer |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| run | precision | ms/step | tokens/s | {mem} | peer | speed vs peer | memory vs peer "
+          f"| speed vs DeepSpeed same stage |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (sec, memory, precision) in results.items():
         peer = PEERS.get(name) or ("ddp+ZeroRedundancyOptimizer" if name in ("deepspeed-1", "deepspeed-2")
                                    else "fsdp2" if name == "deepspeed-3" else "")
         ratio = f"{results[peer][0] / sec:.2f}" if peer else ""
         mem_ratio = f"{memory / results[peer][1]:.2f}" if peer else ""
+        ds = results.get(f"deepspeed-{name[-1]}") if name.startswith("pipezero") else None
+        vs_ds = f"{ds[0] / sec:.2f}" if ds else ""
         print(f"| {name} | {precision} | {sec * 1e3:.0f} | {tokens / sec:,.0f} | {memory:,.0f} | {peer} | "
-              f"{ratio} | {mem_ratio} |")
+              f"{ratio} | {mem_ratio} | {vs_ds} |")
 
 
 def main() -> None:

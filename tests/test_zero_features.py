@@ -243,3 +243,22 @@ def test_stage3_gathers_a_block_as_one_unit():
     units = stage3_units(_blocks())
     assert [(type(m).__name__, recurse) for m, recurse in units] == [("Sequential", True)] * 2
     _assert_params(run(_stage3_blocks, 2), reference("sgd", 2, steps=3, build=_blocks), "blocks")
+
+
+# -- traffic: stage 3 moves 1.5x the bytes of stage 2 (ZeRO section 7) -------------------------------
+def _bytes_per_step(stage):
+    world = dist.get_world_size()
+    model = make_model()
+    opt = ZeroOptimizer(make_opt(model, "adam"), module=model,
+                        config=ZeroConfig(stage=stage, stage3_param_persistence_threshold=0))
+    x, y = local_batch(world, 0)
+    TRAFFIC.reset()
+    opt.backward(nn.functional.mse_loss(model(x), y))
+    opt.step()
+    snap = TRAFFIC.snapshot()
+    return sum(snap.get(k, {}).get("bytes", 0) for k in ("all_reduce", "reduce_scatter", "all_gather"))
+
+
+def test_stage3_traffic_is_one_and_a_half_times_stage2():
+    stage2, stage3 = run(_bytes_per_step, 2, 2)[0], run(_bytes_per_step, 2, 3)[0]
+    assert stage3 == 1.5 * stage2, (stage2, stage3)

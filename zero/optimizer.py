@@ -69,10 +69,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # the single-process layout (consolidated state): every group's original parameters, in order
         self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in self.param_groups]
         parts = 1 if self.stage == 0 else self.world
+        # a group of one has nothing to partition: stage 3 then keeps every parameter whole
+        threshold = config.stage3_param_persistence_threshold if self.world > 1 else float("inf")
         self.buckets: list[Bucket] = plan_groups(
             self.param_groups, config.reduce_bucket_size, parts, self.rank if parts > 1 else 0,
-            module if self.stage == 3 else None, config.stage3_param_persistence_threshold)
-        self._param_names = _names(module)
+            module if self.stage == 3 else None, threshold)
         self._build(module)
         self.last_step_skipped = False
 
@@ -155,8 +156,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             h.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget all gradients (always set to None: the flat buffers are zeroed, not freed, at stages 0-1)."""
         self.inner.zero_grad(set_to_none=True)
         self._sync.zero_grad()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not hasattr(self, "_sync"):      # torch's Optimizer.__init__ adds the placeholder group
+            return super().add_param_group(param_group)
+        raise ValueError("ZeroOptimizer.add_param_group: the partition is fixed when the ZeroOptimizer is "
+                         "built; put every param group into the inner optimizer before wrapping it")
 
     # -- the readiness protocol -------------------------------------------------------------
     def no_sync(self):
@@ -197,6 +205,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
         plain = own is torch.optim.Optimizer.__repr__ or own is object.__repr__
         return f"ZeroOptimizer(stage={self.stage}, {type(self.inner).__name__ if plain else repr(self.inner)})"
 
-
-def _names(module: nn.Module | None) -> dict[int, str]:
-    return {id(p): n for n, p in module.named_parameters()} if module is not None else {}

@@ -85,6 +85,8 @@ class Bucket:
         alias = master_device is None and self.dtype == torch.float32
         data = self.local if alias else self.local.detach().to(master_device or self.device, torch.float32,
                                                                copy=True)
+        if master_device is not None and master_device.type == "cpu" and self.device.type == "cuda":
+            data = data.pin_memory()  # offload: host<->device copies can run asynchronously
         self.master = nn.Parameter(data)
         if not keep_full:
             self.release()
@@ -110,7 +112,7 @@ class Bucket:
 
 
 def plan_groups(param_groups: list[dict], bucket_numel: int, parts: int, part: int,
-                module: nn.Module | None, persistence_threshold: int) -> list[Bucket]:
+                module: nn.Module | None, persistence_threshold: float) -> list[Bucket]:
     """Split every trainable parameter of the param groups into buckets.
 
     Without `module`: per (group, dtype, duplicate flag), in reverse order (the order
