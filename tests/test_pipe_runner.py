@@ -344,3 +344,58 @@ def bad_runner(case):
 def test_bad_runner_input_raises_on_every_rank(case, message):
     messages = run(bad_runner, 2, case)
     assert all(m is not None and message in m for m in messages), messages
+
+
+class Recorder:
+    """Records the readiness protocol (protocol 3) the runner drives, around a plain SGD."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def hold_grad_sync(self, params):
+        self.calls.append(("hold", {id(p) for p in params}))
+
+    def release_grad_sync(self, params):
+        self.calls.append(("release", {id(p) for p in params}, [_snapshot(p) for p in params]))
+
+    def flush_grad_sync(self, params):
+        self.calls.append(("flush", {id(p) for p in params}, [_snapshot(p) for p in params]))
+
+
+def _snapshot(p):
+    return None if p.grad is None else p.grad.clone()
+
+
+def readiness(name, m):
+    grid = Grid(pipe=2)
+    sched = make_schedule(name, m)
+    model = PipelineModule(specs(4), grid=grid, loss_fn=loss_fn, num_chunks=sched.num_chunks,
+                           placement=sched.placement)
+    opt = Recorder(torch.optim.SGD(model.parameters(), lr=0.1))
+    runner = PipelineRunner(model, sched, optimizer=opt)
+    ids, targets = batch(0, 8)
+    runner.train_step(ids, targets)
+    every = {id(p) for p in model.parameters()}
+    tied = {id(p) for p in model.tied_parameters()}
+    kinds = [c[0] for c in opt.calls]
+    assert kinds[0] == "hold" and opt.calls[0][1] == every
+    released = [c[1] for c in opt.calls if c[0] == "release"]
+    flushed = [c[1] for c in opt.calls if c[0] == "flush"]
+    assert released == flushed and kinds[1:] == ["release", "flush"] * len(released), kinds
+    assert set().union(*released) == every and sum(len(r) for r in released) == len(every)  # each once
+    if tied:  # tied weights come last, after their gradients were summed over the owners
+        assert released[-1] == tied and all(g is not None for g in opt.calls[-1][2])
+    # untied parameters are released just before the backward that completes their gradient:
+    # between release and flush their gradients change (the last microbatch's share arrives)
+    pairs = [(a, b) for a, b in zip(opt.calls[1::2], opt.calls[2::2]) if a[1] != tied]
+    assert pairs
+    for (_, _, before), (_, _, after) in pairs:
+        assert all(g is not None for g in after)
+        assert any(b is None or not torch.equal(b, a) for b, a in zip(before, after))
+    return len(released)
+
+
+@pytest.mark.parametrize("name", ["OneFOneB", "ZeroBubbleV"])
+def test_readiness_protocol(name):
+    counts = run(readiness, 2, name, 4)
+    assert all(c >= 1 for c in counts)
