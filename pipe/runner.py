@@ -10,10 +10,11 @@ that is valid with buffered sends runs without deadlock, including ZeroBubbleV a
 Activations of adjacent virtual stages on the same rank (the tip of a V) pass locally.
 
 Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split B into I
-(input gradient: torch.autograd.grad on the stage inputs, keeping the graph) and W (weight
-gradient). W policy, a documented simplification: W runs the retained graph's backward once
-more and keeps the parameter gradients, so the split costs one extra backward-input of compute;
-it is exact, and the weight work happens where the schedule put it.
+(input gradient) and W (weight gradient). I uses torch's pipelining helper
+stage_backward_input, which keeps the gradients at the weight-using nodes; W then computes
+only the weight gradients from them (stage_backward_weight). On the first stage (its inputs
+need no gradient) I is empty and W is the whole backward. Without those helpers (a private
+torch module) W re-runs the retained graph's backward: exact, at one more backward-input.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ from pipezero.pipe.placement import owner, virtual_stage
 from pipezero.pipe.timeline import Timeline, bubble_fraction, gather_events
 
 __all__ = ["PipelineRunner", "PipelineTimeout"]
+
+try:  # torch's split backward (private, present in torch 2.11-2.13); else W re-runs the backward
+    from torch.distributed.pipelining._backward import stage_backward_input as _stage_backward_input
+    from torch.distributed.pipelining._backward import stage_backward_weight as _stage_backward_weight
+except ImportError:  # pragma: no cover
+    _stage_backward_input = _stage_backward_weight = None
 
 _META_WORDS = encode_meta(()).numel()
 
@@ -193,8 +200,11 @@ class PipelineRunner:
         if op is Op.FORWARD:
             return self._forward(step, train, with_loss)
         if op is Op.BACKWARD_WEIGHT:
-            outs, grads = self._stash.pop(("w", *step.action[1:]))
-            torch.autograd.backward(outs, grads)
+            kind, *saved = self._stash.pop(("w", *step.action[1:]))
+            if kind == "split":
+                _stage_backward_weight(*saved)
+            else:
+                torch.autograd.backward(*saved)
             return []
         return self._backward(step, keep_graph=op is Op.BACKWARD_INPUT)
 
@@ -238,9 +248,7 @@ class PipelineRunner:
                 raise RuntimeError(f"{step.action}: {len(outs)} outputs need gradients but {len(grads)} arrived")
         leaves = [t for t in _tensors(x) if t.requires_grad]
         if keep_graph:
-            in_grads = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True) \
-                if leaves else ()
-            self._stash[("w", chunk, mb)] = (outs, grads)
+            in_grads = self._backward_input(chunk, mb, outs, grads, leaves)
         else:
             torch.autograd.backward(outs, grads)
             in_grads = [t.grad for t in leaves]
@@ -251,6 +259,24 @@ class PipelineRunner:
             return [(step.send[0], step.send[1], in_grads)]
         self._received[(f"g{s}", mb)] = in_grads[0] if len(in_grads) == 1 else in_grads
         return []
+
+    def _backward_input(self, chunk: int, mb: int, outs: list, grads: list, leaves: list) -> Sequence:
+        """I: the input gradient now; what W needs is kept.
+
+        With torch's pipelining helpers (stage_backward_input / stage_backward_weight) W later
+        computes only the weight gradients from the intermediate gradients I saved; on the
+        first stage (no input gradient) W is the whole backward; without the helpers W re-runs it.
+        """
+        if not leaves:
+            self._stash[("w", chunk, mb)] = ("full", outs, grads)
+            return ()
+        if _stage_backward_input is not None:
+            weights = [p for p in self.model.chunk_parameters(chunk) if p.requires_grad]
+            in_grads, groups = _stage_backward_input(outs, None if grads == [None] else grads, leaves, iter(weights))
+            self._stash[("w", chunk, mb)] = ("split", iter(weights), groups)
+            return in_grads
+        self._stash[("w", chunk, mb)] = ("full", outs, grads)
+        return torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
 
     def _take(self, key: str, mb: int, step: _Step) -> Any:
         try:
