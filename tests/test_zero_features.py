@@ -262,3 +262,30 @@ def _bytes_per_step(stage):
 def test_stage3_traffic_is_one_and_a_half_times_stage2():
     stage2, stage3 = run(_bytes_per_step, 2, 2)[0], run(_bytes_per_step, 2, 3)[0]
     assert stage3 == 1.5 * stage2, (stage2, stage3)
+
+
+def _prefetch(prefetch):
+    world = dist.get_world_size()
+    model = _blocks()
+    opt = ZeroOptimizer(make_opt(model, "adam"), module=model, config=ZeroConfig(
+        stage=3, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=prefetch))
+    seen = []   # while block 0 starts: which blocks' all-gathers are already under way
+    model[0].register_forward_pre_hook(lambda m, a: seen.append([b.flat is not None for b in opt.buckets]))
+    for step in range(3):
+        x, y = local_batch(world, step)
+        TRAFFIC.reset()
+        opt.zero_grad()
+        opt.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+    calls = TRAFFIC.snapshot()["all_gather"]["calls"]
+    with opt.gathered_parameters():
+        return [p.detach().clone() for p in model.parameters()], calls, seen
+
+
+def test_stage3_prefetch_changes_nothing_but_timing():
+    plain, ahead = run(_prefetch, 2, 0), run(_prefetch, 2, 1)
+    for (a, calls_a, seen_a), (b, calls_b, seen_b) in zip(plain, ahead):
+        assert calls_a == calls_b == 4        # two blocks, forward and backward, none wasted
+        assert seen_a == [[True, False]] * 3 and seen_b == [[True, False]] + [[True, True]] * 2
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)

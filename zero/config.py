@@ -44,7 +44,7 @@ class ZeroConfig:
     reduce_scatter: bool = True
     """Accepted for DeepSpeed compatibility; stages 1-3 always reduce-scatter."""
     stage3_prefetch_bucket_size: int = 50_000_000
-    """Accepted for DeepSpeed compatibility; stage 3 gathers each submodule when it runs."""
+    """Stage 3: elements of the next units (in the recorded order) gathered ahead; 0 turns prefetch off."""
     stage3_param_persistence_threshold: int = 100_000
     """Stage 3: parameters with fewer elements stay whole on every rank."""
     stage3_max_live_parameters: int = 1_000_000_000

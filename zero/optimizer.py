@@ -108,7 +108,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._gatherer = None
         if self.stage == 3:
             device = self.buckets[0].device if self.buckets else torch.device("cpu")
-            self._gatherer = ParamGatherer(module, self.buckets, self.group, device)
+            self._gatherer = ParamGatherer(module, self.buckets, self.group, device,
+                                           prefetch_numel=cfg.stage3_prefetch_bucket_size)
         done = self._gatherer.release if self._gatherer else None
         self._sync = GradSync(self.buckets, self.stage, self.group, on_backward_done=done,
                               overlap=self.config.overlap_comm)

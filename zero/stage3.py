@@ -19,17 +19,23 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from pipezero.comm import all_gather
+from pipezero.comm import Handle, all_gather
 from pipezero.zero.partition import Bucket, stage3_units
 
 __all__ = ["ParamGatherer"]
 
 
 class ParamGatherer:
-    """Keeps stage-3 parameters partitioned except while their submodule needs them."""
+    """Keeps stage-3 parameters partitioned except while their submodule needs them.
 
-    def __init__(self, module: nn.Module, buckets: list[Bucket], group, compute_device: torch.device):
-        self.group, self.device = group, compute_device
+    Prefetch: the order in which units run forward and backward is recorded during the first
+    step; from then on, gathering a unit also starts the all-gathers of the units that follow
+    it (up to `prefetch_numel` elements), so communication overlaps the unit's compute.
+    """
+
+    def __init__(self, module: nn.Module, buckets: list[Bucket], group, compute_device: torch.device,
+                 prefetch_numel: int = 0):
+        self.group, self.device, self.prefetch_numel = group, compute_device, prefetch_numel
         where = {id(p): b for b in buckets for p in b.params}
         self._needs: dict[nn.Module, list[Bucket]] = {}
         for sub, recurse in stage3_units(module):
@@ -42,27 +48,41 @@ class ParamGatherer:
             self._handles.append(sub.register_forward_pre_hook(self._before_forward))
             self._handles.append(sub.register_forward_hook(self._after_forward))
         self.partitioned = [b for b in buckets if not b.persistent]
+        self._pending: dict[Bucket, Handle] = {}
+        self._order: dict[str, list[nn.Module]] = {"forward": [], "backward": []}
+        self._frozen = False
 
     # -- gather / release ------------------------------------------------------------
+    def _launch(self, buckets: list[Bucket]) -> None:
+        """Start the all-gathers of the buckets that are neither whole nor on their way."""
+        for b in buckets:
+            if b.flat is None:
+                b.flat = torch.empty(b.padded, dtype=b.dtype, device=self.device)
+                self._pending[b] = all_gather(b.flat, b.local.to(self.device), group=self.group, async_op=True)
+
     def gather(self, buckets: list[Bucket]) -> None:
-        """All-gather the buckets that are not already whole (one async collective each)."""
-        todo = [b for b in buckets if b.flat is None]
-        handles = []
-        for b in todo:
-            flat = torch.empty(b.padded, dtype=b.dtype, device=self.device)
-            handles.append(all_gather(flat, b.local.to(self.device), group=self.group, async_op=True))
-            b.flat = flat
-        for b, h in zip(todo, handles):
-            h.wait()
-            b.attach()
+        """Make the buckets whole: all-gather them (one async collective each) and wait."""
+        self._launch(buckets)
+        for b in buckets:
+            handle = self._pending.pop(b, None)
+            if handle is not None:
+                handle.wait()
+                b.attach()
 
     def release(self, b: Bucket) -> None:
+        handle = self._pending.pop(b, None)
+        if handle is not None:
+            handle.wait()
         if not b.persistent and b.flat is not None:
             b.release()
 
     def release_all(self) -> None:
+        """Partition everything again (at step); the first call freezes the recorded unit order."""
         for b in self.partitioned:
             self.release(b)
+        if not self._frozen and self._order["forward"]:
+            self._order = {k: list(dict.fromkeys(v)) for k, v in self._order.items()}
+            self._frozen = True
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -79,17 +99,30 @@ class ParamGatherer:
         self._handles = []
 
     # -- hooks ---------------------------------------------------------------------------
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
+    def _unit_runs(self, phase: str, module: nn.Module) -> None:
+        """Gather this unit; record the order (first step) or prefetch the units after it."""
         self.gather(self._needs[module])
+        order = self._order[phase]
+        if not self._frozen:
+            order.append(module)
+            return
+        if self.prefetch_numel <= 0 or module not in order:
+            return
+        budget = self.prefetch_numel
+        for nxt in order[order.index(module) + 1:]:
+            buckets = self._needs[nxt]
+            self._launch(buckets)
+            budget -= sum(b.numel for b in buckets)
+            if budget <= 0:
+                break
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._unit_runs("forward", module)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        buckets = self._needs[module]
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, bs=buckets: self._before_backward(bs))
-        for b in buckets:
+                    t.register_hook(lambda grad, m=module: self._unit_runs("backward", m))
+        for b in self._needs[module]:
             self.release(b)
-
-    def _before_backward(self, buckets: list[Bucket]) -> None:
-        self.gather(buckets)
