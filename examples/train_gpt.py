@@ -159,7 +159,8 @@ def main(argv=None) -> float:
             grad_norm = parts.scaler.last_grad_norm if cfg.gradient_clipping else \
                 float(global_grad_norm([p for g in opt.param_groups for p in g["params"]]))
             lr = opt.param_groups[0]["lr"]
-            parts.scheduler.step()
+            if stepped:  # a step skipped for inf/nan does not advance the lr schedule (as DeepSpeed)
+                parts.scheduler.step()
             opt.zero_grad()
         traffic = traffic_scalars(TRAFFIC.snapshot())
         timers.add(Phase.COMMUNICATION, sum(v for k, v in traffic.items() if k.startswith("seconds/")))

@@ -40,7 +40,7 @@ class Engine:
     def step(self) -> bool:
         """Step the optimizer chain and the LR schedule, then clear the gradients."""
         stepped = self.optimizer.step()
-        if self.lr_scheduler is not None:
+        if stepped and self.lr_scheduler is not None:  # a skipped step leaves the lr where it is
             self.lr_scheduler.step()
         self.optimizer.zero_grad()
         return stepped
