@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPTConfig, flops_per_token, gpt_loss, gpt_specs  # noqa: E402
 
 from pipezero.comm import TRAFFIC  # noqa: E402
-from pipezero.pipe import simulate, to_image, to_text  # noqa: E402
+from pipezero.pipe import simulate, to_image, to_png, to_text  # noqa: E402
 from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
 from pipezero.precision import global_grad_norm  # noqa: E402
 from pipezero.train.build import build  # noqa: E402
 from pipezero.train.checkpoint import prune_checkpoints  # noqa: E402
 from pipezero.train.data import ShardedBatches, TokenData  # noqa: E402
-from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger  # noqa: E402
+from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once  # noqa: E402
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars  # noqa: E402
 from pipezero.train.state import export_model, resume_if_any, save_state  # noqa: E402
 
@@ -139,7 +139,7 @@ def main(argv=None) -> float:
     tokens_per_step = cfg.batch.train_batch_size * args.seq_len
     peak = PEAK_FLOPS.get(parts.dtype) if parts.device.type == "cuda" else None
     sim = simulate(parts.schedule, grid.pipe_size)
-    tb.image("pipeline/simulated", to_image(sim), start)
+    _picture(tb, "pipeline/simulated", sim, start, args.out)
     log.info("schedule (simulated bubble %.3f):\n%s", sim.bubble, to_text(sim))
 
     loss = torch.tensor(float("nan"))
@@ -228,8 +228,19 @@ def _timeline_picture(tb: TensorBoardWriter, runner, grid, num_chunks: int, out:
     events = gather_events(runner.timeline.events, grid.pipe_group)
     if grid.data_rank == 0 and grid.rank == 0:
         result = timeline_result(events, lambda r: grid.coords(r).pipe, grid.pipe_size, num_chunks)
-        tb.image("pipeline/measured", to_image(result), step)
+        _picture(tb, "pipeline/measured", result, step, out)
         chrome_trace(events, os.path.join(out, f"timeline_step{step}.json"))
+
+
+def _picture(tb: TensorBoardWriter, tag: str, result, step: int, out: str) -> None:
+    """A timeline as a PNG file beside the logs, and as a TensorBoard image when pillow is installed."""
+    if not tb.active:
+        return
+    to_png(result, os.path.join(out, f"{tag.replace('/', '_')}_step{step}.png"))
+    try:
+        tb.image(tag, to_image(result), step)
+    except ImportError:
+        warn_once("pillow is not installed: timeline images are PNG files in %s, not in TensorBoard", out)
 
 
 def _crash_for_the_restart_test(step: int, rank: int) -> None:

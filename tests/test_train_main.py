@@ -7,6 +7,7 @@ torchrun restarts the job, it resumes from the step-2 checkpoint and ends with e
 final loss of an uninterrupted run.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -41,7 +42,9 @@ def test_main_job_pipe2_data2_writes_tensorboard_and_checkpoint(tmp_path):
         assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
     assert any(e.value > 0 for e in acc.Scalars("comm/bytes/p2p_send"))
-    assert {"pipeline/simulated", "pipeline/measured"} <= set(acc.Tags()["images"])
+    assert (tmp_path / "pipeline_measured_step4.png").is_file()  # the real step's timeline, always
+    if importlib.util.find_spec("PIL") is not None:  # TensorBoard encodes images with pillow
+        assert {"pipeline/simulated", "pipeline/measured"} <= set(acc.Tags()["images"])
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert (tmp_path / "model.safetensors").is_file()
 
