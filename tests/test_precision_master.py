@@ -7,7 +7,6 @@ that skips the same steps, and the fp32 masters within 1e-3 of its parameters. M
 activations is what separates them from fp32.
 """
 
-import pytest
 import torch
 
 from pipezero.precision import LossScaler, MasterWeights
