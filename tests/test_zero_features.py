@@ -289,3 +289,13 @@ def test_stage3_prefetch_changes_nothing_but_timing():
         assert seen_a == [[True, False]] * 3 and seen_b == [[True, False]] + [[True, True]] * 2
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def _different_models():
+    model = nn.Linear(4, 4 + dist.get_rank())
+    with pytest.raises(ValueError, match="hold different parameters"):
+        ZeroOptimizer(torch.optim.Adam(model.parameters()), stage=2)
+
+
+def test_different_models_on_ranks_fail_on_every_rank():
+    run(_different_models, 2)

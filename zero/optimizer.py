@@ -74,6 +74,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.buckets: list[Bucket] = plan_groups(
             self.param_groups, config.reduce_bucket_size, parts, self.rank if parts > 1 else 0,
             module if self.stage == 3 else None, threshold)
+        self._check_same_layout()
         self._build(module)
         self.last_step_skipped = False
 
@@ -92,6 +93,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if getattr(core, "state", None):
             raise ValueError(f"{type(core).__name__} already has state: create the ZeroOptimizer before the "
                              "first step (load checkpoints with ZeroOptimizer.load_state_dict)")
+
+    def _check_same_layout(self) -> None:
+        """Every rank of the group must partition the same parameters, or collectives would hang."""
+        if self.world == 1:
+            return
+        mine = torch.tensor([len(self.buckets), sum(b.numel for b in self.buckets),
+                             sum((i + 1) * b.numel for i, b in enumerate(self.buckets))], dtype=torch.int64)
+        device = self.buckets[0].device if self.buckets and dist.get_backend(self.group) == "nccl" else "cpu"
+        everyone = torch.empty(3 * self.world, dtype=torch.int64, device=device)
+        all_gather(everyone, mine.to(device), group=self.group)
+        rows = everyone.view(self.world, 3).cpu().tolist()
+        if any(row != rows[0] for row in rows):
+            raise ValueError(f"ZeroOptimizer: the ranks of the group hold different parameters "
+                             f"(per rank [buckets, elements, checksum]: {rows}); build the same model and "
+                             "param groups on every data-parallel rank")
 
     def _build(self, module: nn.Module | None) -> None:
         cfg = self.config
