@@ -81,6 +81,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         self.pos = nn.Parameter(torch.empty(cfg.seq_len, cfg.d_model))
+        self.seq_len = cfg.seq_len  # also known while ZeRO-3 has `pos` partitioned
         _fill(self, _seed(cfg, 0))
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -314,7 +315,7 @@ def _check_generate(layers, idx, new_tokens, temperature, top_k, mask) -> tuple[
     embed = next((m for m in layers if isinstance(m, Embedding)), None)
     if embed is None:
         raise TypeError("generate: the layers hold no Embedding; pass GPT.layers (or gpt_from_pipeline(...).layers)")
-    return sum(isinstance(m, Block) for m in layers), embed.pos.size(0)
+    return sum(isinstance(m, Block) for m in layers), embed.seq_len
 
 
 @torch.no_grad()

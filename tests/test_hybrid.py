@@ -1,0 +1,182 @@
+"""The hybrid engine: generation from ZeRO-3 shards and from a pipeline against one process.
+
+The truth is examples/gpt.py's GPT in one process: the KV cache must give the cache-free
+tokens, left padding must give each row's tokens alone, and greedy generation on gathered
+ZeRO-3 shards (2 and 4 ranks, all at once or streamed a layer at a time) or on a pipeline
+of 2 stages must give exactly the single process's tokens. A generation phase must leave
+training bit-identical to a run that never generated and parameter memory where it was.
+Weights are scaled up (x20) so greedy decoding of the small random model does not collapse
+to one repeated token, which would hide a wrong cache or mask.
+"""
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run
+from pipezero.zero import ZeroConfig, ZeroOptimizer
+from pipezero.zero.gathered import gathered, parameter_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig, generate, gpt_from_pipeline, gpt_loss, gpt_specs  # noqa: E402
+
+CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=32, seed=3)
+NEW = 12
+# weights (>= 64 elements) are partitioned, biases and norms persistent: both kinds are exercised
+ZERO3 = ZeroConfig(stage=3, stage3_param_persistence_threshold=64)
+
+
+def _sharpen(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(20.0)
+
+
+def _model() -> GPT:
+    model = GPT(CFG)
+    _sharpen(model)
+    return model
+
+
+def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of lengths 6, 4 and 2, left-padded to 6."""
+    idx = torch.randint(0, 256, (3, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(idx)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    return idx, mask
+
+
+def _truth() -> torch.Tensor:
+    idx, mask = _prompts()
+    return _model().generate(idx, NEW, temperature=0, attention_mask=mask)
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every live tensor in this process."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":
+            s = obj.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+# -- single process ------------------------------------------------------------------------
+def test_kv_cache_equals_cache_free_and_padding_equals_alone():
+    model = _model()
+    idx, mask = _prompts()
+    cached = model.generate(idx, NEW, temperature=0, attention_mask=mask, use_cache=True)
+    free = model.generate(idx, NEW, temperature=0, attention_mask=mask, use_cache=False)
+    torch.testing.assert_close(cached, free, rtol=0, atol=0)
+    assert len(set(cached[:, 6:].flatten().tolist())) > 6  # not one repeated token
+    for row, n in enumerate(mask.sum(-1).tolist()):
+        alone = model.generate(idx[row:row + 1, 6 - n:], NEW, temperature=0)
+        torch.testing.assert_close(alone[0, n:], cached[row, 6:], rtol=0, atol=0)
+    sample = dict(temperature=0.8, top_k=5, attention_mask=mask)
+    a = model.generate(idx, NEW, generator=torch.Generator().manual_seed(1), use_cache=True, **sample)
+    b = model.generate(idx, NEW, generator=torch.Generator().manual_seed(1), use_cache=False, **sample)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_top_k_one_is_greedy_and_bad_input_is_named():
+    model = _model()
+    idx, mask = _prompts()
+    greedy = model.generate(idx, 4, temperature=0, attention_mask=mask)
+    torch.testing.assert_close(model.generate(idx, 4, temperature=1.0, top_k=1, attention_mask=mask), greedy)
+    with pytest.raises(ValueError, match="exceed seq_len=32.*use_cache=False"):
+        model.generate(idx, 30, temperature=0, use_cache=True)
+    with pytest.raises(ValueError, match="attention_mask of shape"):
+        model.generate(idx, 2, attention_mask=mask[:, 1:])
+    with pytest.raises(TypeError, match="ZeroOptimizer"):
+        with gathered(torch.optim.Adam(model.parameters())):
+            pass
+
+
+# -- ZeRO-3 ----------------------------------------------------------------------------------
+def _zero3_generate(stream: int | None, naive: bool):
+    model = _model()
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), config=ZERO3, module=model)
+    idx, mask = _prompts()
+    before, live_before = parameter_bytes(model, opt), _live_tensor_bytes()
+    seen = []  # parameter bytes while the first block runs
+    hook = model.layers[1].register_forward_hook(lambda *_: seen.append(parameter_bytes(model, opt)))
+    with gathered(opt, layers_at_a_time=stream):
+        out = generate(model.layers, idx, NEW, temperature=0, attention_mask=mask)
+    hook.remove()
+    during = min(seen)
+    after, live_after = parameter_bytes(model, opt), _live_tensor_bytes() - out.untyped_storage().nbytes()
+    if naive:  # the per-layer stage-3 hooks alone, no cache: the bench's naive path
+        out_naive = generate(model.layers, idx, NEW, temperature=0, attention_mask=mask, use_cache=False)
+    return out, out_naive if naive else out, (before, during, after), (live_before, live_after), parameter_bytes(model, opt)
+
+
+@pytest.mark.parametrize("world, stream, naive", [(2, None, True), (4, None, False), (2, 1, False)])
+def test_zero3_greedy_generation_equals_single_process(world, stream, naive):
+    truth = _truth()
+    for rank, (out, naive, (before, during, after), (live_b, live_a), end) in enumerate(
+            run(_zero3_generate, world, stream, naive)):
+        torch.testing.assert_close(out, truth, rtol=0, atol=0, msg=f"rank {rank}")
+        torch.testing.assert_close(naive, truth, rtol=0, atol=0, msg=f"rank {rank}: hooks without gathered()")
+        assert during > before, "the phase gathered nothing: the test would pass without ZeRO-3"
+        assert after == before == end and live_a == live_b, (rank, before, during, after, live_b, live_a)
+
+
+def _train(generate_between: bool):
+    model = GPT(CFG)
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), config=ZERO3, module=model)
+    data = torch.randint(0, 256, (4, 2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    losses = []
+    for step, batch in enumerate(data):
+        if generate_between and step == 2:
+            with gathered(opt, dtype=torch.bfloat16):
+                generate(model.layers, batch[:, :4], 4, temperature=0.7, top_k=8)
+        loss = gpt_loss(model(batch[:, :-1]), batch[:, 1:])
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    state = [(b.master.detach().clone(), {k: v.clone() for k, v in opt.state[b.master].items()})
+             for b in opt.buckets]
+    return torch.stack(losses), state
+
+
+def _train_both():
+    return _train(True), _train(False)
+
+
+def test_training_after_a_generation_phase_is_unchanged():
+    for rank, ((losses, state), (plain_losses, plain_state)) in enumerate(run(_train_both, 2)):
+        torch.testing.assert_close(losses, plain_losses, rtol=0, atol=0, msg=f"rank {rank}")
+        assert len(state) == len(plain_state) > 1
+        for (master, adam), (plain_master, plain_adam) in zip(state, plain_state):
+            torch.testing.assert_close(master, plain_master, rtol=0, atol=0)
+            for key in plain_adam:
+                torch.testing.assert_close(adam[key], plain_adam[key], rtol=0, atol=0)
+
+
+# -- pipeline ---------------------------------------------------------------------------------
+def _pipeline_generate():
+    from pipezero.pipe import PipelineModule
+    from pipezero.topology import Grid
+
+    grid = Grid(pipe=2)
+    module = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss)
+    _sharpen(module)
+    idx, mask = _prompts()
+    full = gpt_from_pipeline(module, CFG)
+    return full.generate(idx, NEW, temperature=0, attention_mask=mask), len(list(module.parameters()))
+
+
+def test_pipeline_of_two_generates_the_single_process_tokens():
+    truth = _truth()
+    results = run(_pipeline_generate, 2)
+    assert results[0][1] != results[1][1]  # each stage really held only its own layers
+    for rank, (out, _) in enumerate(results):
+        torch.testing.assert_close(out, truth, rtol=0, atol=0, msg=f"rank {rank}")
