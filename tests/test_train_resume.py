@@ -26,8 +26,8 @@ K, N = 2, 4       # checkpoint after K steps, compare up to step N
 GLOBAL_BATCH, MICRO = 16, 4
 
 
-def _config(pipe: int, zero: int = 2) -> dict:
-    return {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": MICRO,
+def _config(pipe: int, zero: int = 2, bf16: bool = False) -> dict:
+    return {"bf16": {"enabled": bf16}, "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": MICRO,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 3e-3,
                                                          "warmup_type": "linear"}},
@@ -39,10 +39,10 @@ def _data() -> TokenData:
     return TokenData(tokens, MODEL.seq_len, 0.1)
 
 
-def _parts(pipe: int, zero: int = 2):
+def _parts(pipe: int, zero: int = 2, bf16: bool = False):
     from pipezero.train.build import build
 
-    parts = build(_config(pipe, zero), specs=gpt_specs(MODEL), loss_fn=gpt_loss)
+    parts = build(_config(pipe, zero, bf16), specs=gpt_specs(MODEL), loss_fn=gpt_loss)
     batches = ShardedBatches(_data(), parts.config.batch.per_rank_batch_size, parts.grid.data_rank,
                              parts.grid.data_size)
     return parts, batches
@@ -59,25 +59,26 @@ def _train(parts, batches, steps: int) -> list[float]:
     return losses
 
 
-def _stop_and_resume(directory: str, pipe: int) -> tuple[list[float], list[float]]:
+def _stop_and_resume(directory: str, pipe: int, bf16: bool) -> tuple[list[float], list[float]]:
     """(uninterrupted losses 1..N, losses 1..K then resumed K+1..N)."""
     from pipezero.train.state import load_state, save_state
 
-    parts, batches = _parts(pipe)
+    parts, batches = _parts(pipe, bf16=bf16)
     straight = _train(parts, batches, N)
-    parts, batches = _parts(pipe)
+    parts, batches = _parts(pipe, bf16=bf16)
     first = _train(parts, batches, K)
     save_state(parts, directory, K, batches.state_dict())
-    parts, batches = _parts(pipe)  # a fresh job: new weights, optimizer, schedule and data position
+    parts, batches = _parts(pipe, bf16=bf16)  # a fresh job: new weights, optimizer, schedule and data position
     meta = load_state(parts, directory)
     batches.load_state_dict(meta["data"])
     assert meta["step"] == K and parts.scheduler.last_epoch == K
     return straight, first + _train(parts, batches, N - K)
 
 
-@pytest.mark.parametrize("world, pipe", [(1, 1), (4, 2)])
-def test_resume_is_exact(tmp_path, world, pipe):
-    for straight, resumed in run(_stop_and_resume, world, str(tmp_path), pipe, timeout=240):
+@pytest.mark.parametrize("world, pipe, bf16", [(1, 1, False), (4, 2, False), (1, 1, True)])
+def test_resume_is_exact(tmp_path, world, pipe, bf16):
+    # bf16: exact too, because the checkpoint holds the fp32 master weights, not the bf16 copies
+    for straight, resumed in run(_stop_and_resume, world, str(tmp_path), pipe, bf16, timeout=240):
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=0, atol=0)
         assert straight[-1] < straight[0]
 
