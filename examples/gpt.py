@@ -67,7 +67,7 @@ def _fill(module: nn.Module, seed: int) -> None:
             elif p.dim() == 1:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * _INIT_STD)
+                p.copy_(torch.randn(p.shape, generator=gen, device="cpu") * _INIT_STD)
 
 
 def _seed(cfg: GPTConfig, index: int) -> int:

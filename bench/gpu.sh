@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU benchmark session: run on the 2 x H200 machine from the repo root.
+#   bash bench/gpu.sh [zero|pipe|comm|precision|train|hybrid|smoke ...]   (default: all)
+# The GPU image has torch but not this package installed: import it through a link.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+mkdir -p /tmp/pz && ln -sfn "$PWD" /tmp/pz/pipezero
+export PYTHONPATH=/tmp/pz:$PWD
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+gpt=(--layers 24 --d-model 2048 --heads 16 --seq 2048 --vocab 32000)
+run() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | grep -v "^\s*$" | tail -40
+  echo "=== $name exit ${PIPESTATUS[0]}"
+}
+what=${*:-smoke zero pipe comm precision}
+for w in $what; do
+  case $w in
+    smoke) nvidia-smi --query-gpu=name,memory.total --format=csv
+           python3 -c "import torch; print(torch.__version__, torch.cuda.device_count())" ;;
+    zero) run zero 300 python3 bench/zero.py --device cuda ;;
+    pipe) run pipe 300 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 ;;
+    comm) run comm 120 python3 bench/comm.py --device cuda ;;
+    precision) run precision 120 python3 bench/precision.py --device cuda ;;
+    train) run train 300 python3 bench/train.py --device cuda --world 2 ;;
+    hybrid) run hybrid 300 python3 bench/hybrid.py --device cuda ;;
+  esac
+done
