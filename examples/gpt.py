@@ -26,7 +26,7 @@ from torch import nn
 
 __all__ = ["Block", "Embedding", "FinalNorm", "GPT", "GPTConfig", "Head", "KVCache", "LayerRecipe", "TIED_KEY",
            "TIED_WEIGHT_ATTR", "flops_per_token", "generate", "gpt_from_pipeline", "gpt_layers", "gpt_loss",
-           "gpt_specs", "head_forward"]
+           "gpt_specs", "gpt_tensor_plan", "head_forward"]
 
 TIED_KEY = "embed"          # TiedLayerSpec key shared by Embedding and Head
 TIED_WEIGHT_ATTR = "weight"  # the tied parameter's attribute name on both layers
@@ -95,12 +95,18 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: h + attn(ln(h)), then h + mlp(ln(h))."""
+    """Pre-LN transformer block: h + attn(ln(h)), then h + mlp(ln(h)).
+
+    The qkv projection's output features are laid out head by head, (head, q|k|v, head_dim),
+    as Megatron-LM does: a column-wise tensor-parallel split of qkv then gives every tensor
+    rank whole heads with their own q, k and v (gpt_tensor_plan), and the block reads the
+    head count from the width it gets, so the same forward runs whole or sharded.
+    """
 
     def __init__(self, cfg: GPTConfig, index: int):
         super().__init__()
         d = cfg.d_model
-        self.n_head = cfg.n_head
+        self.n_head, self.head_dim = cfg.n_head, d // cfg.n_head
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -109,8 +115,8 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None,
                 cache: "LayerCache | None" = None) -> torch.Tensor:
         """attn_mask [B, 1, T, keys] (True: attend) replaces the causal mask; cache appends k, v first."""
-        q, k, v = rearrange(self.qkv(self.ln1(h)), "b t (three nh hd) -> three b nh t hd",
-                            three=3, nh=self.n_head)
+        q, k, v = rearrange(self.qkv(self.ln1(h)), "b t (nh three hd) -> three b nh t hd",
+                            three=3, hd=self.head_dim)  # nh: this tensor rank's heads
         if cache is not None:
             k, v = cache.append(k, v)
         if attn_mask is None:
@@ -181,6 +187,21 @@ def gpt_specs(cfg: GPTConfig) -> list:
             specs.append(TiedLayerSpec(r.tied_key, r.cls, *r.args, tied_weight_attr=TIED_WEIGHT_ATTR,
                                        forward_fn=fwd))
     return specs
+
+
+def gpt_tensor_plan() -> dict[type[nn.Module], dict[str, Any]]:
+    """PipelineModule(tensor_plan=...) for the GPT: Megatron-LM's split of each Block.
+
+    qkv and fc column-wise (each tensor rank keeps whole heads, see Block), proj and out
+    row-wise (one all-reduce after attention, one after the MLP; Shoeybi et al. 2019). The
+    LayerNorms stay replicated. Embedding and Head have no plan: the tied embedding stays
+    whole on every tensor rank (PipelineModule refuses a plan on a tied layer). n_head and
+    4 * d_model must divide by the tensor degree (checked when the pipeline is built).
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {Block: {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+                    "fc": ColwiseParallel(), "out": RowwiseParallel()}}
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

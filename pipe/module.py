@@ -22,6 +22,8 @@ from pipezero.comm import all_reduce_coalesced
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
+from pipezero.pipe.tensor_parallel import (PlanSource, apply_tensor_plan, check_tensor_plan,
+                                             mark_tensor_duplicates, plan_for)
 from pipezero.topology import Grid
 
 __all__ = ["PipelineModule"]
@@ -33,22 +35,26 @@ class PipelineModule(nn.Module):
     `model(x, chunk=c)` runs chunk c; `model.parameters()` are this rank's only, so any
     optimizer chain composes with it. `activation_checkpoint_interval=k` recomputes each run
     of k layers in backward (torch.utils.checkpoint, non-reentrant; Chen et al. 2016).
+    `tensor_plan` ({layer class: plan} or a callable module -> plan or None) shards each built
+    layer over grid.mesh["tensor"] (pipe/tensor_parallel.py); tied layers stay replicated.
     """
 
     def __init__(self, layers: Sequence[Any], grid: Grid, loss_fn: Callable | None = None,
                  partition_method: str = "parameters", num_chunks: int = 1,
                  activation_checkpoint_interval: int = 0, placement: str = "looped",
-                 seed: int = 0, device: torch.device | str | None = None):
+                 seed: int = 0, device: torch.device | str | None = None,
+                 tensor_plan: PlanSource | None = None):
         super().__init__()
         _check_args(layers, num_chunks, activation_checkpoint_interval, placement)
         self.grid, self.loss_fn, self.placement = grid, loss_fn, placement
         self.num_stages, self.num_chunks = grid.pipe_size, num_chunks
         self.num_virtual_stages = self.num_stages * num_chunks
         self.activation_checkpoint_interval = activation_checkpoint_interval
-        self.seed = seed
+        self.seed, self.tensor_plan = seed, tensor_plan
         self.device = torch.device(device) if device is not None else _default_device()
         self._specs = list(layers)
         self.bounds = partition(self._specs, self.num_virtual_stages, partition_method)
+        _check_plans(self._specs, tensor_plan, grid.tensor_size)  # on every rank, before any collective
         self.stage_ids = [virtual_stage(grid.pipe_rank, c, self.num_stages, placement) for c in range(num_chunks)]
         self.layers = nn.ModuleDict()
         self.tied = nn.ModuleDict()
@@ -58,6 +64,8 @@ class PipelineModule(nn.Module):
                 self._build(index)
         self._tie_groups: dict[str, Any] = {}
         self._make_tie_groups()
+        if grid.tensor_size > 1:
+            mark_tensor_duplicates(self, grid.tensor_rank)
 
     # -- structure --------------------------------------------------------------------
     def chunk_range(self, chunk: int) -> tuple[int, int]:
@@ -121,7 +129,7 @@ class PipelineModule(nn.Module):
             if layer.key not in self.tied:
                 first = next(i for i, s in enumerate(self._specs)
                              if isinstance(s, TiedLayerSpec) and s.key == layer.key)
-                self.tied[layer.key] = self._seeded_build(layer, first)
+                self.tied[layer.key] = self._seeded_build(layer, first, tied=True)
             module = self.tied[layer.key]
             fn = layer.forward_fn
             self._calls[index] = (lambda x, m=module, f=fn: f(m, x)) if fn is not None else module
@@ -134,12 +142,17 @@ class PipelineModule(nn.Module):
         else:
             self._calls[index] = layer
 
-    def _seeded_build(self, spec: LayerSpec, index: int) -> nn.Module:
+    def _seeded_build(self, spec: LayerSpec, index: int, tied: bool = False) -> nn.Module:
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
             torch.manual_seed(self.seed + index)
             with self.device:
-                return spec.build()
+                module = spec.build()
+        plan = None if tied else plan_for(self.tensor_plan, module)
+        where = f"layer {index} ({type(module).__name__})"
+        if plan and self.grid.tensor_size > 1:  # sharded after the seeded build: slices of the dense weights
+            apply_tensor_plan(module, self.grid.mesh["tensor"], plan, where)
+        return module
 
     # -- tied weights -------------------------------------------------------------------
     def _make_tie_groups(self) -> None:
@@ -226,6 +239,25 @@ def _tied_indices(layers: Sequence[Any]) -> dict[str, list[int]]:
 
 def _stage_of(bounds: Sequence[int], index: int) -> int:
     return next(s for s in range(len(bounds) - 1) if bounds[s] <= index < bounds[s + 1])
+
+
+def _check_plans(layers: Sequence[Any], source: PlanSource | None, degree: int) -> None:
+    """Every layer's tensor plan fits (checked on meta copies, so every rank sees the same error)."""
+    if source is None:
+        return
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, LayerSpec):
+            continue
+        with torch.device("meta"):
+            module = layer.build()
+        plan = plan_for(source, module)
+        where = f"layer {index} ({type(module).__name__})"
+        if plan and isinstance(layer, TiedLayerSpec):
+            raise ValueError(f"tensor_plan gives {where} a plan, but it is a TiedLayerSpec: tied layers (the "
+                             "embedding and the head that reuses it) stay replicated over the tensor group; "
+                             "leave them out of the plan")
+        if plan:
+            check_tensor_plan(module, plan, degree, where)
 
 
 def _default_device() -> torch.device:

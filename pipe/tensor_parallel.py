@@ -11,16 +11,46 @@ global gradient norm counts them once.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping, Union
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 TensorPlan = Mapping[str, ParallelStyle]  # submodule path (relative to the layer) -> style
+# what PipelineModule(tensor_plan=) takes: {layer class: plan}, or a callable built layer -> plan or None
+PlanSource = Union[Mapping[type, TensorPlan], Callable[[nn.Module], "TensorPlan | None"]]
 
-__all__ = ["TensorPlan", "apply_tensor_plan", "check_tensor_plan"]
+__all__ = ["PlanSource", "TensorPlan", "apply_tensor_plan", "check_tensor_plan", "is_replicated",
+           "mark_tensor_duplicates", "plan_for"]
+
+
+def plan_for(source: PlanSource | None, module: nn.Module) -> TensorPlan | None:
+    """The plan `source` gives a built layer (None: the layer stays whole on every tensor rank)."""
+    if source is None:
+        return None
+    if isinstance(source, Mapping):
+        return source.get(type(module))
+    if callable(source):
+        return source(module)
+    raise TypeError(f"tensor_plan={source!r}: expected {{layer class: plan}} or a callable layer -> plan")
+
+
+def is_replicated(p) -> bool:
+    """Is `p` whole on every tensor rank (a plain tensor, or a DTensor placed Replicate everywhere)?"""
+    if isinstance(p, DTensor):
+        return all(isinstance(pl, Replicate) for pl in p.placements)
+    return True
+
+
+def mark_tensor_duplicates(module: nn.Module, tensor_rank: int) -> None:
+    """On tensor ranks > 0, flag the replicated parameters so the global grad norm counts them once."""
+    if tensor_rank == 0:
+        return
+    for p in module.parameters():
+        if is_replicated(p):
+            p.pipezero_duplicate = True
 
 
 def check_tensor_plan(module: nn.Module, plan: TensorPlan, degree: int, where: str = "layer") -> None:
@@ -59,8 +89,5 @@ def apply_tensor_plan(module: nn.Module, mesh: DeviceMesh, plan: TensorPlan, whe
     if degree == 1 or not plan:
         return module
     parallelize_module(module, mesh, dict(plan))
-    if mesh.get_local_rank() != 0:
-        for p in module.parameters():
-            if not isinstance(p, DTensor):
-                p.pipezero_duplicate = True  # replicated over the tensor group: counted once
+    mark_tensor_duplicates(module, mesh.get_local_rank())  # replicated over the tensor group: counted once
     return module

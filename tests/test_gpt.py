@@ -43,7 +43,8 @@ def _reference_block(block, h):
     nh, hd = block.n_head, d // block.n_head
     x = F.layer_norm(h, (d,), block.ln1.weight, block.ln1.bias)
     qkv = x @ block.qkv.weight.t() + block.qkv.bias
-    q, k, v = (qkv[..., i * d:(i + 1) * d].reshape(b, t, nh, hd).transpose(1, 2) for i in range(3))
+    per_head = qkv.reshape(b, t, nh, 3, hd)  # features laid out (head, q|k|v, head_dim)
+    q, k, v = (per_head[..., i, :].transpose(1, 2) for i in range(3))
     scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
     scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
     att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)

@@ -47,7 +47,8 @@ def _parity(degree):
 @pytest.mark.parametrize("degree", [2, 4])
 def test_tensor_parallel_layer_equals_dense(degree):
     dups = run(_parity, degree, degree)
-    assert dups[0] == [] and all(d == ["norm.weight", "norm.bias"] for d in dups[1:])
+    # replicated on every tensor rank: the norm, and the row-wise layer's bias (a Replicate DTensor)
+    assert dups[0] == [] and all(d == ["norm.weight", "norm.bias", "down.bias"] for d in dups[1:])
 
 
 def test_bad_plans_are_clear_errors():
