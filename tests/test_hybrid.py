@@ -52,9 +52,9 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return idx, mask
 
 
-def _truth() -> torch.Tensor:
+def _truth(dtype: torch.dtype = torch.float32) -> torch.Tensor:
     idx, mask = _prompts()
-    return _model().generate(idx, NEW, temperature=0, attention_mask=mask)
+    return _model().to(dtype).generate(idx, NEW, temperature=0, attention_mask=mask)
 
 
 def _live_tensor_bytes() -> int:
@@ -100,32 +100,44 @@ def test_top_k_one_is_greedy_and_bad_input_is_named():
 
 
 # -- ZeRO-3 ----------------------------------------------------------------------------------
-def _zero3_generate(stream: int | None, naive: bool):
+def _zero3_generate(stream: int | None, naive: bool, dtype: torch.dtype | None):
     model = _model()
     opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), config=ZERO3, module=model)
     idx, mask = _prompts()
     before, live_before = parameter_bytes(model, opt), _live_tensor_bytes()
-    seen = []  # parameter bytes while the first block runs
-    hook = model.layers[1].register_forward_hook(lambda *_: seen.append(parameter_bytes(model, opt)))
-    with gathered(opt, layers_at_a_time=stream):
+    seen, dtypes = [], set()  # parameter bytes and dtypes while the first block runs
+
+    def look(*_) -> None:
+        seen.append(parameter_bytes(model, opt))
+        dtypes.update(p.dtype for p in model.parameters() if p.numel())
+    hook = model.layers[1].register_forward_hook(look)
+    with gathered(opt, dtype=dtype, layers_at_a_time=stream):
         out = generate(model.layers, idx, NEW, temperature=0, attention_mask=mask)
     hook.remove()
     during = min(seen)
     after, live_after = parameter_bytes(model, opt), _live_tensor_bytes() - out.untyped_storage().nbytes()
     if naive:  # the per-layer stage-3 hooks alone, no cache: the bench's naive path
         out_naive = generate(model.layers, idx, NEW, temperature=0, attention_mask=mask, use_cache=False)
-    return out, out_naive if naive else out, (before, during, after), (live_before, live_after), parameter_bytes(model, opt)
+    assert dtypes == {dtype or torch.float32}, dtypes
+    memory = (before, during, after), (live_before, live_after), parameter_bytes(model, opt)
+    return (out, out_naive if naive else None, *memory)
 
 
-@pytest.mark.parametrize("world, stream, naive", [(2, None, True), (4, None, False), (2, 1, False)])
-def test_zero3_greedy_generation_equals_single_process(world, stream, naive):
-    truth = _truth()
-    for rank, (out, naive, (before, during, after), (live_b, live_a), end) in enumerate(
-            run(_zero3_generate, world, stream, naive)):
+@pytest.mark.parametrize("world, stream, naive, dtype", [(2, None, True, None), (4, None, False, None),
+                                                         (2, 1, False, torch.bfloat16)])
+def test_zero3_greedy_generation_equals_single_process(world, stream, naive, dtype):
+    """fp32 shards gathered as bf16 must give the tokens of the whole model cast to bf16."""
+    truth = _truth(dtype or torch.float32)
+    for rank, (out, out_naive, (before, during, after), (live_b, live_a), end) in enumerate(
+            run(_zero3_generate, world, stream, naive, dtype)):
         torch.testing.assert_close(out, truth, rtol=0, atol=0, msg=f"rank {rank}")
-        torch.testing.assert_close(naive, truth, rtol=0, atol=0, msg=f"rank {rank}: hooks without gathered()")
+        if naive:
+            torch.testing.assert_close(out_naive, truth, rtol=0, atol=0, msg=f"rank {rank}: hooks, no gathered()")
         assert during > before, "the phase gathered nothing: the test would pass without ZeRO-3"
-        assert after == before == end and live_a == live_b, (rank, before, during, after, live_b, live_a)
+        assert after == before == end, (rank, before, during, after)
+        # every live tensor of the process: a leaked gathered bucket is >= 12 KiB; the slack
+        # allows for a few bytes of unrelated small tensors that come and go
+        assert abs(live_a - live_b) < 1024, (rank, live_b, live_a)
 
 
 def _train(generate_between: bool):
