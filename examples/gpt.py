@@ -17,7 +17,7 @@ Radford et al. 2019 (GPT-2), as in karpathy/nanoGPT.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -189,7 +189,7 @@ def gpt_specs(cfg: GPTConfig) -> list:
     return specs
 
 
-def gpt_tensor_plan() -> dict[type[nn.Module], dict[str, Any]]:
+def gpt_tensor_plan() -> Callable[[nn.Module], dict[str, Any] | None]:
     """PipelineModule(tensor_plan=...) for the GPT: Megatron-LM's split of each Block.
 
     qkv and fc column-wise (each tensor rank keeps whole heads, see Block), proj and out
@@ -200,8 +200,14 @@ def gpt_tensor_plan() -> dict[type[nn.Module], dict[str, Any]]:
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {Block: {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
-                    "fc": ColwiseParallel(), "out": RowwiseParallel()}}
+    from pipezero.pipe.tensor_parallel import ColwiseHeads
+
+    def plan(layer: nn.Module) -> dict[str, Any] | None:
+        if not isinstance(layer, Block):
+            return None
+        return {"qkv": ColwiseHeads(layer.n_head), "proj": RowwiseParallel(),
+                "fc": ColwiseParallel(), "out": RowwiseParallel()}
+    return plan
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,20 @@ TensorPlan = Mapping[str, ParallelStyle]  # submodule path (relative to the laye
 # what PipelineModule(tensor_plan=) takes: {layer class: plan}, or a callable built layer -> plan or None
 PlanSource = Union[Mapping[type, TensorPlan], Callable[[nn.Module], "TensorPlan | None"]]
 
-__all__ = ["PlanSource", "TensorPlan", "apply_tensor_plan", "check_tensor_plan", "is_replicated",
+__all__ = ["ColwiseHeads", "PlanSource", "TensorPlan", "apply_tensor_plan", "check_tensor_plan", "is_replicated",
            "mark_tensor_duplicates", "plan_for"]
+
+
+class ColwiseHeads(ColwiseParallel):
+    """ColwiseParallel for a fused projection laid out head by head: each tensor rank gets whole heads.
+
+    Only adds what the check needs: `heads`, the count that must divide by the tensor degree
+    (out_features dividing is not enough: 3 heads of 4 features split in 2 cut a head in half).
+    """
+
+    def __init__(self, heads: int, **kwargs):
+        super().__init__(**kwargs)
+        self.heads = heads
 
 
 def plan_for(source: PlanSource | None, module: nn.Module) -> TensorPlan | None:
@@ -70,6 +82,8 @@ def check_tensor_plan(module: nn.Module, plan: TensorPlan, degree: int, where: s
 
 def _split_dim(sub: nn.Module, style: ParallelStyle) -> tuple[str, int] | None:
     if isinstance(sub, nn.Linear):
+        if isinstance(style, ColwiseHeads):
+            return "heads", style.heads
         if isinstance(style, ColwiseParallel):
             return "out_features", sub.out_features
         if isinstance(style, RowwiseParallel):

@@ -16,6 +16,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_reduce
 
@@ -44,10 +45,19 @@ def grouped_grads(params: Iterable[torch.Tensor]) -> dict[tuple, tuple[list, lis
     groups: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
     for p in params:
         if p.grad is not None:
-            grads, dups = groups[(p.grad.device, p.grad.dtype)]
-            grads.append(p.grad)
+            grad = _local(p.grad)  # a tensor-parallel grad counts by this rank's shard
+            grads, dups = groups[(grad.device, grad.dtype)]
+            grads.append(grad)
             dups.append(bool(getattr(p, DUPLICATE_ATTR, False)))
     return groups
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor gradient (its own storage: in-place ops reach the DTensor)."""
+    if isinstance(grad, DTensor):
+        with torch.no_grad():
+            return grad.to_local()
+    return grad
 
 
 def comm_device(group=None) -> torch.device:

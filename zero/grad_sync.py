@@ -26,9 +26,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipezero.comm import Handle, all_reduce, group_size, reduce_scatter
-from pipezero.zero.partition import Bucket
+from pipezero.zero.partition import Bucket, local_tensor
 
 __all__ = ["GradSync"]
 
@@ -201,7 +202,7 @@ class GradSync:
     def _point_grads(self, b: Bucket) -> None:
         grad = self._state[b].grad
         for i, p in enumerate(b.params):
-            p.grad = b.slot(grad, i)
+            _set_grad(p, b.slot(grad, i))
 
     def _push(self, b: Bucket, i: int) -> None:
         """Move parameter i's local gradient into the bucket's flat buffer."""
@@ -212,9 +213,9 @@ class GradSync:
         if self.views:
             if p.grad is None:
                 view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-            p.grad = view
+            elif local_tensor(p.grad).data_ptr() != view.data_ptr():
+                view.copy_(local_tensor(p.grad))
+            _set_grad(p, view)
         else:
             self._add_local(b, i)
         st.pushed.add(i)
@@ -226,7 +227,7 @@ class GradSync:
             b.owned(st.grad).mul_(b.parts)
             st.rescale = False
         if p.grad is not None:
-            b.slot(st.grad, i).add_(p.grad)
+            b.slot(st.grad, i).add_(local_tensor(p.grad))
             p.grad = None
             st.dirty = True
 
@@ -266,3 +267,11 @@ class GradSync:
             return
         master.grad = g if g.dtype == master.dtype and g.device == master.device \
             else g.to(master.device, master.dtype)
+
+
+def _set_grad(p: torch.Tensor, view: torch.Tensor) -> None:
+    """Make `view` p's gradient (wrapped like p when p is a DTensor, still sharing view's storage)."""
+    if isinstance(p, DTensor):
+        view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    p.grad = view

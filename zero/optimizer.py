@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_gather, group_size
 from pipezero.zero.config import ZeroConfig
@@ -55,6 +56,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             config = replace(config, stage=stage)
         self.config, self.stage, self.inner, self.group = config, config.stage, inner, group
         self._check_inner(inner, elementwise)
+        if self.stage == 3 and any(isinstance(p, DTensor) for g in inner.param_groups for p in g["params"]):
+            raise ValueError("ZeroOptimizer(stage=3) does not take tensor-parallel (DTensor) parameters; use "
+                             "stage 1 or 2 with a tensor degree > 1 (each tensor rank's slice is sharded over "
+                             "the data group)")
         if self.stage == 3 and module is None:
             raise ValueError("ZeroOptimizer(stage=3) needs module=: the model whose submodules gather their "
                              "parameters before running (ZeroOptimizer(inner, stage=3, module=model))")

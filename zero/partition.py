@@ -8,6 +8,10 @@ bucket (the layout FSDP uses per unit). Padding is never dropped and never read 
 The model parameters become views into their bucket's flat buffer, so an fp32 model needs
 no separate fp32 master copy: the shard the inner optimizer steps is a view of the slice.
 A bf16/fp16 model gets an fp32 master shard (ZeRO, Rajbhandari et al. 2020, section 5).
+
+A tensor-parallel parameter (a DTensor) is packed by its LOCAL tensor: ZeRO shards this tensor
+rank's slice over the data group, and the DTensor keeps wrapping the same local tensor object,
+whose storage becomes the view into the flat buffer.
 """
 
 from __future__ import annotations
@@ -16,8 +20,18 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["Bucket", "plan_groups", "stage3_units"]
+__all__ = ["Bucket", "local_tensor", "plan_groups", "stage3_units"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a DTensor wraps on this rank (the tensor itself when it is plain).
+
+    The wrapped object itself, not to_local()'s alias: setting its `.data` must move the
+    DTensor's storage into the flat buffer.
+    """
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @dataclass(eq=False)
@@ -41,8 +55,8 @@ class Bucket:
         offset = 0
         for p in self.params:
             self.offsets.append(offset)
-            self.shapes.append(p.shape)
-            offset += p.numel()
+            self.shapes.append(local_tensor(p).shape)
+            offset += local_tensor(p).numel()
         self.numel = offset
         self.padded = -(-offset // self.parts) * self.parts
 
@@ -78,7 +92,7 @@ class Bucket:
         flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                self.slot(flat, i).copy_(p.detach())
+                self.slot(flat, i).copy_(local_tensor(p).detach())
         self.flat = flat
         self.attach()
         self.local = self.owned(flat) if keep_full else self.owned(flat).clone()
@@ -95,13 +109,13 @@ class Bucket:
         """Point every parameter's data at its region of the full flat buffer."""
         assert self.flat is not None
         for i, p in enumerate(self.params):
-            p.data = self.slot(self.flat, i)
+            local_tensor(p).data = self.slot(self.flat, i)
 
     def release(self) -> None:
         """Free the full buffer; parameters become empty until gathered again (stage 3)."""
         self.flat = None
         for p in self.params:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            local_tensor(p).data = torch.empty(0, dtype=self.dtype, device=self.device)
 
     def publish_master(self) -> None:
         """Copy the stepped master into the owned slice when they are separate tensors."""
@@ -183,7 +197,8 @@ def _split_run(run, where, limit, parts, part, stage3, threshold) -> list[Bucket
         persistent = (not stage3) or p.numel() < threshold
         key = (where[id(p)], p.dtype, p.device, bool(getattr(p, "pipezero_duplicate", False)), persistent)
         members = open_.setdefault(key, [])
-        if limit is not None and members and sum(q.numel() for q in members) + p.numel() > limit:
+        if limit is not None and members and sum(local_tensor(q).numel() for q in members) + \
+                local_tensor(p).numel() > limit:
             out.append(Bucket(members, key[0], parts, part, persistent))
             members = open_[key] = []
         members.append(p)
