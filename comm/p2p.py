@@ -1,10 +1,14 @@
 """Point-to-point transfers between pipeline ranks: tensors and tuples of tensors.
 
-Each stream (one direction of one logical flow between two ranks, named by a key such as
-"act0") sends its metadata (count, dtypes, shapes, requires_grad) on its first transfer
-and reuses it afterwards; `variable_shapes=True` re-sends it every time (variable-length
-inputs). All sends and receives of one `exchange` go out as one batched isend/irecv, so
-paired transfers (send activation + receive gradient) never deadlock.
+A stream is one direction of one logical flow between two ranks, named by a key such as
+"act0". Its first transfer travels with its metadata (count, dtypes, shapes, requires_grad)
+on a side channel (tag 1 of the same gloo group, or a gloo twin group beside nccl), posted at
+once; later transfers of known streams go out as one batch of sends and receives
+(Megatron's send-forward-recv-backward pairing, so paired transfers never deadlock). Only
+then are new streams received, one by one in the sender's order: both sides agree on which
+channel carries a message, and each channel keeps the per-pair order that order-matching
+transports (nccl) need. Sends complete in the background; `drain()` waits for them (at the
+end of a pipeline step). `variable_shapes=True` sends every transfer as a new stream.
 """
 
 from __future__ import annotations
@@ -53,80 +57,119 @@ def decode_meta(meta: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, 
 
 
 class P2P:
-    """Send and receive tuples of tensors between ranks, with cached per-stream metadata."""
+    """Send and receive tuples of tensors between ranks, with per-stream metadata sent once."""
 
-    def __init__(self, group=None, variable_shapes: bool = False, timeout_s: float = 300.0,
+    def __init__(self, group=None, side_group=None, variable_shapes: bool = False, timeout_s: float = 300.0,
                  device: torch.device | str | None = None):
         self.group = group
+        self.side = group if side_group is None else side_group
+        self.tag = 1 if self.side is group else 0
         self.variable_shapes = variable_shapes
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device(device) if device is not None else _default_device(group)
+        self.side_device = self.device if self.side is group else torch.device("cpu")
         self._sent: set[tuple[int, str]] = set()
         self._meta: dict[tuple[int, str], list] = {}
+        self._pending: list = []  # sends not yet known to be complete
 
     def exchange(self, sends: Sequence[Send] = (), recvs: Sequence[Recv] = ()) -> list[tuple[torch.Tensor, ...]]:
-        """Run all sends and receives as one batch; return the received tuples in `recvs` order."""
+        """Post all sends and receives; return the received tuples in `recvs` order.
+
+        Receives are complete on return; sends may still be in flight until `drain()`.
+        """
         sends = [(peer, key, tuple(ts) if isinstance(ts, (tuple, list)) else (ts,)) for peer, key, ts in sends]
-        self._exchange_meta(sends, recvs)
-        buffers = [[torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in self._meta[(p, k)]]
-                   for p, k in recvs]
-        ops, labels = [], []
-        for peer, key, tensors in sends:
-            for t in tensors:
-                ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group))
-                TRAFFIC.add("p2p_send", t.numel() * t.element_size(), group=f"{self._me()}->{peer}")
-            labels.append(f"send {key!r} to rank {peer}")
-        for (peer, key), bufs in zip(recvs, buffers):
-            ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
-            TRAFFIC.add("p2p_recv", sum(b.numel() * b.element_size() for b in bufs), group=f"{peer}->{self._me()}")
-            labels.append(f"recv {key!r} from rank {peer}")
-        self._run(ops, labels, "p2p")
-        out = []
-        for (peer, key), bufs in zip(recvs, buffers):
-            for b, (dtype, grad, _) in zip(bufs, self._meta[(peer, key)]):
+        new = [self._is_new_send(peer, key) for peer, key, _ in sends]
+        self._send_new([s for s, is_new in zip(sends, new) if is_new])
+        known = [self._is_known_recv(peer, key) for peer, key in recvs]
+        out = [self._buffers(peer, key, self.device) if k else None for (peer, key), k in zip(recvs, known)]
+        paired_peers = {peer for (peer, _), k in zip(recvs, known) if k}
+        old = [s for s, is_new in zip(sends, new) if not is_new]
+        lone = [self._send_op(t, peer) for peer, _, ts in old if peer not in paired_peers for t in ts]
+        self._pending += dist.batch_isend_irecv(lone) if lone else []  # nobody waits on these here
+        paired = [self._send_op(t, peer) for peer, _, ts in old if peer in paired_peers for t in ts]
+        num_sends = len(paired)
+        paired += [dist.P2POp(dist.irecv, b, peer, self.group)
+                   for (peer, _), bufs, k in zip(recvs, out, known) if k for b in bufs]
+        works = dist.batch_isend_irecv(paired) if paired else []
+        if len(works) == len(paired):  # one work per operation (gloo): sends complete in the background
+            self._pending += works[:num_sends]
+            works = works[num_sends:]
+        _count(sends, [b for bufs in out if bufs for b in bufs], recvs)
+        for i, (peer, key) in enumerate(recvs):
+            if out[i] is None:
+                out[i] = self._receive_new(peer, key)
+        self._wait(works, sends, recvs)
+        for (peer, key), bufs in zip(recvs, out):
+            for b, (_, grad, _) in zip(bufs, self._meta[(peer, key)]):
                 if grad and b.is_floating_point():
                     b.requires_grad_(True)
-            out.append(tuple(bufs))
         return out
 
     def send(self, peer: int, key: str, tensors) -> None:
+        """Post one send (completes in the background; see drain)."""
         self.exchange(sends=[(peer, key, tensors)])
 
     def recv(self, peer: int, key: str) -> tuple[torch.Tensor, ...]:
         return self.exchange(recvs=[(peer, key)])[0]
 
-    # -- metadata ---------------------------------------------------------------------
-    def _exchange_meta(self, sends: list, recvs: Sequence[Recv]) -> None:
-        need_send = [(p, k, ts) for p, k, ts in sends if self.variable_shapes or (p, k) not in self._sent]
-        need_recv = [(p, k) for p, k in recvs if self.variable_shapes or (p, k) not in self._meta]
-        if not need_send and not need_recv:
-            return
-        ops, labels = [], []
-        for peer, key, tensors in need_send:
-            ops.append(dist.P2POp(dist.isend, encode_meta(tensors).to(self.device), peer, self.group))
-            labels.append(f"send metadata {key!r} to rank {peer}")
-            self._sent.add((peer, key))
-        bufs = [torch.empty(_META_LEN, dtype=torch.int64, device=self.device) for _ in need_recv]
-        for (peer, key), buf in zip(need_recv, bufs):
-            ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
-            labels.append(f"recv metadata {key!r} from rank {peer}")
-        self._run(ops, labels, "p2p metadata")
-        for (peer, key), buf in zip(need_recv, bufs):
-            self._meta[(peer, key)] = decode_meta(buf.cpu())
+    def drain(self) -> None:
+        """Wait for every send still in flight; call it before dropping the P2P (gloo drops
+        the unsent messages of a destroyed send)."""
+        pending, self._pending = self._pending, []
+        self._wait(pending, [], [])
 
-    def _run(self, ops: list, labels: list[str], what: str) -> None:
-        if not ops:
-            return
+    # -- streams ------------------------------------------------------------------------
+    def _is_new_send(self, peer: int, key: str) -> bool:
+        new = self.variable_shapes or (peer, key) not in self._sent
+        self._sent.add((peer, key))
+        return new
+
+    def _is_known_recv(self, peer: int, key: str) -> bool:
+        return not self.variable_shapes and (peer, key) in self._meta
+
+    def _send_op(self, t: torch.Tensor, peer: int) -> dist.P2POp:
+        return dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group)
+
+    def _send_new(self, sends: list) -> None:
+        ops = []
+        for peer, _, tensors in sends:
+            payload = [encode_meta(tensors), *(t.detach() for t in tensors)]
+            ops += [dist.P2POp(dist.isend, t.to(self.side_device).contiguous(), peer, self.side, self.tag)
+                    for t in payload]
+        self._pending += dist.batch_isend_irecv(ops) if ops else []
+
+    def _receive_new(self, peer: int, key: str) -> tuple[torch.Tensor, ...]:
+        meta = torch.empty(_META_LEN, dtype=torch.int64, device=self.side_device)
+        self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, meta, peer, self.side, self.tag)]), [], [(peer, key)])
+        self._meta[(peer, key)] = decode_meta(meta.cpu())
+        bufs = self._buffers(peer, key, self.side_device)
+        if bufs:
+            ops = [dist.P2POp(dist.irecv, b, peer, self.side, self.tag) for b in bufs]
+            self._wait(dist.batch_isend_irecv(ops), [], [(peer, key)])
+        TRAFFIC.add("p2p_recv", sum(b.numel() * b.element_size() for b in bufs), group=f"{peer}->{dist.get_rank()}")
+        return tuple(b.to(self.device) for b in bufs)
+
+    def _buffers(self, peer: int, key: str, device) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, _, shape in self._meta[(peer, key)])
+
+    def _wait(self, works: list, sends: Sequence, recvs: Sequence) -> None:
         try:
-            for work in dist.batch_isend_irecv(ops):
+            for work in works:
                 work.wait(self.timeout)
         except RuntimeError as e:
-            raise CommTimeout(f"rank {self._me()}: {what} did not complete within "
-                              f"{self.timeout.total_seconds():.0f}s: {'; '.join(labels)} ({e})") from e
+            what = [f"send {k!r} to rank {p}" for p, k, _ in sends] + [f"recv {k!r} from rank {p}" for p, k in recvs]
+            raise CommTimeout(f"rank {dist.get_rank()}: p2p did not complete within "
+                              f"{self.timeout.total_seconds():.0f}s: {'; '.join(what) or 'pending sends'} "
+                              f"({e})") from e
 
-    @staticmethod
-    def _me() -> int:
-        return dist.get_rank()
+
+def _count(sends: Sequence, known_buffers: Sequence[torch.Tensor], recvs: Sequence) -> None:
+    me = dist.get_rank()
+    for peer, _, tensors in sends:
+        TRAFFIC.add("p2p_send", sum(t.numel() * t.element_size() for t in tensors), group=f"{me}->{peer}")
+    if known_buffers:
+        TRAFFIC.add("p2p_recv", sum(b.numel() * b.element_size() for b in known_buffers),
+                    group=",".join(f"{peer}->{me}" for peer, _ in recvs))
 
 
 def _default_device(group) -> torch.device:

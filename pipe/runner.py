@@ -19,15 +19,13 @@ torch module) W re-runs the retained graph's backward: exact, at one more backwa
 
 from __future__ import annotations
 
-import datetime
 import zlib
 from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from pipezero.comm import TRAFFIC, CommTimeout
-from pipezero.comm.p2p import decode_meta, encode_meta
+from pipezero.comm import P2P, CommTimeout
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.placement import owner, virtual_stage
@@ -40,9 +38,6 @@ try:  # torch's split backward (private, present in torch 2.11-2.13); else W re-
     from torch.distributed.pipelining._backward import stage_backward_weight as _stage_backward_weight
 except ImportError:  # pragma: no cover
     _stage_backward_input = _stage_backward_weight = None
-
-_META_WORDS = encode_meta(()).numel()
-
 
 class PipelineTimeout(TimeoutError):
     """A peer never answered; the message names rank, stage, action and microbatch."""
@@ -80,8 +75,8 @@ class PipelineRunner:
         self.last_pipe_rank = owner(model.num_virtual_stages - 1, model.num_stages, model.placement)[0]
         self.timeline = Timeline(self.grid.rank, model.device)
         self._release_plan = _last_weight_use(self.steps, model)
-        self._p2p: _PipeP2P | None = None
-        self._p2ps: dict[bool, _PipeP2P] = {}  # train / eval: streams differ in requires_grad
+        self._p2p: P2P | None = None
+        self._p2ps: dict[bool, P2P] = {}  # train / eval: streams differ in requires_grad
         self._side_group = _side_group(self.grid)
         self._signature: int | None = None
 
@@ -152,7 +147,8 @@ class PipelineRunner:
         if signature != self._signature or self.variable_shapes:
             self._p2ps, self._signature = {}, signature
         if train not in self._p2ps:
-            self._p2ps[train] = _PipeP2P(self.grid.pipe_group, self._side_group, self.timeout_s, self.model.device)
+            self._p2ps[train] = P2P(self.grid.pipe_group, side_group=self._side_group, timeout_s=self.timeout_s,
+                                     device=self.model.device)
         self._p2p = self._p2ps[train]
 
     # -- the loop ---------------------------------------------------------------------------
@@ -315,99 +311,6 @@ class PipelineRunner:
         if self.grid.pipe_size > 1:
             dist.broadcast(loss, src=self.grid.rank_of(pipe=self.last_pipe_rank), group=self.grid.pipe_group)
         return loss
-
-
-class _PipeP2P:
-    """Point-to-point transfers for the runner: no wait ever blocks a send that a peer needs.
-
-    comm's P2P exchanges all metadata first, then all data, each phase a rendezvous; a rank
-    that sends an activation while it receives a NEW gradient stream would wait for that
-    gradient's metadata while its peer waits for the activation (a deadlock in GPipe's first
-    step). Here the first transfer of each stream travels with its metadata on a side channel
-    (tag 1 on gloo; a gloo twin group beside nccl), posted at once; transfers of known streams
-    form one batch of sends and receives (Megatron's pairing, nccl-friendly), posted at once;
-    only then are the new streams received, one by one in the sender's order. Both sides
-    agree on which channel carries a message (its stream is new to both), and each channel
-    keeps the per-pair order, which is all order-matching transports (nccl) need.
-    """
-
-    def __init__(self, group, side_group, timeout_s: float, device: torch.device):
-        self.group, self.side = group, side_group
-        self.tag = 1 if side_group is group else 0
-        self.side_device = device if side_group is group else torch.device("cpu")
-        self.timeout, self.device = datetime.timedelta(seconds=timeout_s), device
-        self._sent: set[tuple[int, str]] = set()
-        self._meta: dict[tuple[int, str], list] = {}
-        self._pending: list = []  # sends not yet known to be complete (torch pipelining waits them late too)
-
-    def drain(self) -> None:
-        """Wait for every send still in flight (at the end of a step)."""
-        pending, self._pending = self._pending, []
-        self._wait(pending, [], [])
-
-    def exchange(self, sends: Sequence, recvs: Sequence[tuple[int, str]]) -> list[tuple[torch.Tensor, ...]]:
-        """Send (peer, key, tensors) and receive (peer, key); returns the received tuples in order."""
-        sends = [(peer, key, tuple(ts) if isinstance(ts, (tuple, list)) else (ts,)) for peer, key, ts in sends]
-        new = [(peer, key) not in self._sent for peer, key, _ in sends]
-        side_ops = []
-        for peer, key, tensors in (s for s, is_new in zip(sends, new) if is_new):
-            payload = [encode_meta(tensors), *(t.detach() for t in tensors)]
-            side_ops += [dist.P2POp(dist.isend, t.to(self.side_device).contiguous(), peer, self.side, self.tag)
-                         for t in payload]
-            self._sent.add((peer, key))
-        self._pending += dist.batch_isend_irecv(side_ops) if side_ops else []
-        known = [i for i, (peer, key) in enumerate(recvs) if (peer, key) in self._meta]
-        out: list = [None] * len(recvs)
-        ops = [dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group)
-               for (peer, key, tensors), is_new in zip(sends, new) if not is_new for t in tensors]
-        num_sends = len(ops)
-        for i in known:
-            out[i] = self._buffers(*recvs[i], self.device)
-            ops += [dist.P2POp(dist.irecv, b, recvs[i][0], self.group) for b in out[i]]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        if len(works) == len(ops):  # one work per operation (gloo): sends complete in the background
-            self._pending += works[:num_sends]
-            works = works[num_sends:]
-        _count(sends, recvs)
-        for i, (peer, key) in enumerate(recvs):
-            if out[i] is None:
-                out[i] = self._receive_new(peer, key)
-        self._wait(works, sends, recvs)
-        for (peer, key), bufs in zip(recvs, out):
-            for b, (_, grad, _) in zip(bufs, self._meta[(peer, key)]):
-                if grad and b.is_floating_point():
-                    b.requires_grad_(True)
-        return out
-
-    def _receive_new(self, peer: int, key: str) -> tuple[torch.Tensor, ...]:
-        meta = torch.empty(_META_WORDS, dtype=torch.int64, device=self.side_device)
-        self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, meta, peer, self.side, self.tag)]), [], [(peer, key)])
-        self._meta[(peer, key)] = decode_meta(meta.cpu())
-        bufs = self._buffers(peer, key, self.side_device)
-        if bufs:
-            ops = [dist.P2POp(dist.irecv, b, peer, self.side, self.tag) for b in bufs]
-            self._wait(dist.batch_isend_irecv(ops), [], [(peer, key)])
-        return tuple(b.to(self.device) for b in bufs)
-
-    def _buffers(self, peer: int, key: str, device) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, _, shape in self._meta[(peer, key)])
-
-    def _wait(self, works: list, sends: Sequence, recvs: Sequence) -> None:
-        try:
-            for work in works:
-                work.wait(self.timeout)
-        except RuntimeError as e:
-            what = [f"send {k!r} to rank {p}" for p, k, _ in sends] + [f"recv {k!r} from rank {p}" for p, k in recvs]
-            raise CommTimeout(f"rank {dist.get_rank()}: p2p did not complete within "
-                              f"{self.timeout.total_seconds():.0f}s: {'; '.join(what)} ({e})") from e
-
-
-def _count(sends: Sequence, recvs: Sequence) -> None:
-    me = dist.get_rank()
-    for peer, _, tensors in sends:
-        TRAFFIC.add("p2p_send", sum(t.numel() * t.element_size() for t in tensors), group=f"{me}->{peer}")
-    for peer, _ in recvs:
-        TRAFFIC.add("p2p_recv", 0, group=f"{peer}->{me}")
 
 
 # -- static plan of the schedule ----------------------------------------------------------------
