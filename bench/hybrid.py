@@ -129,8 +129,10 @@ def worker(rank: int, args) -> None:
 
 def _report(args, cfg, params: int, seconds: dict, switch_ms: float, dtype) -> None:
     tokens = args.batch * args.new_tokens
-    print(f"\nGPT {cfg.n_layer} x {cfg.d_model} ({params / 1e6:.1f}M params), {args.world} ranks, {args.device}, {str(dtype).split('.')[-1]}, batch {args.batch} "
-          f"per rank, prompt {args.prompt}, {args.new_tokens} new tokens, greedy, median of {args.repeats}\n")
+    precision = str(dtype).split(".")[-1]
+    print(f"\nGPT {cfg.n_layer} x {cfg.d_model} ({params / 1e6:.1f}M params), {args.world} ranks, {args.device}, "
+          f"{precision}, batch {args.batch} per rank, prompt {args.prompt}, {args.new_tokens} new tokens, greedy, "
+          f"median of {args.repeats}\n")
     print("| run | s | tokens/s per rank | vs naive ZeRO-3 | vs ceiling |")
     print("|---|---|---|---|---|")
     naive, ceiling = seconds[RUNS[2]], seconds[RUNS[3]]

@@ -26,7 +26,7 @@ from torch import nn
 
 __all__ = ["Block", "Embedding", "FinalNorm", "GPT", "GPTConfig", "Head", "KVCache", "LayerRecipe", "TIED_KEY",
            "TIED_WEIGHT_ATTR", "flops_per_token", "generate", "gpt_from_pipeline", "gpt_layers", "gpt_loss",
-           "gpt_specs", "gpt_tensor_plan", "head_forward"]
+           "gpt_specs", "gpt_stage_layers", "gpt_tensor_plan", "head_forward"]
 
 TIED_KEY = "embed"          # TiedLayerSpec key shared by Embedding and Head
 TIED_WEIGHT_ATTR = "weight"  # the tied parameter's attribute name on both layers
@@ -410,8 +410,24 @@ def gpt_from_pipeline(module: nn.Module, cfg: GPTConfig) -> "GPT":
         prefix = f"tied.{TIED_KEY}." if index == 0 else f"layers.{index}."
         for name, p in layer.named_parameters():
             if src == grid.rank:
-                p.data.copy_(local[prefix + name].detach())
+                mine = local[prefix + name].detach()
+                p.data.copy_(mine.full_tensor() if hasattr(mine, "full_tensor") else mine)  # TP: whole
             if module.num_stages > 1:
                 dist.broadcast(p.data, src=src, group=grid.pipe_group)
     full.layers[-1].weight = full.layers[0].weight
     return full
+
+
+def gpt_stage_layers(module: nn.Module) -> list:
+    """The layers of a one-stage pipeline in order, for generate(): tensor-parallel generation.
+
+    With a tensor plan (gpt_tensor_plan) each tensor rank keeps its heads' slice of every
+    Block, so generate() runs tensor-parallel: each rank caches keys and values of its own
+    heads only, and the row-wise projections all-reduce as in training.
+    """
+    if module.num_stages * module.num_chunks != 1:
+        raise ValueError(f"gpt_stage_layers: the pipeline has {module.num_stages * module.num_chunks} stages; "
+                         "generation over pipe > 1 gathers the weights: generate(gpt_from_pipeline(...).layers, ...)")
+    tied = module.tied[TIED_KEY]
+    blocks = [module.layers[str(i)] for i in range(1, module.bounds[-1] - 1)]
+    return [tied, *blocks, lambda h: head_forward(tied, h)]

@@ -22,7 +22,8 @@ from pipezero.zero import ZeroConfig, ZeroOptimizer
 from pipezero.zero.gathered import gathered, parameter_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig, generate, gpt_from_pipeline, gpt_loss, gpt_specs  # noqa: E402
+from gpt import (GPT, GPTConfig, generate, gpt_from_pipeline, gpt_loss, gpt_specs, gpt_stage_layers,  # noqa: E402
+                 gpt_tensor_plan)
 
 CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=32, seed=3)
 NEW = 12
@@ -191,4 +192,24 @@ def test_pipeline_of_two_generates_the_single_process_tokens():
     results = run(_pipeline_generate, 2)
     assert results[0][1] != results[1][1]  # each stage really held only its own layers
     for rank, (out, _) in enumerate(results):
+        torch.testing.assert_close(out, truth, rtol=0, atol=0, msg=f"rank {rank}")
+
+
+def _tensor_parallel_generate():
+    from pipezero.pipe import PipelineModule
+    from pipezero.topology import Grid
+
+    module = PipelineModule(gpt_specs(CFG), grid=Grid(pipe=1, tensor=2), loss_fn=gpt_loss,
+                            tensor_plan=gpt_tensor_plan())
+    _sharpen(module)
+    idx, mask = _prompts()
+    qkv = module.layers["1"].qkv.weight
+    local_rows = qkv.to_local().shape[0]
+    return generate(gpt_stage_layers(module), idx, NEW, temperature=0, attention_mask=mask), local_rows
+
+
+def test_tensor_parallel_generation_equals_single_process():
+    truth = _truth()
+    for rank, (out, rows) in enumerate(run(_tensor_parallel_generate, 2)):
+        assert rows == 3 * CFG.d_model // 2  # each rank really holds half the heads
         torch.testing.assert_close(out, truth, rtol=0, atol=0, msg=f"rank {rank}")
