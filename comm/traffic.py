@@ -40,10 +40,12 @@ class Traffic:
             self.add(kind, nbytes, time.perf_counter() - start, group)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """{kind: {"bytes", "calls", "seconds"}} plus {"by_group": {"kind@group": bytes}}."""
-        out = {kind: dict(v) for kind, v in self._counts.items()}
-        out["by_group"] = {f"{k}@{g}": b for (k, g), b in self._by_group.items()}
-        return out
+        """{kind: {"bytes", "calls", "seconds"}}."""
+        return {kind: dict(v) for kind, v in self._counts.items()}
+
+    def by_group(self) -> dict[str, int]:
+        """{"kind@group": bytes}."""
+        return {f"{k}@{g}": b for (k, g), b in self._by_group.items()}
 
     def reset(self) -> None:
         self._counts.clear()

@@ -12,8 +12,11 @@ import torch.distributed as dist
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Initialise the default process group once, the way torchrun expects.
 
-    nccl when CUDA is there, else gloo; the local CUDA device comes from LOCAL_RANK.
-    A process started without torchrun becomes a world of one.
+    nccl when CUDA is there, else gloo; the local CUDA device comes from LOCAL_RANK. A
+    process started without torchrun becomes a world of one. Safe across
+    `torchrun --max-restarts`: a restarted attempt reuses the rendezvous store, where the
+    previous attempt's addresses still sit under the same keys, so each attempt's keys go
+    under a prefix of its own (TORCHELASTIC_RESTART_COUNT).
     """
     if dist.is_initialized():
         return
@@ -24,7 +27,16 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"pipezero/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _free_port() -> int:

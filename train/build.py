@@ -25,7 +25,7 @@ from pipezero.pipe import GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1, ZeroBu
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.runner import PipelineRunner
 from pipezero.precision import LossScaler
-from pipezero.topology import Grid
+from pipezero.topology import Grid, init_distributed
 from pipezero.train.config import ScheduleKind, TrainConfig, parse_config
 from pipezero.train.config_optim import OptimizerConfig, build_optimizer, build_scheduler
 from pipezero.train.log import warn_once
@@ -77,58 +77,38 @@ def resolve_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:
         return torch.bfloat16
 
 
-def init_process_group(timeout_s: float = 600.0) -> None:
-    """Start the default process group from torchrun's env, safe across `torchrun --max-restarts`.
-
-    A restarted attempt reuses the rendezvous store, where the previous attempt's gloo
-    addresses still sit under the same keys; a new rank then connects to a dead peer. The
-    keys are put under a prefix per attempt (TORCHELASTIC_RESTART_COUNT). Without torchrun
-    this is topology's init_distributed (a world of one).
-    """
-    if dist.is_initialized():
-        return
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        from pipezero.topology.env import init_distributed
-        init_distributed(timeout_s)
-        return
-    import datetime
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=timeout_s)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timeout)
-    store = dist.PrefixStore(f"pipezero/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+init_process_group = init_distributed  # the restart-safe start lives in topology/
 
 
 def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
           specs: Sequence[Any] | None = None, model: nn.Module | None = None,
           loss_fn: Callable | None = None, hidden_size: int | None = None, seed: int = 0,
-          device: torch.device | str | None = None, optimizer: torch.optim.Optimizer | None = None) -> Parts:
+          device: torch.device | str | None = None, optimizer: torch.optim.Optimizer | None = None,
+          tensor: int = 1, tensor_plan: Any = None) -> Parts:
     """Config + layer specs (a pipeline) or a model (no pipeline) -> Parts.
 
     `config` is a ds_config path, dict or an already parsed TrainConfig (for the world size
     the process group, or $WORLD_SIZE, has). `hidden_size` resolves "auto" ZeRO bucket sizes.
     `optimizer` (with model= only): your own torch optimizer over the model's parameters, used
-    as the innermost link instead of the config's "optimizer" section.
+    as the innermost link instead of the config's "optimizer" section. `tensor` > 1 (with specs=)
+    shards each layer by `tensor_plan` (PipelineModule's) over the grid's tensor axis.
     """
-    cfg = _config(config, hidden_size)
+    cfg = _config(config, hidden_size, tensor)
     _check_build_args(cfg, specs, model, loss_fn, optimizer)
+    if tensor > 1 and specs is None:
+        raise ValueError(f"build(tensor={tensor}) shards pipeline layers by tensor_plan: pass specs= (and "
+                         "tensor_plan=, e.g. gpt_tensor_plan()), or tensor=1 with model=")
     dev = torch.device(device) if device is not None else _default_device()
     dtype = resolve_precision(cfg.compute_dtype, dev)
-    init_process_group()
-    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=1)
+    init_distributed()
+    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=tensor)
     schedule = None
     if specs is not None:
         schedule = make_schedule(cfg.pipeline.schedule, cfg.batch.accumulation_steps, cfg.pipeline.chunks)
         module = PipelineModule(list(specs), grid, loss_fn=loss_fn, partition_method=cfg.pipeline.partition_method,
                                 num_chunks=cfg.pipeline.chunks, placement=schedule.placement,
                                 activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
-                                seed=seed, device=dev)
+                                seed=seed, device=dev, tensor_plan=tensor_plan)
     else:
         module = model.to(dev)
     module.to(dtype)
@@ -143,14 +123,14 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                  scheduler=scheduler, schedule=schedule, runner=runner, dtype=dtype, device=dev)
 
 
-def _config(config: Any, hidden_size: int | None) -> TrainConfig:
+def _config(config: Any, hidden_size: int | None, tensor: int = 1) -> TrainConfig:
     if isinstance(config, TrainConfig):
         if hidden_size is not None and config.zero.has_auto:
             from dataclasses import replace
             return replace(config, zero=config.zero.resolve_auto(hidden_size))
         return config
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-    return parse_config(config, world_size=world, hidden_size=hidden_size)
+    return parse_config(config, world_size=world, hidden_size=hidden_size, tensor=tensor)
 
 
 def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, optimizer: Any) -> None:

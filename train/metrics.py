@@ -41,8 +41,6 @@ def traffic_scalars(snapshot: Mapping[str, Mapping[str, float]]) -> dict[str, fl
     """comm TRAFFIC.snapshot() -> {"bytes/all_reduce": ..., "seconds/p2p_send": ...}."""
     out = {}
     for kind, numbers in snapshot.items():
-        if kind == "by_group":  # bytes per kind@group: the per-kind totals are what the plots show
-            continue
         out[f"bytes/{kind}"] = float(numbers.get("bytes", 0))
         out[f"seconds/{kind}"] = float(numbers.get("seconds", 0.0))
     return out
