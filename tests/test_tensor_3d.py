@@ -119,3 +119,61 @@ def test_bad_plans_fail_on_every_rank():
         assert "qkv (Linear) splits heads=3 over tensor degree 2" in messages[0]
         assert "names 'weight_holder'" in messages[1]
         assert "TiedLayerSpec" in messages[2] and "replicated" in messages[2]
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+def _config(pipe: int) -> dict:
+    return {"train_batch_size": BATCH, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+            "pipeline": {"stages": pipe}}
+
+
+def _step(parts, step: int) -> float:
+    ids, targets = _batch(step)
+    share = BATCH // parts.grid.data_size
+    mine = slice(parts.grid.data_rank * share, (parts.grid.data_rank + 1) * share)
+    loss = parts.runner.train_step(ids[mine], targets[mine]).item()
+    parts.optimizer.step()
+    parts.optimizer.zero_grad()
+    return loss
+
+
+def _whole_params(parts) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in parts.module.named_parameters()}
+
+
+def _save_then_reload(directory: str):
+    """Train 2 steps at tensor 2 x data 2, save; continue one step there and on two reloaded grids."""
+    from pipezero.train.build import build
+    from pipezero.train.state import load_state, save_state
+
+    def parts_of(pipe, tensor):
+        return build(_config(pipe), specs=gpt_specs(CFG), loss_fn=gpt_loss, tensor=tensor,
+                     tensor_plan=gpt_tensor_plan())
+    parts = parts_of(1, 2)
+    for step in range(2):
+        _step(parts, step)
+    save_state(parts, directory, 2)
+    out = {"saved": (_step(parts, 2), _whole_params(parts))}
+    for pipe, tensor in [(1, 2), (2, 1)]:   # the same grid; tensor 1 (pipe 2 x data 2)
+        parts = parts_of(pipe, tensor)
+        assert load_state(parts, directory)["step"] == 2
+        out[(pipe, tensor)] = (_step(parts, 2), _whole_params(parts))
+    return out
+
+
+def test_checkpoint_from_tensor_2_reloads_at_tensor_1_and_2(tmp_path):
+    results = run(_save_then_reload, 4, str(tmp_path), timeout=120)
+    merged: dict = {}
+    for rank_out in results:
+        for key, (loss, params) in rank_out.items():
+            merged.setdefault(key, [loss, {}])[1].update(params)
+    loss, params = merged.pop("saved")
+    assert len(params) == 2 + 12 * CFG.n_layer + 2, sorted(params)   # every parameter came back
+    for key, (other_loss, other_params) in merged.items():
+        torch.testing.assert_close(other_loss, loss, rtol=1e-6, atol=1e-6, msg=str(key))
+        assert other_params.keys() == params.keys()
+        for name in params:
+            torch.testing.assert_close(other_params[name], params[name], rtol=1e-5, atol=1e-6,
+                                       msg=f"{key} {name}")

@@ -29,6 +29,7 @@ from pipezero.pipe.spec import TiedLayerSpec
 from pipezero.train.checkpoint import (export_consolidated, latest_step, load_checkpoint, rng_state,
                                        save_checkpoint, set_rng_state)
 from pipezero.train.checkpoint_state import flatten_state, unflatten_state
+from pipezero.train.tensor_state import local_slice, whole
 from pipezero.zero.state import consolidated_state_dict
 
 __all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_state", "single_process_names"]
@@ -63,14 +64,16 @@ def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int
     tensors: dict[str, torch.Tensor] = {}
     for bucket in zero.buckets:
         full = _full_master(zero, bucket)
-        if writer:
-            for i, p in enumerate(bucket.params):
-                tensors[_MODEL + names[id(p)]] = bucket.slot(full, i).float().cpu()
+        for i, p in enumerate(bucket.params):
+            value = whole(p, bucket.slot(full, i))  # tensor-parallel: every tensor rank takes part
+            if writer:
+                tensors[_MODEL + names[id(p)]] = value.float().cpu()
     consolidated = consolidated_state_dict(zero)["consolidated"]["state"]
-    if writer:
-        for index, p in enumerate(_ordered_params(zero)):
-            for key, value in consolidated.get(index, {}).items():
-                tensors[f"{_OPTIM}{names[id(p)]}/{key}"] = torch.as_tensor(value).cpu()
+    for index, p in enumerate(_ordered_params(zero)):
+        for key, value in consolidated.get(index, {}).items():
+            value = whole(p, torch.as_tensor(value))
+            if writer:
+                tensors[f"{_OPTIM}{names[id(p)]}/{key}"] = value.cpu()
     rng_tensors, rng_json = rng_state(prefix=f"rng.{parts.grid.rank}.")
     tensors.update(rng_tensors)
     chain_tensors, chain = _chain_state(zero)
@@ -138,7 +141,7 @@ def _load_weights(parts: Any, t: Mapping[str, torch.Tensor], names: dict[int, st
         for b in zero.buckets:
             flat = torch.zeros(b.padded, dtype=torch.float32)
             for i, p in enumerate(b.params):
-                b.slot(flat, i).copy_(t[_MODEL + names[id(p)]])
+                b.slot(flat, i).copy_(local_slice(p, t[_MODEL + names[id(p)]]))
                 done.add(id(p))
             if b.flat is not None:
                 b.flat.copy_(flat.to(b.flat.device, b.dtype))
@@ -164,7 +167,7 @@ def _load_optimizer(zero: Any, t: Mapping[str, torch.Tensor], names: dict[int, s
     state: dict[int, dict[str, torch.Tensor]] = {}
     for index, p in enumerate(_ordered_params(zero)):
         prefix = f"{_OPTIM}{names[id(p)]}/"
-        entry = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
+        entry = {k[len(prefix):]: local_slice(p, v) for k, v in t.items() if k.startswith(prefix)}
         if entry:
             state[index] = entry
     groups, start = [], 0
