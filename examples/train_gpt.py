@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # pipe 2 x data 2, CPU or GPU
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --schedule zbv --zero-stage 1
+    torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --pipe 2 --data 2 --tensor 2   # 3D
     tensorboard --logdir runs/gpt
 
 The corpus is the standard library's own source code (byte tokens, on every machine with
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import GPTConfig, flops_per_token, gpt_loss, gpt_specs  # noqa: E402
+from gpt import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan  # noqa: E402
 
 from pipezero.comm import TRAFFIC  # noqa: E402
 from pipezero.pipe import simulate, to_image, to_png, to_text  # noqa: E402
@@ -42,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2)")
     p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
-    p.add_argument("--tensor", type=int, default=1, choices=[1], help="tensor parallel degree (1 for now)")
+    p.add_argument("--tensor", type=int, default=1,
+                   help="tensor-parallel degree: each Block's heads and MLP split over this many ranks")
     p.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"],
                    help="pipeline schedule (default: the config's, else 1f1b)")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2], help="default: the config's, else 2")
@@ -103,11 +105,13 @@ def main(argv=None) -> float:
     model_cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
 
     # -- the parts: grid, pipeline module, optimizer chain, lr schedule, schedule, runner ----------
-    parts = build(ds_config(args), specs=gpt_specs(model_cfg), loss_fn=gpt_loss, hidden_size=args.d_model)
+    parts = build(ds_config(args), specs=gpt_specs(model_cfg), loss_fn=gpt_loss, hidden_size=args.d_model,
+                  tensor=args.tensor, tensor_plan=gpt_tensor_plan())
     grid, runner, opt, cfg = parts.grid, parts.runner, parts.optimizer, parts.config
     if args.data is not None and args.data != grid.data_size:
-        raise ValueError(f"--data {args.data} but {grid.world_size} processes / pipe {grid.pipe_size} give "
-                         f"{grid.data_size}: launch torchrun --nproc-per-node {grid.pipe_size * args.data}")
+        raise ValueError(f"--data {args.data} but {grid.world_size} processes / (pipe {grid.pipe_size} x tensor "
+                         f"{grid.tensor_size}) give {grid.data_size}: launch torchrun --nproc-per-node "
+                         f"{grid.pipe_size * grid.tensor_size * args.data}")
     log.info("grid %s, optimizer %s, schedule %s, %s\n%s", grid, opt, parts.schedule,
              str(parts.dtype).removeprefix("torch."), parts.module.describe())
 
