@@ -141,6 +141,47 @@ def test_zero3_greedy_generation_equals_single_process(world, stream, naive, dty
         assert abs(live_a - live_b) < 1024, (rank, live_b, live_a)
 
 
+class _Nested(torch.nn.Module):
+    """Blocks inside a root that holds parameters of its own, used before AND after the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(16, 8, generator=gen))
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.out = torch.nn.Parameter(torch.randn(8, 16, generator=gen))
+        with torch.no_grad():
+            for b in self.blocks:
+                b.weight.copy_(torch.randn(8, 8, generator=gen))
+                b.bias.copy_(torch.randn(8, generator=gen))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb[idx]
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return h @ self.out
+
+
+def _nested_streaming():
+    model = _Nested()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config=ZERO3, module=model)
+    idx = torch.arange(12).view(3, 4)
+    outs = []
+    for k in (1, 2):
+        with torch.no_grad(), gathered(opt, layers_at_a_time=k):
+            outs.append(model(idx))
+    return outs, sum(b.parts > 1 and not b.persistent for b in opt.buckets)
+
+
+def test_streaming_keeps_the_running_outer_module_whole():
+    with torch.no_grad():
+        truth = _Nested()(torch.arange(12).view(3, 4))
+    for outs, partitioned in run(_nested_streaming, 2):
+        assert partitioned == 4  # the root's own parameters and each block's weight
+        for out in outs:
+            torch.testing.assert_close(out, truth, rtol=0, atol=0)
+
+
 def _train(generate_between: bool):
     model = GPT(CFG)
     opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), config=ZERO3, module=model)

@@ -135,21 +135,37 @@ def _hooks_paused(gatherer: Any) -> Iterator[list[tuple[nn.Module, list[Bucket]]
 
 @contextmanager
 def _streaming(units, k: int, dtype, group, saved) -> Iterator[None]:
-    """A forward pre-hook per unit: if it is not whole, free the current window and gather units i..i+k-1."""
+    """Forward hooks per unit: when a unit about to run is not whole, the window moves to it.
+
+    The new window is the k units starting at this one, plus every unit still running (an
+    outer module whose own parameters are used after its children, as a root that holds the
+    embedding and the head); buckets already whole stay, the others are freed.
+    """
     index = {m: i for i, (m, _) in enumerate(units)}
     window: list[Bucket] = []
+    running: list[nn.Module] = []
 
     def before(module: nn.Module, args: Any) -> None:
+        running.append(module)
         i = index[module]
         if all(b in window for b in units[i][1]):
             return
+        ahead = [b for _, bs in units[i:i + k] for b in bs]
+        held = [b for m in running for b in units[index[m]][1]]
+        new = list(dict.fromkeys(ahead + held))
         for b in window:
-            for p in b.params:
-                p.data = saved[id(p)][1]
-        window[:] = list(dict.fromkeys(b for _, bs in units[i:i + k] for b in bs))
-        _gather(window, dtype, group)
+            if b not in new:
+                for p in b.params:
+                    p.data = saved[id(p)][1]
+        _gather([b for b in new if b not in window], dtype, group)
+        window[:] = new
 
-    handles = [m.register_forward_pre_hook(before) for m, _ in units]
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        running.reverse()
+        running.remove(module)  # the innermost call of this module
+        running.reverse()
+
+    handles = [h for m, _ in units for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
     try:
         yield
     finally:
