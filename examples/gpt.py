@@ -12,6 +12,12 @@ Every layer initialises itself from a generator seeded by (config seed, layer in
 from the global RNG: a stage that builds only its own layers gets the same weights as the
 single-process `GPT`, which makes the pipeline's parity tests exact. Architecture after
 Radford et al. 2019 (GPT-2), as in karpathy/nanoGPT.
+
+Generation (`generate(layers, idx, n)`, `GPT.generate`): greedy or sampled (temperature,
+top-k), batched left-padded prompts, with a KV cache per Block. It runs on any list of these
+layers: a GPT's, a ZeRO-3 model's inside `pipezero.zero.gathered.gathered(opt)` (the weights
+gathered once for the phase), a tensor-parallel stage's (`gpt_stage_layers`), or, for a
+pipeline, the whole model gathered over the pipe group (`gpt_from_pipeline`).
 """
 
 from __future__ import annotations
