@@ -46,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--gen-dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="dtype of the gathered weights while generating (training stays fp32)")
+                   help="dtype of the gathered weights while generating (training stays fp32); bf16 samples "
+                        "from a rounded copy of the policy, so REINFORCE is then very slightly off-policy")
     p.add_argument("--tensorboard", default="runs", help="TensorBoard output folder ('' to disable)")
     return p.parse_args(argv)
 
