@@ -92,6 +92,7 @@ def _check(results, tensor: int) -> None:
     (2, 1, 2, None),  # tensor 2, no ZeRO: the clip norm over DTensor grads' local shards
     (4, 1, 2, 2),   # tensor 2 x data 2, ZeRO-2
     (4, 2, 2, 1),   # pipe 2 x tensor 2, ZeRO-1 over a data group of one
+    (4, 1, 2, 0),   # tensor 2 x data 2, ZeRO-0: DTensor .grad are views of the all-reduce buffer
     (8, 2, 2, 2),   # pipe 2 x data 2 x tensor 2
 ])
 def test_3d_parity(world, pipe, tensor, stage):
