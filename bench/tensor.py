@@ -81,6 +81,7 @@ def setup_ours(layout: dict, args, device):
 def setup_torch_tp(args, device):
     """torch alone: the GPT, parallelize_module per Block on a 1-D mesh, Adam, gradient accumulation."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tensor",))
@@ -90,7 +91,10 @@ def setup_torch_tp(args, device):
     for layer in model.layers:
         if plan(layer):
             parallelize_module(layer, mesh, plan(layer))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    # one param group of DTensors, one of plain tensors: foreach Adam (CUDA's default) cannot mix them
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    opt = torch.optim.Adam([{"params": sharded}, {"params": plain}], lr=1e-4)
     ids, targets = _batch(args, device)
 
     def step():
