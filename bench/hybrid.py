@@ -80,7 +80,7 @@ def _timed(fns: dict, device, repeats: int) -> dict[str, float]:
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(v) for v in times.values()])
+    t = torch.tensor([statistics.median(v) for v in times.values()], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(fns, t.tolist()))
 
@@ -124,6 +124,7 @@ def worker(rank: int, args) -> None:
     switch = 1e3 * seconds.pop("switch")
     if rank == 0:
         _report(args, cfg, sum(p.numel() for p in whole.parameters()), seconds, switch, dtype)
+    dist.barrier()
     dist.destroy_process_group()
 
 
