@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
-#   bash bench/gpu.sh [zero|pipe|tensor|comm|precision|train|hybrid|smoke ...]   (default: all)
+#   bash bench/gpu.sh [zero|pipe|pipe-bf16|tensor|comm|precision|train|hybrid|smoke ...]   (default: all)
 # The GPU image has torch but not this package installed: import it through a link.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -21,6 +21,7 @@ for w in $what; do
            python3 -c "import torch; print(torch.__version__, torch.cuda.device_count())" ;;
     zero) run zero 300 python3 bench/zero.py --device cuda ;;
     pipe) run pipe 290 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 ;;
+    pipe-bf16) run pipe-bf16 290 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 --precision bf16 ;;
     tensor) run tensor 270 python3 bench/tensor.py --device cuda "${gpt[@]}" --batch 32 --microbatches 8 ;;
     comm) run comm 120 python3 bench/comm.py --device cuda ;;
     precision) run precision 120 python3 bench/precision.py --device cuda ;;

@@ -50,9 +50,14 @@ def _batch(args, device):
     return ids, torch.roll(ids, -1, dims=1)
 
 
-def _autocast(device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
-        "cpu", enabled=False)
+def _autocast(device, args):
+    """bf16 autocast over fp32 weights on CUDA unless the weights themselves are bf16 (--precision bf16)."""
+    on = device.type == "cuda" and args.precision == "autocast"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+
+
+def _weights_dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.precision == "bf16" else torch.float32
 
 
 def setup_ours(name, args, grid, device):
@@ -61,12 +66,13 @@ def setup_ours(name, args, grid, device):
     sched = cls(num_microbatches=args.microbatches)
     model = PipelineModule(_specs(_cfg(args)), grid=grid, loss_fn=gpt_loss, num_chunks=sched.num_chunks,
                            placement=sched.placement, partition_method="type:Block", device=device)
+    model.to(_weights_dtype(args))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     runner = PipelineRunner(model, sched, optimizer=opt)
     ids, targets = _batch(args, device)
 
     def step():
-        with _autocast(device):
+        with _autocast(device, args):
             runner.train_step(ids, targets)
         opt.step()
         opt.zero_grad()
@@ -87,6 +93,7 @@ def setup_torch(name, args, grid, device, bounds):
             continue
         with device:
             layers = torch.nn.Sequential(*[s.build() for s in specs[bounds[stage]:bounds[stage + 1]]])
+        layers.to(_weights_dtype(args))
         stages.append(pipelining.PipelineStage(layers, stage, p * chunks, device, group=grid.pipe_group))
     schedule_cls = getattr(pipelining, torch_name)
     sched = schedule_cls(stages if chunks > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=gpt_loss)
@@ -95,7 +102,7 @@ def setup_torch(name, args, grid, device, bounds):
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
 
     def step():
-        with _autocast(device):
+        with _autocast(device, args):
             sched.step(*((ids,) if first else ()), target=targets if last else None)
         opt.step()
         opt.zero_grad()
@@ -187,6 +194,12 @@ def _predicted_bubble(name, p, m, measured: dict) -> float:
         return float("nan")
 
 
+def _policy(args) -> str:
+    if args.precision == "bf16":
+        return "bf16 weights, no autocast, SGD on the bf16 weights"
+    return "bf16 autocast, fp32 weights" if args.device == "cuda" else "fp32"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -202,10 +215,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    parser.add_argument("--precision", choices=["autocast", "bf16"], default="autocast",
+                        help="autocast: bf16 autocast over fp32 weights on CUDA (fp32 on CPU); "
+                             "bf16: bf16 weights for both runners, no autocast")
     args = parser.parse_args()
     print(f"{datetime.date.today()} torch {torch.__version__} device={args.device} GPT {args.layers}x{args.d_model} "
           f"heads {args.heads} seq {args.seq} vocab {args.vocab} batch {args.batch} m={args.microbatches} "
-          f"({'bf16 autocast, fp32 weights' if args.device == 'cuda' else 'fp32'})")
+          f"({_policy(args)})")
     print("| p | schedule | ours s | torch s | torch/ours | bubble measured | bubble simulated |")
     print("|---|---|---|---|---|---|---|")
     ctx = mp.get_context("spawn")
