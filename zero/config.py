@@ -53,6 +53,10 @@ class ZeroConfig:
     """Keep fp32 master shards and optimizer state on the CPU and step there."""
     offload_param: bool = False
     """Stage 3: keep the owned parameter slices on the CPU between uses."""
+    reduce_every_microbatch: bool = False
+    """Stages 2-3: reduce-scatter every backward's gradients into the shard, even inside no_sync or
+    a pipeline hold, so no whole gradient outlives its bucket (DeepSpeed ZeRO-2's behaviour; more
+    reduce traffic, less memory). False: accumulate whole .grad until the final micro-batch."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -62,6 +66,12 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"ZeroConfig({name}={value!r}): must be an integer number of elements >= {low}")
+        if not isinstance(self.reduce_every_microbatch, bool):
+            raise TypeError(f"ZeroConfig(reduce_every_microbatch={self.reduce_every_microbatch!r}): must be "
+                            "True or False")
+        if self.reduce_every_microbatch and self.stage < 2:
+            raise ValueError(f"ZeroConfig(reduce_every_microbatch=True, stage={self.stage}): only stages 2-3 "
+                             "shard gradients; use stage=2, or leave reduce_every_microbatch False")
         if self.offload_param and self.stage != 3:
             raise ValueError(f"ZeroConfig(offload_param=True, stage={self.stage}): parameter offload needs "
                              "stage 3; use offload_optimizer for stages 1-2")

@@ -14,6 +14,11 @@ paper's 2+2+12 bytes per parameter, split as the stage says):
   1: persistent full buffer, reduce-scatter; the owned region keeps the reduced values;
   2, 3: the full buffer lives only from a bucket's first push until its reduce-scatter is
      done; parameters keep no gradient, a shard-sized buffer keeps the reduced values.
+     Inside no_sync / hold, whole .grad accumulate until the final micro-batch, unless
+     `every_microbatch`: then every backward's gradients are pushed and reduce-scattered
+     into the shard (accumulating there, model dtype) as if nothing were held, as DeepSpeed's
+     ZeRO-2 does. Gradients whose hooks never fire during the backward (the pipeline runner's
+     tied weights, summed over their tie group first) are still reduced when released.
 """
 
 from __future__ import annotations
@@ -68,11 +73,13 @@ class GradSync:
     """Reduces the gradients of bucketed parameters over `group` as they become ready."""
 
     def __init__(self, buckets: list[Bucket], stage: int, group,
-                 on_backward_done: Callable[[Bucket], None] | None = None, overlap: bool = True):
+                 on_backward_done: Callable[[Bucket], None] | None = None, overlap: bool = True,
+                 every_microbatch: bool = False):
         self.buckets, self.stage, self.group, self.overlap = buckets, stage, group, overlap
         self.replicated = stage == 0 or group_size(group) == 1   # all-reduce or nothing at all
         self.keep_grads = stage <= 1      # a persistent full gradient buffer per bucket
         self.views = stage == 0           # parameters' .grad are views of that buffer
+        self.every_microbatch = every_microbatch and not self.keep_grads
         self.on_backward_done = on_backward_done
         self._state = {b: _Pending() for b in buckets}
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
@@ -116,7 +123,7 @@ class GradSync:
             if id(p) in self._where and id(p) not in self._held and not self._suspended:
                 b, i = self._where[id(p)]
                 st = self._state[b]
-                if st.handle is None and i not in st.pushed:
+                if st.handle is None and i not in st.pushed and not self._nothing_new(b):
                     self._push(b, i)
                 touched.append(b)
         for b in dict.fromkeys(touched):
@@ -179,7 +186,7 @@ class GradSync:
     def _on_grad(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
         st = self._state[b]
-        if self.overlap and not self._suspended and id(p) not in self._held:
+        if self.every_microbatch or (self.overlap and not self._suspended and id(p) not in self._held):
             self._settle(b)                # a second synced backward before step: fold in
             self._push(b, i)
             if len(st.pushed) == len(b.params):
@@ -192,6 +199,11 @@ class GradSync:
             st.seen.clear()
             if self.on_backward_done is not None:
                 self.on_backward_done(b)
+
+    def _nothing_new(self, b: Bucket) -> bool:
+        """Stage 2/3: b was reduced and no gradient arrived since (pushing would reduce zeros)."""
+        st = self._state[b]
+        return not self.keep_grads and st.reduced and not st.pushed and all(p.grad is None for p in b.params)
 
     def _settle(self, b: Bucket) -> None:
         """Complete bucket b's reduction if it is still under way."""

@@ -133,7 +133,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                            prefetch_numel=cfg.stage3_prefetch_bucket_size)
         done = self._gatherer.release if self._gatherer else None
         self._sync = GradSync(self.buckets, self.stage, self.group, on_backward_done=done,
-                              overlap=self.config.overlap_comm)
+                              overlap=self.config.overlap_comm,
+                              every_microbatch=self.config.reduce_every_microbatch)
 
     @classmethod
     def from_config(cls, inner: Any, cfg: Mapping[str, Any], group=None, module: nn.Module | None = None,
