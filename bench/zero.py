@@ -11,6 +11,8 @@ Same model, same data, same Adam for every run, one run after the other in the s
 Prints ms per step, the ratio to the peer (> 1: pipezero is faster) and per-rank memory:
 on CPU the bytes of model state (live tensor storages after backward: parameters, gradients,
 optimizer state), on CUDA the peak allocated memory (model state + activations).
+pipezero-2 reduce-scatters every micro-batch's gradients (reduce_every_microbatch, as DeepSpeed's
+ZeRO-2 does), so no whole gradient is held between micro-batches; the other runs are as configured.
 Precision: CPU fp32 everywhere. CUDA: pipezero and DeepSpeed train a bf16 model with fp32
 masters; DDP, ZeroRedundancyOptimizer and FSDP2 keep fp32 weights under bf16 autocast (FSDP2
 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)).
@@ -89,8 +91,9 @@ def build(name: str, args, device: torch.device) -> Run:
         stage = int(name[-1])
         if low:
             model = model.to(torch.bfloat16)
+        # stage 2 reduce-scatters every micro-batch (DeepSpeed ZeRO-2): no whole gradients between them
         cfg = ZeroConfig(stage=stage, reduce_bucket_size=args.bucket, overlap_comm=True,
-                         stage3_param_persistence_threshold=10 * args.hidden)
+                         stage3_param_persistence_threshold=10 * args.hidden, reduce_every_microbatch=stage == 2)
         opt = ZeroOptimizer(_adam(model.parameters()), module=model, config=cfg)
         return Run(model, opt.step, opt.no_sync, opt.zero_grad,
                    "bf16 model, fp32 masters" if low else "fp32", settle=opt.wait_grad_sync)
