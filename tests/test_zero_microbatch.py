@@ -103,6 +103,41 @@ def test_no_whole_gradient_between_microbatches(hold):
         assert grads == n  # the default holds whole gradients until the final micro-batch
 
 
+# -- gradients assigned without hooks (torch's split weight backward) ---------------------------
+def _assigned_grads() -> tuple:
+    """Non-final micro-batches set .grad by hand, then collect_grad_sync reduces them."""
+    world = dist.get_world_size()
+    model = make_model()
+    opt = ZeroOptimizer(make_opt(model, "adam"), config=_config(2, True))
+    params = list(model.parameters())
+    live = []
+    for step in range(3):
+        x, y = local_batch(world, step)
+        opt.zero_grad()
+        opt.hold_grad_sync(params)
+        for m, (xs, ys) in enumerate(zip(x.chunk(ACCUM), y.chunk(ACCUM))):
+            loss = nn.functional.mse_loss(model(xs), ys) / ACCUM
+            if m == ACCUM - 1:
+                opt.release_grad_sync(params)
+                opt.backward(loss)
+                continue
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                p.grad = g if p.grad is None else p.grad + g
+            opt.collect_grad_sync(params)
+            live.append(sum(p.grad is not None for p in params))
+        opt.flush_grad_sync(params)
+        assert opt.step() is True
+    return [p.detach().clone() for p in params], live
+
+
+def test_collect_assigned_grads():
+    want = reference("adam", 2, steps=3, accum=ACCUM)
+    for rank, (got, live) in enumerate(run(_assigned_grads, 2)):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+        assert set(live) == {0}, live
+
+
 # -- a 2-stage pipeline with a tied embedding, pipe 2 x data 2 --------------------------------
 def _pipeline(name: str, m: int, blocks: int, steps: int, size: int, lr: float, seqs: list) -> tuple:
     grid = Grid(pipe=2)

@@ -131,6 +131,15 @@ class GradSync:
             if st.handle is None and len(st.pushed) == len(b.params):
                 self._launch(b)
 
+    def collect(self, params: Iterable[torch.Tensor]) -> None:
+        """Gradients of these params were set without hooks (a split weight backward assigns
+        .grad): with every_microbatch, push them now as their hooks would have."""
+        if not self.every_microbatch:
+            return
+        for p in params:
+            if id(p) in self._where and p.grad is not None:
+                self._on_grad(p)
+
     # -- step -------------------------------------------------------------------------------
     def finish(self) -> None:
         """Reduce everything not yet reduced and wait: every master shard has its .grad."""

@@ -203,6 +203,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def flush_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
         self._sync.flush(params)
 
+    def collect_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
+        """A micro-batch's gradients of these params were assigned without autograd hooks (torch's
+        split weight backward): with reduce_every_microbatch, reduce them now; else a no-op."""
+        self._sync.collect(params)
+
     def wait_grad_sync(self) -> None:
         """Wait for the reductions launched so far (step() does this itself; for measuring)."""
         self._sync.wait()
