@@ -198,7 +198,10 @@ class PipelineRunner:
         if op is Op.BACKWARD_WEIGHT:
             kind, *saved = self._stash.pop(("w", *step.action[1:]))
             if kind == "split":
-                _stage_backward_weight(*saved)
+                _stage_backward_weight(*saved)  # assigns .grad without autograd hooks: tell the optimizer
+                collect = getattr(self.optimizer, "collect_grad_sync", None)
+                if collect is not None:
+                    collect(self.model.chunk_parameters(step.action.chunk))
             else:
                 torch.autograd.backward(*saved)
             return []
