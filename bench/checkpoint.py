@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from pipezero.train import checkpoint as ck
+from launch import finish_rank, init_rank  # bench/launch.py (bench/ is on sys.path when run as a script)
 
 
 def gpt_shapes(layers: int, d: int, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -103,12 +104,7 @@ def _hash_seconds(root: str) -> float:
 
 
 def _worker(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    device = init_rank(rank, world, port, args.device)
     shapes = gpt_shapes(args.layers, args.d_model, 32000)
     state = training_state(shapes, rank, world, device)
     everything = {p + k: s for k, s in shapes.items() for p in ("model.", "optim.exp_avg.", "optim.exp_avg_sq.")}
@@ -120,7 +116,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         rows.append((name, _median(save, args.repeats), _median(load, args.repeats)))
     if rank == 0:
         _print(rows, total.item() / 2**20, _hash_seconds(args.dir), world)
-    dist.destroy_process_group()
+    finish_rank()
 
 
 def _print(rows, mib: float, hash_s: float, world: int) -> None:

@@ -9,7 +9,6 @@ Prints per-step time of each way and the ratio (per-tensor / bucketed; > 1 means
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipezero.comm import all_reduce, all_reduce_coalesced
+from launch import finish_rank, init_rank  # bench/launch.py (bench/ is on sys.path when run as a script)
 
 
 def gpt_grad_shapes(layers: int, d: int, vocab: int) -> list[tuple[int, ...]]:
@@ -39,12 +39,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def _worker(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    device = init_rank(rank, world, port, args.device)
     rows = []
     for name, (layers, d, vocab) in {"GPT 12x768 (~110M)": (12, 768, 32000),
                                      "GPT 24x256 (small tensors)": (24, 256, 256)}.items():
@@ -61,12 +56,12 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         t_plain, t_bucket = _time(per_tensor, args.repeats), _time(bucketed, args.repeats)
         rows.append((name, len(grads), numel, t_plain, t_bucket))
     if rank == 0:
-        print(f"\nall-reduce (average) of gradients, {world} x {args.device} ({backend}), "
+        print(f"\nall-reduce (average) of gradients, {world} x {args.device} ({dist.get_backend()}), "
               f"bucket {args.bucket_mb} MiB, median of {args.repeats}")
         print(f"{'model':<28}{'tensors':>8}{'params':>12}{'per-tensor s':>14}{'bucketed s':>12}{'ratio':>8}")
         for name, n, numel, a, b in rows:
             print(f"{name:<28}{n:>8}{numel / 1e6:>11.1f}M{a:>14.3f}{b:>12.3f}{a / b:>8.2f}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 def main() -> None:

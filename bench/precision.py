@@ -12,7 +12,6 @@ small all-reduce), which GradScaler does not do; the no-op row is the bf16/fp32 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipezero.precision import LossScaler
+from launch import finish_rank, init_rank  # bench/launch.py (bench/ is on sys.path when run as a script)
 
 SCALE = 2.0 ** 16
 
@@ -115,12 +115,7 @@ def _print(title: str, results: dict[str, float]) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    device = init_rank(rank, world, port, args.device)
     models = {"GPT 4x128 (small tensors)": (4, 128, 4096), "GPT 4x256": (4, 256, 4096)}
     if args.device == "cuda":
         models["GPT 12x768 (~110M)"] = (12, 768, 32000)
@@ -133,8 +128,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         if rank == 0:
             numel = sum(torch.Size(s).numel() for s in shapes)
             _print(f"{name}: {len(shapes)} tensors, {numel / 1e6:.1f}M params, {world} x {args.device} "
-                   f"({backend}), best of {args.repeats}", results)
-    dist.destroy_process_group()
+                   f"({dist.get_backend()}), best of {args.repeats}", results)
+    finish_rank()
 
 
 def main() -> None:
