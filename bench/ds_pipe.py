@@ -10,7 +10,7 @@ what DeepSpeed picks for bf16 + ZeRO-1 + grad_accum_dtype fp32; its anchor polic
 On CPU: fp32 throughout. ZeRO stage 1 (the most DeepSpeed allows with a pipeline); optimizer:
 torch SGD lr 1e-4 as the other peers (no DeepSpeed op is built or loaded).
 
-    python bench/ds_pipe.py       # CPU smoke test: 2 gloo processes, small GPT, step seconds and loss
+    python bench/ds_pipe.py [cuda]   # smoke test: 2 processes (gloo, or nccl on 2 GPUs), small GPT, seconds, loss
 """
 
 from __future__ import annotations
@@ -90,8 +90,12 @@ def setup_deepspeed(args, grid, device, bounds, specs):
 def _worker(rank, world, args, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
     from bench.pipe import _specs
     from examples.gpt import GPTConfig
     from pipezero.pipe import PipelineModule
@@ -100,7 +104,7 @@ def _worker(rank, world, args, port, queue):
     grid = Grid(pipe=world)
     cfg = GPTConfig(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
                     seq_len=args.seq)
-    device = torch.device("cpu")
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     bounds = PipelineModule(_specs(cfg), grid=grid, loss_fn=gpt_loss, partition_method="type:Block",
                             device=device).bounds  # pipezero's cut, as bench/pipe.py's setup_ours
     step = setup_deepspeed(args, grid, device, bounds, _specs(cfg))
@@ -108,7 +112,7 @@ def _worker(rank, world, args, port, queue):
     for _ in range(args.steps):
         dist.barrier()
         start = time.perf_counter()
-        loss = step()
+        loss = step()  # .item() of the loss DeepSpeed broadcasts from the last stage: synchronising
         rows.append((time.perf_counter() - start, loss))
     if rank == 0:
         queue.put((list(bounds), rows))
@@ -118,13 +122,13 @@ def _worker(rank, world, args, port, queue):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    args = SimpleNamespace(layers=4, d_model=128, heads=4, seq=64, vocab=512, batch=16, microbatches=8,
-                           steps=6, precision="autocast", lr=float(os.environ.get("DS_PIPE_LR", "1e-2")))
+    args = SimpleNamespace(layers=4, d_model=128, heads=4, seq=64, vocab=512, batch=16, microbatches=8, steps=6,
+                           precision="autocast", lr=1e-2, device=sys.argv[1] if len(sys.argv) > 1 else "cpu")
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(2, args, 29400 + os.getpid() % 1000, queue), nprocs=2, join=True)
     bounds, rows = queue.get()
     print(f"torch {torch.__version__} GPT {args.layers}x{args.d_model} seq {args.seq} vocab {args.vocab} "
-          f"batch {args.batch} m={args.microbatches} p=2 bounds {bounds} SGD lr {args.lr} (ln vocab = "
+          f"batch {args.batch} m={args.microbatches} p=2 {args.device} bounds {bounds} SGD lr {args.lr} (ln vocab = "
           f"{torch.log(torch.tensor(float(args.vocab))).item():.3f})")
     for i, (sec, loss) in enumerate(rows):
         print(f"step {i}: {sec:.3f} s  loss {loss:.4f}")
