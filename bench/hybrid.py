@@ -6,13 +6,19 @@
 Every rank holds a ZeRO-3 shard of examples/gpt.py's GPT (ZeroOptimizer(Adam, stage=3)) and
 generates greedily for its own batch of prompts, the RLHF actor's experience phase:
   gathered + KV cache    pipezero.zero.gathered.gathered(opt): one all-gather of every shard
-                         (in the inference dtype), then generate() with the KV cache
+                         (in the inference dtype), then generate() with the KV cache; on
+                         CUDA its decode step is a CUDA graph replayed per token (the default)
+  gathered + KV, no CUDA graph
+                         the same with generate(cuda_graph=False): the decode step's ~500
+                         small kernels launched from Python for every token
   streamed (k=1) + KV    gathered(opt, layers_at_a_time=1): one block whole at a time, so
-                         every token gathers every layer again (for models that don't fit)
+                         every token gathers every layer again (for models that don't fit);
+                         the weights move, so no CUDA graph
   naive ZeRO-3           no context: the stage-3 hooks gather each layer for every forward,
                          and no KV cache (each token reruns the sequence): what a plain
                          ZeRO-3 model does under HF-style generate
-  whole model (ceiling)  a plain GPT with every weight on the device, KV cache, no ZeRO
+  whole model (ceiling)  a plain GPT with every weight on the device, KV cache (and CUDA
+                         graph), no ZeRO
 Prints tokens/s per rank, the ratio to the naive path and to the ceiling, and the switch
 cost (gather on entering + free on leaving gathered(), ms).
 """
@@ -31,12 +37,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig, generate  # noqa: E402
+from generate import generate  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
 
 from pipezero.zero import ZeroConfig, ZeroOptimizer  # noqa: E402
 from pipezero.zero.gathered import gathered  # noqa: E402
 
-RUNS = ("gathered + KV cache", "streamed (k=1) + KV", "naive ZeRO-3", "whole model (ceiling)")
+GATHERED, NO_GRAPH, STREAMED, NAIVE, CEILING = RUNS = (
+    "gathered + KV cache", "gathered + KV, no CUDA graph", "streamed (k=1) + KV", "naive ZeRO-3",
+    "whole model (ceiling)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,15 +119,16 @@ def worker(rank: int, args) -> None:
     whole = GPT(cfg).to(device, dtype)
     gen = dict(temperature=0)
 
-    def run_gathered(k=None):
+    def run_gathered(k=None, **kwargs):
         with gathered(opt, dtype=dtype, layers_at_a_time=k):
-            generate(model.layers, prompts, args.new_tokens, **gen)
+            generate(model.layers, prompts, args.new_tokens, **gen, **kwargs)
 
     seconds = _timed({
-        RUNS[0]: run_gathered,
-        RUNS[1]: lambda: run_gathered(1),
-        RUNS[2]: lambda: generate(model.layers, prompts, args.new_tokens, use_cache=False, **gen),
-        RUNS[3]: lambda: generate(whole.layers, prompts, args.new_tokens, **gen),
+        GATHERED: run_gathered,
+        NO_GRAPH: lambda: run_gathered(cuda_graph=False),
+        STREAMED: lambda: run_gathered(1),
+        NAIVE: lambda: generate(model.layers, prompts, args.new_tokens, use_cache=False, **gen),
+        CEILING: lambda: generate(whole.layers, prompts, args.new_tokens, **gen),
         "switch": lambda: _switch(opt, dtype),
     }, device, args.repeats)
     switch = 1e3 * seconds.pop("switch")
@@ -136,7 +146,7 @@ def _report(args, cfg, params: int, seconds: dict, switch_ms: float, dtype) -> N
           f"median of {args.repeats}\n")
     print("| run | s | tokens/s per rank | vs naive ZeRO-3 | vs ceiling |")
     print("|---|---|---|---|---|")
-    naive, ceiling = seconds[RUNS[2]], seconds[RUNS[3]]
+    naive, ceiling = seconds[NAIVE], seconds[CEILING]
     for name, s in seconds.items():
         print(f"| {name} | {s:.3f} | {tokens / s:.0f} | {naive / s:.2f} | {ceiling / s:.2f} |")
     print(f"\nswitch cost (gather + free, gathered() entered and left): {switch_ms:.1f} ms")

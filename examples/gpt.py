@@ -13,15 +13,15 @@ from the global RNG: a stage that builds only its own layers gets the same weigh
 single-process `GPT`, which makes the pipeline's parity tests exact. Architecture after
 Radford et al. 2019 (GPT-2), as in karpathy/nanoGPT.
 
-Generation (`generate(layers, idx, n)`, `GPT.generate`): greedy or sampled (temperature,
-top-k), batched left-padded prompts, with a KV cache per Block. It runs on any list of these
-layers: a GPT's, a ZeRO-3 model's inside `pipezero.zero.gathered.gathered(opt)` (the weights
-gathered once for the phase), a tensor-parallel stage's (`gpt_stage_layers`), or, for a
-pipeline, the whole model gathered over the pipe group (`gpt_from_pipeline`).
+Generation (`generate(layers, idx, n)`, `GPT.generate`) lives in examples/generate.py (KV
+cache, left-padded batches, a CUDA-graph decode step); its names are importable from here
+too (`from gpt import generate`). gpt_from_pipeline and gpt_stage_layers give it the layers
+of a pipeline.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-__all__ = ["Block", "Embedding", "FinalNorm", "GPT", "GPTConfig", "Head", "KVCache", "LayerRecipe", "TIED_KEY",
-           "TIED_WEIGHT_ATTR", "flops_per_token", "generate", "gpt_from_pipeline", "gpt_layers", "gpt_loss",
-           "gpt_specs", "gpt_stage_layers", "gpt_tensor_plan", "head_forward"]
+__all__ = ["Block", "Embedding", "FinalNorm", "GPT", "GPTConfig", "Head", "LayerRecipe", "TIED_KEY",
+           "TIED_WEIGHT_ATTR", "flops_per_token", "gpt_from_pipeline", "gpt_layers", "gpt_loss", "gpt_specs",
+           "gpt_stage_layers", "gpt_tensor_plan", "head_forward"]  # generate.py's names: see __getattr__
 
 TIED_KEY = "embed"          # TiedLayerSpec key shared by Embedding and Head
 TIED_WEIGHT_ATTR = "weight"  # the tied parameter's attribute name on both layers
@@ -118,9 +118,12 @@ class Block(nn.Module):
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         _fill(self, _seed(cfg, 1 + index))
 
-    def forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                cache: "LayerCache | None" = None) -> torch.Tensor:
-        """attn_mask [B, 1, T, keys] (True: attend) replaces the causal mask; cache appends k, v first."""
+    def forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
+        """attn_mask [B, 1, T, keys] (True: attend) replaces the causal mask.
+
+        cache (generate.py's LayerCache or StaticLayerCache): append(k, v) stores the new keys
+        and values and returns the ones to attend over.
+        """
         q, k, v = rearrange(self.qkv(self.ln1(h)), "b t (nh three hd) -> three b nh t hd",
                             three=3, hd=self.head_dim)  # nh: this tensor rank's heads
         if cache is not None:
@@ -242,8 +245,9 @@ class GPT(nn.Module):
 
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0,
                  generator: torch.Generator | None = None, **kwargs: Any) -> torch.Tensor:
-        """generate(self.layers, ...): see the module-level generate()."""
-        return generate(self.layers, idx, new_tokens, temperature=temperature, generator=generator, **kwargs)
+        """generate(self.layers, ...): see examples/generate.py."""
+        return _generation().generate(self.layers, idx, new_tokens, temperature=temperature, generator=generator,
+                                      **kwargs)
 
 
 def flops_per_token(cfg: GPTConfig) -> float:
@@ -259,136 +263,23 @@ def flops_per_token(cfg: GPTConfig) -> float:
     return 6.0 * n + 12.0 * layers * d * cfg.seq_len
 
 
-# -- generation ---------------------------------------------------------------------------
-class LayerCache:
-    """One block's keys and values [B, heads, capacity, head_dim], filled left to right."""
-
-    def __init__(self, capacity: int):
-        self.capacity, self.length = capacity, 0
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new positions' k, v; return every position's so far."""
-        if self.k is None:  # allocated on first use: the dtype and device the block computes in
-            shape = (*k.shape[:2], self.capacity, k.shape[-1])
-            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
-        end = self.length + k.size(2)
-        if end > self.capacity:
-            raise ValueError(f"KV cache holds {self.capacity} positions, {end} requested")
-        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+# -- generation: examples/generate.py, re-exported ---------------------------------------------
+_GENERATION = ("KVCache", "LayerCache", "StaticLayerCache", "generate", "_attention_mask", "_check_generate",
+               "_logits", "_pick", "_positions")
 
 
-class KVCache(list):
-    """A LayerCache per Block: each block appends its keys and values instead of recomputing them."""
+def _generation():
+    """examples/generate.py, imported the way this module was: as examples.generate or as generate.
 
-    def __init__(self, n_blocks: int, capacity: int):
-        super().__init__(LayerCache(capacity) for _ in range(n_blocks))
-
-
-def _attention_mask(valid: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """[B, 1, length, start + length] bool: causal and not a padding key.
-
-    A padding query may always see itself, so its softmax row is never empty (no NaN); its
-    output is never used.
+    Imported on first use, not at the top: generate.py imports this module's layers.
     """
-    keys = torch.arange(start + length, device=valid.device)
-    queries = torch.arange(start, start + length, device=valid.device)[:, None]
-    causal = keys <= queries
-    return ((causal & valid[:, None, :start + length]) | (keys == queries))[:, None]
+    return importlib.import_module(f"{__package__}.generate" if __package__ else "generate")
 
 
-def _positions(valid: torch.Tensor) -> torch.Tensor:
-    """Position of each token counting real tokens only, so a left-padded prompt starts at 0."""
-    return (valid.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _logits(layers, idx, pos, mask, cache: KVCache | None) -> torch.Tensor:
-    """Run the layers over idx [B, t]; logits [B, vocab] of the last position."""
-    h, block = idx, 0
-    for layer in layers:
-        if isinstance(layer, Embedding):
-            h = layer(h, pos)
-        elif isinstance(layer, Block):
-            h = layer(h, mask, cache[block] if cache is not None else None)
-            block += 1
-        else:
-            if isinstance(layer, FinalNorm):
-                h = h[:, -1:]  # only the last position's logits are needed
-            h = layer(h)
-    return h[:, -1].float()
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
-          generator: torch.Generator | None) -> torch.Tensor:
-    """Next token [B, 1]: argmax when temperature is 0, else a sample of softmax(logits / T) over the top k."""
-    if temperature == 0:
-        return logits.argmax(-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
-
-
-def _check_generate(layers, idx, new_tokens, temperature, top_k, mask) -> tuple[int, int]:
-    """(blocks, seq_len) of the layers after checking the arguments."""
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
-        raise TypeError(f"generate: idx must be a [batch, tokens] LongTensor, got {getattr(idx, 'shape', idx)!r}")
-    if not isinstance(new_tokens, int) or new_tokens < 0:
-        raise ValueError(f"generate: new_tokens={new_tokens!r}, expected an integer >= 0")
-    if temperature < 0 or (top_k is not None and top_k < 1):
-        raise ValueError(f"generate: temperature={temperature} must be >= 0 (0: greedy) and top_k={top_k} "
-                         "None or >= 1")
-    if mask is not None and mask.shape != idx.shape:
-        raise ValueError(f"generate: attention_mask of shape {tuple(mask.shape)} must match idx "
-                         f"{tuple(idx.shape)} (1 for tokens, 0 for left padding)")
-    embed = next((m for m in layers if isinstance(m, Embedding)), None)
-    if embed is None:
-        raise TypeError("generate: the layers hold no Embedding; pass GPT.layers (or gpt_from_pipeline(...).layers)")
-    return sum(isinstance(m, Block) for m in layers), embed.seq_len
-
-
-@torch.no_grad()
-def generate(layers, idx: torch.Tensor, new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-             attention_mask: torch.Tensor | None = None, use_cache: bool | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """Extend idx [B, T] by new_tokens tokens: greedy (temperature=0) or sampled (temperature, top_k).
-
-    attention_mask [B, T] (1 token, 0 padding) lets prompts of different lengths share a batch,
-    left-padded: padding keys are masked out and positions count real tokens only, so each row
-    gets the tokens it would get alone. With the KV cache (use_cache=True; None: when
-    T + new_tokens fits in seq_len) the prompt is run once and each new token costs one
-    position per layer; without it every step reruns the whole sequence (the last seq_len
-    tokens). Both run the same layers through their __call__, so module hooks (ZeRO-3) see them.
-    """
-    blocks, seq_len = _check_generate(layers, idx, new_tokens, temperature, top_k, attention_mask)
-    total = idx.size(1) + new_tokens
-    if use_cache is None:
-        use_cache = total <= seq_len
-    if use_cache and total > seq_len:
-        raise ValueError(f"generate: {idx.size(1)} prompt + {new_tokens} new tokens exceed seq_len={seq_len} "
-                         "(the KV cache holds seq_len positions); pass use_cache=False to slide a window")
-    valid = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    ones = torch.ones_like(valid[:, :1])
-    cache = KVCache(blocks, total) if use_cache else None
-    out, start = idx, 0
-    for _ in range(new_tokens):
-        if cache is None:  # the whole (windowed) sequence again
-            start = max(0, out.size(1) - seq_len)
-            window = valid[:, start:]
-            logits = _logits(layers, out[:, start:], _positions(window), _attention_mask(window, 0, window.size(1)),
-                             None)
-        else:  # only the positions not yet in the cache
-            fresh = out[:, start:]
-            pos = _positions(valid)[:, start:]
-            logits = _logits(layers, fresh, pos, _attention_mask(valid, start, fresh.size(1)), cache)
-            start = out.size(1)
-        out = torch.cat([out, _pick(logits, temperature, top_k, generator)], dim=1)
-        valid = torch.cat([valid, ones], dim=1)
-    return out
+def __getattr__(name: str) -> Any:
+    if name in _GENERATION:
+        return getattr(_generation(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def gpt_from_pipeline(module: nn.Module, cfg: GPTConfig) -> "GPT":
