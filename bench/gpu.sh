@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
-#   bash bench/gpu.sh [zero|pipe|pipe-bf16|tensor|comm|precision|train|hybrid|smoke ...]   (default: all)
+#   bash bench/gpu.sh [zero|pipe|pipe-bf16|tensor|comm|precision|train|hybrid|profile|trace|smoke ...]
+#   (default: smoke zero pipe comm precision; profile/trace: kernel tables and chrome traces under $OUT)
 # The GPU image has torch but not this package installed: import it through a link.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p /tmp/pz && ln -sfn "$PWD" /tmp/pz/pipezero
 export PYTHONPATH=/tmp/pz:$PWD
+if ls .whl/*.whl >/dev/null 2>&1; then  # DeepSpeed as a bench-only peer (carry .whl; see bench/RESULTS.md)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 gpt=(--layers 24 --d-model 2048 --heads 16 --seq 2048 --vocab 32000)
 run() {  # name, seconds, command...
@@ -27,5 +32,13 @@ for w in $what; do
     precision) run precision 120 python3 bench/precision.py --device cuda ;;
     train) run train 300 python3 bench/train.py --device cuda --world 2 ;;
     hybrid) run hybrid 300 python3 bench/hybrid.py --device cuda ;;
+    pipe-measured) run pipe-measured 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 \
+                     --microbatches 8 --steps 5 --precision bf16 --partition measured ;;
+    generate-test) run generate-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_generate_static.py ;;
+    profile) run zero-profile 240 python3 bench/zero.py --device cuda --runs pipezero-0 pipezero-1 --steps 3 \
+               --profile "$out/profile"
+             run zero-fused 150 python3 bench/zero.py --device cuda --runs pipezero-1 --adam fused --steps 3 ;;
+    trace) run pipe-trace 240 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 \
+             --steps 3 --precision bf16 --schedules 1F1B ZeroBubbleV --trace "$out/trace" ;;
   esac
 done

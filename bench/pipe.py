@@ -2,10 +2,14 @@
 
 For each schedule both run the same GPT (examples/gpt.py layers, embedding and head untied
 since torch.distributed.pipelining cannot tie weights across stages), cut at the same layer
-boundaries (pipezero's partition, "type:Block"), the same microbatches and the same fp32
+boundaries (pipezero's partition: "type:Block", or with --partition measured the per-layer
+forward + backward times measured on the device, so the head and loss weigh what they cost),
+the same microbatches and the same fp32
 (or, on CUDA, bf16-autocast) policy. Printed: median step seconds, ratio torch/ours
-(> 1: we are faster), measured bubble of our runner next to the simulator's prediction
-for equal-cost actions.
+(> 1: we are faster), and for 1F1B DeepSpeed's PipelineModule (bench/ds_pipe.py, where
+deepspeed imports; its own bf16 policy with fp32 masters on CUDA); the measured bubble of our
+runner next to the simulator's prediction fed the measured action times (their mean, and
+each rank's and chunk's own).
 
     python bench/pipe.py                       # CPU, gloo, 2 and 4 processes
     python bench/pipe.py --device cuda --world 2 --layers 24 --d-model 2048 --heads 16 \\
@@ -28,10 +32,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.gpt import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
-from pipezero.pipe import (GPipe, Interleaved1F1B, LayerSpec, OneFOneB, PipelineModule,  # noqa: E402
-                           PipelineRunner, ZeroBubbleV)
+from pipezero.pipe import (Action, Costs, GPipe, Interleaved1F1B, LayerSpec, OneFOneB,  # noqa: E402
+                           PipelineModule, PipelineRunner, ZeroBubbleV, simulate)
 from pipezero.pipe.placement import owner  # noqa: E402
-from pipezero.pipe.timeline import gather_events  # noqa: E402
+from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 
 # ours -> torch.distributed.pipelining's schedule of the same name
@@ -60,12 +64,52 @@ def _weights_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.precision == "bf16" else torch.float32
 
 
-def setup_ours(name, args, grid, device):
+def layer_costs(args, device) -> list[float]:
+    """Forward + backward milliseconds of each layer on one microbatch (one layer of each class
+    built and timed; the last layer with the loss), the max over ranks so every rank agrees:
+    the costs `--partition measured` hands to partition_method."""
+    cfg, mb = _cfg(args), args.batch // args.microbatches
+    ids, targets = (t[:mb] for t in _batch(args, device))
+    hidden = torch.randn(mb, args.seq, args.d_model, device=device, dtype=_weights_dtype(args))
+    specs = _specs(cfg)
+    by_class: dict[type, float] = {}
+    for i, spec in enumerate(specs):
+        if spec.cls in by_class:
+            continue
+        layer = spec.build().to(device, _weights_dtype(args))
+        x = ids if i == 0 else hidden.detach().requires_grad_()
+        last = i == len(specs) - 1
+
+        def run():
+            with _autocast(device, args):
+                out = layer(x)
+                (gpt_loss(out, targets) if last else out.float().square().mean()).backward()
+        by_class[spec.cls] = _time_ms(run, device)
+        del layer
+    costs = torch.tensor([by_class[spec.cls] for spec in specs], device=device)
+    dist.all_reduce(costs, op=dist.ReduceOp.MAX)
+    return costs.tolist()
+
+
+def _time_ms(fn, device, repeats: int = 3) -> float:
+    fn()  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3 / repeats
+
+
+def setup_ours(name, args, grid, device, costs=None):
     """Our runner on the GPT; returns (one training step, the model's layer boundaries, the runner)."""
     cls, _ = SCHEDULES[name]
     sched = cls(num_microbatches=args.microbatches)
     model = PipelineModule(_specs(_cfg(args)), grid=grid, loss_fn=gpt_loss, num_chunks=sched.num_chunks,
-                           placement=sched.placement, partition_method="type:Block", device=device)
+                           placement=sched.placement, partition_method=costs or "type:Block", device=device)
+    if grid.rank == 0 and costs:
+        print(f"{name}: stage bounds {model.bounds} from measured layer costs (ms) "
+              f"{[round(c, 2) for c in costs[:2]]} ... {[round(c, 2) for c in costs[-2:]]}", flush=True)
     model.to(_weights_dtype(args))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     runner = PipelineRunner(model, sched, optimizer=opt)
@@ -109,19 +153,20 @@ def setup_torch(name, args, grid, device, bounds):
     return step
 
 
-def compare(name, args, grid, device):
+def compare(name, args, grid, device, costs=None):
     """Alternate our step and torch's (so machine noise hits both alike); medians and our bubble."""
-    ours, bounds, runner = setup_ours(name, args, grid, device)
+    ours, bounds, runner = setup_ours(name, args, grid, device, costs)
     try:
         theirs = setup_torch(name, args, grid, device, bounds)
     except Exception as e:  # noqa: BLE001 - report the peer's failure in the table, keep going
         theirs = None
         if grid.rank == 0:
             print(f"torch {name}: {type(e).__name__}: {e}", flush=True)
-    times: dict[str, list[float]] = {"ours": [], "torch": []}
+    deepspeed = _deepspeed_peer(name, args, grid, device, bounds)
+    times: dict[str, list[float]] = {"ours": [], "torch": [], "deepspeed": []}
     bubbles, costs = [], {}
     for i in range(args.warmup + args.steps):
-        for label, step in (("ours", ours), ("torch", theirs)):
+        for label, step in (("ours", ours), ("torch", theirs), ("deepspeed", deepspeed)):
             if step is None:
                 continue
             _sync(device)
@@ -133,18 +178,38 @@ def compare(name, args, grid, device):
                 times[label].append(elapsed)
                 if label == "ours":
                     bubbles.append(runner.measured_bubble())
-                    costs = _costs(gather_events(runner.timeline.events, grid.pipe_group))
+                    events = gather_events(runner.timeline.events, grid.pipe_group)
+                    costs = _costs(events)
+    if args.trace and grid.rank == 0:  # the last step of ours, one row per rank
+        os.makedirs(args.trace, exist_ok=True)
+        chrome_trace(events, os.path.join(args.trace, f"pipe-{grid.pipe_size}-{name}.json"))
     median = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
-    return median(times["ours"]), median(times["torch"]), median(bubbles), costs
+    return median(times["ours"]), median(times["torch"]), median(times["deepspeed"]), median(bubbles), costs
+
+
+def _deepspeed_peer(name, args, grid, device, bounds):
+    """DeepSpeed's PipelineModule (bench/ds_pipe.py) for 1F1B, its only schedule, where it imports."""
+    if name != "1F1B" or args.no_deepspeed:
+        return None
+    try:
+        from bench.ds_pipe import setup_deepspeed
+        return setup_deepspeed(args, grid, device, bounds, _specs(_cfg(args)))
+    except Exception as e:  # noqa: BLE001 - an optional peer: report and go on
+        if grid.rank == 0:
+            print(f"deepspeed {name}: {type(e).__name__}: {e}", flush=True)
+        return None
 
 
 def _costs(events) -> dict:
-    """Mean seconds of each op letter (F, B, I, W) over every rank's compute events."""
-    by_op: dict[str, list[float]] = {}
+    """Mean seconds of each op letter (F, B, I, W): over every rank's compute events (key
+    "all") and per (pipe rank, chunk), from a step's events (names such as "1W3")."""
+    by_op: dict = {}
     for e in events:
         if e.kind == "compute":
-            by_op.setdefault(e.name[1], []).append(e.end - e.start)
-    return {op: statistics.mean(d) for op, d in by_op.items()}
+            a = Action.parse(e.name)
+            for key in ("all", (e.rank, a.chunk)):
+                by_op.setdefault(key, {}).setdefault(a.op.value, []).append(e.end - e.start)
+    return {key: {op: statistics.mean(d) for op, d in ops.items()} for key, ops in by_op.items()}
 
 
 def _cfg(args) -> GPTConfig:
@@ -173,20 +238,21 @@ def worker(rank, world, args, port, queue):
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=600))
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     grid = Grid(pipe=world)
-    rows = [(name, *compare(name, args, grid, device)) for name in args.schedules]
+    costs = layer_costs(args, device) if args.partition == "measured" else None
+    rows = [(name, *compare(name, args, grid, device, costs)) for name in args.schedules]
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
 
 
-def _predicted_bubble(name, p, m, measured: dict) -> float:
-    """The simulator's bubble for the same schedule, fed the measured mean action times."""
-    from pipezero.pipe import Costs, simulate
-
+def _predicted_bubble(name, p, m, measured: dict, per_chunk: bool) -> float:
+    """The simulator's bubble for the same schedule, fed the measured action times: their
+    mean over all ranks and chunks, or (per_chunk) each (rank, chunk)'s own means."""
     sched = SCHEDULES[name][0](num_microbatches=m)
-    half_b = measured.get("B", 0.0) / 2
-    costs = Costs(forward=measured["F"], backward_input=measured.get("I", half_b),
-                  backward_weight=measured.get("W", half_b))
+    as_costs = lambda ms: Costs(forward=ms["F"], backward_input=ms.get("I", ms.get("B", 0.0) / 2),  # noqa: E731
+                                backward_weight=ms.get("W", ms.get("B", 0.0) / 2))
+    costs = {key: as_costs(ms) for key, ms in measured.items() if key != "all"} if per_chunk \
+        else as_costs(measured["all"])
     try:
         return simulate(sched, num_stages=p, costs=costs, channels="kind", sends="async").bubble
     except Exception as e:  # noqa: BLE001 - the table then shows nan
@@ -215,6 +281,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    parser.add_argument("--partition", choices=["type", "measured"], default="type",
+                        help="type: equal Block counts (type:Block); measured: balance measured per-layer costs")
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer even if it imports")
+    parser.add_argument("--trace", default=None, help="folder for a chrome trace of our last step per schedule")
     parser.add_argument("--precision", choices=["autocast", "bf16"], default="autocast",
                         help="autocast: bf16 autocast over fp32 weights on CUDA (fp32 on CPU); "
                              "bf16: bf16 weights for both runners, no autocast")
@@ -222,18 +292,20 @@ def main() -> None:
     print(f"{datetime.date.today()} torch {torch.__version__} device={args.device} GPT {args.layers}x{args.d_model} "
           f"heads {args.heads} seq {args.seq} vocab {args.vocab} batch {args.batch} m={args.microbatches} "
           f"({_policy(args)})")
-    print("| p | schedule | ours s | torch s | torch/ours | bubble measured | bubble simulated |")
-    print("|---|---|---|---|---|---|---|")
+    print("| p | schedule | ours s | torch s | torch/ours | DeepSpeed s | DeepSpeed/ours | bubble measured "
+          "| simulated (mean costs) | simulated (per-chunk costs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     ctx = mp.get_context("spawn")
     for world in args.world:
         queue = ctx.SimpleQueue()
         port = 29500 + os.getpid() % 1000 + world
         mp.spawn(worker, args=(world, args, port, queue), nprocs=world, join=True)
         tokens = args.batch * args.seq
-        for name, ours, theirs, bubble, costs in queue.get():
-            sim = _predicted_bubble(name, world, args.microbatches, costs)
-            print(f"| {world} | {name} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} | {bubble:.2f} | "
-                  f"{sim:.2f} |" + (f"  ({tokens / ours:,.0f} tokens/s)" if args.device == "cuda" else ""),
+        for name, ours, theirs, ds, bubble, costs in queue.get():
+            sim, sim_chunks = (_predicted_bubble(name, world, args.microbatches, costs, per_chunk)
+                               for per_chunk in (False, True))
+            print(f"| {world} | {name} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} | {ds:.3f} | "
+                  f"{ds / ours:.2f} | {bubble:.2f} | {sim:.2f} | {sim_chunks:.2f} |" + (f"  ({tokens / ours:,.0f} tokens/s)" if args.device == "cuda" else ""),
                   flush=True)
 
 

@@ -79,8 +79,11 @@ class Run:
         self.settle = settle  # wait for gradient reductions still under way (for measuring memory)
 
 
+ADAM = {"foreach": True}  # --adam fused: torch's fused Adam kernel for every run (CUDA)
+
+
 def _adam(params):
-    return torch.optim.Adam(params, lr=1e-4, foreach=True)
+    return torch.optim.Adam(params, lr=1e-4, **ADAM)
 
 
 def build(name: str, args, device: torch.device) -> Run:
@@ -121,7 +124,7 @@ def build(name: str, args, device: torch.device) -> Run:
         opt = _adam(ddp.parameters())
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4, **ADAM)
     return Run(ddp, opt.step, ddp.no_sync, lambda: opt.zero_grad(set_to_none=True), policy)
 
 
@@ -245,9 +248,23 @@ def measure_cuda(names: list[str], args, device) -> dict:
         run, batches = build(name, args, device), _batches(args, device)
         times = [_timed_step(run, batches, device) for _ in range(args.steps + 2)][2:]
         out[name] = (statistics.median(times), torch.cuda.max_memory_allocated(device) / 2**20, run.precision)
+        if args.profile:
+            _profile(name, run, batches, device, args.profile)
         del run, batches
         gc.collect()
     return out
+
+
+def _profile(name: str, run: Run, batches, device, folder: str) -> None:
+    """One more step under torch.profiler: rank 0 writes the kernels by total GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _timed_step(run, batches, device)
+    if dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
+        with open(os.path.join(folder, f"zero-{name}.txt"), "w") as f:
+            f.write(table)
 
 
 def _sync(device: torch.device) -> None:
@@ -280,7 +297,9 @@ def worker(rank: int, world: int, args) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     measure = measure_cuda if device.type == "cuda" else measure_cpu
-    results = measure(_runs(), args, device)
+    ADAM.clear()
+    ADAM[args.adam] = True
+    results = measure([n for n in _runs() if not args.runs or n in args.runs], args, device)
     if rank == 0:
         _print(results, args, world)
     dist.destroy_process_group()
@@ -296,6 +315,7 @@ def _print(results: dict, args, world: int) -> None:
     for name, (sec, memory, precision) in results.items():
         peer = PEERS.get(name) or ("ddp+ZeroRedundancyOptimizer" if name in ("deepspeed-1", "deepspeed-2")
                                    else "fsdp2" if name == "deepspeed-3" else "")
+        peer = peer if peer in results else ""
         ratio = f"{results[peer][0] / sec:.2f}" if peer else ""
         mem_ratio = f"{memory / results[peer][1]:.2f}" if peer else ""
         ds = results.get(f"deepspeed-{name[-1]}") if name.startswith("pipezero") else None
@@ -318,6 +338,10 @@ def main() -> None:
     parser.add_argument("--bucket", type=int, default=None, help="elements per gradient bucket")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--port", type=int, default=29517)
+    parser.add_argument("--adam", choices=["foreach", "fused"], default="foreach",
+                        help="torch Adam implementation for every run (fused: CUDA only)")
+    parser.add_argument("--runs", nargs="+", default=None, help="only these runs (names as in the table)")
+    parser.add_argument("--profile", default=None, help="CUDA: folder for a profile of one more step of each run")
     args = parser.parse_args()
     gpu = args.device == "cuda"
     # CPU: a small GPT; GPU: ~1.3B parameters, 65,536 tokens per step on 2 GPUs

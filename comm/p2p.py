@@ -9,6 +9,11 @@ then are new streams received, one by one in the sender's order: both sides agre
 channel carries a message, and each channel keeps the per-pair order that order-matching
 transports (nccl) need. Sends complete in the background; `drain()` waits for them (at the
 end of a pipeline step). `variable_shapes=True` sends every transfer as a new stream.
+
+Waiting: on gloo a receive blocks the CPU until it completes or `timeout_s` passes. On nccl
+it only orders the compute stream behind the transfer, so the CPU keeps queueing kernels
+(a wait with a timeout would block the CPU and poll, leaving the GPU idle after every
+receive); `drain()` then checks the step's transfers against `timeout_s` once.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class P2P:
         self._sent: set[tuple[int, str]] = set()
         self._meta: dict[tuple[int, str], list] = {}
         self._pending: list = []  # sends not yet known to be complete
+        self.stream_ordered = self.device.type == "cuda"  # nccl: wait() orders the stream, the CPU goes on
+        self._unchecked: list = []  # nccl receives waited on by the stream, checked at drain()
 
     def exchange(self, sends: Sequence[Send] = (), recvs: Sequence[Recv] = ()) -> list[tuple[torch.Tensor, ...]]:
         """Post all sends and receives; return the received tuples in `recvs` order.
@@ -98,7 +105,12 @@ class P2P:
         for i, (peer, key) in enumerate(recvs):
             if out[i] is None:
                 out[i] = self._receive_new(peer, key)
-        self._wait(works, sends, recvs)
+        if self.stream_ordered:
+            for work in works:
+                work.wait()
+            self._unchecked += works
+        else:
+            self._wait(works, sends, recvs)
         for (peer, key), bufs in zip(recvs, out):
             for b, (_, grad, _) in zip(bufs, self._meta[(peer, key)]):
                 if grad and b.is_floating_point():
@@ -113,9 +125,10 @@ class P2P:
         return self.exchange(recvs=[(peer, key)])[0]
 
     def drain(self) -> None:
-        """Wait for every send still in flight; call it before dropping the P2P (gloo drops
-        the unsent messages of a destroyed send)."""
-        pending, self._pending = self._pending, []
+        """Wait for every send still in flight (and, on nccl, check the receives); call it
+        before dropping the P2P (gloo drops the unsent messages of a destroyed send)."""
+        pending, self._pending = self._pending + self._unchecked, []
+        self._unchecked = []
         self._wait(pending, [], [])
 
     # -- streams ------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class PipelineModule(nn.Module):
     """
 
     def __init__(self, layers: Sequence[Any], grid: Grid, loss_fn: Callable | None = None,
-                 partition_method: str = "parameters", num_chunks: int = 1,
+                 partition_method: str | Sequence[float] = "parameters", num_chunks: int = 1,
                  activation_checkpoint_interval: int = 0, placement: str = "looped",
                  seed: int = 0, device: torch.device | str | None = None,
                  tensor_plan: PlanSource | None = None):
@@ -53,7 +53,8 @@ class PipelineModule(nn.Module):
         self.seed, self.tensor_plan = seed, tensor_plan
         self.device = torch.device(device) if device is not None else _default_device()
         self._specs = list(layers)
-        self.bounds = partition(self._specs, self.num_virtual_stages, partition_method)
+        ranks = [owner(stage, self.num_stages, placement)[0] for stage in range(self.num_virtual_stages)]
+        self.bounds = partition(self._specs, self.num_virtual_stages, partition_method, ranks)
         _check_plans(self._specs, tensor_plan, grid.tensor_size)  # on every rank, before any collective
         self.stage_ids = [virtual_stage(grid.pipe_rank, c, self.num_stages, placement) for c in range(num_chunks)]
         self.layers = nn.ModuleDict()

@@ -2,19 +2,25 @@
 
 Three methods (the ones DeepSpeed's PipelineModule offers): "uniform" (equal layer counts),
 "parameters" (balance the parameter count), "type:<regex>" (balance the number of layers
-whose class name matches the regex, e.g. "type:Block"). Balancing minimises the largest
-stage (the pipeline runs at the pace of its slowest stage); every stage gets >= 1 layer.
+whose class name matches the regex, e.g. "type:Block"); and a fourth: a list of numbers,
+one cost per layer (measured or estimated time: an LM head with its loss costs more than a
+block, an embedding lookup almost nothing). Balancing minimises the largest stage (the
+pipeline runs at the pace of its slowest stage); every stage gets >= 1 layer. With costs
+and more than one chunk per rank, boundaries then move a layer at a time while that
+lowers the busiest rank's total (a rank runs all of its chunks: with the V placement rank 0
+holds both the first and the last chunk).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Sequence
 
 from pipezero.pipe.placement import owner
 from pipezero.pipe.spec import count_parameters, layer_name
 
-__all__ = ["partition", "partition_uniform", "partition_balanced", "partition_table"]
+__all__ = ["partition", "partition_uniform", "partition_balanced", "balance_ranks", "partition_table"]
 
 
 def partition_uniform(num_layers: int, num_parts: int) -> list[int]:
@@ -56,10 +62,16 @@ def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
     return bounds[::-1]
 
 
-def partition(layers: Sequence[Any], num_parts: int, method: str) -> list[int]:
-    """Boundaries for `layers` over `num_parts` virtual stages by `method`."""
+def partition(layers: Sequence[Any], num_parts: int, method: str | Sequence[float],
+              ranks: Sequence[int] | None = None) -> list[int]:
+    """Boundaries for `layers` over `num_parts` virtual stages by `method`; `ranks[stage]`
+    (the rank running each virtual stage) lets a list of costs balance the ranks too."""
+    if isinstance(method, (list, tuple)):
+        costs = _check_costs(method, len(layers))
+        return balance_ranks(costs, partition_balanced(costs, num_parts), ranks or range(num_parts))
     if not isinstance(method, str):
-        raise TypeError(f"partition_method={method!r}: expected 'parameters', 'uniform' or 'type:<regex>'")
+        raise TypeError(f"partition_method={method!r}: expected 'parameters', 'uniform', 'type:<regex>' "
+                        "or a list of per-layer costs")
     if method == "uniform":
         return partition_uniform(len(layers), num_parts)
     if method == "parameters":
@@ -73,6 +85,47 @@ def partition(layers: Sequence[Any], num_parts: int, method: str) -> list[int]:
                              "fix the regex (it is searched in the class name, case-insensitively)")
         return partition_balanced(weights, num_parts)
     raise ValueError(f"partition_method={method!r} is unknown; use 'parameters', 'uniform' or 'type:<regex>'")
+
+
+def balance_ranks(costs: Sequence[float], bounds: Sequence[int], ranks: Sequence[int]) -> list[int]:
+    """Move boundaries by a layer (one, two, or a run of them) while that lowers (busiest
+    rank's total, heaviest stage): a local search from the stage-balanced split."""
+    def score(b: Sequence[int]) -> tuple:  # rank totals, busiest first, then the heaviest stage
+        stages = [sum(costs[lo:hi]) for lo, hi in zip(b, b[1:])]
+        per_rank: dict[int, float] = {}
+        for rank, cost in zip(ranks, stages):
+            per_rank[rank] = per_rank.get(rank, 0.0) + cost
+        return tuple(sorted(per_rank.values(), reverse=True)), max(stages)
+
+    def moves(b: list[int]):  # boundaries i and j one layer either way, or i..j all together
+        inner = range(1, len(b) - 1)
+        for i in inner:
+            for j in (k for k in inner if k >= i):
+                for di, dj, run in ((-1, -1, True), (1, 1, True), (-1, 1, False), (1, -1, False)):
+                    trial = list(b)
+                    for k in range(i, j + 1) if run else {i, j}:
+                        trial[k] += di if k == i else dj
+                    if all(lo < hi for lo, hi in zip(trial, trial[1:])):
+                        yield trial
+
+    bounds, best = list(bounds), score(bounds)
+    improved = True
+    while improved:
+        improved = False
+        for trial in moves(bounds):
+            if score(trial) < best:
+                bounds, best, improved = trial, score(trial), True
+                break
+    return bounds
+
+
+def _check_costs(costs: Sequence[Any], num_layers: int) -> list[float]:
+    if len(costs) != num_layers:
+        raise ValueError(f"partition_method has {len(costs)} costs for {num_layers} layers; give one per layer")
+    bad = [c for c in costs if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0]
+    if bad or not any(costs):
+        raise ValueError(f"partition_method costs must be finite numbers >= 0, not all 0; got {list(costs)!r}")
+    return [float(c) for c in costs]
 
 
 def partition_table(layers: Sequence[Any], bounds: Sequence[int], num_stages: int, placement: str,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.validate import check_static, execute, raise_deadlock
@@ -95,19 +95,21 @@ class SimResult:
                 "peak_activations": dict(self.peak_activations)}
 
 
-def simulate(actions: Any, num_stages: int | None = None, costs: Costs = Costs(),
+def simulate(actions: Any, num_stages: int | None = None,
+             costs: Costs | Mapping[tuple[int, int], Costs] = Costs(),
              placement: Any = "looped", *, channels: str = "kind",
              sends: str = "async") -> SimResult:
     """Validate, then simulate `actions` (a dict rank -> list of Action, or a schedule).
 
     `placement` is "looped", "v" or a schedule object; a schedule passed as `actions`
     supplies its own placement (and needs num_stages). `channels` and `sends` describe
-    the executor as in validate(); "blocking" sends also delay the timeline.
+    the executor as in validate(); "blocking" sends also delay the timeline. `costs` is one
+    Costs for every action, or a dict (rank, chunk) -> Costs (e.g. measured on a real step,
+    where the stage holding the embedding or the loss costs more than the others).
     """
-    if not isinstance(costs, Costs):
-        raise TypeError(f"costs must be a Costs(...), got {type(costs).__name__}")
     table, name = check_static(actions, num_stages, placement, None, channels, sends)
-    events, stuck = execute(table, name, lambda a: costs.of(a.op), costs.p2p,
+    cost_of, p2p = _cost_table(costs, table)
+    events, stuck = execute(table, name, lambda r, a: cost_of[(r, a.chunk)].of(a.op), p2p,
                             blocking_sends=sends == "blocking")
     if stuck:  # whether a rank gets stuck does not depend on the costs
         raise_deadlock(table, name, stuck, sends)
@@ -124,6 +126,23 @@ def simulate(actions: Any, num_stages: int | None = None, costs: Costs = Costs()
         peak_activations={r: _peak_live(acts) for r, acts in table.items()},
         num_stages=p,
         num_chunks=1 + max(a.chunk for acts in table.values() for a in acts))
+
+
+def _cost_table(costs: Costs | Mapping[tuple[int, int], Costs], table: dict[int, list[Action]]
+                ) -> tuple[dict[tuple[int, int], Costs], float]:
+    """(rank, chunk) -> Costs for every chunk the actions use, and the p2p latency (one for all)."""
+    used = {(r, a.chunk) for r, acts in table.items() for a in acts}
+    if isinstance(costs, Costs):
+        return {key: costs for key in used}, float(costs.p2p)
+    if not isinstance(costs, Mapping) or not all(isinstance(c, Costs) for c in costs.values()):
+        raise TypeError(f"costs must be a Costs(...) or a dict (rank, chunk) -> Costs, got {type(costs).__name__}")
+    missing = sorted(used - set(costs))
+    if missing:
+        raise ValueError(f"costs has no entry for (rank, chunk) {missing}; give every chunk of every rank a Costs")
+    p2ps = {float(c.p2p) for key, c in costs.items() if key in used}
+    if len(p2ps) > 1:
+        raise ValueError(f"per-chunk costs disagree on p2p latency {sorted(p2ps)}; give them all the same p2p")
+    return dict(costs), p2ps.pop() if p2ps else 0.0
 
 
 def _peak_live(acts: list[Action]) -> int:

@@ -104,7 +104,7 @@ def validate(actions: Any, num_stages: int | None = None, placement: Any = "loop
     receiver has posted the receive, i.e. has finished the action before the consumer).
     """
     table, name = check_static(actions, num_stages, placement, num_microbatches, channels, sends)
-    _, stuck = execute(table, name, lambda a: 1.0, 0.0, blocking_sends=sends == "blocking")
+    _, stuck = execute(table, name, lambda r, a: 1.0, 0.0, blocking_sends=sends == "blocking")
     if stuck:
         raise_deadlock(table, name, stuck, sends)
     return table
@@ -313,7 +313,7 @@ class _BackwardKind:
 
 
 def execute(table: dict[int, list[Action]], placement: str,
-            duration: Callable[[Action], float], p2p: float, blocking_sends: bool = False
+            duration: Callable[[int, Action], float], p2p: float, blocking_sends: bool = False
             ) -> tuple[list[tuple[int, int, Action, float, float]], dict[int, int]]:
     """Run every rank's list in order; an action starts when its rank is free and its
     inputs have arrived (a dependency on another rank adds `p2p`). With `blocking_sends`
@@ -339,7 +339,7 @@ def execute(table: dict[int, list[Action]], placement: str,
                     ready = max(ready, end[key] + (p2p if key[0] != r else 0.0))
                 else:
                     a = acts[ptr[r]]
-                    end[(r, a)] = free[r] = ready + duration(a)
+                    end[(r, a)] = free[r] = ready + duration(r, a)
                     events.append((r, ptr[r], a, ready, free[r]))
                     ptr[r] += 1
                     progress = True

@@ -48,6 +48,23 @@ def test_parameters_and_type_methods():
         partition(layers, 2, "weights")
 
 
+def test_cost_method_balances_stages_then_ranks():
+    """Costs like a GPT's: embedding ~0, 24 blocks of 1, norm 0, head + loss 1.6."""
+    costs = [0.0] + [1.0] * 24 + [0.0, 1.6]
+    layers = list(range(len(costs)))
+    # one chunk per rank: the head's stage gets fewer blocks (13 vs 11 + 1.6)
+    assert partition(layers, 2, costs) == [0, 14, 27]
+    # V placement (rank 0 runs stages 0 and 3): stage min-max alone ties at 7; the ranks then
+    # balance to 11 blocks + head on rank 0 (12.6) and 13 on rank 1, not 13.6 vs 12
+    bounds = partition(layers, 4, costs, ranks=[0, 1, 1, 0])
+    stages = [sum(costs[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    assert max(stages) == 7 and stages[0] + stages[3] == 12.6 and stages[1] + stages[2] == 13
+    with pytest.raises(ValueError, match="3 costs for 27 layers"):
+        partition(layers, 2, [1, 1, 1])
+    with pytest.raises(ValueError, match="finite numbers >= 0"):
+        partition(layers, 2, [-1.0] + costs[1:])
+
+
 def test_specs_check_their_arguments():
     with pytest.raises(TypeError, match="nn.Module subclass"):
         LayerSpec(torch.tanh)

@@ -219,3 +219,29 @@ def test_blocking_sends_can_only_delay():
     zb_blocking = simulate(ZeroBubbleH1(8), 4, SAME_FB, sends="blocking")
     one_f_one_b = simulate(OneFOneB(8), 4, SAME_FB, sends="blocking")
     assert zb_async.makespan < one_f_one_b.makespan == zb_blocking.makespan == (8 + 4 - 1) * 4
+
+
+def test_per_chunk_costs_heavier_last_stage():
+    """GPipe over 2 ranks, the last twice as slow: rank 1 works 4m, rank 0 waits for it (2m).
+
+    Forwards end on rank 1 at 1 + 2m, its backwards at 1 + 4m, rank 0's last backward 1 later.
+    """
+    m = 4
+    light = Costs(forward=1, backward_input=0.5, backward_weight=0.5)
+    heavy = Costs(forward=2, backward_input=1, backward_weight=1)
+    res = simulate(GPipe(m), 2, {(0, 0): light, (1, 0): heavy})
+    assert res.makespan == 2 + 4 * m
+    assert res.busy == {0: 2 * m, 1: 4 * m}
+    assert abs(res.bubble - (1 - 6 * m / (2 * (2 + 4 * m)))) < 1e-12
+    same = simulate(GPipe(m), 2, {(0, 0): light, (1, 0): light})
+    assert same.makespan == simulate(GPipe(m), 2, light).makespan
+
+
+def test_per_chunk_costs_errors():
+    light = Costs()
+    with pytest.raises(ValueError, match=r"\(1, 0\)"):
+        simulate(GPipe(4), 2, {(0, 0): light})
+    with pytest.raises(ValueError, match="p2p"):
+        simulate(GPipe(4), 2, {(0, 0): light, (1, 0): Costs(p2p=1.0)})
+    with pytest.raises(TypeError, match="Costs"):
+        simulate(GPipe(4), 2, {(0, 0): 1.0, (1, 0): 1.0})
