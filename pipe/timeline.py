@@ -81,17 +81,20 @@ class Timeline:
 
 
 def bubble_fraction(events: Sequence[Event]) -> float:
-    """1 - (compute time summed over ranks) / (step span summed over ranks).
+    """1 - (compute time summed over ranks) / (ranks x the step's span).
 
-    The span of each rank is from its first to its last event; with the ranks started
-    together this is the simulator's definition (idle area / ranks x makespan).
+    The step's span is the longest rank's, from its first to its last event: the ranks start
+    together (the runner's step begins with a collective), so a rank that finishes early is
+    idle until the last one ends, as in the simulator's definition (idle area / ranks x
+    makespan). Only durations are compared, so the ranks' clocks need not agree.
     """
-    busy, span = 0.0, 0.0
+    busy, spans = 0.0, []
     for rank in sorted({e.rank for e in events}):
         mine = [e for e in events if e.rank == rank]
         busy += sum(e.end - e.start for e in mine if e.kind == "compute")
-        span += max(e.end for e in mine) - min(e.start for e in mine)
-    return 1.0 - busy / span if span > 0 else 0.0
+        spans.append(max(e.end for e in mine) - min(e.start for e in mine))
+    total = len(spans) * max(spans, default=0.0)
+    return 1.0 - busy / total if total > 0 else 0.0
 
 
 def gather_events(events: Sequence[Event], group=None) -> list[Event]:

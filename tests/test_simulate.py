@@ -245,3 +245,17 @@ def test_per_chunk_costs_errors():
         simulate(GPipe(4), 2, {(0, 0): light, (1, 0): Costs(p2p=1.0)})
     with pytest.raises(TypeError, match="Costs"):
         simulate(GPipe(4), 2, {(0, 0): 1.0, (1, 0): 1.0})
+
+
+def test_measured_bubble_has_the_simulators_definition():
+    """The runner's bubble_fraction over a simulated timeline is the simulator's bubble, also
+    when a rank finishes early (1F1B's last stage idles while the first runs its last B)."""
+    from pipezero.pipe.timeline import Event as Span
+    from pipezero.pipe.timeline import bubble_fraction
+    costs = {(0, 0): Costs(forward=1, backward_input=1, backward_weight=1),
+             (1, 0): Costs(forward=2, backward_input=1.5, backward_weight=1.5)}
+    for sched in (GPipe(4), OneFOneB(4)):
+        res = simulate(sched, 2, costs)
+        spans = [Span(str(e.action), "compute", e.rank, e.start, e.end) for e in res.timeline]
+        spans += [Span("wait", "comm", r, 0.0, 0.0) for r in (0, 1)]  # every rank starts at the step's start
+        assert abs(bubble_fraction(spans) - res.bubble) < 1e-12
