@@ -24,7 +24,7 @@ for w in $what; do
   case $w in
     smoke) nvidia-smi --query-gpu=name,memory.total --format=csv
            python3 -c "import torch; print(torch.__version__, torch.cuda.device_count())" ;;
-    zero) run zero 300 python3 bench/zero.py --device cuda ;;
+    zero) run zero 480 python3 bench/zero.py --device cuda ;;
     pipe) run pipe 290 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 ;;
     pipe-bf16) run pipe-bf16 290 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 --precision bf16 ;;
     tensor) run tensor 270 python3 bench/tensor.py --device cuda "${gpt[@]}" --batch 32 --microbatches 8 ;;
