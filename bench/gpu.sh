@@ -24,16 +24,16 @@ for w in $what; do
   case $w in
     smoke) nvidia-smi --query-gpu=name,memory.total --format=csv
            python3 -c "import torch; print(torch.__version__, torch.cuda.device_count())" ;;
-    zero) run zero 480 python3 bench/zero.py --device cuda ;;
-    pipe) run pipe 290 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 ;;
-    pipe-bf16) run pipe-bf16 290 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 --precision bf16 ;;
+    zero) run zero 480 python3 bench/zero.py --device cuda --profile "$out/profile" ;;
+    pipe) run pipe 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 \
+            --partition measured ;;
+    pipe-bf16) run pipe-bf16 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 \
+                 --steps 5 --precision bf16 --partition measured ;;
     tensor) run tensor 270 python3 bench/tensor.py --device cuda "${gpt[@]}" --batch 32 --microbatches 8 ;;
     comm) run comm 120 python3 bench/comm.py --device cuda ;;
     precision) run precision 120 python3 bench/precision.py --device cuda ;;
     train) run train 300 python3 bench/train.py --device cuda --world 2 ;;
     hybrid) run hybrid 300 python3 bench/hybrid.py --device cuda ;;
-    pipe-measured) run pipe-measured 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 \
-                     --microbatches 8 --steps 5 --precision bf16 --partition measured ;;
     generate-test) run generate-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_generate_static.py ;;
     profile) run zero-profile 240 python3 bench/zero.py --device cuda --runs pipezero-0 pipezero-1 --steps 3 \
                --profile "$out/profile"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import statistics
 import sys
@@ -189,7 +190,7 @@ def compare(name, args, grid, device, costs=None):
 
 def _deepspeed_peer(name, args, grid, device, bounds):
     """DeepSpeed's PipelineModule (bench/ds_pipe.py) for 1F1B, its only schedule, where it imports."""
-    if name != "1F1B" or args.no_deepspeed:
+    if name != "1F1B" or args.no_deepspeed or importlib.util.find_spec("deepspeed") is None:
         return None
     try:
         from bench.ds_pipe import setup_deepspeed
