@@ -125,12 +125,8 @@ def _hooks_paused(gatherer: Any) -> Iterator[list[tuple[nn.Module, list[Bucket]]
     if gatherer is None:
         yield []
         return
-    needs = gatherer._needs  # ParamGatherer's unit -> buckets table; its hooks act on these lists
-    gatherer._needs = {m: [] for m in needs}
-    try:
-        yield list(needs.items())
-    finally:
-        gatherer._needs = needs
+    with gatherer.paused() as units:
+        yield units
 
 
 @contextmanager

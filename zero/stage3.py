@@ -93,6 +93,16 @@ class ParamGatherer:
         finally:
             self.release_all()
 
+    @contextmanager
+    def paused(self) -> Iterator[list[tuple[nn.Module, list[Bucket]]]]:
+        """The hooks gather nothing inside the block (someone else holds the weights whole);
+        yields the units (module, its partitioned buckets) in registration order."""
+        needs, self._needs = self._needs, {m: [] for m in self._needs}
+        try:
+            yield list(needs.items())
+        finally:
+            self._needs = needs
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
