@@ -20,7 +20,8 @@ torch module) W re-runs the retained graph's backward: exact, at one more backwa
 from __future__ import annotations
 
 import zlib
-from typing import Any, NamedTuple, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -139,6 +140,8 @@ class PipelineRunner:
         self._stash: dict[tuple[int, int], Any] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, Any] = {}
+        self._sent_outputs: list[torch.Tensor] = []
+        self.freed_bytes = 0  # activation bytes freed right after sending, this step
         self.timeline.begin()
         return flags[5].item() == 0
 
@@ -190,6 +193,16 @@ class PipelineRunner:
                 f"a peer never answered: {e}") from e
         for (_, key, mb), tensors in zip(recvs, got):
             self._received[(key, mb)] = tensors[0] if len(tensors) == 1 else tensors
+        self._free_sent_outputs()
+
+    def _free_sent_outputs(self) -> None:
+        """Drop the values of outputs just sent that no backward node saved (Megatron's
+        output deallocation): the tensor keeps its shape and graph, its storage becomes one
+        element. The send holds its own reference to the old storage until it completes."""
+        for t in self._sent_outputs:
+            self.freed_bytes += t.numel() * t.element_size()
+            t.data = torch.empty((1,), dtype=t.dtype, device=t.device).expand(t.shape)
+        self._sent_outputs = []
 
     def _do(self, step: _Step, train: bool, with_loss: bool) -> list:
         op = step.action.op
@@ -214,7 +227,8 @@ class PipelineRunner:
             x = self._inputs[mb]
         else:
             x = self._take(f"a{s - 1}", mb, step)
-        out = model(x, chunk=chunk)
+        with _saved_storages(train and step.send is not None) as saved:
+            out = model(x, chunk=chunk)
         if model.is_last(chunk):
             if with_loss:
                 loss = model.loss(out, self._targets[mb])
@@ -225,6 +239,9 @@ class PipelineRunner:
         if train:
             self._stash[(chunk, mb)] = (x, out)
         if step.send:
+            if train and saved is not None and None not in saved:  # backward needs the graph, not the values
+                self._sent_outputs += [t for t in _tensors(out)
+                                       if t.requires_grad and t.numel() and _storage(t) not in (None, *saved)]
             return [(step.send[0], step.send[1], out)]
         if not model.is_last(chunk):  # the next virtual stage is on this rank
             self._received[(f"a{s}", mb)] = _detached(out)
@@ -443,6 +460,29 @@ def _side_group(grid: Any) -> Any:
 
 def _tensors(x: Any) -> tuple:
     return (x,) if isinstance(x, torch.Tensor) else tuple(t for t in x if isinstance(t, torch.Tensor))
+
+
+@contextmanager
+def _saved_storages(watch: bool) -> Iterator[set | None]:
+    """The storages autograd saves for backward inside the block (None when not watching)."""
+    if not watch:
+        yield None
+        return
+    saved: set = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(_storage(t))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of t's memory; None for a tensor without plain storage (a subclass), which
+    then makes _saved_storages' set say "unknown" (nothing is freed)."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return None
+    return t.untyped_storage().data_ptr()
 
 
 def _detached(x: Any) -> Any:
