@@ -8,6 +8,8 @@ step (as torch.distributed.pipelining does), and messages between two ranks are 
 the order they were sent (a rank may receive an activation early and keep it): so any schedule
 that is valid with buffered sends runs without deadlock, including ZeroBubbleV and DualPipeV.
 Activations of adjacent virtual stages on the same rank (the tip of a V) pass locally.
+An output sent to another rank keeps only its graph once sent, when no backward node saved
+its values (Megatron's output deallocation; `freed_bytes` counts them per step).
 
 Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split B into I
 (input gradient) and W (weight gradient). I uses torch's pipelining helper
