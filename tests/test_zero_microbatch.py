@@ -17,7 +17,7 @@ from pipezero.pipe import PipelineModule, PipelineRunner
 from pipezero.topology import Grid
 from pipezero.zero import ZeroConfig, ZeroOptimizer
 from test_pipe_runner import assert_parity, batch, loss_fn, make_schedule, specs
-from test_zero_parity import local_batch, make_model, make_opt, reference
+from test_zero_parity import data, local_batch, make_model, make_opt, reference
 
 ACCUM = 4
 
@@ -75,6 +75,60 @@ def test_accumulation_parity(world, stage, kind, hold):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
         # every micro-batch reduced every bucket, not only the last one
         assert all(c == ACCUM * buckets for c in calls), (calls, buckets)
+
+
+class Sometimes(nn.Module):
+    """make_model's net plus a layer used only on even forward calls (as an MoE expert may
+    sit out a micro-batch): its bucket is incomplete after an odd micro-batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+        self.extra = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.net(x) + (self.extra(x) if self.calls % 2 else 0)
+
+
+def _sometimes() -> list:
+    world = dist.get_world_size()
+    model = Sometimes()
+    opt = ZeroOptimizer(make_opt(model, "sgd"), config=_config(2, True))
+    for step in range(3):
+        x, y = local_batch(world, step)
+        opt.zero_grad()
+        for m, (xs, ys) in enumerate(zip(x.chunk(ACCUM), y.chunk(ACCUM))):
+            with opt.no_sync() if m < ACCUM - 1 else _Null():
+                opt.backward(nn.functional.mse_loss(model(xs), ys) / ACCUM)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _sometimes_reference(world: int) -> list:
+    """One process; micro-batch m is every rank's micro-batch m together (the extra layer
+    sees the same samples as in the distributed run)."""
+    model = Sometimes()
+    opt = make_opt(model, "sgd")
+    for step in range(3):
+        x, y = data(world, step)
+        xs, ys = ([part.chunk(ACCUM) for part in t.chunk(world)] for t in (x, y))
+        opt.zero_grad()
+        for m in range(ACCUM):
+            mb_x, mb_y = torch.cat([r[m] for r in xs]), torch.cat([r[m] for r in ys])
+            (nn.functional.mse_loss(model(mb_x), mb_y) / ACCUM).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_parameter_missing_from_some_microbatches():
+    """Gradients pushed twice into a bucket not yet reduced (the layer beside them sat out a
+    micro-batch) add up rather than overwrite."""
+    want = _sometimes_reference(2)
+    for got in run(_sometimes, 2):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 # -- memory: no whole gradient between micro-batches -----------------------------------------

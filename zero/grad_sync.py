@@ -54,6 +54,7 @@ class _Pending:
     reduced: bool = False                # reduced at least once since the last step
     rescale: bool = False                # stage 1: the owned region holds an average, not a sum
     dirty: bool = False                  # stage 1: local gradients added since the last launch
+    fresh: bool = False                  # stage 2/3: `grad` is uninitialised where nothing was pushed yet
 
     def __post_init__(self) -> None:
         self.pushed, self.seen = set(), set()
@@ -228,9 +229,16 @@ class GradSync:
     def _push(self, b: Bucket, i: int) -> None:
         """Move parameter i's local gradient into the bucket's flat buffer."""
         st, p = self._state[b], b.params[i]
-        if st.grad is None:
-            st.grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+        if st.grad is None:  # stage 2/3: a fresh buffer per round; each slot is written before launch
+            st.grad = torch.empty(b.padded, dtype=b.dtype, device=b.device)
+            st.grad[b.numel:].zero_()
+            st.fresh = True
         view = b.slot(st.grad, i)
+        if st.fresh and i not in st.pushed:  # first write of this slot: a copy, not zeros plus an add
+            view.copy_(local_tensor(p.grad)) if p.grad is not None else view.zero_()
+            p.grad = None
+            st.pushed.add(i)
+            return
         if self.views:
             if p.grad is None:
                 view.zero_()
@@ -276,7 +284,7 @@ class GradSync:
             st.rescale = True
         elif not self.keep_grads:                             # stage 2/3: accumulate the shard
             st.shard = st.out if st.shard is None else st.shard.add_(st.out)
-            st.grad = None
+            st.grad, st.fresh = None, False
         st.handle, st.out, st.reduced, st.dirty = None, None, True, False
         st.pushed.clear()
 
