@@ -134,8 +134,9 @@ class PipelineRunner:
         words[5] = int(holds_last and targets is None)
         flags = torch.tensor(words, dtype=torch.int64, device=model.device)
         dist.all_reduce(flags)
-        _raise_batch_errors(flags.tolist(), m, need_targets)
-        self._new_p2p_if_shapes_changed(flags[4].item(), need_targets)
+        flags = flags.tolist()  # one host sync: the ranks start the step together (timeline.begin)
+        _raise_batch_errors(flags, m, need_targets)
+        self._new_p2p_if_shapes_changed(flags[4], need_targets)
         self._inputs = _split(inputs, m, model.device) if holds_first else None
         self._targets = _split(targets, m, model.device) if holds_last and targets is not None else None
         self._received: dict[tuple[str, int], Any] = {}
@@ -145,7 +146,7 @@ class PipelineRunner:
         self._sent_outputs: list[torch.Tensor] = []
         self.freed_bytes = 0  # activation bytes freed right after sending, this step
         self.timeline.begin()
-        return flags[5].item() == 0
+        return flags[5] == 0
 
     def _new_p2p_if_shapes_changed(self, signature: int, train: bool) -> None:
         """Stream metadata is cached per shape signature and mode; new shapes start new streams."""
