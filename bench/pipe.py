@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.gpt import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
 from pipezero.pipe import (Action, Costs, GPipe, Interleaved1F1B, LayerSpec, OneFOneB,  # noqa: E402
-                           PipelineModule, PipelineRunner, ZeroBubbleV, simulate)
+                           PipelineModule, PipelineRunner, ZeroBubbleV, measure_layer_costs, simulate)
 from pipezero.pipe.placement import owner  # noqa: E402
 from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
@@ -66,40 +66,12 @@ def _weights_dtype(args) -> torch.dtype:
 
 
 def layer_costs(args, device) -> list[float]:
-    """Forward + backward milliseconds of each layer on one microbatch (one layer of each class
-    built and timed; the last layer with the loss), the max over ranks so every rank agrees:
-    the costs `--partition measured` hands to partition_method."""
-    cfg, mb = _cfg(args), args.batch // args.microbatches
-    ids, targets = (t[:mb] for t in _batch(args, device))
-    hidden = torch.randn(mb, args.seq, args.d_model, device=device, dtype=_weights_dtype(args))
-    specs = _specs(cfg)
-    by_class: dict[type, float] = {}
-    for i, spec in enumerate(specs):
-        if spec.cls in by_class:
-            continue
-        layer = spec.build().to(device, _weights_dtype(args))
-        x = ids if i == 0 else hidden.detach().requires_grad_()
-        last = i == len(specs) - 1
-
-        def run():
-            with _autocast(device, args):
-                out = layer(x)
-                (gpt_loss(out, targets) if last else out.float().square().mean()).backward()
-        by_class[spec.cls] = _time_ms(run, device)
-        del layer
-    costs = torch.tensor([by_class[spec.cls] for spec in specs], device=device)
-    dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-    return costs.tolist()
-
-
-def _time_ms(fn, device, repeats: int = 3) -> float:
-    fn()  # warm-up
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - start) * 1e3 / repeats
+    """Forward + backward milliseconds of each layer on one microbatch (pipe.measure_layer_costs,
+    the head with the loss; the max over ranks): what `--partition measured` balances."""
+    ids, targets = (t[:args.batch // args.microbatches] for t in _batch(args, device))
+    with _autocast(device, args):
+        return measure_layer_costs(_specs(_cfg(args)), ids, loss_fn=gpt_loss, targets=targets,
+                                   dtype=_weights_dtype(args))
 
 
 def setup_ours(name, args, grid, device, costs=None):

@@ -1,6 +1,7 @@
 """Pipeline parallelism: layer specs, schedules as data, simulator, executor."""
 
 from pipezero.pipe.actions import Action, Op, Schedule
+from pipezero.pipe.costs import measure_layer_costs
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.runner import PipelineRunner, PipelineTimeout
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
@@ -11,7 +12,7 @@ from pipezero.pipe.simulate import Costs, SimResult, simulate
 from pipezero.pipe.validate import ScheduleError, validate
 
 __all__ = ["Action", "Op", "Schedule",
-           "LayerSpec", "TiedLayerSpec", "PipelineModule", "PipelineRunner", "PipelineTimeout",
+           "LayerSpec", "TiedLayerSpec", "PipelineModule", "measure_layer_costs", "PipelineRunner", "PipelineTimeout",
            "GPipe", "OneFOneB", "Interleaved1F1B", "ZeroBubbleH1", "ZeroBubbleV", "DualPipeV", "Custom",
            "validate", "ScheduleError", "simulate", "Costs", "SimResult",
            "to_text", "to_chrome_trace", "to_png", "to_image"]

@@ -90,12 +90,15 @@ def partition(layers: Sequence[Any], num_parts: int, method: str | Sequence[floa
 def balance_ranks(costs: Sequence[float], bounds: Sequence[int], ranks: Sequence[int]) -> list[int]:
     """Move boundaries by a layer (one, two, or a run of them) while that lowers (busiest
     rank's total, heaviest stage): a local search from the stage-balanced split."""
+    unit = sum(costs) or 1.0
+
     def score(b: Sequence[int]) -> tuple:  # rank totals, busiest first, then the heaviest stage
         stages = [sum(costs[lo:hi]) for lo, hi in zip(b, b[1:])]
         per_rank: dict[int, float] = {}
         for rank, cost in zip(ranks, stages):
             per_rank[rank] = per_rank.get(rank, 0.0) + cost
-        return tuple(sorted(per_rank.values(), reverse=True)), max(stages)
+        exact = lambda v: round(v / unit, 9)  # noqa: E731 - sums in another order are equal
+        return tuple(sorted(map(exact, per_rank.values()), reverse=True)), exact(max(stages))
 
     def moves(b: list[int]):  # boundaries i and j one layer either way, or i..j all together
         inner = range(1, len(b) - 1)

@@ -59,6 +59,10 @@ def test_cost_method_balances_stages_then_ranks():
     bounds = partition(layers, 4, costs, ranks=[0, 1, 1, 0])
     stages = [sum(costs[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
     assert max(stages) == 7 and stages[0] + stages[3] == 12.6 and stages[1] + stages[2] == 13
+    # rank totals equal up to float rounding (summed in another order) must tie, so the
+    # lighter heaviest stage decides: not [0, 2, 4, 6, 11] with 3 blocks + head on stage 3
+    small = [0.13] + [1.47] * 8 + [0.06, 0.47]
+    assert partition(list(range(11)), 4, small, ranks=[0, 1, 1, 0]) == [0, 3, 5, 7, 11]
     with pytest.raises(ValueError, match="3 costs for 27 layers"):
         partition(layers, 2, [1, 1, 1])
     with pytest.raises(ValueError, match="finite numbers >= 0"):
