@@ -42,6 +42,9 @@ c = b.layer_costs(a, torch.device('cuda')); print([round(x, 2) for x in c])" ;;
     profile) run zero-profile 240 python3 bench/zero.py --device cuda --runs pipezero-0 pipezero-1 --steps 3 \
                --profile "$out/profile"
              run zero-fused 150 python3 bench/zero.py --device cuda --runs pipezero-1 --adam fused --steps 3 ;;
+    pipe-profile) run pipe-profile 240 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 \
+                    --microbatches 8 --steps 3 --precision bf16 --partition measured --schedules ZeroBubbleV 1F1B \
+                    --no-deepspeed --profile "$out/profile" --trace "$out/trace" ;;
     trace) run pipe-trace 240 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 \
              --steps 3 --precision bf16 --schedules 1F1B ZeroBubbleV --trace "$out/trace" ;;
   esac

@@ -156,8 +156,25 @@ def compare(name, args, grid, device, costs=None):
     if args.trace and grid.rank == 0:  # the last step of ours, one row per rank
         os.makedirs(args.trace, exist_ok=True)
         chrome_trace(events, os.path.join(args.trace, f"pipe-{grid.pipe_size}-{name}.json"))
+    if args.profile:
+        for label, step in (("ours", ours), ("torch", theirs)):
+            if step is not None:
+                _profile(f"pipe-{grid.pipe_size}-{name}-{label}", step, device, args.profile)
     median = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
     return median(times["ours"]), median(times["torch"]), median(times["deepspeed"]), median(bubbles), costs
+
+
+def _profile(tag, step, device, folder) -> None:
+    """One more step under torch.profiler; every rank writes its kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync(device)
+    os.makedirs(folder, exist_ok=True)
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60)
+    with open(os.path.join(folder, f"{tag}-rank{dist.get_rank()}.txt"), "w") as f:
+        f.write(table)
 
 
 def _deepspeed_peer(name, args, grid, device, bounds):
@@ -257,6 +274,7 @@ def main() -> None:
     parser.add_argument("--partition", choices=["type", "measured"], default="type",
                         help="type: equal Block counts (type:Block); measured: balance measured per-layer costs")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer even if it imports")
+    parser.add_argument("--profile", default=None, help="folder for kernel tables of one more step (ours, torch)")
     parser.add_argument("--trace", default=None, help="folder for a chrome trace of our last step per schedule")
     parser.add_argument("--precision", choices=["autocast", "bf16"], default="autocast",
                         help="autocast: bf16 autocast over fp32 weights on CUDA (fp32 on CPU); "
