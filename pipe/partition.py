@@ -84,7 +84,8 @@ def partition(layers: Sequence[Any], num_parts: int, method: str | Sequence[floa
             raise ValueError(f"partition_method={method!r} matches none of the layer classes {names}; "
                              "fix the regex (it is searched in the class name, case-insensitively)")
         return partition_balanced(weights, num_parts)
-    raise ValueError(f"partition_method={method!r} is unknown; use 'parameters', 'uniform' or 'type:<regex>'")
+    raise ValueError(f"partition_method={method!r} is unknown; use 'parameters', 'uniform', 'type:<regex>' "
+                     "or a list of per-layer costs")
 
 
 def balance_ranks(costs: Sequence[float], bounds: Sequence[int], ranks: Sequence[int]) -> list[int]:
