@@ -9,7 +9,7 @@ the same microbatches and the same fp32
 (> 1: we are faster), and for 1F1B DeepSpeed's PipelineModule (bench/ds_pipe.py, where
 deepspeed imports; its own bf16 policy with fp32 masters on CUDA); the measured bubble of our
 runner next to the simulator's prediction fed the measured action times (their mean, and
-each rank's and chunk's own).
+each rank's and chunk's own) and the measured time of one activation between ranks.
 
     python bench/pipe.py                       # CPU, gloo, 2 and 4 processes
     python bench/pipe.py --device cuda --world 2 --layers 24 --d-model 2048 --heads 16 \\
@@ -230,17 +230,41 @@ def worker(rank, world, args, port, queue):
     grid = Grid(pipe=world)
     costs = layer_costs(args, device) if args.partition == "measured" else None
     rows = [(name, *compare(name, args, grid, device, costs)) for name in args.schedules]
+    p2p = p2p_seconds(args, grid, device)
     if rank == 0:
-        queue.put(rows)
+        queue.put((rows, p2p))
     dist.destroy_process_group()
 
 
-def _predicted_bubble(name, p, m, measured: dict, per_chunk: bool) -> float:
-    """The simulator's bubble for the same schedule, fed the measured action times: their
-    mean over all ranks and chunks, or (per_chunk) each (rank, chunk)'s own means."""
+def p2p_seconds(args, grid, device, repeats: int = 5) -> float:
+    """One-way time of one activation (a microbatch's hidden states in the dtype the stages
+    send) between pipe ranks 0 and 1: a ping-pong, halved; the max over ranks."""
+    elapsed = 0.0
+    if grid.pipe_rank < 2 <= grid.pipe_size:
+        dtype = torch.float32 if args.precision == "autocast" else _weights_dtype(args)
+        x = torch.zeros(args.batch // args.microbatches, args.seq, args.d_model, dtype=dtype, device=device)
+        peer = grid.rank_of(pipe=1 - grid.pipe_rank)
+        first, second = (dist.send, dist.recv) if grid.pipe_rank == 0 else (dist.recv, dist.send)
+
+        def ping():
+            first(x, peer)
+            second(x, peer)
+        ping()  # warm-up: the pair's connection
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            ping()
+        _sync(device)
+        elapsed = (time.perf_counter() - start) / repeats / 2
+    return _max_over_ranks(elapsed, device)
+
+
+def _predicted_bubble(name, p, m, measured: dict, per_chunk: bool, p2p: float = 0.0) -> float:
+    """The simulator's bubble for the same schedule, fed the measured action times (their
+    mean over all ranks and chunks, or per_chunk each (rank, chunk)'s own) and p2p time."""
     sched = SCHEDULES[name][0](num_microbatches=m)
     as_costs = lambda ms: Costs(forward=ms["F"], backward_input=ms.get("I", ms.get("B", 0.0) / 2),  # noqa: E731
-                                backward_weight=ms.get("W", ms.get("B", 0.0) / 2))
+                                backward_weight=ms.get("W", ms.get("B", 0.0) / 2), p2p=p2p)
     costs = {key: as_costs(ms) for key, ms in measured.items() if key != "all"} if per_chunk \
         else as_costs(measured["all"])
     try:
@@ -292,8 +316,10 @@ def main() -> None:
         port = 29500 + os.getpid() % 1000 + world
         mp.spawn(worker, args=(world, args, port, queue), nprocs=world, join=True)
         tokens = args.batch * args.seq
-        for name, ours, theirs, ds, bubble, costs in queue.get():
-            sim, sim_chunks = (_predicted_bubble(name, world, args.microbatches, costs, per_chunk)
+        rows, p2p = queue.get()
+        print(f"p = {world}: one activation between ranks takes {p2p * 1e3:.2f} ms (the simulator's p2p)", flush=True)
+        for name, ours, theirs, ds, bubble, costs in rows:
+            sim, sim_chunks = (_predicted_bubble(name, world, args.microbatches, costs, per_chunk, p2p)
                                for per_chunk in (False, True))
             print(f"| {world} | {name} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} | {ds:.3f} | "
                   f"{ds / ours:.2f} | {bubble:.2f} | {sim:.2f} | {sim_chunks:.2f} |" + (f"  ({tokens / ours:,.0f} tokens/s)" if args.device == "cuda" else ""),
