@@ -180,6 +180,8 @@ BAD = [
     (("pipeline", "micro_batches"), 4, 1, ["micro_batches", "4", "gradient_accumulation_steps", "1"]),
     (("pipeline", "partition_method"), "type:[", 1, ["partition_method", "regex"]),
     (("pipeline", "partition_method"), "by_size", 1, ["partition_method", "type:<regex>"]),
+    (("pipeline", "partition_method"), [1, -2, 1], 1, ["partition_method", "per-layer costs", ">= 0"]),
+    (("pipeline", "partition_method"), [0.0, 1.5, 7.4], 1, []),  # per-layer costs are accepted
     (("amp",), {"enabled": True}, 1, ['["amp"]', "fp16 or bf16"]),
     (("activation_checkpointing",), {"partition_activations": True}, 1,
      ["activation_checkpointing", "activation_checkpoint_interval"]),

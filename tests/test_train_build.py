@@ -73,6 +73,20 @@ def test_pipeline_config_builds_module_schedule_runner(schedule, cls, chunks):
         assert (name, num_chunks, data, bf16, finite) == (cls, chunks, 2, True, True)
 
 
+def _bounds_from_config_costs() -> list[int]:
+    from pipezero.train.build import build
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "pipeline": {"stages": 2, "partition_method": [0, 1, 1, 0, 3]}}  # embed, 2 blocks, norm, head
+    return build(cfg, specs=gpt_specs(TINY), loss_fn=gpt_loss).module.bounds
+
+
+def test_pipeline_partition_costs_from_the_config():
+    """A list of per-layer costs in ds_config's pipeline section reaches the partition: the
+    expensive head gets a stage of its own."""
+    assert run(_bounds_from_config_costs, 2) == [[0, 4, 5], [0, 4, 5]]  # the free norm joins stage 0
+
+
 BAD = [  # (build kwargs, config changes, words the error must contain)
     ({"specs": "gpt", "model": "mlp"}, {}, ["exactly one of specs= ", "model="]),
     ({}, {}, ["exactly one of specs="]),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -268,7 +269,7 @@ class PipelineConfig:
     chunks: int = 1                          # virtual stages per rank
     micro_batches: int | None = None         # = gradient_accumulation_steps when given
     activation_checkpoint_interval: int = 0  # 0: no activation checkpointing
-    partition_method: str = "parameters"     # "parameters", "uniform" or "type:<regex>"
+    partition_method: str | tuple[float, ...] = "parameters"  # "parameters", "uniform", "type:<regex>", costs
 
     @classmethod
     def parse(cls, sec: Section) -> "PipelineConfig":
@@ -280,8 +281,7 @@ class PipelineConfig:
             raise ConfigError(f'{sec.where("chunks")} = {chunks}: schedule "{schedule.value}" needs '
                               f"chunks = {wants}; use \"interleaved_1f1b\" for other chunk counts")
         micro = sec.int("micro_batches", None, lo=1) if sec.raw("micro_batches") is not None else None
-        method = sec.raw("partition_method", "parameters")
-        _check_partition(method, sec.where("partition_method"))
+        method = _check_partition(sec.raw("partition_method", "parameters"), sec.where("partition_method"))
         cfg = cls(stages=sec.int("stages", 1, lo=1), schedule=schedule, chunks=chunks,
                   micro_batches=micro, partition_method=method,
                   activation_checkpoint_interval=sec.int("activation_checkpoint_interval", 0, lo=0))
@@ -289,16 +289,26 @@ class PipelineConfig:
         return cfg
 
 
-def _check_partition(method: Any, where: str) -> None:
+def _check_partition(method: Any, where: str) -> str | tuple[float, ...]:
+    """A method name, or a list of per-layer costs (kept as a tuple; its length is checked
+    against the layers when the pipeline is built)."""
+    if isinstance(method, list):
+        if not method or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+                                 and c >= 0 for c in method) or not any(method):
+            raise ConfigError(f"{where} = {method!r}: a list of per-layer costs needs finite numbers >= 0, "
+                              "not all 0 (e.g. measured with pipezero.pipe.measure_layer_costs)")
+        return tuple(float(c) for c in method)
     if not isinstance(method, str):
-        raise ConfigTypeError(f"{where} = {method!r}: expected a string")
+        raise ConfigTypeError(f"{where} = {method!r}: expected a string or a list of per-layer costs")
     if method.lower().startswith("type:"):
         try:
             re.compile(method[5:])
         except re.error as err:
             raise ConfigError(f"{where} = {method!r}: the regex after 'type:' does not compile ({err})")
     elif method.lower() not in ("parameters", "uniform"):
-        raise ConfigError(f'{where} = {method!r}: expected "parameters", "uniform" or "type:<regex>"')
+        raise ConfigError(f'{where} = {method!r}: expected "parameters", "uniform", "type:<regex>" '
+                          "or a list of per-layer costs")
+    return method
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
