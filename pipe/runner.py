@@ -22,14 +22,14 @@ torch module) W re-runs the retained graph's backward: exact, at one more backwa
 from __future__ import annotations
 
 import zlib
-from contextlib import contextmanager
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 from pipezero.comm import P2P, CommTimeout
 from pipezero.pipe.actions import Action, Op
+from pipezero.pipe.dealloc import free, freeable, saved_storages
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.placement import owner, virtual_stage
 from pipezero.pipe.timeline import Timeline, bubble_fraction, gather_events
@@ -196,15 +196,7 @@ class PipelineRunner:
                 f"a peer never answered: {e}") from e
         for (_, key, mb), tensors in zip(recvs, got):
             self._received[(key, mb)] = tensors[0] if len(tensors) == 1 else tensors
-        self._free_sent_outputs()
-
-    def _free_sent_outputs(self) -> None:
-        """Drop the values of outputs just sent that no backward node saved (Megatron's
-        output deallocation): the tensor keeps its shape and graph, its storage becomes one
-        element. The send holds its own reference to the old storage until it completes."""
-        for t in self._sent_outputs:
-            self.freed_bytes += t.numel() * t.element_size()
-            t.data = torch.empty((1,), dtype=t.dtype, device=t.device).expand(t.shape)
+        self.freed_bytes += free(self._sent_outputs)  # posted: their values may go (pipe/dealloc.py)
         self._sent_outputs = []
 
     def _do(self, step: _Step, train: bool, with_loss: bool) -> list:
@@ -230,7 +222,7 @@ class PipelineRunner:
             x = self._inputs[mb]
         else:
             x = self._take(f"a{s - 1}", mb, step)
-        with _saved_storages(train and step.send is not None) as saved:
+        with saved_storages(train and step.send is not None) as saved:
             out = model(x, chunk=chunk)
         if model.is_last(chunk):
             if with_loss:
@@ -242,9 +234,7 @@ class PipelineRunner:
         if train:
             self._stash[(chunk, mb)] = (x, out)
         if step.send:
-            if train and saved is not None and None not in saved:  # backward needs the graph, not the values
-                self._sent_outputs += [t for t in _tensors(out)
-                                       if t.requires_grad and t.numel() and _storage(t) not in (None, *saved)]
+            self._sent_outputs += [t for t in _tensors(out) if freeable(t, saved)]
             return [(step.send[0], step.send[1], out)]
         if not model.is_last(chunk):  # the next virtual stage is on this rank
             self._received[(f"a{s}", mb)] = _detached(out)
@@ -463,29 +453,6 @@ def _side_group(grid: Any) -> Any:
 
 def _tensors(x: Any) -> tuple:
     return (x,) if isinstance(x, torch.Tensor) else tuple(t for t in x if isinstance(t, torch.Tensor))
-
-
-@contextmanager
-def _saved_storages(watch: bool) -> Iterator[set | None]:
-    """The storages autograd saves for backward inside the block (None when not watching)."""
-    if not watch:
-        yield None
-        return
-    saved: set = set()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.add(_storage(t))
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield saved
-
-
-def _storage(t: torch.Tensor) -> int | None:
-    """The address of t's memory; None for a tensor without plain storage (a subclass), which
-    then makes _saved_storages' set say "unknown" (nothing is freed)."""
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        return None
-    return t.untyped_storage().data_ptr()
 
 
 def _detached(x: Any) -> Any:
