@@ -117,8 +117,8 @@ def balance_ranks(costs: Sequence[float], bounds: Sequence[int], ranks: Sequence
     while improved:
         improved = False
         for trial in moves(bounds):
-            if score(trial) < best:
-                bounds, best, improved = trial, score(trial), True
+            if (trial_score := score(trial)) < best:
+                bounds, best, improved = trial, trial_score, True
                 break
     return bounds
 

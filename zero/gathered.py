@@ -22,7 +22,7 @@ No backward pass may run inside the block (the gathered copies have no shard to 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -46,7 +46,7 @@ def gathered(opt: Any, dtype: torch.dtype | None = None, layers_at_a_time: int |
     saved = {id(p): (p, p.data) for b in buckets for p in b.params}
     partitioned = [b for b in buckets if b.flat is None]
     try:
-        with _hooks_paused(gatherer) as units:
+        with gatherer.paused() if gatherer is not None else nullcontext([]) as units:  # stage-3 hooks off
             _cast([b for b in buckets if b.flat is not None], dtype)
             if layers_at_a_time is None or not partitioned:
                 _gather(partitioned, dtype, opt.group)
@@ -117,16 +117,6 @@ def _gather(buckets: list[Bucket], dtype: torch.dtype | None, group) -> None:
         handle.wait()
         for i, p in enumerate(b.params):
             p.data = b.slot(full, i)
-
-
-@contextmanager
-def _hooks_paused(gatherer: Any) -> Iterator[list[tuple[nn.Module, list[Bucket]]]]:
-    """Stage-3 per-submodule gathering off; yields the units (module, its partitioned buckets) in order."""
-    if gatherer is None:
-        yield []
-        return
-    with gatherer.paused() as units:
-        yield units
 
 
 @contextmanager

@@ -235,7 +235,10 @@ class GradSync:
             st.fresh = True
         view = b.slot(st.grad, i)
         if st.fresh and i not in st.pushed:  # first write of this slot: a copy, not zeros plus an add
-            view.copy_(local_tensor(p.grad)) if p.grad is not None else view.zero_()
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(local_tensor(p.grad))
             p.grad = None
             st.pushed.add(i)
             return
