@@ -34,10 +34,7 @@ for w in $what; do
     precision) run precision 120 python3 bench/precision.py --device cuda ;;
     train) run train 300 python3 bench/train.py --device cuda --world 2 ;;
     hybrid) run hybrid 300 python3 bench/hybrid.py --device cuda ;;
-    one-gpu) run one-gpu-zero 240 python3 bench/zero.py --device cuda --nproc 1 --runs pipezero-1 deepspeed-1 --steps 3
-             run one-gpu-costs 120 python3 -c "import sys, argparse, torch; sys.path[:0] = ['bench']; import pipe as b
-a = argparse.Namespace(batch=32, microbatches=8, vocab=32000, seq=2048, layers=24, d_model=2048, heads=16, precision='bf16')
-c = b.layer_costs(a, torch.device('cuda')); print([round(x, 2) for x in c])" ;;
+    one-gpu) run one-gpu-zero 240 python3 bench/zero.py --device cuda --nproc 1 --runs pipezero-1 deepspeed-1 --steps 3 ;;
     generate-test) run generate-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_generate_static.py ;;
     profile) run zero-profile 240 python3 bench/zero.py --device cuda --runs pipezero-0 pipezero-1 --steps 3 \
                --profile "$out/profile"

@@ -75,9 +75,8 @@ class P2P:
         self.side_device = self.device if self.side is group else torch.device("cpu")
         self._sent: set[tuple[int, str]] = set()
         self._meta: dict[tuple[int, str], list] = {}
-        self._pending: list = []  # sends not yet known to be complete
+        self._pending: list = []  # sends (and, on nccl, receives) not yet known to be complete
         self.stream_ordered = self.device.type == "cuda"  # nccl: wait() orders the stream, the CPU goes on
-        self._unchecked: list = []  # nccl receives waited on by the stream, checked at drain()
 
     def exchange(self, sends: Sequence[Send] = (), recvs: Sequence[Recv] = ()) -> list[tuple[torch.Tensor, ...]]:
         """Post all sends and receives; return the received tuples in `recvs` order.
@@ -108,7 +107,7 @@ class P2P:
         if self.stream_ordered:
             for work in works:
                 work.wait()
-            self._unchecked += works
+            self._pending += works  # checked against the timeout at drain()
         else:
             self._wait(works, sends, recvs)
         for (peer, key), bufs in zip(recvs, out):
@@ -127,8 +126,7 @@ class P2P:
     def drain(self) -> None:
         """Wait for every send still in flight (and, on nccl, check the receives); call it
         before dropping the P2P (gloo drops the unsent messages of a destroyed send)."""
-        pending, self._pending = self._pending + self._unchecked, []
-        self._unchecked = []
+        pending, self._pending = self._pending, []
         self._wait(pending, [], [])
 
     # -- streams ------------------------------------------------------------------------
