@@ -32,8 +32,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.gaps import device_kernels, gap_report  # noqa: E402
 from examples.gpt import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
-from pipezero.pipe import (Action, Costs, GPipe, Interleaved1F1B, LayerSpec, OneFOneB,  # noqa: E402
+from pipezero.pipe import (Action, Costs, DualPipeV, GPipe, Interleaved1F1B, LayerSpec, OneFOneB,  # noqa: E402
                            PipelineModule, PipelineRunner, ZeroBubbleV, measure_layer_costs, simulate)
 from pipezero.pipe.placement import owner  # noqa: E402
 from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
@@ -42,7 +43,7 @@ from pipezero.topology import Grid  # noqa: E402
 # ours -> torch.distributed.pipelining's schedule of the same name
 SCHEDULES = {"GPipe": (GPipe, "ScheduleGPipe"), "1F1B": (OneFOneB, "Schedule1F1B"),
              "Interleaved1F1B": (Interleaved1F1B, "ScheduleInterleaved1F1B"),
-             "ZeroBubbleV": (ZeroBubbleV, "ScheduleZBVZeroBubble")}
+             "ZeroBubbleV": (ZeroBubbleV, "ScheduleZBVZeroBubble"), "DualPipeV": (DualPipeV, "ScheduleDualPipeV")}
 
 
 def _specs(cfg: GPTConfig) -> list:
@@ -137,18 +138,17 @@ def compare(name, args, grid, device, costs=None):
             print(f"torch {name}: {type(e).__name__}: {e}", flush=True)
     deepspeed = _deepspeed_peer(name, args, grid, device, bounds)
     times: dict[str, list[float]] = {"ours": [], "torch": [], "deepspeed": []}
+    peaks, retries = dict.fromkeys(times, 0.0), dict.fromkeys(times, 0)
     bubbles, costs = [], {}
     for i in range(args.warmup + args.steps):
         for label, step in (("ours", ours), ("torch", theirs), ("deepspeed", deepspeed)):
             if step is None:
                 continue
-            _sync(device)
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            elapsed = _max_over_ranks(time.perf_counter() - start, device)
+            elapsed, peak, retried = _timed(step, device)
             if i >= args.warmup:
                 times[label].append(elapsed)
+                peaks[label] = max(peaks[label], peak)
+                retries[label] += retried
                 if label == "ours":
                     bubbles.append(runner.measured_bubble())
                     events = gather_events(runner.timeline.events, grid.pipe_group)
@@ -161,11 +161,34 @@ def compare(name, args, grid, device, costs=None):
             if step is not None:
                 _profile(f"pipe-{grid.pipe_size}-{name}-{label}", step, device, args.profile)
     median = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
-    return median(times["ours"]), median(times["torch"]), median(times["deepspeed"]), median(bubbles), costs
+    memory = {label: f"{peaks[label] / 2**30:.1f}" + (f" ({retries[label]} retries)" if retries[label] else "")
+              for label in peaks}
+    return {label: median(ts) for label, ts in times.items()}, memory, median(bubbles), costs
+
+
+def _timed(step, device) -> tuple[float, float, int]:
+    """One step: seconds, peak bytes allocated above the step's start (activations, gradients
+    and buffers the step adds; every runner's resting weights excluded) and the allocator's
+    retries (a full cache freed and cudaMalloc'ed again: slow), each the max over ranks."""
+    cuda = device.type == "cuda"
+    _sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+    retried = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries if cuda else 0
+    return (_max_over_ranks(elapsed, device), _max_over_ranks(float(peak), device),
+            int(_max_over_ranks(float(retried), device)))
 
 
 def _profile(tag, step, device, folder) -> None:
-    """One more step under torch.profiler; every rank writes its kernels by GPU time."""
+    """One more step under torch.profiler; every rank writes where its GPU idled (bench/gaps.py)
+    and its kernels by GPU time."""
     from torch.profiler import ProfilerActivity, profile
     _sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -174,7 +197,7 @@ def _profile(tag, step, device, folder) -> None:
     os.makedirs(folder, exist_ok=True)
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60)
     with open(os.path.join(folder, f"{tag}-rank{dist.get_rank()}.txt"), "w") as f:
-        f.write(table)
+        f.write(gap_report(device_kernels(prof)) + "\n\n" + table)
 
 
 def _deepspeed_peer(name, args, grid, device, bounds):
@@ -307,9 +330,11 @@ def main() -> None:
     print(f"{datetime.date.today()} torch {torch.__version__} device={args.device} GPT {args.layers}x{args.d_model} "
           f"heads {args.heads} seq {args.seq} vocab {args.vocab} batch {args.batch} m={args.microbatches} "
           f"({_policy(args)})")
+    gpu = args.device == "cuda"
     print("| p | schedule | ours s | torch s | torch/ours | DeepSpeed s | DeepSpeed/ours | bubble measured "
-          "| simulated (mean costs) | simulated (per-chunk costs) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| simulated (mean costs) | simulated (per-chunk costs) |"
+          + (" tokens/s (ours) | step GiB ours / torch / DeepSpeed |" if gpu else ""))
+    print("|---" * (12 if gpu else 10) + "|")
     ctx = mp.get_context("spawn")
     for world in args.world:
         queue = ctx.SimpleQueue()
@@ -318,13 +343,15 @@ def main() -> None:
         tokens = args.batch * args.seq
         rows, p2p = queue.get()
         print(f"p = {world}: one activation between ranks takes {p2p * 1e3:.2f} ms (the simulator's p2p)", flush=True)
-        for name, ours, theirs, ds, bubble, costs in rows:
+        for name, secs, gib, bubble, costs in rows:
+            ours, theirs, ds = secs["ours"], secs["torch"], secs["deepspeed"]
             sim, sim_chunks = (_predicted_bubble(name, world, args.microbatches, costs, per_chunk, p2p)
                                for per_chunk in (False, True))
-            print(f"| {world} | {name} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} | {ds:.3f} | "
-                  f"{ds / ours:.2f} | {bubble:.2f} | {sim:.2f} | {sim_chunks:.2f} |" + (f"  ({tokens / ours:,.0f} tokens/s)" if args.device == "cuda" else ""),
-                  flush=True)
-
+            row = (f"| {world} | {name} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} | {ds:.3f} | "
+                   f"{ds / ours:.2f} | {bubble:.2f} | {sim:.2f} | {sim_chunks:.2f} |")
+            if gpu:
+                row += f" {tokens / ours:,.0f} | {gib['ours']} / {gib['torch']} / {gib['deepspeed']} |"
+            print(row, flush=True)
 
 if __name__ == "__main__":
     main()
