@@ -26,7 +26,7 @@ for w in $what; do
            python3 -c "import torch; print(torch.__version__, torch.cuda.device_count())" ;;
     zero) run zero 480 python3 bench/zero.py --device cuda --profile "$out/profile" ;;
     pipe) run pipe 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 \
-            --partition measured ;;
+            --partition measured --trace "$out/trace" ;;
     pipe-bf16) run pipe-bf16 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 \
                  --steps 5 --precision bf16 --partition measured ;;
     tensor) run tensor 270 python3 bench/tensor.py --device cuda "${gpt[@]}" --batch 32 --microbatches 8 ;;

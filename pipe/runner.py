@@ -81,6 +81,7 @@ class PipelineRunner:
         self._p2p: P2P | None = None
         self._p2ps: dict[bool, P2P] = {}  # train / eval: streams differ in requires_grad
         self._side_group = _side_group(self.grid)
+        self._check_group = _cpu_world_group()
         self._signature: int | None = None
 
     # -- public --------------------------------------------------------------------------
@@ -132,9 +133,9 @@ class PipelineRunner:
         if holds_last and (need_targets or targets is not None):
             words[2:4] = _batch_problem(targets, m)
         words[5] = int(holds_last and targets is None)
-        flags = torch.tensor(words, dtype=torch.int64, device=model.device)
-        dist.all_reduce(flags)
-        flags = flags.tolist()  # one host sync: the ranks start the step together (timeline.begin)
+        flags = torch.tensor(words, dtype=torch.int64)
+        dist.all_reduce(flags, group=self._check_group)  # on the CPU: no wait for the GPU's queued work
+        flags = flags.tolist()
         _raise_batch_errors(flags, m, need_targets)
         self._new_p2p_if_shapes_changed(flags[4], need_targets)
         self._inputs = _split(inputs, m, model.device) if holds_first else None
@@ -179,7 +180,6 @@ class PipelineRunner:
         except CommTimeout as e:
             raise PipelineTimeout(f"rank {self.grid.rank} (pipe stage {self.grid.pipe_rank}): sends of this step "
                                   f"never completed after the last action {steps[-1].action}: {e}") from e
-        self.timeline.finish()
 
     def _exchange(self, sends: list, recvs: Sequence[tuple[int, str, int]], step: _Step) -> None:
         peer = self.grid.rank_of
@@ -436,6 +436,13 @@ def _check_schedule(model: PipelineModule, schedule: Any, optimizer: Any) -> Non
     if getattr(optimizer, "stage", None) == 3:
         raise ValueError("PipelineRunner does not run ZeRO stage 3 (it would gather every chunk's parameters "
                          "once per microbatch); use ZeroOptimizer(stage=2), which keeps full weights per stage")
+
+
+def _cpu_world_group() -> Any:
+    """A group over every rank that reduces CPU tensors: the default one when it has gloo, else a
+    gloo twin (created on every rank). The step-start check runs there, so checking a batch never
+    waits for the GPU to finish the previous step (the optimizer's kernels queue up behind it)."""
+    return None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
 
 
 def _side_group(grid: Any) -> Any:

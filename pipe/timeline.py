@@ -3,8 +3,11 @@
 The executor records every compute action and every wait on the network; from those the
 measured bubble (idle share of the ranks' time) is what the simulator predicts for the same
 schedule, and the events export as a chrome trace (chrome://tracing, ui.perfetto.dev).
-On CUDA the times come from CUDA events resolved once at the end of the step, so recording
-never synchronises the GPU mid-step.
+On CUDA the times come from CUDA events, resolved only when `events` is read (which then waits
+for the last one): recording never synchronises the GPU, so a step's kernels and the
+optimizer's after it queue up behind each other without a gap. Each event also carries the
+bytes the caching allocator held when it ended (CUDA only): the measured twin of the
+simulator's live activations.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Event:
     rank: int
     start: float  # seconds, monotonic clock shared by the processes of one host
     end: float
+    memory: int = 0  # bytes allocated on the device when the span ended (CUDA; 0 on CPU)
 
 
 class Timeline:
@@ -38,13 +42,25 @@ class Timeline:
     def __init__(self, rank: int, device: torch.device | str = "cpu"):
         self.rank = rank
         self.cuda = torch.device(device).type == "cuda"
-        self.events: list[Event] = []
-        self._pending: list[tuple[str, str, object, object]] = []
+        self._events: list[Event] = []
+        self._pending: list[tuple[str, str, object, object, int]] = []
         self._origin: tuple[float, object] | None = None
+
+    @property
+    def events(self) -> list[Event]:
+        """The current (or last) step's events; on CUDA reading them waits for the last one."""
+        if self._pending:
+            self._pending[-1][3].synchronize()
+            host0, marker = self._origin
+            self._events += [Event(name, kind, self.rank, host0 + marker.elapsed_time(start) / 1e3,
+                                   host0 + marker.elapsed_time(end) / 1e3, memory)
+                             for name, kind, start, end, memory in self._pending]
+            self._pending = []
+        return self._events
 
     def begin(self) -> None:
         """Start a new step (drops the previous step's events)."""
-        self.events, self._pending = [], []
+        self._events, self._pending = [], []
         marker = None
         if self.cuda:
             marker = torch.cuda.Event(enable_timing=True)
@@ -59,21 +75,11 @@ class Timeline:
             start.record()
             yield
             end.record()
-            self._pending.append((name, kind, start, end))
+            self._pending.append((name, kind, start, end, torch.cuda.memory_allocated()))
         else:
             start = time.perf_counter()
             yield
-            self.events.append(Event(name, kind, self.rank, start, time.perf_counter()))
-
-    def finish(self) -> None:
-        """Resolve CUDA events into times (one synchronisation, at the end of the step)."""
-        if self.cuda and self._pending:
-            torch.cuda.synchronize()
-            host0, marker = self._origin
-            for name, kind, start, end in self._pending:
-                self.events.append(Event(name, kind, self.rank, host0 + marker.elapsed_time(start) / 1e3,
-                                         host0 + marker.elapsed_time(end) / 1e3))
-            self._pending = []
+            self._events.append(Event(name, kind, self.rank, start, time.perf_counter()))
 
     def bubble(self) -> float:
         """This rank's idle share of its step: 1 - compute time / span."""
@@ -105,11 +111,14 @@ def gather_events(events: Sequence[Event], group=None) -> list[Event]:
 
 
 def chrome_trace(events: Sequence[Event], path: str | None = None) -> dict:
-    """The events as a chrome trace (one row per rank); written to `path` when given."""
+    """The events as a chrome trace (one row per rank, and a memory counter per rank on CUDA);
+    written to `path` when given."""
     t0 = min((e.start for e in events), default=0.0)
     trace = {"traceEvents": [
         {"name": e.name, "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
          "ts": (e.start - t0) * 1e6, "dur": (e.end - e.start) * 1e6} for e in events]}
+    trace["traceEvents"] += [{"name": f"memory rank {e.rank}", "ph": "C", "pid": 0, "ts": (e.end - t0) * 1e6,
+                              "args": {"GiB": e.memory / 2**30}} for e in events if e.memory]
     trace["traceEvents"] += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
                              for r in sorted({e.rank for e in events})]
     if path is not None:

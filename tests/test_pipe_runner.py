@@ -285,6 +285,15 @@ def test_eval_step_and_timeline(tmp_path):
     assert {e["tid"] for e in trace} == {0, 1} and sum(e.get("cat") == "compute" for e in trace) == 2 * 24
 
 
+def test_chrome_trace_has_a_memory_counter_where_events_carry_memory():
+    from pipezero.pipe.timeline import Event, chrome_trace
+
+    events = [Event("0F0", "compute", 0, 1.0, 1.002, memory=3 * 2**29), Event("wait", "comm", 1, 1.0, 1.001)]
+    counters = [e for e in chrome_trace(events)["traceEvents"] if e["ph"] == "C"]
+    assert counters == [{"name": "memory rank 0", "ph": "C", "pid": 0, "ts": pytest.approx(2000.0),
+                         "args": {"GiB": 1.5}}]  # none for rank 1: CPU events carry no memory
+
+
 def silent_peer(timeout_s):
     from pipezero.pipe.runner import PipelineTimeout
 
