@@ -25,7 +25,7 @@ def saved_storages(watch: bool) -> Iterator[set | None]:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(_storage(t))
-        return t
+        return t.detach()  # not t: a saved output would hold its own grad_fn, a cycle never freed
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield saved
 

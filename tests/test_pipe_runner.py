@@ -440,3 +440,35 @@ def test_sent_outputs_are_freed_unless_backward_saved_them():
     (8 x WIDTH fp32 over 4 microbatches); tanh's output, which its backward reads, is kept."""
     assert run(_freeing, 2, False)[0] == 8 * WIDTH * 4
     assert run(_freeing, 2, True)[0] == 0
+
+
+def _outputs_alive_after_step(name):
+    """Weak references to every layer output of this rank's chunks; how many outlive a step.
+    Each stage has a tanh inside, whose backward saves its output."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    layers = [layer for _ in range(4) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))]
+    grid = Grid(pipe=2)
+    sched = make_schedule(name, 4)
+    model = PipelineModule(layers, grid=grid, loss_fn=F.mse_loss, partition_method="uniform",
+                           num_chunks=sched.num_chunks, placement=sched.placement)
+    runner = PipelineRunner(model, sched)
+    refs = []
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Tanh)):
+            module.register_forward_hook(lambda mod, args, out: refs.append(weakref.ref(out)))
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1))
+    runner.train_step(x if grid.is_first_stage else None, torch.zeros(8, WIDTH))
+    gc.collect()
+    return len(refs), sum(r() is not None for r in refs)
+
+
+@pytest.mark.parametrize("name", ["ZeroBubbleV", "OneFOneB"])
+def test_no_activation_outlives_its_step(name):
+    """Watching sends for output deallocation must not keep graphs alive: a saved-tensor hook
+    that returns the tensor itself ties a saved output (tanh's) to its own grad_fn, a cycle
+    through C++ that nothing frees once a split backward (I, then W) retained the graph."""
+    for seen, alive in run(_outputs_alive_after_step, 2, name):
+        assert seen > 0 and alive == 0
