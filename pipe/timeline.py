@@ -31,8 +31,8 @@ class Event:
     name: str
     kind: str
     rank: int
-    start: float  # seconds, monotonic clock shared by the processes of one host
-    end: float
+    start: float  # seconds: the host's monotonic clock (on CUDA: at the step's start, plus GPU time
+    end: float    # since then; ranks then differ by their GPU's backlog, durations are exact)
     memory: int = 0  # bytes allocated on the device when the span ended (CUDA; 0 on CPU)
 
 
