@@ -10,6 +10,12 @@ channel carries a message, and each channel keeps the per-pair order that order-
 transports (nccl) need. Sends complete in the background; `drain()` waits for them (at the
 end of a pipeline step). `variable_shapes=True` sends every transfer as a new stream.
 
+Receiving early: gloo moves a message only once its receive is posted (a receive posted late
+costs a round trip, ~0.2 ms here, on the critical path), so `post_early(recvs)` posts the
+next action's receives of known streams while this one computes; `exchange()` then takes
+them, in the same order. On nccl a posted receive would occupy the GPU while it waits, so
+there it is a no-op.
+
 Waiting: on gloo a receive blocks the CPU until it completes or `timeout_s` passes. On nccl
 it only orders the compute stream behind the transfer, so the CPU keeps queueing kernels
 (a wait with a timeout would block the CPU and poll, leaving the GPU idle after every
@@ -76,6 +82,7 @@ class P2P:
         self._sent: set[tuple[int, str]] = set()
         self._meta: dict[tuple[int, str], list] = {}
         self._pending: list = []  # sends (and, on nccl, receives) not yet known to be complete
+        self._early: list = []    # ((peer, key), buffers, works) posted by post_early, oldest first
         self.stream_ordered = self.device.type == "cuda"  # nccl: wait() orders the stream, the CPU goes on
 
     def exchange(self, sends: Sequence[Send] = (), recvs: Sequence[Recv] = ()) -> list[tuple[torch.Tensor, ...]]:
@@ -87,6 +94,9 @@ class P2P:
         new = [self._is_new_send(peer, key) for peer, key, _ in sends]
         self._send_new([s for s, is_new in zip(sends, new) if is_new])
         known = [self._is_known_recv(peer, key) for peer, key in recvs]
+        early = self._take_early(recvs)
+        if early:
+            known = [False] * len(recvs)  # already posted: nothing to post or pair below
         out = [self._buffers(peer, key, self.device) if k else None for (peer, key), k in zip(recvs, known)]
         paired_peers = {peer for (peer, _), k in zip(recvs, known) if k}
         old = [s for s, is_new in zip(sends, new) if not is_new]
@@ -100,6 +110,8 @@ class P2P:
         if len(works) == len(paired):  # one work per operation (gloo): sends complete in the background
             self._pending += works[:num_sends]
             works = works[num_sends:]
+        if early:
+            out, works = [bufs for bufs, _ in early], [w for _, ws in early for w in ws]
         _count(sends, [b for bufs in out if bufs for b in bufs], recvs)
         for i, (peer, key) in enumerate(recvs):
             if out[i] is None:
@@ -116,6 +128,16 @@ class P2P:
                     b.requires_grad_(True)
         return out
 
+    def post_early(self, recvs: Sequence[Recv]) -> None:
+        """Post these receives now, for the next exchange() to take (gloo, known streams only:
+        all or none, so messages of one peer are still received in the order they were sent)."""
+        if self.stream_ordered or self.variable_shapes or not all(self._is_known_recv(p, k) for p, k in recvs):
+            return
+        for peer, key in recvs:
+            bufs = self._buffers(peer, key, self.device)
+            ops = [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
+            self._early.append(((peer, key), bufs, dist.batch_isend_irecv(ops) if ops else []))
+
     def send(self, peer: int, key: str, tensors) -> None:
         """Post one send (completes in the background; see drain)."""
         self.exchange(sends=[(peer, key, tensors)])
@@ -128,6 +150,17 @@ class P2P:
         before dropping the P2P (gloo drops the unsent messages of a destroyed send)."""
         pending, self._pending = self._pending, []
         self._wait(pending, [], [])
+
+    def _take_early(self, recvs: Sequence[Recv]) -> list | None:
+        """The early receives of exactly these streams, or None when none were posted."""
+        if not self._early:
+            return None
+        posted = [stream for stream, _, _ in self._early[:len(recvs)]]
+        if posted != list(recvs):
+            raise RuntimeError(f"p2p: receives posted early for {posted} but the exchange wants {list(recvs)}; "
+                               "post_early() must name the next exchange's receives")
+        taken, self._early = self._early[:len(recvs)], self._early[len(recvs):]
+        return [(bufs, works) for _, bufs, works in taken]
 
     # -- streams ------------------------------------------------------------------------
     def _is_new_send(self, peer: int, key: str) -> bool:

@@ -165,6 +165,8 @@ class PipelineRunner:
         for i, step in enumerate(steps):
             if sends or step.recvs:
                 self._exchange(sends, step.recvs, step)
+            if i + 1 < len(steps) and steps[i + 1].recvs:  # gloo: the next inputs arrive while this computes
+                self._p2p.post_early([(self.grid.rank_of(pipe=p), key) for p, key, _ in steps[i + 1].recvs])
             release = last_use.get(i)
             if release:
                 self._release(release, flush=False)

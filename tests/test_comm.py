@@ -20,25 +20,53 @@ def _payload(step, src, shapes=((3, 5), (7,), (2, 2, 2))):
     return a.requires_grad_(), b, c, d
 
 
-def _ring(steps, variable):
+def _ring(steps, variable, early=False):
+    """Each rank sends to the next and receives from the previous; with early=True each
+    step's receive is posted during the step before (post_early), once the stream is known."""
     rank, world = dist.get_rank(), dist.get_world_size()
     p2p = P2P(variable_shapes=variable)
     nxt, prv = (rank + 1) % world, (rank - 1) % world
+    posted = []
     for step in range(steps):
         shapes = ((3, 5 + step), (7 + step,), (2, step + 1, 2)) if variable else ((3, 5), (7,), (2, 2, 2))
         got = p2p.exchange(sends=[(nxt, "ring", _payload(step, rank, shapes))], recvs=[(prv, "ring")])[0]
+        if early and step + 1 < steps:
+            p2p.post_early([(prv, "ring")])
+            posted.append(len(p2p._early))
         want = _payload(step, prv, shapes)
         assert [t.dtype for t in got] == [t.dtype for t in want]
         assert got[0].requires_grad and not got[1].requires_grad
         for g, w in zip(got, want):
             assert torch.equal(g, w.detach())
     p2p.drain()  # sends complete in the background until drained
-    return True
+    return posted if early else True
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tuples_of_mixed_dtypes_bit_exact(world):
     assert all(run(_ring, world, 3, False))
+
+
+def test_receives_posted_early_arrive_in_order_bit_exact():
+    """gloo: receives of known streams post one step ahead and the exchange takes them (the
+    first step's stream is new, so from then on one receive waits posted each step)."""
+    assert run(_ring, 2, 4, False, True) == [[1, 1, 1]] * 2
+
+
+def _early_mismatch():
+    p2p = P2P()
+    peer = 1 - dist.get_rank()
+    p2p.exchange(sends=[(peer, "a", torch.ones(2))], recvs=[(peer, "a")])
+    p2p.post_early([(peer, "a")])
+    with pytest.raises(RuntimeError, match="posted early"):
+        p2p.exchange(recvs=[(peer, "b")])
+    got = p2p.exchange(sends=[(peer, "a", torch.full((2,), 2.0))], recvs=[(peer, "a")])  # takes the early one
+    p2p.drain()
+    return got[0][0].tolist()
+
+
+def test_an_exchange_that_skips_early_receives_is_an_error():
+    assert run(_early_mismatch, 2) == [[2.0, 2.0]] * 2
 
 
 def test_variable_shapes_mode():
