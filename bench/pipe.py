@@ -9,7 +9,9 @@ the same microbatches and the same fp32
 (> 1: we are faster), and for 1F1B DeepSpeed's PipelineModule (bench/ds_pipe.py, where
 deepspeed imports; its own bf16 policy with fp32 masters on CUDA); the measured bubble of our
 runner next to the simulator's prediction fed the measured action times (their mean, and
-each rank's and chunk's own) and the measured time of one activation between ranks.
+each rank's and chunk's own) and the measured time of one activation between ranks; on CUDA
+also tokens/s and each runner's step memory (peak allocated above the step's start).
+Schedules: GPipe, 1F1B, Interleaved1F1B, ZeroBubbleV, DualPipeV (torch's ScheduleDualPipeV).
 
     python bench/pipe.py                       # CPU, gloo, 2 and 4 processes
     python bench/pipe.py --device cuda --world 2 --layers 24 --d-model 2048 --heads 16 \\
