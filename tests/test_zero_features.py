@@ -299,3 +299,38 @@ def _different_models():
 
 def test_different_models_on_ranks_fail_on_every_rank():
     run(_different_models, 2)
+
+
+# -- padding of the flat buffers -------------------------------------------------------------
+def _poisoned_empty(stage):
+    """Train with torch.empty filled with NaN (deterministic mode's fill_uninitialized_memory)
+    under a dynamic LossScaler, which skips any step with a non-finite gradient: padding that a
+    fresh gradient buffer did not zero would reach the shards' gradients and skip every step."""
+    from pipezero.precision import LossScaler
+
+    world = dist.get_world_size()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        model = make_model()  # a 7-element bias: the flat buffers need padding over 2 ranks
+        inner = LossScaler(make_opt(model, "sgd"), init_scale=1.0)
+        opt = ZeroOptimizer(inner, stage=stage, module=model if stage == 3 else None,
+                            config=ZeroConfig(stage=stage, stage3_param_persistence_threshold=10))
+        stepped = []
+        for step in range(3):
+            x, y = local_batch(world, step)
+            opt.zero_grad()
+            opt.backward(nn.functional.mse_loss(model(x), y))
+            stepped.append(opt.step())
+        with opt.gathered_parameters():
+            return stepped, [p.detach().clone() for p in model.parameters()]
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_uninitialised_padding_never_reaches_the_gradients(stage):
+    want = reference("sgd", 2, steps=3)
+    results = run(_poisoned_empty, 2, stage)
+    assert [stepped for stepped, _ in results] == [[True] * 3] * 2
+    _assert_params([params for _, params in results], want, f"stage {stage}")
