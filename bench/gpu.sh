@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
-#   bash bench/gpu.sh [zero|pipe|pipe-bf16|pipe-gaps|tensor|comm|precision|train|hybrid|profile|trace|smoke ...]
+#   bash bench/gpu.sh [zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|profile|trace|smoke ...]
 #   (default: smoke zero pipe comm precision; profile/trace: kernel tables and chrome traces under $OUT)
 # The GPU image has torch but not this package installed: import it through a link.
 set -u
@@ -42,6 +42,8 @@ for w in $what; do
     pipe-profile) run pipe-profile 240 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 \
                     --microbatches 8 --steps 3 --precision bf16 --partition measured --schedules ZeroBubbleV 1F1B \
                     --no-deepspeed --profile "$out/profile" --trace "$out/trace" ;;
+    pipe-masters) run pipe-masters 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 \
+                    --microbatches 8 --steps 5 --precision bf16 --optimizer adam-masters --partition measured ;;
     pipe-gaps) run pipe-gaps 300 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 \
                  --steps 5 --partition measured --schedules GPipe --no-deepspeed --profile "$out/profile" \
                  --trace "$out/trace" ;;

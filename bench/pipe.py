@@ -40,6 +40,7 @@ from pipezero.pipe import (Action, Costs, DualPipeV, GPipe, Interleaved1F1B, Lay
                            PipelineModule, PipelineRunner, ZeroBubbleV, measure_layer_costs, simulate)
 from pipezero.pipe.placement import owner  # noqa: E402
 from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
+from pipezero.precision import MasterWeights  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 
 # ours -> torch.distributed.pipelining's schedule of the same name
@@ -68,6 +69,14 @@ def _weights_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.precision == "bf16" else torch.float32
 
 
+def _optimizer(params: list, args):
+    """The same optimizer for both runners: SGD on the weights, or (--optimizer adam-masters)
+    Adam on fp32 master copies of bf16 weights, the policy of DeepSpeed's bf16 anchor."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-4)
+    return MasterWeights(torch.optim.Adam(params, lr=1e-4))
+
+
 def layer_costs(args, device) -> list[float]:
     """Forward + backward milliseconds of each layer on one microbatch (pipe.measure_layer_costs,
     the head with the loss; the max over ranks): what `--partition measured` balances."""
@@ -87,7 +96,7 @@ def setup_ours(name, args, grid, device, costs=None):
         print(f"{name}: stage bounds {model.bounds} from measured layer costs (ms) "
               f"{[round(c, 2) for c in costs[:2]]} ... {[round(c, 2) for c in costs[-2:]]}", flush=True)
     model.to(_weights_dtype(args))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    opt = _optimizer(list(model.parameters()), args)
     runner = PipelineRunner(model, sched, optimizer=opt)
     ids, targets = _batch(args, device)
 
@@ -117,7 +126,7 @@ def setup_torch(name, args, grid, device, bounds):
         stages.append(pipelining.PipelineStage(layers, stage, p * chunks, device, group=grid.pipe_group))
     schedule_cls = getattr(pipelining, torch_name)
     sched = schedule_cls(stages if chunks > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=gpt_loss)
-    opt = torch.optim.SGD([q for s in stages for q in s.submod.parameters()], lr=1e-4)
+    opt = _optimizer([q for s in stages for q in s.submod.parameters()], args)
     ids, targets = _batch(args, device)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
 
@@ -301,7 +310,8 @@ def _predicted_bubble(name, p, m, measured: dict, per_chunk: bool, p2p: float = 
 
 def _policy(args) -> str:
     if args.precision == "bf16":
-        return "bf16 weights, no autocast, SGD on the bf16 weights"
+        return "bf16 weights, no autocast, " + ("SGD on the bf16 weights" if args.optimizer == "sgd"
+                                               else "Adam on fp32 masters")
     return "bf16 autocast, fp32 weights" if args.device == "cuda" else "fp32"
 
 
@@ -325,6 +335,8 @@ def main() -> None:
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer even if it imports")
     parser.add_argument("--profile", default=None, help="folder for kernel tables of one more step (ours, torch)")
     parser.add_argument("--trace", default=None, help="folder for a chrome trace of our last step per schedule")
+    parser.add_argument("--optimizer", choices=["sgd", "adam-masters"], default="sgd",
+                        help="sgd: SGD on the weights; adam-masters: Adam on fp32 master copies (MasterWeights)")
     parser.add_argument("--precision", choices=["autocast", "bf16"], default="autocast",
                         help="autocast: bf16 autocast over fp32 weights on CUDA (fp32 on CPU); "
                              "bf16: bf16 weights for both runners, no autocast")
