@@ -93,11 +93,10 @@ class P2P:
         sends = [(peer, key, tuple(ts) if isinstance(ts, (tuple, list)) else (ts,)) for peer, key, ts in sends]
         new = [self._is_new_send(peer, key) for peer, key, _ in sends]
         self._send_new([s for s, is_new in zip(sends, new) if is_new])
-        known = [self._is_known_recv(peer, key) for peer, key in recvs]
-        early = self._take_early(recvs)
-        if early:
-            known = [False] * len(recvs)  # already posted: nothing to post or pair below
-        out = [self._buffers(peer, key, self.device) if k else None for (peer, key), k in zip(recvs, known)]
+        early = self._take_early(recvs)  # posted already: nothing to post or pair below
+        known = [not early and self._is_known_recv(peer, key) for peer, key in recvs]
+        out = [bufs for bufs, _ in early] if early else \
+            [self._buffers(peer, key, self.device) if k else None for (peer, key), k in zip(recvs, known)]
         paired_peers = {peer for (peer, _), k in zip(recvs, known) if k}
         old = [s for s, is_new in zip(sends, new) if not is_new]
         lone = [self._send_op(t, peer) for peer, _, ts in old if peer not in paired_peers for t in ts]
@@ -111,7 +110,7 @@ class P2P:
             self._pending += works[:num_sends]
             works = works[num_sends:]
         if early:
-            out, works = [bufs for bufs, _ in early], [w for _, ws in early for w in ws]
+            works = [w for _, ws in early for w in ws]
         _count(sends, [b for bufs in out if bufs for b in bufs], recvs)
         for i, (peer, key) in enumerate(recvs):
             if out[i] is None:
