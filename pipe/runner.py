@@ -30,6 +30,7 @@ import torch.distributed as dist
 from pipezero.comm import P2P, CommTimeout
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.dealloc import free, freeable, saved_storages
+from pipezero.pipe.groups import cpu_world_group, side_group
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.placement import owner, virtual_stage
 from pipezero.pipe.timeline import Timeline, bubble_fraction, gather_events
@@ -80,8 +81,8 @@ class PipelineRunner:
         self._release_plan = _last_weight_use(self.steps, model)
         self._p2p: P2P | None = None
         self._p2ps: dict[bool, P2P] = {}  # train / eval: streams differ in requires_grad
-        self._side_group = _side_group(self.grid)
-        self._check_group = _cpu_world_group()
+        self._side_group = side_group(self.grid)
+        self._check_group = cpu_world_group()
         self._signature: int | None = None
 
     # -- public --------------------------------------------------------------------------
@@ -438,26 +439,6 @@ def _check_schedule(model: PipelineModule, schedule: Any, optimizer: Any) -> Non
     if getattr(optimizer, "stage", None) == 3:
         raise ValueError("PipelineRunner does not run ZeRO stage 3 (it would gather every chunk's parameters "
                          "once per microbatch); use ZeroOptimizer(stage=2), which keeps full weights per stage")
-
-
-def _cpu_world_group() -> Any:
-    """A group over every rank that reduces CPU tensors: the default one when it has gloo, else a
-    gloo twin (created on every rank). The step-start check runs there, so checking a batch never
-    waits for the GPU to finish the previous step (the optimizer's kernels queue up behind it)."""
-    return None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
-
-
-def _side_group(grid: Any) -> Any:
-    """The pipe group itself on gloo; beside nccl, a gloo twin (created on every rank, in order)."""
-    if dist.get_backend(grid.pipe_group) != "nccl":
-        return grid.pipe_group
-    mine = None
-    for data in range(grid.data_size):
-        for tensor in range(grid.tensor_size):
-            ranks = [grid.rank_of(pipe=p, data=data, tensor=tensor) for p in range(grid.pipe_size)]
-            group = dist.new_group(ranks, backend="gloo")
-            mine = group if grid.rank in ranks else mine
-    return mine
 
 
 def _tensors(x: Any) -> tuple:
