@@ -193,8 +193,8 @@ def _timed(step, device) -> tuple[float, float, int]:
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() - base if cuda else 0
     retried = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries if cuda else 0
-    return (_max_over_ranks(elapsed, device), _max_over_ranks(float(peak), device),
-            int(_max_over_ranks(float(retried), device)))
+    elapsed, peak, retried = _max_over_ranks([elapsed, peak, retried], device)
+    return elapsed, peak, int(retried)
 
 
 def _profile(tag, step, device, folder) -> None:
@@ -246,10 +246,11 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _max_over_ranks(seconds: float, device) -> float:
-    t = torch.tensor([seconds], device=device)
+def _max_over_ranks(values: list[float], device) -> list[float]:
+    """Each value's max over ranks, in one all-reduce (float64: byte counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return t.tolist()
 
 
 def worker(rank, world, args, port, queue):
@@ -290,7 +291,7 @@ def p2p_seconds(args, grid, device, repeats: int = 5) -> float:
             ping()
         _sync(device)
         elapsed = (time.perf_counter() - start) / repeats / 2
-    return _max_over_ranks(elapsed, device)
+    return _max_over_ranks([elapsed], device)[0]
 
 
 def _predicted_bubble(name, p, m, measured: dict, per_chunk: bool, p2p: float = 0.0) -> float:
