@@ -41,7 +41,7 @@ class Handle:
             self._finish()
         if self.kind:
             TRAFFIC.add_seconds(self.kind, time.perf_counter() - start)
-        self._done = True
+        self._done, self._works = True, []  # a finished work and its tensors are not kept alive
 
     def is_completed(self) -> bool:
         return self._done or all(w is None or w.is_completed() for w in self._works)

@@ -13,6 +13,7 @@ Every check that can fail on user input runs before the first collective, on eve
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -31,7 +32,7 @@ from pipezero.train.config_optim import OptimizerConfig, build_optimizer, build_
 from pipezero.train.log import warn_once
 from pipezero.zero import ZeroOptimizer
 
-__all__ = ["Parts", "build", "init_process_group", "make_schedule", "resolve_precision"]
+__all__ = ["Parts", "build", "init_process_group", "make_schedule", "model_width", "resolve_precision"]
 
 _SCHEDULES = {ScheduleKind.GPIPE: GPipe, ScheduleKind.ONE_F_ONE_B: OneFOneB,
               ScheduleKind.INTERLEAVED_1F1B: Interleaved1F1B, ScheduleKind.ZB_H1: ZeroBubbleH1,
@@ -77,6 +78,21 @@ def resolve_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:
         return torch.bfloat16
 
 
+def model_width(model: nn.Module) -> int | None:
+    """The hidden size that "auto" ZeRO sizes follow, read off a model as DeepSpeed users expect.
+
+    A Hugging Face-style `model.config.hidden_size` (or the largest of `hidden_sizes`) first;
+    else the input width most of the model's Linear layers share (the residual width of a
+    transformer, whose MLP and head are wider), the larger on a tie; None without Linears.
+    """
+    config = getattr(model, "config", None)
+    width = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0])
+    if isinstance(width, int) and width > 0:
+        return width
+    counts = Counter(m.in_features for m in model.modules() if isinstance(m, nn.Linear))
+    return max(counts, key=lambda w: (counts[w], w)) if counts else None
+
+
 init_process_group = init_distributed  # the restart-safe start lives in topology/
 
 
@@ -93,6 +109,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     as the innermost link instead of the config's "optimizer" section. `tensor` > 1 (with specs=)
     shards each layer by `tensor_plan` (PipelineModule's) over the grid's tensor axis.
     """
+    if hidden_size is None and isinstance(model, nn.Module):
+        hidden_size = model_width(model)
     cfg = _config(config, hidden_size, tensor)
     _check_build_args(cfg, specs, model, loss_fn, optimizer)
     if tensor > 1 and specs is None:
@@ -144,8 +162,8 @@ def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, op
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"build(model={type(model).__name__}): expected an nn.Module")
     if cfg.zero.has_auto:
-        raise ValueError('ds_config["zero_optimization"] has "auto" sizes: pass build(..., hidden_size=) '
-                         "(the model's width) to resolve them")
+        raise ValueError('ds_config["zero_optimization"] has "auto" sizes and the model\'s width is unknown: pass '
+                         "build(..., hidden_size=) (e.g. the transformer's d_model) to resolve them")
     if specs is not None:
         if loss_fn is None:
             raise ValueError("build(specs=...) needs loss_fn=: the last pipeline stage computes the loss")

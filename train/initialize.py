@@ -58,15 +58,16 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
     """(engine, optimizer chain, None, lr scheduler), like deepspeed.initialize.
 
     The optimizer is yours if given, else the config's "optimizer" section over
-    `model_parameters` (default: every trainable parameter). The third item, DeepSpeed's data
+    `model_parameters` (default: every trainable parameter). `hidden_size` resolves "auto"
+    ZeRO sizes; by default it is read off the model (`build.model_width`). The third item, DeepSpeed's data
     loader, is always None: keep your own.
     """
     if config is None:
         raise ValueError("initialize(config=None): pass a ds_config path or dict")
     if optimizer is None and model_parameters is not None:
-        from pipezero.train.build import _config
+        from pipezero.train.build import _config, model_width
 
-        cfg = _config(config, hidden_size)
+        cfg = _config(config, hidden_size if hidden_size is not None else model_width(model))
         optimizer = build_optimizer(cfg.optimizer or OptimizerConfig(), model_parameters)
         config = cfg
     parts = build(config, model=model, hidden_size=hidden_size, optimizer=optimizer)
