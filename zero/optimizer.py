@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_gather, group_size
+from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_sync import GradSync
 from pipezero.zero.partition import Bucket, plan_groups
@@ -105,7 +106,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         mine = torch.tensor([len(self.buckets), sum(b.numel for b in self.buckets),
                              sum((i + 1) * b.numel for i, b in enumerate(self.buckets))], dtype=torch.int64)
-        device = self.buckets[0].device if self.buckets and dist.get_backend(self.group) == "nccl" else "cpu"
+        device = process_device(self.group)
         everyone = torch.empty(3 * self.world, dtype=torch.int64, device=device)
         all_gather(everyone, mine.to(device), group=self.group)
         rows = everyone.view(self.world, 3).cpu().tolist()
