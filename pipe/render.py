@@ -36,7 +36,9 @@ def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
     """The step x rank grid of a schedule (dict rank -> actions) or of a SimResult.
 
     For a dict, step k is the k-th action of each rank's list. For a SimResult, each row is
-    one distinct start time, so idle ranks show blank cells. `mark` holds (rank, step)
+    one time slot (every whole time unit when the times are whole, else every start and end):
+    an action shows at its start and as "." while it runs, an idle rank as a blank cell, so
+    gaps read as in the picture. `mark` holds (rank, step)
     cells to bracket, e.g. "[0F3]" (steps index the lists, for dicts only).
     """
     if isinstance(schedule, Mapping):
@@ -44,9 +46,10 @@ def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
         rows = max((len(schedule[r]) for r in range(p)), default=0)
         cells = [[str(schedule[r][k]) if k < len(schedule[r]) else "" for r in range(p)]
                  for k in range(rows)]
-        labels = [str(k) for k in range(rows)]
+        labels, axis = [str(k) for k in range(rows)], "step"
     elif hasattr(schedule, "timeline"):
         cells, labels, p = _timed_cells(schedule)
+        axis = "time"
     else:
         raise TypeError(f"to_text needs a dict rank -> actions (e.g. sched.actions(num_stages)) "
                         f"or a SimResult, got {type(schedule).__name__}")
@@ -55,8 +58,8 @@ def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
         if 0 <= k < len(cells) and 0 <= r < p:
             cells[k][r] = f"[{cells[k][r] or ' '}]"
     width = max([len(f"rank {p - 1}")] + [len(c) for row in cells for c in row]) + 2
-    label_w = max([len("step")] + [len(x) for x in labels])
-    head = "step".rjust(label_w) + "  " + "".join(f"rank {r}".ljust(width) for r in range(p))
+    label_w = max([len(axis)] + [len(x) for x in labels])
+    head = axis.rjust(label_w) + "  " + "".join(f"rank {r}".ljust(width) for r in range(p))
     body = [lab.rjust(label_w) + "  " + "".join(c.ljust(width) for c in row)
             for lab, row in zip(labels, cells)]
     return "\n".join(line.rstrip() for line in [head, *body])
@@ -64,11 +67,19 @@ def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
 
 def _timed_cells(result: "SimResult") -> tuple[list[list[str]], list[str], int]:
     p = result.num_stages
-    times = sorted({e.start for e in result.timeline})
+    times = {t for e in result.timeline for t in (e.start, e.end)}
+    if all(float(t).is_integer() for t in times) and result.makespan <= 10_000:
+        times |= set(range(int(result.makespan)))
+    times = sorted(t for t in times if t < result.makespan)
     row_of = {t: k for k, t in enumerate(times)}
     cells = [[""] * p for _ in times]
     for e in result.timeline:
-        cells[row_of[e.start]][e.rank] = str(e.action)
+        first = row_of[e.start]
+        cells[first][e.rank] = str(e.action)
+        for k in range(first + 1, len(times)):
+            if times[k] >= e.end:
+                break
+            cells[k][e.rank] = "."
     return cells, [f"{t:g}" for t in times], p
 
 
