@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipezero.comm import all_gather, group_size
+from pipezero.comm import all_gather, group_size, nvtx_range
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_sync import GradSync
@@ -162,7 +162,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._sync.finish()
         if self._gatherer is not None:
             self._gatherer.release_all()
-        stepped = self.inner.step() is not False
+        with nvtx_range("optimizer.step"):
+            stepped = self.inner.step() is not False
         self.last_step_skipped = not stepped
         self._sync.end_step()
         if stepped:
