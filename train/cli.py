@@ -45,7 +45,7 @@ def _simulate(args: argparse.Namespace) -> int:
     result = pipe.simulate(schedule, args.stages, costs=costs)
     print(pipe.to_text(result))
     peak = ", ".join(f"rank {r}: {n:g}" for r, n in sorted(result.peak_stage_activations().items()))
-    print(f"\n{type(schedule).__name__}: {args.stages} stages, {args.microbatches} microbatches, "
+    print(f"\n{schedule!r}: {args.stages} stages, {args.microbatches} microbatches, "
           f"makespan {result.makespan:g}, bubble {result.bubble:.3f}")
     print(f"peak live activations (whole-stage microbatches): {peak}")
     png = Path(args.png or f"{args.schedule}_p{args.stages}_m{args.microbatches}.png")
