@@ -196,8 +196,9 @@ def main(argv=None) -> float:
             scalars["pipeline/measured_bubble"] = runner.measured_bubble()  # a collective: every rank
             if done == start + 1 or done == args.steps:
                 _timeline_picture(tb, runner, grid, parts.module.num_chunks, args.out, done)
-            log.info("step %d/%d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.0f tok/s | bubble %.2f%s",
+            log.info("step %d/%d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.0f tok/s%s | bubble %.2f%s",
                      done, args.steps, loss.item(), lr, parts.scaler.loss_scale, grad_norm, tokens_s,
+                     "" if util is None else f" | MFU {util:.1%}",
                      scalars["pipeline/measured_bubble"], "" if stepped else " | SKIPPED (inf/nan)")
             if cfg.wall_clock_breakdown:
                 log.info("time: %s", timers.format())
