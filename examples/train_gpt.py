@@ -31,6 +31,7 @@ from pipezero.pipe import schedule_names, simulate, to_image, to_png, to_text  #
 from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
 from pipezero.precision import global_grad_norm  # noqa: E402
 from pipezero.train.build import build  # noqa: E402
+from pipezero.train.cli import DefaultsHelp  # noqa: E402
 from pipezero.train.checkpoint import prune_checkpoints, step_dir_name  # noqa: E402
 from pipezero.train.data import ShardedBatches, TokenData  # noqa: E402
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once  # noqa: E402
@@ -42,7 +43,7 @@ PEAK_FLOPS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e1
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelp)
     p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2)")
     p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
     p.add_argument("--tensor", type=int, default=1,
@@ -56,18 +57,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch per data rank (default 4)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warm-up + cosine)")
     p.add_argument("--config", default=None, help="a ds_config.json; the flags above override its keys")
     p.add_argument("--data-path", default=None, help="your own text/.bin/.npy file (default: stdlib sources)")
     p.add_argument("--out", default="runs/gpt", help="TensorBoard logs, checkpoints and the exported model")
     p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to resume from")
-    p.add_argument("--eval-interval", type=int, default=50)
-    p.add_argument("--save-interval", type=int, default=100)
-    p.add_argument("--steps-per-print", type=int, default=None)
+    p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
+    p.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--steps-per-print", type=int, default=None,
+                   help="steps between log lines (default: the config's, else 10)")
     p.add_argument("--expect-device", default=None, choices=["cuda", "cpu"],
                    help="check that every parameter and each stage's activations live on this device (GPU smoke)")
     return p.parse_args(argv)

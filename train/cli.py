@@ -19,7 +19,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["main", "examples_dir"]
+__all__ = ["DefaultsHelp", "main", "examples_dir"]
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default; a flag whose default is None says in its own help what applies."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 def examples_dir() -> Path:
     """The repository's examples/ folder, or a FileNotFoundError that says how to get it."""
@@ -88,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipezero", description="pipeline-parallel training toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="simulate a schedule: text grid, bubble, peak memory, PNG",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=DefaultsHelp)
     sim.add_argument("--schedule", choices=schedule_names(), default="1f1b")
     sim.add_argument("--stages", type=int, default=4)
     sim.add_argument("--microbatches", type=int, default=8)
