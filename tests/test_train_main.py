@@ -79,3 +79,16 @@ def test_killed_rank_restarts_from_last_checkpoint(tmp_path, pipe):
     assert straight["resumed_from"] == 0 and resumed["resumed_from"] == 2
     bars = [line.split("]")[1].split()[0] for line in crashed.stderr.splitlines() if line.startswith("train [")]
     assert bars == ["1/6", "2/6", "3/6", "3/6", "4/6", "5/6", "6/6"]  # resumed at 2: counts on in global steps    assert resumed["final_loss"] == straight["final_loss"]
+
+
+def test_help_shows_every_default(capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_gpt
+
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("optimizer steps (default: 400)", "model width (default: 128)", "(default: runs/gpt)",
+                  "interleaved_1f1b takes any >= 2"):
+        assert shown in text
+    assert "(default: None)" not in text
