@@ -31,8 +31,8 @@ from pipezero.pipe import schedule_names, simulate, to_image, to_png, to_text  #
 from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
 from pipezero.precision import global_grad_norm  # noqa: E402
 from pipezero.train.build import build  # noqa: E402
-from pipezero.train.cli import DefaultsHelp  # noqa: E402
 from pipezero.train.checkpoint import prune_checkpoints, step_dir_name  # noqa: E402
+from pipezero.train.cli import DefaultsHelp  # noqa: E402
 from pipezero.train.data import ShardedBatches, TokenData  # noqa: E402
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once  # noqa: E402
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars  # noqa: E402

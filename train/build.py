@@ -33,6 +33,7 @@ from pipezero.zero import ZeroOptimizer
 
 __all__ = ["Parts", "build", "init_process_group", "resolve_precision"]
 
+
 @dataclass(eq=False)
 class Parts:
     """The parts of one training job; `optimizer` is the outermost link of the chain."""
