@@ -10,6 +10,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from pipezero.topology.device import default_backend
+
 
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Initialise the default process group once, the way torchrun expects.
@@ -27,7 +29,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=timeout_s)

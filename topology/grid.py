@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipezero.topology.device import process_device
 from pipezero.topology.env import init_distributed
 
 AXES = ("pipe", "data", "tensor")
@@ -62,8 +62,7 @@ class Grid:
         self.rank = dist.get_rank()
         self.shape = grid_shape(self.world_size, pipe, data, tensor)
         self.pipe_size, self.data_size, self.tensor_size = self.shape
-        device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        self.mesh: DeviceMesh = init_device_mesh(device, self.shape, mesh_dim_names=AXES)
+        self.mesh: DeviceMesh = init_device_mesh(process_device().type, self.shape, mesh_dim_names=AXES)
         me = self.coords(self.rank)
         self.pipe_rank, self.data_rank, self.tensor_rank = me.pipe, me.data, me.tensor
         self.pipe_group = self.mesh.get_group("pipe")

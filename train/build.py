@@ -22,21 +22,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from pipezero.pipe import GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 from pipezero.pipe.module import PipelineModule
+from pipezero.pipe.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
 from pipezero.precision import LossScaler
-from pipezero.topology import Grid, init_distributed
-from pipezero.train.config import ScheduleKind, TrainConfig, parse_config
+from pipezero.topology import Grid, init_distributed, process_device
+from pipezero.train.config import TrainConfig, parse_config
 from pipezero.train.config_optim import OptimizerConfig, build_optimizer, build_scheduler
 from pipezero.train.log import warn_once
 from pipezero.zero import ZeroOptimizer
 
-__all__ = ["Parts", "build", "init_process_group", "make_schedule", "model_width", "resolve_precision"]
-
-_SCHEDULES = {ScheduleKind.GPIPE: GPipe, ScheduleKind.ONE_F_ONE_B: OneFOneB,
-              ScheduleKind.INTERLEAVED_1F1B: Interleaved1F1B, ScheduleKind.ZB_H1: ZeroBubbleH1,
-              ScheduleKind.ZBV: ZeroBubbleV}
+__all__ = ["Parts", "build", "init_process_group", "model_width", "resolve_precision"]
 
 
 @dataclass(eq=False)
@@ -54,15 +50,6 @@ class Parts:
     runner: PipelineRunner | None = None
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
-
-
-def make_schedule(kind: ScheduleKind, num_microbatches: int, chunks: int = 1) -> Any:
-    """The pipe/ schedule object a config names."""
-    if not isinstance(kind, ScheduleKind):
-        raise TypeError(f"make_schedule({kind!r}): expected a ScheduleKind, e.g. ScheduleKind.ONE_F_ONE_B")
-    if kind is ScheduleKind.INTERLEAVED_1F1B:
-        return Interleaved1F1B(num_microbatches=num_microbatches, num_chunks=chunks)
-    return _SCHEDULES[kind](num_microbatches=num_microbatches)
 
 
 def resolve_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -116,7 +103,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     if tensor > 1 and specs is None:
         raise ValueError(f"build(tensor={tensor}) shards pipeline layers by tensor_plan: pass specs= (and "
                          "tensor_plan=, e.g. gpt_tensor_plan()), or tensor=1 with model=")
-    dev = torch.device(device) if device is not None else _default_device()
+    dev = torch.device(device) if device is not None else process_device()  # the process group's device
     dtype = resolve_precision(cfg.compute_dtype, dev)
     init_distributed()
     grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=tensor)
@@ -187,9 +174,3 @@ def _scaler(cfg: TrainConfig, inner: torch.optim.Optimizer, dtype: torch.dtype) 
     if dtype == torch.float16:
         return LossScaler.from_config(inner, cfg.fp16.to_dict(), dtype=torch.float16, clip_grad_norm=clip)
     return LossScaler.from_config(inner, cfg.bf16.to_dict(), dtype=torch.bfloat16, clip_grad_norm=clip)
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -210,13 +210,18 @@ def single_process_names(specs: Sequence[Any]) -> Callable[[str], list[str]]:
 
 
 def export_model(directory: str | os.PathLike, path: str | os.PathLike, specs: Sequence[Any],
-                 step: int | None = None, dtype: torch.dtype | None = None) -> Path:
-    """One safetensors file of the whole model under the single-process names (from any grid's checkpoint)."""
+                 step: int | None = None, dtype: torch.dtype | None = None,
+                 metadata: Mapping[str, str] | None = None) -> Path:
+    """One safetensors file of the whole model under the single-process names (from any grid's checkpoint).
+
+    `metadata` (strings) goes into the file's header beside the step, e.g. the model's config
+    as JSON, so the file alone is enough to rebuild the model it holds.
+    """
     ckpt = load_checkpoint(directory, step, names=lambda k: k.startswith(_MODEL))
     mapping = single_process_names(specs)
     out: dict[str, torch.Tensor] = {}
     for key, value in ckpt.tensors.items():
         for name in mapping(key[len(_MODEL):]):
             out[name] = value.to(dtype) if dtype is not None else value
-    return export_consolidated(path, out, metadata={"step": str(ckpt.step)})
+    return export_consolidated(path, out, metadata={**dict(metadata or {}), "step": str(ckpt.step)})
 
