@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,10 +32,12 @@ from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
 from pipezero.precision import global_grad_norm  # noqa: E402
 from pipezero.train.build import build  # noqa: E402
 from pipezero.train.checkpoint import prune_checkpoints  # noqa: E402
+from pipezero.train.config import parse_config  # noqa: E402
+from pipezero.train.config_batch import keep_global_batch  # noqa: E402
 from pipezero.train.data import ShardedBatches, TokenData  # noqa: E402
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once  # noqa: E402
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars  # noqa: E402
-from pipezero.train.state import export_model, resume_if_any, save_state  # noqa: E402
+from pipezero.train.state import export_model, resume_if_any, save_state, saved_batch  # noqa: E402
 
 PEAK_FLOPS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}  # H100/H200 SXM, dense
 
@@ -104,8 +107,14 @@ def main(argv=None) -> float:
     log = get_logger("train_gpt")
     model_cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
 
+    # -- the config; resumed on another data degree (an elastic restart), it keeps the global batch --
+    ckpt_dir = Path(args.out) / "checkpoints"
+    saved = saved_batch(ckpt_dir)
+    config = parse_config(ds_config(args), tensor=args.tensor, hidden_size=args.d_model)
+    config = replace(config, batch=keep_global_batch(config.batch, saved))
+
     # -- the parts: grid, pipeline module, optimizer chain, lr schedule, schedule, runner ----------
-    parts = build(ds_config(args), specs=gpt_specs(model_cfg), loss_fn=gpt_loss, hidden_size=args.d_model,
+    parts = build(config, specs=gpt_specs(model_cfg), loss_fn=gpt_loss, hidden_size=args.d_model,
                   tensor=args.tensor, tensor_plan=gpt_tensor_plan())
     grid, runner, opt, cfg = parts.grid, parts.runner, parts.optimizer, parts.config
     if args.data is not None and args.data != grid.data_size:
@@ -114,6 +123,10 @@ def main(argv=None) -> float:
                          f"{grid.pipe_size * grid.tensor_size * args.data}")
     log.info("grid %s, optimizer %s, schedule %s, %s\n%s", grid, opt, parts.schedule,
              str(parts.dtype).removeprefix("torch."), parts.module.describe())
+    if saved is not None and saved.data_degree != grid.data_size:
+        log.info("data degree %d, the checkpoint's %d: %d accumulation steps (it had %d) keep its global batch of %d",
+                 grid.data_size, saved.data_degree, cfg.batch.accumulation_steps, saved.accumulation_steps,
+                 cfg.batch.train_batch_size)
 
     # -- data: byte tokens, this data rank's share of every global batch ---------------------------
     if args.data_path:
@@ -125,7 +138,6 @@ def main(argv=None) -> float:
     val = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="val", shuffle=False)
 
     # -- resume from the latest checkpoint under --out, if there is one -----------------------------
-    ckpt_dir = Path(args.out) / "checkpoints"
     meta = resume_if_any(parts, ckpt_dir)
     if args.resume and meta is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; drop --resume to start fresh")
