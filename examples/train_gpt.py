@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -161,6 +162,7 @@ def main(argv=None) -> float:
     loss = torch.tensor(float("nan"))
     for step in range(start, args.steps):
         _crash_for_the_restart_test(step, grid.rank)
+        _lose_node_for_the_elastic_test(step)
         TRAFFIC.reset()
         t0 = time.perf_counter()
 
@@ -267,6 +269,20 @@ def _crash_for_the_restart_test(step: int, rank: int) -> None:
         if (step, rank) == (at, who):
             print(f"[rank {rank}] PIPEZERO_CRASH_AT: exiting at step {step}", file=sys.stderr, flush=True)
             os._exit(17)
+
+
+def _lose_node_for_the_elastic_test(step: int) -> None:
+    """Fault injection: PIPEZERO_STOP_AGENT_AT=step, set on one torchrun agent, stops that agent once.
+
+    Its local rank 0 sends the agent SIGTERM, as Slurm does to a preempted node: the agent stops
+    its workers and leaves the rendezvous open, so the other agents restart without it.
+    """
+    if (os.environ.get("PIPEZERO_STOP_AGENT_AT") == str(step) and os.environ.get("LOCAL_RANK") == "0"
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        print(f"PIPEZERO_STOP_AGENT_AT: stopping this node's agent at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(60)  # the agent stops this worker first
+        os._exit(17)
 
 
 if __name__ == "__main__":
