@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # pipe 2 x data 2, CPU or GPU
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --schedule zbv --zero-stage 1
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --pipe 2 --data 2 --tensor 2   # 3D
+    sbatch examples/slurm/train_gpt.sbatch                                    # Slurm, one agent per node
     tensorboard --logdir runs/gpt
 
 The corpus is the standard library's own source code (byte tokens, on every machine with
