@@ -30,8 +30,8 @@ from pipezero.comm import all_gather
 from pipezero.pipe.spec import TiedLayerSpec
 from pipezero.train.checkpoint import (checkpoint_meta, export_consolidated, latest_step, load_checkpoint,
                                        rng_state, save_checkpoint, set_rng_state)
-from pipezero.train.config_batch import BatchConfig
 from pipezero.train.checkpoint_state import flatten_state, unflatten_state
+from pipezero.train.config_batch import BatchConfig
 from pipezero.train.tensor_state import local_slice, whole
 from pipezero.zero.state import consolidated_state_dict
 
