@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # pipe 2 x data 2, CPU or GPU
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --schedule zbv --zero-stage 1
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --pipe 2 --data 2 --tensor 2   # 3D
+    sbatch examples/slurm/train_gpt.sbatch                                    # Slurm, one agent per node
     tensorboard --logdir runs/gpt
 
 The corpus is the standard library's own source code (byte tokens, on every machine with
@@ -17,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,10 +35,12 @@ from pipezero.precision import global_grad_norm  # noqa: E402
 from pipezero.train.build import build  # noqa: E402
 from pipezero.train.checkpoint import prune_checkpoints, step_dir_name  # noqa: E402
 from pipezero.train.cli import DefaultsHelp  # noqa: E402
+from pipezero.train.config import parse_config  # noqa: E402
+from pipezero.train.config_batch import keep_global_batch  # noqa: E402
 from pipezero.train.data import ShardedBatches, TokenData  # noqa: E402
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once  # noqa: E402
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars  # noqa: E402
-from pipezero.train.state import export_model, resume_if_any, save_state  # noqa: E402
+from pipezero.train.state import export_model, resume_if_any, save_state, saved_batch  # noqa: E402
 
 PEAK_FLOPS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}  # H100/H200 SXM, dense
 
@@ -115,8 +119,14 @@ def main(argv=None) -> float:
     log = get_logger("train_gpt")
     model_cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
 
+    # -- the config; resumed on another data degree (an elastic restart), it keeps the global batch --
+    ckpt_dir = Path(args.out) / "checkpoints"
+    saved = saved_batch(ckpt_dir)
+    config = parse_config(ds_config(args), tensor=args.tensor, hidden_size=args.d_model)
+    config = dataclasses.replace(config, batch=keep_global_batch(config.batch, saved))
+
     # -- the parts: grid, pipeline module, optimizer chain, lr schedule, schedule, runner ----------
-    parts = build(ds_config(args), specs=gpt_specs(model_cfg), loss_fn=gpt_loss, hidden_size=args.d_model,
+    parts = build(config, specs=gpt_specs(model_cfg), loss_fn=gpt_loss, hidden_size=args.d_model,
                   tensor=args.tensor, tensor_plan=gpt_tensor_plan())
     grid, runner, opt, cfg = parts.grid, parts.runner, parts.optimizer, parts.config
     if args.data is not None and args.data != grid.data_size:
@@ -127,6 +137,10 @@ def main(argv=None) -> float:
              str(parts.dtype).removeprefix("torch."), parts.device, parts.module.describe())
     if args.expect_device:
         _check_device(parts.module, args.expect_device, grid.rank)
+    if saved is not None and saved.data_degree != grid.data_size:
+        log.info("data degree %d, the checkpoint's %d: %d accumulation steps (it had %d) keep its global batch of %d",
+                 grid.data_size, saved.data_degree, cfg.batch.accumulation_steps, saved.accumulation_steps,
+                 cfg.batch.train_batch_size)
 
     # -- data: byte tokens, this data rank's share of every global batch ---------------------------
     if args.data_path:
@@ -138,7 +152,6 @@ def main(argv=None) -> float:
     val = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="val", shuffle=False)
 
     # -- resume from the latest checkpoint under --out, if there is one -----------------------------
-    ckpt_dir = Path(args.out) / "checkpoints"
     meta = resume_if_any(parts, ckpt_dir)
     if args.resume and meta is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; drop --resume to start fresh")
@@ -162,6 +175,7 @@ def main(argv=None) -> float:
     loss = torch.tensor(float("nan"))
     for step in range(start, args.steps):
         _crash_for_the_restart_test(step, grid.rank)
+        _lose_node_for_the_elastic_test(step)
         TRAFFIC.reset()
         t0 = time.perf_counter()
 
@@ -301,6 +315,20 @@ def _crash_for_the_restart_test(step: int, rank: int) -> None:
         if (step, rank) == (at, who):
             print(f"[rank {rank}] PIPEZERO_CRASH_AT: exiting at step {step}", file=sys.stderr, flush=True)
             os._exit(17)
+
+
+def _lose_node_for_the_elastic_test(step: int) -> None:
+    """Fault injection: PIPEZERO_STOP_AGENT_AT=step, set on one torchrun agent, stops that agent once.
+
+    Its local rank 0 sends the agent SIGTERM, as Slurm does to a preempted node: the agent stops
+    its workers and leaves the rendezvous open, so the other agents restart without it.
+    """
+    if (os.environ.get("PIPEZERO_STOP_AGENT_AT") == str(step) and os.environ.get("LOCAL_RANK") == "0"
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        print(f"PIPEZERO_STOP_AGENT_AT: stopping this node's agent at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(60)  # the agent stops this worker first
+        os._exit(17)
 
 
 if __name__ == "__main__":
