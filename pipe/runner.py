@@ -30,6 +30,7 @@ import torch.distributed as dist
 from pipezero.comm import P2P, CommTimeout, nvtx_range
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.dealloc import free, freeable, saved_storages
+from pipezero.pipe.gathering import chunk_gatherings
 from pipezero.pipe.groups import cpu_world_group, side_group
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.placement import owner, virtual_stage
@@ -62,11 +63,13 @@ class PipelineRunner:
     gradients are already summed then). With a data degree > 1 pass an optimizer that
     reduces gradients over grid.data_group (ZeroOptimizer; stage 0 behaves like DDP); the
     runner drives its readiness hooks (hold / release / flush) so reductions overlap the
-    pipeline's cool-down.
+    pipeline's cool-down. A ZeRO-3 optimizer (a ParamGathering) is told when each chunk's
+    parameters must be whole (pipe/gathering.py); `reshard_after_forward` picks whether a
+    chunk stays whole through the step (False) or is freed whenever another chunk runs.
     """
 
     def __init__(self, model: PipelineModule, schedule: Any, optimizer: Any = None,
-                 timeout_s: float = 300.0, variable_shapes: bool = False):
+                 timeout_s: float = 300.0, variable_shapes: bool = False, reshard_after_forward: bool = False):
         _check_schedule(model, schedule, optimizer)
         self.model, self.schedule, self.optimizer = model, schedule, optimizer
         self.grid = model.grid
@@ -84,6 +87,9 @@ class PipelineRunner:
         self._side_group = side_group(self.grid)
         self._check_group = cpu_world_group()
         self._signature: int | None = None
+        self._gathering = chunk_gatherings(optimizer, model, {True: [s.action.chunk for s in self.steps],
+                                                              False: [s.action.chunk for s in self.forward_steps]},
+                                           reshard_after_forward)
 
     # -- public --------------------------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
@@ -92,6 +98,9 @@ class PipelineRunner:
             raise ValueError("train_step needs PipelineModule(loss_fn=...) to compute the loss")
         self._start(inputs, targets, need_targets=True)
         self._hold()
+        gathering = self._gathering.get(True)
+        if gathering:
+            gathering.gather_tied()  # whole before the stand-ins view them
         self.model.detach_tied()
         try:
             self._run(self.steps, train=True)
@@ -100,6 +109,8 @@ class PipelineRunner:
             raise
         tied = self.model.reduce_tied_grads()
         self._release(tied)
+        if gathering:
+            gathering.release_tied()
         return self._mean_loss()
 
     @torch.no_grad()
@@ -108,6 +119,8 @@ class PipelineRunner:
         outputs (concatenated along dim 0) on the last-stage rank, None elsewhere."""
         with_loss = self._start(inputs, targets, need_targets=False)
         self._run(self.forward_steps, train=False, with_loss=with_loss)
+        if self._gathering:
+            self._gathering[False].release_all()
         if with_loss:
             return self._mean_loss()
         if self.grid.pipe_rank != self.last_pipe_rank:
@@ -163,6 +176,7 @@ class PipelineRunner:
     def _run(self, steps: Sequence[_Step], train: bool, with_loss: bool = True) -> None:
         sends: list = []
         last_use = self._release_plan if train else {}
+        gathering = self._gathering.get(train)
         for i, step in enumerate(steps):
             if sends or step.recvs:
                 self._exchange(sends, step.recvs, step)
@@ -171,10 +185,14 @@ class PipelineRunner:
             release = last_use.get(i)
             if release:
                 self._release(release, flush=False)
+            if gathering:
+                gathering.before(i)
             with self.timeline.span(str(step.action), "compute"), nvtx_range(step.action):
                 sends = self._do(step, train, with_loss)
             if release:
                 self._flush(release)
+            if gathering:
+                gathering.after(i)
         if sends:
             self._exchange(sends, (), steps[-1])
         try:
@@ -436,9 +454,6 @@ def _check_schedule(model: PipelineModule, schedule: Any, optimizer: Any) -> Non
     if placement != model.placement:
         raise ValueError(f"{type(schedule).__name__} places chunks {placement!r} but "
                          f"PipelineModule(placement={model.placement!r}); make them equal")
-    if getattr(optimizer, "stage", None) == 3:
-        raise ValueError("PipelineRunner does not run ZeRO stage 3 (it would gather every chunk's parameters "
-                         "once per microbatch); use ZeroOptimizer(stage=2), which keeps full weights per stage")
 
 
 def _tensors(x: Any) -> tuple:

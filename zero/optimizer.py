@@ -132,7 +132,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             device = self.buckets[0].device if self.buckets else torch.device("cpu")
             self._gatherer = ParamGatherer(module, self.buckets, self.group, device,
                                            prefetch_numel=cfg.stage3_prefetch_bucket_size)
-        done = self._gatherer.release if self._gatherer else None
+        done = self._gatherer.backward_done if self._gatherer else None
         self._sync = GradSync(self.buckets, self.stage, self.group, on_backward_done=done,
                               overlap=self.config.overlap_comm,
                               every_microbatch=self.config.reduce_every_microbatch)
@@ -220,6 +220,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Every model parameter whole inside the block (stage 3); a no-op for stages 0-2."""
         with self._gatherer.gathered() if self._gatherer else nullcontext():
             yield
+
+    def drive_param_gathering(self) -> bool:
+        """The caller (a pipeline runner) gathers and releases parameters from now on; False
+        when nothing is partitioned (stages 0-2), so there is nothing to drive."""
+        if self._gatherer is None:
+            return False
+        self._gatherer.drive()
+        return True
+
+    def gather_params(self, params: Iterable[torch.Tensor], wait: bool = True) -> None:
+        """Stage 3: make these parameters whole (wait=False: start the all-gathers, a prefetch)."""
+        if self._gatherer is not None:
+            self._gatherer.gather_params(params, wait)
+
+    def release_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Stage 3: partition these parameters again (their buckets, when every member is listed)."""
+        if self._gatherer is not None:
+            self._gatherer.release_params(params)
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -8,12 +8,17 @@ being computed, so its own backward is next), and they are freed when all their 
 have arrived (GradSync's on_backward_done). Buckets of small parameters (below the
 persistence threshold) stay whole. A parameter used by several submodules (weight tying)
 is gathered by each of them. ZeRO-3: Rajbhandari et al. 2020, section 5.3.
+
+Under a pipeline the caller drives instead (`drive()`): the runner knows from its schedule
+which chunk runs next, so it gathers a chunk's parameters before the chunk's first action,
+starts the next chunk's gathers early, and releases a chunk when the schedule is done with
+it; the module hooks are removed and buckets stay whole after their backward.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -51,6 +56,8 @@ class ParamGatherer:
         self._pending: dict[Bucket, Handle] = {}
         self._order: dict[str, list[nn.Module]] = {"forward": [], "backward": []}
         self._frozen = False
+        self._where = {id(p): b for b in self.partitioned for p in b.params}
+        self._driven = False
 
     # -- gather / release ------------------------------------------------------------
     def _launch(self, buckets: list[Bucket]) -> None:
@@ -75,6 +82,11 @@ class ParamGatherer:
             handle.wait()
         if not b.persistent and b.flat is not None:
             b.release()
+
+    def backward_done(self, b: Bucket) -> None:
+        """All of b's gradients arrived: free b, unless a caller drives gathering (it frees b)."""
+        if not self._driven:
+            self.release(b)
 
     def release_all(self) -> None:
         """Partition everything again (at step); the first call freezes the recorded unit order."""
@@ -107,6 +119,28 @@ class ParamGatherer:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    # -- driven by a caller (the pipeline runner) -------------------------------------------
+    def drive(self) -> None:
+        """From now on the caller gathers and releases (gather_params / release_params)."""
+        self.remove_hooks()
+        self._driven = True
+
+    def gather_params(self, params: Iterable[torch.Tensor], wait: bool = True) -> None:
+        """Make the buckets holding these parameters whole; wait=False only starts the all-gathers."""
+        buckets = list(dict.fromkeys(self._where[id(p)] for p in params if id(p) in self._where))
+        if wait:
+            self.gather(buckets)
+        else:
+            self._launch(buckets)
+
+    def release_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Free the buckets all of whose parameters are listed (a bucket shared with a parameter
+        not listed, e.g. a tied weight's module, stays whole)."""
+        listed = {id(p) for p in params}
+        for b in dict.fromkeys(self._where[i] for i in listed if i in self._where):
+            if all(id(p) in listed for p in b.params):
+                self.release(b)
 
     # -- hooks ---------------------------------------------------------------------------
     def _unit_runs(self, phase: str, module: nn.Module) -> None:

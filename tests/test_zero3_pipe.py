@@ -1,0 +1,74 @@
+"""ZeRO-3 inside the pipeline: pipe 2 x data 2 at stage 3 equals one process and the same grid at stage 2.
+
+The tied-embedding model of test_pipe_runner (embedding and head tied across stages, or both
+on rank 0 under the V placement), every parameter partitioned (persistence threshold 0),
+Adam, three steps with different sequence lengths. Both settings of reshard_after_forward.
+"""
+
+import pytest
+import torch
+
+from harness import run
+from pipezero.pipe.gathering import plan_gathers
+from pipezero.pipe.module import PipelineModule
+from pipezero.pipe.registry import make_schedule
+from pipezero.pipe.runner import PipelineRunner
+from pipezero.topology import Grid
+from pipezero.zero import ZeroConfig, ZeroOptimizer
+from test_pipe_runner import assert_parity, batch, loss_fn, specs
+
+STEPS, SIZE, BLOCKS, LR, SEQS = 3, 8, 4, 0.01, [4, 6, 3]
+
+
+def train_zero(stage: int, name: str, m: int, reshard: bool, every_microbatch: bool = False):
+    grid = Grid(pipe=2)
+    sched = make_schedule(name, m)
+    model = PipelineModule(specs(BLOCKS), grid=grid, loss_fn=loss_fn, num_chunks=sched.num_chunks,
+                           placement=sched.placement)
+    config = ZeroConfig(stage=stage, stage3_param_persistence_threshold=0,
+                        reduce_every_microbatch=every_microbatch)
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=LR), group=grid.data_group,
+                        module=model if stage == 3 else None, config=config)
+    runner = PipelineRunner(model, sched, optimizer=opt, reshard_after_forward=reshard)
+    share, losses = SIZE // grid.data_size, []
+    for step in range(STEPS):
+        ids, targets = batch(step, SIZE, SEQS[step])
+        mine = slice(grid.data_rank * share, (grid.data_rank + 1) * share)
+        losses.append(runner.train_step(ids[mine], targets[mine]).item())
+        if stage == 3:  # every chunk partitioned again once the step's actions are done
+            assert all(p.numel() == 0 for p in model.parameters()), [p.shape for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_parameters():
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def both_stages(name: str, m: int, reshard: bool, every_microbatch: bool = False):
+    return [train_zero(stage, name, m, reshard, every_microbatch) for stage in (3, 2)]
+
+
+@pytest.mark.parametrize("name, m, reshard, every_microbatch", [
+    ("OneFOneB", 4, False, False),
+    ("Interleaved1F1B", 4, False, False),
+    ("Interleaved1F1B", 4, True, False),
+    ("ZeroBubbleV", 4, False, False),        # split weight backward, V placement
+    ("ZeroBubbleV", 4, True, True),
+    ("DualPipeV", 4, True, False),
+])
+def test_stage3_pipeline_equals_one_process_and_stage2(name, m, reshard, every_microbatch):
+    results = run(both_stages, 4, name, m, reshard, every_microbatch, timeout=300)
+    stage3 = [r[0] for r in results]
+    assert_parity(stage3, BLOCKS, STEPS, SIZE, LR, "adam", SEQS)
+    for (losses3, params3), (losses2, params2) in results:
+        torch.testing.assert_close(torch.tensor(losses3), torch.tensor(losses2), rtol=1e-6, atol=1e-6)
+        for n, value in params3.items():
+            torch.testing.assert_close(value, params2[n], rtol=1e-6, atol=1e-6, msg=n)
+
+
+def test_gather_plan_follows_the_schedule():
+    """Whole through the step: released after the chunk's last action; reshard: whenever another chunk runs next."""
+    chunks = [0, 0, 1, 0, 1, 1]
+    whole = plan_gathers(chunks, reshard_after_forward=False)
+    assert whole.release == ((), (), (), (0,), (), (1,))
+    assert whole.prefetch == (1, 1, 0, 1, None, None)
+    assert plan_gathers(chunks, reshard_after_forward=True).release == ((), (0,), (1,), (0,), (), (1,))
