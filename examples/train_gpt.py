@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pipeline schedule (default: the config's, else 1f1b)")
     p.add_argument("--chunks", type=int, default=None,
                    help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
-    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2], help="default: the config's, else 2")
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's, else 2")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"], help="default: the config's, else fp32")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4)")

@@ -123,7 +123,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     zero = ZeroOptimizer.from_config(scaler, cfg.zero.to_dict(), group=grid.data_group,
                                      module=module if cfg.zero.stage == 3 else None)
     scheduler = build_scheduler(cfg.scheduler, inner) if cfg.scheduler is not None else None
-    runner = PipelineRunner(module, schedule, optimizer=zero) if specs is not None else None
+    runner = PipelineRunner(module, schedule, optimizer=zero,
+                            reshard_after_forward=cfg.pipeline.reshard_after_forward) if specs is not None else None
     return Parts(config=cfg, grid=grid, module=module, optimizer=zero, scaler=scaler, inner=inner,
                  scheduler=scheduler, schedule=schedule, runner=runner, dtype=dtype, device=dev)
 
@@ -154,10 +155,6 @@ def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, op
     if specs is not None:
         if loss_fn is None:
             raise ValueError("build(specs=...) needs loss_fn=: the last pipeline stage computes the loss")
-        if cfg.zero.stage == 3:
-            raise ValueError('ds_config["zero_optimization"]["stage"] = 3 with a pipeline: the runner keeps '
-                             "whole weights per stage; use stage 2 (or 1) with pipeline stages, or pass "
-                             "model= for ZeRO-3 without a pipeline")
         if len(specs) < cfg.pipeline.stages * cfg.pipeline.chunks:
             raise ValueError(f"{len(specs)} layers cannot fill {cfg.pipeline.stages} pipeline stages x "
                              f"{cfg.pipeline.chunks} chunks: use fewer stages/chunks or more layers")

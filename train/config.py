@@ -261,6 +261,7 @@ class PipelineConfig:
     micro_batches: int | None = None         # = gradient_accumulation_steps when given
     activation_checkpoint_interval: int = 0  # 0: no activation checkpointing
     partition_method: str | tuple[float, ...] = "parameters"  # "parameters", "uniform", "type:<regex>", costs
+    reshard_after_forward: bool = False      # ZeRO-3: free a chunk whenever another chunk runs (pipe/gathering.py)
 
     @classmethod
     def parse(cls, sec: Section) -> "PipelineConfig":
@@ -280,7 +281,8 @@ class PipelineConfig:
         method = _check_partition(sec.raw("partition_method", "parameters"), sec.where("partition_method"))
         cfg = cls(stages=sec.int("stages", 1, lo=1), schedule=entry.name, chunks=chunks,
                   micro_batches=micro, partition_method=method,
-                  activation_checkpoint_interval=sec.int("activation_checkpoint_interval", 0, lo=0))
+                  activation_checkpoint_interval=sec.int("activation_checkpoint_interval", 0, lo=0),
+                  reshard_after_forward=sec.bool("reshard_after_forward", False))
         sec.finish()
         return cfg
 
