@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
 #   bash bench/gpu.sh [main-job|nsys|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|
+#                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke ...]
 #   (default: main-job smoke zero pipe comm precision; profile/trace: kernel tables and chrome traces under $OUT)
 #   main-job: the README's main job on 1 GPU and on 2 when present, failing unless every parameter and
@@ -48,6 +49,8 @@ for w in $what; do
     smoke) nvidia-smi --query-gpu=name,memory.total --format=csv
            python3 -c "import torch; print(torch.__version__, torch.cuda.device_count())" ;;
     zero) run zero 480 python3 bench/zero.py --device cuda --profile "$out/profile" ;;
+    zero3-pipe) [ "$ngpu" -ge 4 ] || { echo "=== zero3-pipe: needs 4 GPUs, $ngpu here"; continue; }
+                run zero3-pipe 480 python3 bench/zero3_pipe.py --device cuda "${gpt[@]}" --batch 32 --microbatches 8 ;;
     pipe) run pipe 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 \
             --partition measured --trace "$out/trace" ;;
     pipe-bf16) run pipe-bf16 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 \

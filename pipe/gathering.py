@@ -20,7 +20,7 @@ from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["GatherPlan", "ChunkGathering", "ParamGathering", "chunk_gatherings", "plan_gathers"]
+__all__ = ["GatherPlan", "ChunkGathering", "NoGathering", "ParamGathering", "chunk_gatherings", "plan_gathers"]
 
 
 @runtime_checkable
@@ -95,12 +95,22 @@ class ChunkGathering:
         self.optimizer.release_params([p for ps in self.params for p in ps])
 
 
+class NoGathering:
+    """Nothing is partitioned (stages 0-2, or no ZeRO): every call is a no-op."""
+
+    def before(self, i: int) -> None: ...
+    def after(self, i: int) -> None: ...
+    def gather_tied(self) -> None: ...
+    def release_tied(self) -> None: ...
+    def release_all(self) -> None: ...
+
+
 def chunk_gatherings(optimizer: Any, model: Any, chunk_lists: dict[bool, Sequence[int]],
-                     reshard_after_forward: bool) -> dict[bool, ChunkGathering]:
-    """train / eval -> the gatherer of its action list (chunks in order); empty when the
+                     reshard_after_forward: bool) -> dict[bool, ChunkGathering | NoGathering]:
+    """train / eval -> the gatherer of its action list (chunks in order); NoGathering when the
     optimizer partitions no parameters. Takes the gathering over from the optimizer."""
     if not isinstance(optimizer, ParamGathering) or not optimizer.drive_param_gathering():
-        return {}
+        return {key: NoGathering() for key in chunk_lists}
     params = [model.chunk_parameters(c) for c in range(model.num_chunks)]
     tied = model.tied_parameters()
     return {key: ChunkGathering(optimizer, params, tied, chunks, reshard_after_forward)

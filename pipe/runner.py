@@ -88,8 +88,7 @@ class PipelineRunner:
         self._check_group = cpu_world_group()
         self._signature: int | None = None
         self._gathering = chunk_gatherings(optimizer, model, {True: [s.action.chunk for s in self.steps],
-                                                              False: [s.action.chunk for s in self.forward_steps]},
-                                           reshard_after_forward)
+                                           False: [s.action.chunk for s in self.forward_steps]}, reshard_after_forward)
 
     # -- public --------------------------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
@@ -98,9 +97,7 @@ class PipelineRunner:
             raise ValueError("train_step needs PipelineModule(loss_fn=...) to compute the loss")
         self._start(inputs, targets, need_targets=True)
         self._hold()
-        gathering = self._gathering.get(True)
-        if gathering:
-            gathering.gather_tied()  # whole before the stand-ins view them
+        self._gathering[True].gather_tied()  # ZeRO-3: whole before the stand-ins view them
         self.model.detach_tied()
         try:
             self._run(self.steps, train=True)
@@ -109,8 +106,7 @@ class PipelineRunner:
             raise
         tied = self.model.reduce_tied_grads()
         self._release(tied)
-        if gathering:
-            gathering.release_tied()
+        self._gathering[True].release_tied()
         return self._mean_loss()
 
     @torch.no_grad()
@@ -119,8 +115,7 @@ class PipelineRunner:
         outputs (concatenated along dim 0) on the last-stage rank, None elsewhere."""
         with_loss = self._start(inputs, targets, need_targets=False)
         self._run(self.forward_steps, train=False, with_loss=with_loss)
-        if self._gathering:
-            self._gathering[False].release_all()
+        self._gathering[False].release_all()
         if with_loss:
             return self._mean_loss()
         if self.grid.pipe_rank != self.last_pipe_rank:
@@ -176,7 +171,7 @@ class PipelineRunner:
     def _run(self, steps: Sequence[_Step], train: bool, with_loss: bool = True) -> None:
         sends: list = []
         last_use = self._release_plan if train else {}
-        gathering = self._gathering.get(train)
+        gathering = self._gathering[train]
         for i, step in enumerate(steps):
             if sends or step.recvs:
                 self._exchange(sends, step.recvs, step)
@@ -185,14 +180,12 @@ class PipelineRunner:
             release = last_use.get(i)
             if release:
                 self._release(release, flush=False)
-            if gathering:
-                gathering.before(i)
+            gathering.before(i)
             with self.timeline.span(str(step.action), "compute"), nvtx_range(step.action):
                 sends = self._do(step, train, with_loss)
             if release:
                 self._flush(release)
-            if gathering:
-                gathering.after(i)
+            gathering.after(i)
         if sends:
             self._exchange(sends, (), steps[-1])
         try:
