@@ -349,7 +349,8 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
             return None
         out: dict[str, Any] = {}
         for name, child in layer.inner.named_children():
-            projections = [(n, m) for n, m in child.named_children() if "Norm" not in type(m).__name__]
+            projections = [(n, m) for n, m in child.named_children()
+                           if "Norm" not in type(m).__name__ and any(True for _ in m.parameters())]
             if not projections:
                 continue
             bad = [f"{name}.{n} ({type(m).__name__})" for n, m in projections if not isinstance(m, nn.Linear)]
