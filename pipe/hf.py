@@ -383,9 +383,14 @@ def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_config(module: nn.Module) -> Any:
-    """The Hugging Face config of a module built from hf_layer_specs."""
-    for layer in module.modules():
-        if isinstance(layer, _HFLayer):
-            return layer.model.config
-    raise ValueError(f"{type(module).__name__} holds no layer built by hf_layer_specs")
+def hf_config(source: nn.Module | list[LayerSpec]) -> Any:
+    """The Hugging Face config of hf_layer_specs' list, or of a module built from it."""
+    if isinstance(source, (list, tuple)):
+        models = [a for spec in source for a in spec.args if isinstance(a, _Model)]
+        if models:
+            return models[0].config
+    else:
+        for layer in source.modules():
+            if isinstance(layer, _HFLayer):
+                return layer.model.config
+    raise ValueError(f"{type(source).__name__} holds no layer of hf_layer_specs")
