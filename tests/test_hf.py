@@ -84,11 +84,12 @@ def _mine(x: torch.Tensor, grid: Grid) -> torch.Tensor:
     return x[grid.data_rank * share:(grid.data_rank + 1) * share]
 
 
-def _train_pipe(path: str, pipe: int, tensor: int, schedule: str, stage: int, export_to: str | None):
+def _train_pipe(path: str, pipe: int, tensor: int, schedule: str, stage: int, export_to: str | None,
+                recompute: int = 0):
     make, chunks, placement = SCHEDULES[schedule]
     grid = Grid(pipe=pipe, tensor=tensor)
     model = PipelineModule(hf_layer_specs(path), grid=grid, loss_fn=causal_lm_loss, num_chunks=chunks,
-                           placement=placement, partition_method="uniform",
+                           placement=placement, partition_method="uniform", activation_checkpoint_interval=recompute,
                            tensor_plan=hf_tensor_plan() if tensor > 1 else None)
     opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), stage=stage, group=grid.data_group)
     runner = PipelineRunner(model, make(), optimizer=opt)
@@ -126,16 +127,16 @@ def _check_export(path: str, results) -> None:
         torch.testing.assert_close(loaded(ids).logits, logits[0], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("family, schedule, stage, export", [
-    ("llama", "1f1b", 1, False),          # untied
-    ("mistral", "interleaved", 2, False),  # untied, sliding-window mask
-    ("qwen2", "zbv", 1, False),           # tied embedding and head on one rank (V placement)
-    ("gpt2", "1f1b", 2, True),            # tied across stages, learned positions; exported
+@pytest.mark.parametrize("family, schedule, stage, export, recompute", [
+    ("llama", "1f1b", 1, False, 0),          # untied
+    ("mistral", "interleaved", 2, False, 1),  # untied, sliding-window mask, activation checkpointing
+    ("qwen2", "zbv", 1, False, 0),           # tied embedding and head on one rank (V placement)
+    ("gpt2", "1f1b", 2, True, 0),            # tied across stages, learned positions; exported
 ])
-def test_pipe2_data2_parity(family, schedule, stage, export, tmp_path_factory):
+def test_pipe2_data2_parity(family, schedule, stage, export, recompute, tmp_path_factory):
     root = str(tmp_path_factory.getbasetemp())
     out = f"{root}/export-{family}" if export else None
-    results = run(_train_pipe, 4, _checkpoint(family, root), 2, 1, schedule, stage, out, timeout=120)
+    results = run(_train_pipe, 4, _checkpoint(family, root), 2, 1, schedule, stage, out, recompute, timeout=300)
     _check_training(family, results)
     if export:
         _check_export(out, results)
@@ -144,7 +145,7 @@ def test_pipe2_data2_parity(family, schedule, stage, export, tmp_path_factory):
 def test_pipe2_data2_tensor2_parity_and_export(tmp_path_factory):
     root = str(tmp_path_factory.getbasetemp())
     out = f"{root}/export-llama-3d"
-    results = run(_train_pipe, 8, _checkpoint("llama", root), 2, 2, "1f1b", 1, out, timeout=180)
+    results = run(_train_pipe, 8, _checkpoint("llama", root), 2, 2, "1f1b", 1, out, timeout=300)
     _check_training("llama", results)
     _check_export(out, results)
 
@@ -179,7 +180,7 @@ def test_zero3_module_and_generate_under_gathered(family):
     prompt = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(7))
     want = truth.generate(prompt, max_new_tokens=10, do_sample=False)
     assert all(len(set(row)) > 3 for row in want[:, 5:].tolist()), want
-    results = run(_zero3_then_generate, 2, family, prompt, timeout=120)
+    results = run(_zero3_then_generate, 2, family, prompt, timeout=300)
     for losses, state, tokens in results:
         torch.testing.assert_close(losses, losses_1p, rtol=1e-5, atol=1e-5)
         for name, value in state.items():
