@@ -33,15 +33,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import finish_rank, init_rank  # noqa: E402
 
-from pipezero.pipe import (DualPipeV, Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner,  # noqa: E402
-                           ZeroBubbleV)
+from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
 from pipezero.precision import MasterWeights  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.zero import ZeroConfig, ZeroOptimizer  # noqa: E402
 
-SCHEDULES = {"DualPipeV": DualPipeV, "ZeroBubbleV": ZeroBubbleV, "Interleaved1F1B": Interleaved1F1B,
-             "1F1B": OneFOneB}
 LR = 1e-4
 
 
@@ -78,7 +75,7 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
     dtype = torch.bfloat16 if low else torch.float32
     masters = "bf16 model, fp32 masters" if low else "fp32"
     if name.startswith("pipe-"):
-        return _pipeline(SCHEDULES[name[5:]], args, cfg, device, dtype, masters)
+        return _pipeline(name[5:], args, cfg, device, dtype, masters)
     if name.startswith("pipezero-"):
         stage = int(name[-1])
         model = _hf_model(cfg, device, dtype)
@@ -91,11 +88,11 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
     return _fsdp2(cfg, device, low)
 
 
-def _pipeline(schedule_cls, args, cfg, device, dtype, masters) -> Run:
+def _pipeline(schedule: str, args, cfg, device, dtype, masters) -> Run:
     grid = Grid(pipe=dist.get_world_size())
-    sched = schedule_cls(num_microbatches=args.accum * dist.get_world_size())
+    sched = make_schedule(schedule, args.accum * dist.get_world_size())
     model = PipelineModule(hf_layer_specs(cfg), grid=grid, loss_fn=causal_lm_loss, num_chunks=sched.num_chunks,
-                           placement=getattr(sched, "placement", "looped"), device=device).to(dtype)
+                           placement=sched.placement, device=device).to(dtype)
     opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=LR)) if dtype != torch.float32 \
         else torch.optim.AdamW(model.parameters(), lr=LR)
     runner = PipelineRunner(model, sched, optimizer=opt)
@@ -248,8 +245,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 4 CUDA, 2 CPU)")
     parser.add_argument("--accum", type=int, default=4, help="micro-batches per rank per step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after 2 warm-up steps")
-    parser.add_argument("--schedules", nargs="+", default=["DualPipeV", "Interleaved1F1B"], choices=sorted(SCHEDULES))
-    parser.add_argument("--runs", nargs="*", default=None, help="only these runs (e.g. pipe-DualPipeV fsdp2)")
+    parser.add_argument("--schedules", nargs="+", default=["dualpipev", "interleaved_1f1b"], choices=schedule_names())
+    parser.add_argument("--runs", nargs="*", default=None, help="only these runs (e.g. pipe-dualpipev fsdp2)")
     parser.add_argument("--port", type=int, default=29731)
     args = parser.parse_args()
     cuda = args.device == "cuda"

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
+from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names
 from pipezero.pipe.hf import causal_lm_loss, hf_config, hf_layer_specs, hf_tensor_plan
 from pipezero.precision import LossScaler
 from pipezero.topology import Grid
@@ -31,8 +31,6 @@ from pipezero.train.hf_export import export_hf
 from pipezero.train.log import get_logger
 from pipezero.zero import ZeroOptimizer
 
-SCHEDULES = {"1f1b": (OneFOneB, 1, "looped"), "interleaved": (Interleaved1F1B, 2, "looped"),
-             "zbv": (ZeroBubbleV, 2, "v")}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = get_logger("train_hf")
 
@@ -42,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="a local save_pretrained directory (default: a small random Llama)")
     p.add_argument("--pipe", type=int, default=2)
     p.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree (attention heads and MLP split)")
-    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    p.add_argument("--schedule", default="1f1b", choices=schedule_names())
     p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2])
     p.add_argument("--precision", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--steps", type=int, default=100)
@@ -87,15 +85,16 @@ def main(argv=None) -> None:
     grid = Grid(pipe=args.pipe, tensor=args.tensor)
     specs = hf_layer_specs(args.model or default_config())
     config = hf_config(specs)
-    schedule_cls, chunks, placement = SCHEDULES[args.schedule]
-    model = PipelineModule(specs, grid=grid, loss_fn=causal_lm_loss, num_chunks=chunks, placement=placement,
+    schedule = make_schedule(args.schedule, args.micro_batches)
+    model = PipelineModule(specs, grid=grid, loss_fn=causal_lm_loss, num_chunks=schedule.num_chunks,
+                           placement=schedule.placement,
                            activation_checkpoint_interval=args.checkpoint_layers,
                            tensor_plan=hf_tensor_plan() if args.tensor > 1 else None)
     model.to(DTYPES[args.precision])
     scaler = LossScaler(torch.optim.AdamW(model.parameters(), lr=args.lr), dynamic=args.precision == "fp16",
                         init_scale=2.0 ** 16 if args.precision == "fp16" else 1.0, clip_grad_norm=1.0)
     opt = ZeroOptimizer(scaler, stage=args.zero_stage, group=grid.data_group)
-    runner = PipelineRunner(model, schedule_cls(num_microbatches=args.micro_batches), optimizer=opt)
+    runner = PipelineRunner(model, schedule, optimizer=opt)
     data = corpus(args.model, config.vocab_size, args.seq_len)
     batches = ShardedBatches(data, args.batch_size * args.micro_batches, grid.data_rank, grid.data_size)
     if grid.rank == 0:
