@@ -54,21 +54,23 @@ class Engine:
 def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
                optimizer: torch.optim.Optimizer | None = None,
                config: str | os.PathLike | Mapping[str, Any] | TrainConfig | None = None,
-               hidden_size: int | None = None) -> tuple[Engine, Any, None, Any]:
+               hidden_size: int | None = None, auto_values: Mapping[str, Any] | None = None
+               ) -> tuple[Engine, Any, None, Any]:
     """(engine, optimizer chain, None, lr scheduler), like deepspeed.initialize.
 
     The optimizer is yours if given, else the config's "optimizer" section over
     `model_parameters` (default: every trainable parameter). The third item, DeepSpeed's data
-    loader, is always None: keep your own.
+    loader, is always None: keep your own. `hidden_size` and `auto_values` resolve Hugging Face
+    "auto" values (see parse_config).
     """
     if config is None:
         raise ValueError("initialize(config=None): pass a ds_config path or dict")
     if optimizer is None and model_parameters is not None:
         from pipezero.train.build import _config
 
-        cfg = _config(config, hidden_size)
+        cfg = _config(config, hidden_size, auto_values=auto_values)
         optimizer = build_optimizer(cfg.optimizer or OptimizerConfig(), model_parameters)
         config = cfg
-    parts = build(config, model=model, hidden_size=hidden_size, optimizer=optimizer)
+    parts = build(config, model=model, hidden_size=hidden_size, optimizer=optimizer, auto_values=auto_values)
     engine = Engine(parts)
     return engine, parts.optimizer, None, parts.scheduler
