@@ -135,7 +135,7 @@ class Section:
                 self._unknown(key, [*known, *rules], strict)
 
     def _unknown(self, key: str, candidates: list[str], strict: bool) -> None:
-        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.85)
+        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.8)
         if close:
             raise ConfigError(f'{self.where(key)} is not a DeepSpeed key: did you mean "{close[0]}"?')
         if strict:

@@ -162,13 +162,13 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
     Section(raw, ()).check(TOP_KEYS, TOP_RULES, strict=False)  # typos first, before any arithmetic
     filled = fill_auto(raw, auto_values or {})
     top = Section(filled, (), auto_default=False)
-    clip = top.float("gradient_clipping", 1.0, lo=0.0)
     pipeline = PipelineConfig.parse(top.section("pipeline"))
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    batch = resolve_batch(filled, world_size=world, pipe=pipeline.stages, tensor=tensor,
+                          micro_batches=pipeline.micro_batches)
+    clip = top.float("gradient_clipping", 1.0, lo=0.0)
     return TrainConfig(
-        batch=resolve_batch(filled, world_size=world, pipe=pipeline.stages, tensor=tensor,
-                            micro_batches=pipeline.micro_batches),
-        precision=read_precision(filled, clip_grad_norm=clip),
+        batch=batch, precision=read_precision(filled, clip_grad_norm=clip),
         zero=ZeroConfig.from_dict(filled.get("zero_optimization"), hidden_size),
         pipeline=pipeline, tensorboard=TensorBoardConfig.parse(top.section("tensorboard", auto_default=True)),
         optimizer=OptimizerConfig.parse(top.section("optimizer")) if "optimizer" in filled else None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from pipezero.config_fields import AUTO, ConfigError
+from pipezero.config_fields import AUTO
 
 __all__ = ["fill_auto"]
 
@@ -49,10 +49,6 @@ def _fill_warmup_range(cfg: dict[str, Any]) -> None:
         return
     if params.get("warmup_min_lr") == AUTO:
         params["warmup_min_lr"] = 0
-    if params.get("warmup_max_lr") == AUTO:
-        lr = ((cfg.get("optimizer") or {}).get("params") or {}).get("lr")
-        if lr is None or lr == AUTO:
-            raise ConfigError('ds_config["scheduler"]["params"]["warmup_max_lr"] is "auto" and so is the '
-                              'optimizer\'s lr (or it has none): pass auto_values={"optimizer.params.lr": ...} '
-                              "to parse_config, build or initialize, or write the value")
+    lr = ((cfg.get("optimizer") or {}).get("params") or {}).get("lr")
+    if params.get("warmup_max_lr") == AUTO and lr is not None and lr != AUTO:
         params["warmup_max_lr"] = lr
