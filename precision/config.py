@@ -101,7 +101,7 @@ class ScalerConfig:
 
     @classmethod
     def from_fp16(cls, section: Mapping[str, Any], **extra: Any) -> "ScalerConfig":
-        """Read DeepSpeed's `fp16` section as if it were enabled: `loss_scale` 0 = dynamic from 2**initial_scale_power."""
+        """Read DeepSpeed's `fp16` section (enabled unless it says false): `loss_scale` 0 = dynamic."""
         sec = Section(section, ("fp16",))
         if not sec.bool("enabled", True):
             return cls(init_scale=1.0, dynamic=False, **extra)
