@@ -5,7 +5,6 @@ Comparisons with DeepSpeed's own DeepSpeedConfig on real files are in test_confi
 
 import copy
 import dataclasses
-import dataclasses
 import json
 import logging
 import math

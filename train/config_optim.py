@@ -80,7 +80,8 @@ class OptimizerConfig:
 
 _ADAM_RULES = {
     "torch_adam": Ignored("torch's Adam is always used", noop=lambda v: True),
-    "fused": Ignored("torch picks its fused kernel", noop=lambda v: True),
+    **{k: Ignored("torch picks its own kernel", noop=lambda v: True) for k in ("fused", "foreach",
+                                                                              "set_grad_none")},
     "amsgrad": Unsupported("AMSGrad's running maximum of the second moment", "set it false", noop=False),
     "bias_correction": Unsupported("Adam without bias correction", "set it true", noop=True),
     "max_grad_norm": Ignored('clipping is the top-level "gradient_clipping" (DeepSpeed ignores it too)',

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pipezero.config_fields import AUTO, ConfigError, Ignored, Section, Unsupported, as_bool, warn_once
+from pipezero.config_fields import AUTO, ConfigError, Ignored, Section, Unsupported, warn_once
 
 __all__ = ["OFFLOAD_RULES", "ZERO_RULES", "ZeroConfig"]
 
@@ -33,11 +33,6 @@ _PERSIST = ("stage3_param_persistence_threshold", "param_persistence_threshold")
 _KEYS = ("stage", "reduce_bucket_size", "overlap_comm", "offload_optimizer", "offload_param", "cpu_offload",
          "cpu_offload_param", *_PREFETCH, *_PERSIST)
 _KNOB = "a DeepSpeed tuning knob with no counterpart here"
-
-
-def _off(value: Any) -> bool:
-    """A section that asks for nothing: absent, null or {"enabled": false}."""
-    return value is None or (isinstance(value, Mapping) and as_bool(value.get("enabled", False)) is False)
 
 
 ZERO_RULES = {
@@ -80,7 +75,7 @@ ZERO_RULES = {
                                                        noop=False),
     "zero_quantized_gradients": Unsupported("ZeRO++ quantized gradient reduction", "set it false", noop=False),
     "zenflow": Unsupported("ZenFlow, stall-free CPU offload of unimportant gradients",
-                           'use "offload_optimizer": {"device": "cpu"}', noop=_off),
+                           'use "offload_optimizer": {"device": "cpu"}', noop=lambda v: v is None),
     **{k: Unsupported("MiCS sharding (removed from DeepSpeed too)", "use ZeRO stage 3")
        for k in ("mics_shard_size", "mics_hierarchical_params_gather")},
 }
