@@ -10,6 +10,7 @@ import safetensors.torch
 import torch
 
 from pipezero.precision import LossScaler, MasterWeights, ScalerConfig, clip_grad_norm
+from pipezero.precision.scale_state import ScaleState
 
 INF = float("inf")
 
@@ -63,22 +64,26 @@ def _scaler(cfg, lr=0.5):
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"w{c['window']}h{c['hysteresis']}c{int(c['consecutive'])}")
 def test_scale_trajectory_matches_deepspeed(cfg):
-    for name, pattern in overflow_patterns(2000, seed=cfg["window"]).items():
-        param, opt = _scaler(cfg)
+    """5000 steps per pattern through ScaleState (LossScaler's rule), the first 400 through LossScaler.step."""
+    for name, pattern in overflow_patterns(5000, seed=cfg["window"]).items():
         expected = deepspeed_trajectory(pattern, **cfg)
-        got, stepped = [], []
+        state = ScaleState(scale=cfg["init"], hysteresis_left=cfg["hysteresis"])
+        got = []
         for overflow in pattern:
-            before = param.detach().clone()
-            param.grad = torch.tensor([INF if overflow else 1.0], dtype=torch.float64)
-            stepped.append(opt.step())
-            got.append((opt.loss_scale, opt.scale_state.hysteresis_left))
-            assert opt.last_step_skipped == overflow
-            if overflow:
-                assert torch.equal(param.detach(), before), f"{name}: a skipped step moved the parameter"
+            state.update(overflow, dynamic=True, hysteresis=cfg["hysteresis"], scale_window=cfg["window"],
+                         min_scale=cfg["min_scale"], consecutive_hysteresis=cfg["consecutive"])
+            got.append((state.scale, state.hysteresis_left))
         assert got == expected, f"pattern {name}: first difference at step " \
                                 f"{next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)}"
-        assert stepped == [not o for o in pattern]
-        assert opt.skipped_steps == sum(pattern)
+        param, opt = _scaler(cfg)
+        for step, overflow in enumerate(pattern[:400]):
+            before = param.detach().clone()
+            param.grad = torch.tensor([INF if overflow else 1.0], dtype=torch.float64)
+            assert opt.step() is not overflow and opt.last_step_skipped == overflow
+            assert (opt.loss_scale, opt.scale_state.hysteresis_left) == expected[step], f"{name}: step {step}"
+            if overflow:
+                assert torch.equal(param.detach(), before), f"{name}: a skipped step moved the parameter"
+        assert opt.skipped_steps == sum(pattern[:400])
 
 
 def test_growth_waits_a_full_window_after_the_overflow():
