@@ -143,10 +143,6 @@ class Section:
                               f"0.19.8 refuses it too); remove it. Known keys: {', '.join(sorted(candidates))}")
         warn_once(f"{self.where(key)} is not a key of any DeepSpeed version; ignored (as DeepSpeed ignores it)")
 
-    def has(self, key: str) -> bool:
-        """Whether the key is present with a value other than "auto" where "auto" means the default."""
-        return key in self.data and not (self.auto_default and self.data[key] == AUTO)
-
     def raw(self, key: str, default: Any = None) -> Any:
         """The value as written, or default (also for "auto" where "auto" means the default)."""
         value = self.data.get(key, default)

@@ -167,13 +167,6 @@ def _read_bf16(sec: Section, extra: dict) -> ScalerConfig:
     return ScalerConfig(init_scale=1.0, dynamic=False, **extra)
 
 
-def _numeric(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={value!r}: must be a number")
-    return value
-
-
-def _check_number(name: str, value: Any, expected: str, allow_zero: bool = False) -> None:
-    _numeric(name, value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+def _check_number(name: str, value: Any, expected: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r}: expected {expected}")
