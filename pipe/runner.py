@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from pipezero.comm import P2P, CommTimeout
+from pipezero.comm import P2P, CommTimeout, nvtx_range
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.dealloc import free, freeable, saved_storages
 from pipezero.pipe.groups import cpu_world_group, side_group
@@ -171,7 +171,7 @@ class PipelineRunner:
             release = last_use.get(i)
             if release:
                 self._release(release, flush=False)
-            with self.timeline.span(str(step.action), "compute"):
+            with self.timeline.span(str(step.action), "compute"), nvtx_range(step.action):
                 sends = self._do(step, train, with_loss)
             if release:
                 self._flush(release)
