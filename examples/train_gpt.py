@@ -83,7 +83,7 @@ def ds_config(args: argparse.Namespace) -> dict:
     """The ds_config this run uses: --config (if any) with the command line's choices on top."""
     cfg = json.loads(Path(args.config).read_text()) if args.config else {}
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    if args.batch_size or args.micro_batches or not any(k in cfg for k in batch_keys):
+    if args.batch_size or args.micro_batches or all(cfg.get(k, "auto") == "auto" for k in batch_keys):
         for key in batch_keys:
             cfg.pop(key, None)
         cfg["train_micro_batch_size_per_gpu"] = args.batch_size or 4
@@ -114,6 +114,15 @@ def ds_config(args: argparse.Namespace) -> dict:
     return cfg
 
 
+def auto_values(args: argparse.Namespace) -> dict:
+    """What this script knows for a Hugging Face-style config's "auto" values (by DeepSpeed key path)."""
+    return {"optimizer.params.lr": args.lr, "optimizer.params.weight_decay": 0.1,
+            "optimizer.params.betas": [0.9, 0.95], "optimizer.params.eps": 1e-8, "gradient_clipping": 1.0,
+            "scheduler.params.warmup_num_steps": max(1, args.steps // 20),
+            "scheduler.params.total_num_steps": args.steps,
+            "fp16.enabled": args.precision == "fp16", "bf16.enabled": args.precision == "bf16"}
+
+
 def main(argv=None) -> float:
     args = parse_args(argv)
     log = get_logger("train_gpt")
@@ -122,7 +131,8 @@ def main(argv=None) -> float:
     # -- the config; resumed on another data degree (an elastic restart), it keeps the global batch --
     ckpt_dir = Path(args.out) / "checkpoints"
     saved = saved_batch(ckpt_dir)
-    config = parse_config(ds_config(args), tensor=args.tensor, hidden_size=args.d_model)
+    config = parse_config(ds_config(args), tensor=args.tensor, hidden_size=args.d_model,
+                          auto_values=auto_values(args))
     config = dataclasses.replace(config, batch=keep_global_batch(config.batch, saved))
 
     # -- the parts: grid, pipeline module, optimizer chain, lr schedule, schedule, runner ----------
