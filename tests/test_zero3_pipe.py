@@ -72,3 +72,23 @@ def test_gather_plan_follows_the_schedule():
     assert whole.release == ((), (), (), (0,), (), (1,))
     assert whole.prefetch == (1, 1, 0, 1, None, None)
     assert plan_gathers(chunks, reshard_after_forward=True).release == ((), (0,), (1,), (0,), (), (1,))
+
+
+def _tensor_parallel_stage3_error() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    weight = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+    module = torch.nn.Module()
+    module.weight = weight
+    try:
+        ZeroOptimizer(torch.optim.Adam([weight]), stage=3, module=module)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_tensor_parallel_with_stage3_is_refused():
+    message = run(_tensor_parallel_stage3_error, 1)[0]
+    assert "does not take tensor-parallel" in message and "stage 1 or 2" in message, message
