@@ -270,6 +270,7 @@ class PipelineConfig:
     micro_batches: int | None = None         # = gradient_accumulation_steps when given
     activation_checkpoint_interval: int = 0  # 0: no activation checkpointing
     partition_method: str | tuple[float, ...] = "parameters"  # "parameters", "uniform", "type:<regex>", costs
+    timeout: float = 300.0                   # seconds a rank waits for a peer before PipelineTimeout
 
     @classmethod
     def parse(cls, sec: Section) -> "PipelineConfig":
@@ -284,7 +285,8 @@ class PipelineConfig:
         method = _check_partition(sec.raw("partition_method", "parameters"), sec.where("partition_method"))
         cfg = cls(stages=sec.int("stages", 1, lo=1), schedule=schedule, chunks=chunks,
                   micro_batches=micro, partition_method=method,
-                  activation_checkpoint_interval=sec.int("activation_checkpoint_interval", 0, lo=0))
+                  activation_checkpoint_interval=sec.int("activation_checkpoint_interval", 0, lo=0),
+                  timeout=sec.float("timeout", 300.0, lo=0.001, hi=86400.0))
         sec.finish()
         return cfg
 
