@@ -47,6 +47,19 @@ class PeerLost(ConnectionError):
     after the timeout; the message names the operation and peers."""
 
 
+def is_peer_lost(err: BaseException) -> bool:
+    """Whether a transport error says a peer went away (rather than that a wait timed out)."""
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and "timed out" not in text and "timeout" not in text and any(
+        w in text for w in ("closed", "reset by peer", "broken pipe", "connection refused"))
+
+
+def peer_lost(err: BaseException, what: str, start: float) -> PeerLost:
+    """The PeerLost to raise for `err`, met `what` was under way since time.monotonic() = start."""
+    return PeerLost(f"rank {dist.get_rank()}: a peer closed its connection {time.monotonic() - start:.1f}s into "
+                    f"{what} (it crashed or exited; its own error is in its log): {err}")
+
+
 Send = tuple[int, str, Sequence[torch.Tensor]]  # (peer global rank, stream key, tensors)
 Recv = tuple[int, str]                           # (peer global rank, stream key)
 
@@ -209,9 +222,8 @@ class P2P:
         except RuntimeError as e:
             what = [f"send {k!r} to rank {p}" for p, k, _ in sends] + [f"recv {k!r} from rank {p}" for p, k in recvs]
             what = "; ".join(what) or "pending sends"
-            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-                raise PeerLost(f"rank {dist.get_rank()}: a peer closed its connection {time.monotonic() - start:.1f}s "
-                               f"into {what} (it crashed or exited; its own error is in its log): {e}") from e
+            if is_peer_lost(e):
+                raise peer_lost(e, what, start) from e
             raise CommTimeout(f"rank {dist.get_rank()}: p2p did not complete within "
                               f"{self.timeout.total_seconds():.0f}s: {what} ({e})") from e
 

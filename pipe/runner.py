@@ -21,13 +21,14 @@ torch module) W re-runs the retained graph's backward: exact, at one more backwa
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from pipezero.comm import P2P, CommTimeout, PeerLost
+from pipezero.comm import P2P, CommTimeout, PeerLost, is_peer_lost, peer_lost
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.batch_check import ABSENT, NO_TARGETS, SIGNATURE, batch_words, raise_batch_errors
 from pipezero.pipe.dealloc import free, freeable, saved_storages
@@ -135,7 +136,13 @@ class PipelineRunner:
         words[NO_TARGETS] = int(holds_last and targets is None)
         flags = torch.tensor(words, dtype=torch.int64)
         # on the CPU (no wait for the GPU's queued work); MAX: a flag set anywhere, and [max, -min] pairs
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._check_group)
+        start = time.monotonic()
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._check_group)
+        except RuntimeError as e:
+            if is_peer_lost(e):
+                raise peer_lost(e, "the step-start batch check", start) from e
+            raise
         flags = flags.tolist()
         raise_batch_errors(flags, words, m, need_targets)
         self._new_p2p_if_shapes_changed(flags[SIGNATURE], need_targets)
