@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan  # noqa: E402
 
-from pipezero.comm import TRAFFIC  # noqa: E402
+from pipezero.comm import TRAFFIC, is_peer_lost  # noqa: E402
 from pipezero.pipe import simulate, to_image, to_png, to_text  # noqa: E402
 from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
 from pipezero.precision import global_grad_norm  # noqa: E402
@@ -305,4 +305,8 @@ if __name__ == "__main__":
     try:
         main()
     except (ValueError, TypeError, OSError) as e:  # bad input, checkpoint, timeout or lost peer: a known cause
+        _brief(e)
+    except RuntimeError as e:  # a collective whose peer exited: gloo's own words
+        if not is_peer_lost(e):
+            raise
         _brief(e)

@@ -300,7 +300,7 @@ def load_checkpoint(directory: str | os.PathLike, step: int | None = None,
 
 def _resolve(root: Path, step: int | None) -> Path:
     if step is not None:
-        return root / step_dir_name(step)
+        return _or_old_copy(root, step_dir_name(step))
     if (root / _MANIFEST).exists():
         return root
     latest = root / _LATEST
@@ -310,7 +310,12 @@ def _resolve(root: Path, step: int | None) -> Path:
     name = latest.read_text().strip()
     if not name.startswith("step_") or "/" in name:
         raise CheckpointError(f"{latest}: holds {name!r}, not a checkpoint name like 'step_00000100'")
-    old = root / f".old-{name}"  # a re-save of this step was cut between its two renames
+    return _or_old_copy(root, name)
+
+
+def _or_old_copy(root: Path, name: str) -> Path:
+    """The step's folder, or its `.old-` copy when a re-save was cut between its two renames."""
+    old = root / f".old-{name}"
     if not (root / name / _MANIFEST).is_file() and (old / _MANIFEST).is_file():
         return old
     return root / name

@@ -9,7 +9,6 @@ before any collective could hang. tests/faults/test_faults_inputs.py runs them a
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
