@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
-#   bash bench/gpu.sh [zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|profile|trace|smoke ...]
-#   (default: smoke zero pipe comm precision; profile/trace: kernel tables and chrome traces under $OUT)
+#   bash bench/gpu.sh [main-job|nsys|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|
+#                      profile|trace|smoke ...]
+#   (default: main-job smoke zero pipe comm precision; profile/trace: kernel tables and chrome traces under $OUT)
+#   main-job: the README's main job on 1 GPU and on 2 when present, failing unless every parameter and
+#   activation is on CUDA (--expect-device cuda); nsys: 2 steps of it under Nsight Systems with NVTX ranges.
 # The GPU image has torch but not this package installed: import it through a link.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -19,9 +22,29 @@ run() {  # name, seconds, command...
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | grep -v "^\s*$" | tail -40
   echo "=== $name exit ${PIPESTATUS[0]}"
 }
-what=${*:-smoke zero pipe comm precision}
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+main_job() {  # name, GPUs, seconds, extra flags...: examples/train_gpt.py as the README runs it, on CUDA
+  local name=$1 n=$2 limit=$3; shift 3
+  run "$name" "$limit" python3 -m torch.distributed.run --standalone --nproc-per-node "$n" examples/train_gpt.py \
+    --pipe "$n" --out "/tmp/$name" --save-interval 100000 --eval-interval 100000 --expect-device cuda "$@"
+  grep -E "device check|tok/s|Error" "$out/$name.log" | tail -8
+}
+big=(--precision bf16 --layers 8 --d-model 512 --heads 8 --seq-len 512)  # issue 14's shape
+what=${*:-main-job smoke zero pipe comm precision}
 for w in $what; do
   case $w in
+    main-job) for n in 1 2; do
+                [ "$n" -le "$ngpu" ] || continue
+                main_job "main-job-${n}gpu" "$n" 240 --steps 20 --steps-per-print 5
+                main_job "main-job-${n}gpu-bf16" "$n" 300 "${big[@]}" --steps 60 --steps-per-print 20
+              done
+              run generate 120 python3 examples/generate.py --checkpoint /tmp/main-job-1gpu-bf16 --tokens 200 ;;
+    nsys) if command -v nsys >/dev/null; then
+            run nsys 300 env PIPEZERO_NVTX=1 nsys profile --trace cuda,nvtx --force-overwrite true \
+              --output "$out/main-job" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+              examples/train_gpt.py --pipe 1 "${big[@]}" --steps 2 --out /tmp/nsys-job --expect-device cuda
+            run nsys-nvtx 120 nsys stats --report nvtx_sum --format csv "$out/main-job.nsys-rep"
+          else echo "=== nsys: not installed (Nsight Systems), skipped"; fi ;;
     smoke) nvidia-smi --query-gpu=name,memory.total --format=csv
            python3 -c "import torch; print(torch.__version__, torch.cuda.device_count())" ;;
     zero) run zero 480 python3 bench/zero.py --device cuda --profile "$out/profile" ;;

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from pipezero.comm.nvtx import nvtx_range
 from pipezero.comm.traffic import TRAFFIC, group_name
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -41,7 +42,7 @@ class Handle:
             self._finish()
         if self.kind:
             TRAFFIC.add_seconds(self.kind, time.perf_counter() - start)
-        self._done = True
+        self._done, self._works = True, []  # a finished work and its tensors are not kept alive
 
     def is_completed(self) -> bool:
         return self._done or all(w is None or w.is_completed() for w in self._works)
@@ -59,7 +60,8 @@ def _avg_op(group):
 def _launch(kind: str, tensor_bytes: int, group, launch, divide: torch.Tensor | None, n: int,
             async_op: bool) -> Handle | None:
     TRAFFIC.add(kind, tensor_bytes, group=group_name(group))
-    work = launch()
+    with nvtx_range(kind):
+        work = launch()
     finish = (lambda: divide.div_(n)) if divide is not None else None
     handle = Handle(kind, [work], finish)
     if async_op:

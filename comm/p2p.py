@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pipezero.comm.traffic import TRAFFIC
+from pipezero.topology.device import process_device
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -96,7 +97,7 @@ class P2P:
         self.tag = 1 if self.side is group else 0
         self.variable_shapes = variable_shapes
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.device = torch.device(device) if device is not None else process_device(group)
         self.side_device = self.device if self.side is group else torch.device("cpu")
         self._sent: set[tuple[int, str]] = set()
         self._meta: dict[tuple[int, str], list] = {}
@@ -235,9 +236,3 @@ def _count(sends: Sequence, known_buffers: Sequence[torch.Tensor], recvs: Sequen
     if known_buffers:
         TRAFFIC.add("p2p_recv", sum(b.numel() * b.element_size() for b in known_buffers),
                     group=",".join(f"{peer}->{me}" for peer, _ in recvs))
-
-
-def _default_device(group) -> torch.device:
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -1,5 +1,7 @@
 """Generation for examples/gpt.py's layers: KV cache, left-padded batches, a CUDA-graph decode step.
 
+    python examples/generate.py --checkpoint runs/gpt --prompt "def " --tokens 200   # sample the main job's model
+
 `generate(layers, idx, n)` is greedy (temperature=0) or sampled (temperature, top-k). It runs
 on any list of the GPT's layers: a GPT's, a ZeRO-3 model's inside
 `pipezero.zero.gathered.gathered(opt)` (the weights gathered once for the phase), a
@@ -19,17 +21,20 @@ the stage-3 hooks are paused); otherwise the step runs without a graph.
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
 if __package__:  # imported as examples.generate
-    from .gpt import Block, Embedding, FinalNorm
+    from .gpt import GPT, Block, Embedding, FinalNorm, GPTConfig
 else:            # examples/ on sys.path
-    from gpt import Block, Embedding, FinalNorm
+    from gpt import GPT, Block, Embedding, FinalNorm, GPTConfig
 
-__all__ = ["KVCache", "LayerCache", "StaticLayerCache", "generate"]
+__all__ = ["KVCache", "LayerCache", "StaticLayerCache", "generate", "load_exported", "main"]
 
 
 class LayerCache:
@@ -274,3 +279,54 @@ def _captured(step: Callable[[], torch.Tensor], layers, device: torch.device,
         graph.replay()
         return logits
     return replay
+
+
+# -- the sampling command -------------------------------------------------------------------------
+
+def load_exported(path: str | Path) -> GPT:
+    """The GPT that train_gpt.py exported: `path` is its --out folder or the model.safetensors file.
+
+    The file's header holds the model's GPTConfig as JSON ("gpt_config"), so the shape is
+    never guessed from flags.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    file = path / "model.safetensors" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist: pass the --out folder of a finished train_gpt.py run "
+                                "(it exports model.safetensors there at the end)")
+    with safe_open(str(file), framework="pt") as f:
+        config = (f.metadata() or {}).get("gpt_config")
+    if config is None:
+        raise ValueError(f"{file} records no model config (exported before configs were recorded): "
+                         "run train_gpt.py again with the same --out to re-export it")
+    model = GPT(GPTConfig(**json.loads(config)))
+    model.load_state_dict(load_file(str(file)))
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Sample text from an exported model; prints and returns the prompt plus the new text."""
+    p = argparse.ArgumentParser(description="sample from the GPT that examples/train_gpt.py exported",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", default="runs/gpt", help="train_gpt.py's --out folder, or a .safetensors file")
+    p.add_argument("--prompt", default="def ", help="text to continue (byte tokens)")
+    p.add_argument("--tokens", type=int, default=200, help="new tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    model = load_exported(args.checkpoint).to(args.device)
+    idx = torch.tensor([list(args.prompt.encode("utf-8"))], device=args.device)
+    gen = torch.Generator(args.device).manual_seed(args.seed)
+    out = model.generate(idx, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)
+    text = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

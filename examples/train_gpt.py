@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # pipe 2 x data 2, CPU or GPU
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --schedule zbv --zero-stage 1
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --pipe 2 --data 2 --tensor 2   # 3D
+    sbatch examples/slurm/train_gpt.sbatch                                    # Slurm, one agent per node
     tensorboard --logdir runs/gpt
 
 The corpus is the standard library's own source code (byte tokens, on every machine with
@@ -16,8 +17,10 @@ one line per failing rank (PIPEZERO_TRACEBACK=1 prints the traceback too).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -28,38 +31,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan  # noqa: E402
 
 from pipezero.comm import TRAFFIC, is_peer_lost  # noqa: E402
-from pipezero.pipe import simulate, to_image, to_png, to_text  # noqa: E402
+from pipezero.pipe import schedule_names, simulate, to_image, to_png, to_text  # noqa: E402
 from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
 from pipezero.precision import global_grad_norm  # noqa: E402
 from pipezero.train.build import build  # noqa: E402
-from pipezero.train.checkpoint import prune_checkpoints  # noqa: E402
+from pipezero.train.checkpoint import prune_checkpoints, step_dir_name  # noqa: E402
+from pipezero.train.cli import DefaultsHelp  # noqa: E402
+from pipezero.train.config import parse_config  # noqa: E402
+from pipezero.train.config_batch import keep_global_batch  # noqa: E402
 from pipezero.train.data import ShardedBatches, TokenData  # noqa: E402
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once  # noqa: E402
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars  # noqa: E402
-from pipezero.train.state import export_model, load_state, resume_if_any, save_state  # noqa: E402
+from pipezero.train.state import export_model, load_state, resume_if_any, save_state, saved_batch  # noqa: E402
 
 PEAK_FLOPS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}  # H100/H200 SXM, dense
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=DefaultsHelp)
     p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2)")
     p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
     p.add_argument("--tensor", type=int, default=1,
                    help="tensor-parallel degree: each Block's heads and MLP split over this many ranks")
-    p.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"],
+    p.add_argument("--schedule", default=None, choices=schedule_names(),
                    help="pipeline schedule (default: the config's, else 1f1b)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2], help="default: the config's, else 2")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"], help="default: the config's, else fp32")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--micro-batches", type=_positive, default=None, help="micro-batches per step (default 4)")
     p.add_argument("--batch-size", type=_positive, default=None,
                    help="sequences per micro-batch per data rank (default 4)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warm-up + cosine)")
     p.add_argument("--config", default=None, help="a ds_config.json; the flags above override its keys")
     p.add_argument("--data-path", default=None, help="your own text/.bin/.npy file (default: stdlib sources)")
     p.add_argument("--out", default="runs/gpt", help="TensorBoard logs, checkpoints and the exported model")
@@ -68,9 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012), not the latest")
     p.add_argument("--pipeline-timeout", type=float, default=None,
                    help="seconds a rank waits for a pipeline peer (ds_config pipeline.timeout; default 300)")
-    p.add_argument("--eval-interval", type=int, default=50)
-    p.add_argument("--save-interval", type=int, default=100)
-    p.add_argument("--steps-per-print", type=int, default=None)
+    p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
+    p.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--steps-per-print", type=int, default=None,
+                   help="steps between log lines (default: the config's, else 10)")
+    p.add_argument("--expect-device", default=None, choices=["cuda", "cpu"],
+                   help="check that every parameter and each stage's activations live on this device (GPU smoke)")
     return p.parse_args(argv)
 
 
@@ -92,7 +104,9 @@ def ds_config(args: argparse.Namespace) -> dict:
         cfg["gradient_accumulation_steps"] = 4 if args.micro_batches is None else args.micro_batches
         cfg.get("pipeline", {}).pop("micro_batches", None)
     pipeline = {"stages": 2, "schedule": "1f1b", **cfg.get("pipeline", {})}
-    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule),
+    if args.schedule is not None and args.chunks is None:
+        pipeline.pop("chunks", None)  # a new schedule brings its own default chunk count
+    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule), ("chunks", args.chunks),
                                        ("timeout", args.pipeline_timeout)) if v is not None})
     cfg["pipeline"] = pipeline
     zero = {"stage": 2, **cfg.get("zero_optimization", {})}
@@ -119,11 +133,16 @@ def main(argv=None) -> float:
     log = get_logger("train_gpt")
     model_cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
 
-    config = ds_config(args)
-    if "WORLD_SIZE" not in os.environ and config["pipeline"]["stages"] > 1:
-        raise ValueError(f"{config['pipeline']['stages']} pipeline stages need as many processes at least, but this "
+    # -- the config; resumed on another data degree (an elastic restart), it keeps the global batch --
+    ckpt_dir = Path(args.out) / "checkpoints"
+    saved = saved_batch(ckpt_dir)
+    raw = ds_config(args)
+    if "WORLD_SIZE" not in os.environ and raw["pipeline"]["stages"] > 1:
+        raise ValueError(f"{raw['pipeline']['stages']} pipeline stages need as many processes at least, but this "
                          f"is one plain python process: launch torchrun --standalone --nproc-per-node 4 "
                          f"examples/train_gpt.py, or pass --pipe 1 to train in this process")
+    config = parse_config(raw, tensor=args.tensor, hidden_size=args.d_model)
+    config = dataclasses.replace(config, batch=keep_global_batch(config.batch, saved))
 
     # -- the parts: grid, pipeline module, optimizer chain, lr schedule, schedule, runner ----------
     parts = build(config, specs=gpt_specs(model_cfg), loss_fn=gpt_loss, hidden_size=args.d_model,
@@ -133,8 +152,14 @@ def main(argv=None) -> float:
         raise ValueError(f"--data {args.data} but {grid.world_size} processes / (pipe {grid.pipe_size} x tensor "
                          f"{grid.tensor_size}) give {grid.data_size}: launch torchrun --nproc-per-node "
                          f"{grid.pipe_size * grid.tensor_size * args.data}")
-    log.info("grid %s, optimizer %s, schedule %s, %s\n%s", grid, opt, parts.schedule,
-             str(parts.dtype).removeprefix("torch."), parts.module.describe())
+    log.info("grid %s, optimizer %s, schedule %s, %s on %s\n%s", grid, opt, parts.schedule,
+             str(parts.dtype).removeprefix("torch."), parts.device, parts.module.describe())
+    if args.expect_device:
+        _check_device(parts.module, args.expect_device, grid.rank)
+    if saved is not None and saved.data_degree != grid.data_size:
+        log.info("data degree %d, the checkpoint's %d: %d accumulation steps (it had %d) keep its global batch of %d",
+                 grid.data_size, saved.data_degree, cfg.batch.accumulation_steps, saved.accumulation_steps,
+                 cfg.batch.train_batch_size)
 
     # -- data: byte tokens, this data rank's share of every global batch ---------------------------
     if args.data_path:
@@ -146,7 +171,6 @@ def main(argv=None) -> float:
     val = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="val", shuffle=False)
 
     # -- resume from the latest checkpoint under --out, if there is one -----------------------------
-    ckpt_dir = Path(args.out) / "checkpoints"
     meta = resume(parts, ckpt_dir, args.resume_from)
     if args.resume and meta is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; drop --resume to start fresh")
@@ -164,7 +188,7 @@ def main(argv=None) -> float:
     tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
     timers = Timers(enabled=cfg.wall_clock_breakdown,
                     sync=torch.cuda.synchronize if parts.device.type == "cuda" else None)
-    progress = Progress(args.steps - start, desc="train")
+    progress = Progress(args.steps, desc="train", start=start)
     tokens_per_step = cfg.batch.train_batch_size * args.seq_len
     peak = PEAK_FLOPS.get(parts.dtype) if parts.device.type == "cuda" else None
     sim = simulate(parts.schedule, grid.pipe_size)
@@ -173,6 +197,7 @@ def main(argv=None) -> float:
 
     loss = torch.tensor(float("nan"))
     for step in range(start, args.steps):
+        _lose_node_for_the_elastic_test(step)
         TRAFFIC.reset()
         t0 = time.perf_counter()
 
@@ -209,8 +234,9 @@ def main(argv=None) -> float:
             scalars["pipeline/measured_bubble"] = runner.measured_bubble()  # a collective: every rank
             if done == start + 1 or done == args.steps:
                 _timeline_picture(tb, runner, grid, parts.module.num_chunks, args.out, done)
-            log.info("step %d/%d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.0f tok/s | bubble %.2f%s",
+            log.info("step %d/%d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.0f tok/s%s | bubble %.2f%s",
                      done, args.steps, loss.item(), lr, parts.scaler.loss_scale, grad_norm, tokens_s,
+                     "" if util is None else f" | MFU {util:.1%}",
                      scalars["pipeline/measured_bubble"], "" if stepped else " | SKIPPED (inf/nan)")
             if cfg.wall_clock_breakdown:
                 log.info("time: %s", timers.format())
@@ -223,12 +249,14 @@ def main(argv=None) -> float:
             log.info("step %d | val loss %.4f", done, val_loss)
         if done % args.save_interval == 0 or done == args.steps:
             save_state(parts, ckpt_dir, done, train.state_dict())
+            log.info("step %d | saved checkpoint %s", done, ckpt_dir / step_dir_name(done))
             if grid.rank == 0:
                 prune_checkpoints(ckpt_dir, keep=2)
 
     if grid.rank == 0 and (ckpt_dir / "latest").exists():
-        path = export_model(ckpt_dir, Path(args.out) / "model.safetensors", gpt_specs(model_cfg))
-        log.info("exported %s (safetensors.torch.load_file + GPT.load_state_dict)", path)
+        path = export_model(ckpt_dir, Path(args.out) / "model.safetensors", gpt_specs(model_cfg),
+                            metadata={"gpt_config": json.dumps(dataclasses.asdict(model_cfg))})
+        log.info("exported %s (sample from it: python examples/generate.py --checkpoint %s)", path, args.out)
         summary = {"steps": args.steps, "resumed_from": start, "final_loss": loss.item()}
         (Path(args.out) / "summary.json").write_text(json.dumps(summary))
     tb.close()
@@ -289,6 +317,50 @@ def _picture(tb: TensorBoardWriter, tag: str, result, step: int, out: str) -> No
         tb.image(tag, to_image(result), step)
     except ImportError:
         warn_once("pillow is not installed: timeline images are PNG files in %s, not in TensorBoard", out)
+
+
+def _check_device(module, expect: str, rank: int) -> None:
+    """--expect-device: every parameter now, and each chunk's first output (an activation), on `expect`.
+
+    A smoke for GPU runs: a job that silently trains on the CPU still converges, only slowly.
+    """
+    wrong = [n for n, p in module.named_parameters() if p.device.type != expect]
+    if wrong:
+        raise RuntimeError(f"rank {rank}: --expect-device {expect}, but {len(wrong)} parameters are elsewhere, "
+                           f"e.g. {wrong[0]} on {dict(module.named_parameters())[wrong[0]].device}")
+    print(f"[rank {rank}] device check: {sum(1 for _ in module.parameters())} parameters on "
+          f"{next(module.parameters()).device}", file=sys.stderr, flush=True)
+    seen: set[int] = set()
+
+    def hook(mod, args, kwargs, out) -> None:
+        chunk = kwargs.get("chunk", 0)
+        if chunk in seen:
+            return
+        seen.add(chunk)
+        act = out if isinstance(out, torch.Tensor) else out[0]
+        if act.device.type != expect:
+            raise RuntimeError(f"rank {rank}: --expect-device {expect}, but chunk {chunk}'s activation is on "
+                               f"{act.device}")
+        print(f"[rank {rank}] device check: chunk {chunk} activation {tuple(act.shape)} on {act.device}",
+              file=sys.stderr, flush=True)
+        if len(seen) == mod.num_chunks:
+            handle.remove()
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+
+
+def _lose_node_for_the_elastic_test(step: int) -> None:
+    """Fault injection: PIPEZERO_STOP_AGENT_AT=step, set on one torchrun agent, stops that agent once.
+
+    Its local rank 0 sends the agent SIGTERM, as Slurm does to a preempted node: the agent stops
+    its workers and leaves the rendezvous open, so the other agents restart without it.
+    """
+    if (os.environ.get("PIPEZERO_STOP_AGENT_AT") == str(step) and os.environ.get("LOCAL_RANK") == "0"
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        print(f"PIPEZERO_STOP_AGENT_AT: stopping this node's agent at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(60)  # the agent stops this worker first
+        os._exit(17)
 
 
 def _brief(err: BaseException) -> None:

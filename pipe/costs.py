@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec, layer_name
+from pipezero.topology import process_device
 
 __all__ = ["measure_layer_costs"]
 
@@ -47,7 +48,7 @@ def measure_layer_costs(layers: Sequence[Any], sample: Any, *, loss_fn: Callable
         with torch.no_grad():
             x = call(x)
         del call
-    return _agreed(costs, device, group)
+    return _agreed(costs, group)
 
 
 def _callable(layer: Any, device: torch.device, dtype: torch.dtype | None) -> Callable:
@@ -84,10 +85,10 @@ def _time_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> floa
     return (time.perf_counter() - start) * 1e3 / repeats
 
 
-def _agreed(costs: list[float], device: torch.device, group: Any) -> list[float]:
+def _agreed(costs: list[float], group: Any) -> list[float]:
     if not dist.is_initialized():
         return costs
-    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    on = process_device(group)
     t = torch.tensor(costs, dtype=torch.float64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()

@@ -25,7 +25,7 @@ from pipezero.pipe.spec import LayerSpec, TiedLayerSpec, layer_name
 from pipezero.pipe.stage_errors import describe_input, layer_error
 from pipezero.pipe.tensor_parallel import (PlanSource, apply_tensor_plan, check_tensor_plan,
                                              mark_tensor_duplicates, plan_for)
-from pipezero.topology import Grid
+from pipezero.topology import Grid, process_device
 
 __all__ = ["PipelineModule"]
 
@@ -52,7 +52,7 @@ class PipelineModule(nn.Module):
         self.num_virtual_stages = self.num_stages * num_chunks
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.seed, self.tensor_plan = seed, tensor_plan
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else process_device()
         self._specs = list(layers)
         ranks = [owner(stage, self.num_stages, placement)[0] for stage in range(self.num_virtual_stages)]
         self.bounds = partition(self._specs, self.num_virtual_stages, partition_method, ranks)
@@ -268,12 +268,6 @@ def _check_plans(layers: Sequence[Any], source: PlanSource | None, degree: int) 
                              "leave them out of the plan")
         if plan:
             check_tensor_plan(module, plan, degree, where)
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _check_args(layers: Sequence[Any], num_chunks: int, interval: int, placement: str) -> None:

@@ -2,9 +2,10 @@
 
 The text grid uses torch-style cells ("0F3" = chunk 0, forward, microbatch 3) and is what
 ScheduleError prints; `Custom.from_text` reads it back.  The picture draws one row per rank
-with a box per action (F, B, I, W in distinct colours, later chunks lighter), for a file or
-for TensorBoard's `add_image(..., dataformats="HWC")`.  Only numpy is needed; pillow writes
-the PNG when it is installed, otherwise a small zlib writer does.
+with a box per action (F, B, I, W in distinct colours, later chunks lighter), rank labels, a
+time axis and a legend (pipe/font.py draws the text), for a file or for TensorBoard's
+`add_image(..., dataformats="HWC")`.  Only numpy is needed; pillow writes the PNG when it is
+installed, otherwise a small zlib writer does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipezero.pipe.actions import Action, Op
+from pipezero.pipe.font import draw_text, text_size
 
 if TYPE_CHECKING:
     import numpy as np
@@ -30,13 +32,18 @@ COLORS: dict[Op, tuple[int, int, int]] = {
     Op.BACKWARD_INPUT: (52, 168, 83),    # green
     Op.BACKWARD_WEIGHT: (251, 140, 0),   # orange
 }
+_OP_NAMES = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BACKWARD_INPUT: "backward input",
+             Op.BACKWARD_WEIGHT: "backward weight"}
+_INK = (0, 0, 0)
 
 
 def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
     """The step x rank grid of a schedule (dict rank -> actions) or of a SimResult.
 
     For a dict, step k is the k-th action of each rank's list. For a SimResult, each row is
-    one distinct start time, so idle ranks show blank cells. `mark` holds (rank, step)
+    one time slot (every whole time unit when the times are whole, else every start and end):
+    an action shows at its start and as "." while it runs, an idle rank as a blank cell, so
+    gaps read as in the picture. `mark` holds (rank, step)
     cells to bracket, e.g. "[0F3]" (steps index the lists, for dicts only).
     """
     if isinstance(schedule, Mapping):
@@ -44,9 +51,10 @@ def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
         rows = max((len(schedule[r]) for r in range(p)), default=0)
         cells = [[str(schedule[r][k]) if k < len(schedule[r]) else "" for r in range(p)]
                  for k in range(rows)]
-        labels = [str(k) for k in range(rows)]
+        labels, axis = [str(k) for k in range(rows)], "step"
     elif hasattr(schedule, "timeline"):
         cells, labels, p = _timed_cells(schedule)
+        axis = "time"
     else:
         raise TypeError(f"to_text needs a dict rank -> actions (e.g. sched.actions(num_stages)) "
                         f"or a SimResult, got {type(schedule).__name__}")
@@ -55,8 +63,8 @@ def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
         if 0 <= k < len(cells) and 0 <= r < p:
             cells[k][r] = f"[{cells[k][r] or ' '}]"
     width = max([len(f"rank {p - 1}")] + [len(c) for row in cells for c in row]) + 2
-    label_w = max([len("step")] + [len(x) for x in labels])
-    head = "step".rjust(label_w) + "  " + "".join(f"rank {r}".ljust(width) for r in range(p))
+    label_w = max([len(axis)] + [len(x) for x in labels])
+    head = axis.rjust(label_w) + "  " + "".join(f"rank {r}".ljust(width) for r in range(p))
     body = [lab.rjust(label_w) + "  " + "".join(c.ljust(width) for c in row)
             for lab, row in zip(labels, cells)]
     return "\n".join(line.rstrip() for line in [head, *body])
@@ -64,11 +72,19 @@ def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
 
 def _timed_cells(result: "SimResult") -> tuple[list[list[str]], list[str], int]:
     p = result.num_stages
-    times = sorted({e.start for e in result.timeline})
+    times = {t for e in result.timeline for t in (e.start, e.end)}
+    if all(float(t).is_integer() for t in times) and result.makespan <= 10_000:
+        times |= set(range(int(result.makespan)))
+    times = sorted(t for t in times if t < result.makespan)
     row_of = {t: k for k, t in enumerate(times)}
     cells = [[""] * p for _ in times]
     for e in result.timeline:
-        cells[row_of[e.start]][e.rank] = str(e.action)
+        first = row_of[e.start]
+        cells[first][e.rank] = str(e.action)
+        for k in range(first + 1, len(times)):
+            if times[k] >= e.end:
+                break
+            cells[k][e.rank] = "."
     return cells, [f"{t:g}" for t in times], p
 
 
@@ -101,15 +117,23 @@ def _color(a: Action, num_chunks: int) -> np.ndarray:
 
 
 def to_image(result: "SimResult", px_per_unit: float | None = None,
-             row_height: int = 24, gap: int = 4) -> np.ndarray:
+             row_height: int = 24, gap: int = 4, labels: bool = True) -> np.ndarray:
     """The timeline as an H x W x 3 uint8 array: rank 0 on top, time to the right.
 
     `px_per_unit` defaults to a width of about 1200 pixels (at least 2 per time unit).
+    With `labels` the plot gets rank labels on the left, a time axis and a legend below.
     """
+    span = max(result.makespan, 1e-9)
+    scale = px_per_unit if px_per_unit is not None else max(2.0, 1200.0 / span)
+    plot = _plot(result, scale, row_height, gap)
+    return _framed(plot, result, scale, row_height, gap) if labels else plot
+
+
+def _plot(result: "SimResult", scale: float, row_height: int, gap: int) -> np.ndarray:
+    """The boxes alone: one row per rank, white where a rank idles."""
     import numpy as np  # only the picture needs numpy
 
     span = max(result.makespan, 1e-9)
-    scale = px_per_unit if px_per_unit is not None else max(2.0, 1200.0 / span)
     width = int(np.ceil(span * scale)) + 2 * gap
     height = result.num_stages * (row_height + gap) + gap
     img = np.full((height, width, 3), 255, dtype=np.uint8)
@@ -122,6 +146,50 @@ def to_image(result: "SimResult", px_per_unit: float | None = None,
         if x1 - x0 > 2 and row_height > 2:
             img[y0 + 1:y0 + row_height - 1, x0 + 1:x1 - 1] = fill.astype(np.uint8)
     return img
+
+
+def _framed(plot: np.ndarray, result: "SimResult", scale: float, row_height: int, gap: int) -> np.ndarray:
+    """The plot with rank labels (left), a time axis with ticks (below) and a legend of the ops."""
+    import numpy as np
+
+    ph, pw = plot.shape[:2]
+    left = text_size(f"rank {result.num_stages - 1}")[0] + 8
+    ops = [op for op in COLORS if any(e.action.op is op for e in result.timeline)]
+    legend = [f"{op.value} {_OP_NAMES[op]}" for op in ops]
+    if result.num_chunks > 1:
+        legend.append("lighter: later chunks")
+    legend_w = sum(text_size(t)[0] + 28 for t in legend)
+    img = np.full((ph + 60, max(left + pw, legend_w + 8) + 8, 3), 255, dtype=np.uint8)
+    img[:ph, left:left + pw] = plot
+    for r in range(result.num_stages):
+        draw_text(img, 4, gap + r * (row_height + gap) + (row_height - 10) // 2, f"rank {r}", _INK)
+    x0, end = left + gap, left + gap + int(round(result.makespan * scale))
+    img[ph, x0:end + 1] = _INK
+    for t in _ticks(result.makespan):
+        x = x0 + int(round(t * scale))
+        img[ph:ph + 4, x] = _INK
+        label = f"{t:g}"
+        draw_text(img, x - text_size(label)[0] // 2, ph + 6, label, _INK)
+    draw_text(img, (x0 + end - text_size("time")[0]) // 2, ph + 20, "time", _INK)
+    x = left
+    for text, op in zip(legend, ops + [None]):
+        if op is not None:
+            img[ph + 40:ph + 50, x:x + 10] = COLORS[op]
+        draw_text(img, x + 14, ph + 40, text, _INK)
+        x += text_size(text)[0] + 28
+    return img
+
+
+def _ticks(makespan: float) -> list[float]:
+    """Round tick positions (steps of 1, 2 or 5 times a power of ten), about ten of them."""
+    import math
+
+    if makespan <= 0:
+        return [0.0]
+    raw = makespan / 10
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    return [i * step for i in range(int(makespan // step) + 1)]
 
 
 def to_png(result: "SimResult", path: str | Path, **image_kwargs: Any) -> Path:

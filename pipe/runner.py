@@ -28,7 +28,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from pipezero.comm import P2P, CommTimeout, PeerLost, is_peer_lost, peer_lost
+from pipezero.comm import P2P, CommTimeout, PeerLost, is_peer_lost, nvtx_range, peer_lost
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.batch_check import ABSENT, NO_TARGETS, SIGNATURE, batch_words, raise_batch_errors
 from pipezero.pipe.dealloc import free, freeable, saved_storages
@@ -178,7 +178,7 @@ class PipelineRunner:
             release = last_use.get(i)
             if release:
                 self._release(release, flush=False)
-            with self.timeline.span(str(step.action), "compute"):
+            with self.timeline.span(str(step.action), "compute"), nvtx_range(step.action):
                 sends = self._do(step, train, with_loss)
             if release:
                 self._flush(release)

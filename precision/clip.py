@@ -15,10 +15,10 @@ from collections import defaultdict
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_reduce
+from pipezero.topology import process_device
 
 __all__ = ["DUPLICATE_ATTR", "GradStats", "grad_stats", "global_grad_norm", "clip_grad_norm",
            "grouped_grads"]
@@ -62,9 +62,7 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 def comm_device(group=None) -> torch.device:
     """Where the small all-reduce lives: the current GPU for nccl, else the CPU."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return process_device(group)
 
 
 def _local_sums(groups: dict[tuple, tuple[list, list]], device: torch.device) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipezero.train.config import ConfigError, OffloadDevice, ScheduleKind, parse_config
+from pipezero.train.config import ConfigError, OffloadDevice, parse_config
 from pipezero.train.config_optim import (SchedulerConfig, SchedulerType, WarmupType, build_optimizer,
                                          build_scheduler, lr_at)
 
@@ -238,7 +238,7 @@ def test_pipeline_section_and_bfloat16_alias():
                         "activation_checkpoint_interval": 1, "partition_method": "type:Block"}}
     cfg = parse_config(raw, world_size=4)
     assert cfg.bf16.enabled and cfg.compute_dtype == torch.bfloat16
-    assert cfg.pipeline.schedule is ScheduleKind.INTERLEAVED_1F1B
+    assert cfg.pipeline.schedule == "interleaved_1f1b"
     assert (cfg.pipeline.chunks, cfg.batch.accumulation_steps, cfg.batch.micro_batch_size) == (2, 4, 2)
     with pytest.raises(ConfigError, match="bfloat16"):
         parse_config({**raw, "bf16": {"enabled": True}}, world_size=4)

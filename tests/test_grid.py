@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from harness import run
-from pipezero.topology import Grid, grid_shape
+from pipezero.topology import AXES, Grid, grid_shape, rank_coords
 
 
 def _factorisations(n):
@@ -85,3 +85,28 @@ def test_describe_marks_this_rank():
     tables = run(_describe, 2)
     assert "0     0     0       0  <- me" in tables[0]
     assert "1     1     0       0  <- me" in tables[1]
+
+
+
+def _groups(shape, axis):
+    """Every group along `axis`: the ranks that share the other two coordinates."""
+    index = AXES.index(axis)
+    groups = {}
+    for rank in range(shape[0] * shape[1] * shape[2]):
+        c = rank_coords(rank, shape)
+        key = tuple(v for i, v in enumerate((c.pipe, c.data, c.tensor)) if i != index)
+        groups.setdefault(key, []).append(rank)
+    return sorted(groups.values())
+
+
+@pytest.mark.parametrize("shape, per_node, crossing", [
+    ((2, 2, 1), 2, {"pipe"}),          # the multi-node test: 2 nodes x 2 processes, pipe 2 x data 2
+    ((4, 2, 2), 8, {"pipe"}),          # 2 nodes of 8 GPUs: each node holds two whole stages
+    ((2, 8, 2), 8, {"pipe", "data"}),  # a stage's data group spans 2 nodes of its own; tensor stays inside
+])
+def test_pipe_crosses_nodes_data_and_tensor_stay_inside(shape, per_node, crossing):
+    # torchrun gives node n the contiguous global ranks n * per_node .. (n + 1) * per_node - 1
+    crossed = {axis for axis in AXES if any(len({r // per_node for r in g}) > 1 for g in _groups(shape, axis))}
+    assert crossed == crossing
+    if shape == (2, 2, 1):  # each stage's data group is one node
+        assert _groups(shape, "data") == [[0, 1], [2, 3]] and _groups(shape, "pipe") == [[0, 2], [1, 3]]

@@ -112,3 +112,10 @@ def test_timers_accumulate_per_phase_and_sync():
     with off(Phase.BACKWARD):
         pass
     assert off.elapsed_ms() == {}
+
+
+def test_progress_counts_on_from_a_resumed_step():
+    out = io.StringIO()
+    bar = Progress(10, desc="train", enabled=True, stream=out, start=6)
+    bar.update(loss=1.0)
+    assert " 7/10 " in out.getvalue()

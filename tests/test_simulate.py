@@ -154,7 +154,7 @@ def test_chrome_trace():
 
 def test_image_colours_ops_and_shades_chunks():
     res = simulate(ZeroBubbleV(4), 2)
-    img = to_image(res, px_per_unit=10, row_height=12, gap=2)
+    img = to_image(res, px_per_unit=10, row_height=12, gap=2, labels=False)
     assert img.dtype == np.uint8 and img.shape == (2 * 14 + 2, int(res.makespan * 10) + 4, 3)
     pixels = {tuple(px) for px in img.reshape(-1, 3)}
     for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
@@ -165,6 +165,24 @@ def test_image_colours_ops_and_shades_chunks():
     # rank 1 is idle at t in [0, 1): white there, rank 0 busy
     row1, row0 = 2 + 14 + 6, 2 + 6
     assert tuple(img[row1, 2 + 5]) == (255, 255, 255) and tuple(img[row0, 2 + 5]) == COLORS[Op.FORWARD]
+
+
+def test_picture_has_rank_labels_a_time_axis_and_a_legend():
+    from pipezero.pipe.font import text_size
+
+    res = simulate(ZeroBubbleH1(4), 2)
+    bare = to_image(res, px_per_unit=10, row_height=12, gap=2, labels=False)
+    img = to_image(res, px_per_unit=10, row_height=12, gap=2)
+    h, w = bare.shape[:2]
+    left = text_size("rank 1")[0] + 8                            # the widest rank label and a margin
+    assert img.shape[0] > h and img.shape[1] > w
+    ink = (img == 0).all(axis=2)
+    assert ink[:h, :left].any()                                  # "rank 0", "rank 1" on the left
+    assert ink[h, left:left + w].sum() >= int(res.makespan * 10)  # the time axis under the plot
+    legend = {tuple(px) for px in img[h + 40:].reshape(-1, 3)}
+    assert {COLORS[Op.FORWARD], COLORS[Op.BACKWARD_INPUT], COLORS[Op.BACKWARD_WEIGHT]} <= legend
+    assert COLORS[Op.BACKWARD] not in legend                      # only the ops the schedule uses
+    np.testing.assert_array_equal(img[:h, left:left + w], bare)   # the plot itself is unchanged
 
 
 def _read_png(data: bytes) -> np.ndarray:

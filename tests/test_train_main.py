@@ -33,7 +33,10 @@ def _torchrun(nproc: int, out: Path, *args: str, restarts: int = 0, env: dict | 
 
 
 def test_main_job_pipe2_data2_writes_tensorboard_and_checkpoint(tmp_path):
-    _torchrun(4, tmp_path, "--pipe", "2", "--steps", "4", "--save-interval", "2", "--zero-stage", "2")
+    done = _torchrun(4, tmp_path, "--pipe", "2", "--steps", "4", "--save-interval", "2", "--zero-stage", "2",
+                     "--expect-device", "cpu")
+    assert "device check: chunk 0 activation" in done.stderr
+    assert f"saved checkpoint {tmp_path / 'checkpoints' / 'step_00000002'}" in done.stderr
     acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0})
     acc.Reload()
     scalars = set(acc.Tags()["scalars"])
@@ -48,7 +51,23 @@ def test_main_job_pipe2_data2_writes_tensorboard_and_checkpoint(tmp_path):
         assert {"pipeline/simulated", "pipeline/measured"} <= set(acc.Tags()["images"])
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert (tmp_path / "model.safetensors").is_file()
+    _sample_from_the_export(tmp_path)
 
+
+def _sample_from_the_export(out: Path) -> None:
+    """The exported file rebuilds its GPT from the config in its header; the sampling command runs."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import generate
+    from gpt import GPT, GPTConfig
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        cfg = json.loads(f.metadata()["gpt_config"])
+    assert cfg == {"vocab_size": 256, "n_layer": 2, "n_head": 2, "d_model": 16, "seq_len": 16, "seed": 0}
+    GPT(GPTConfig(**cfg)).load_state_dict(load_file(str(out / "model.safetensors")))  # strict: every tensor
+    text = generate.main(["--checkpoint", str(out), "--prompt", "def ", "--tokens", "8", "--temperature", "0"])
+    assert text.startswith("def ") and len(text) > len("def ")
 
 @pytest.mark.parametrize("pipe", [2])
 def test_killed_rank_restarts_from_last_checkpoint(tmp_path, pipe):
@@ -60,4 +79,18 @@ def test_killed_rank_restarts_from_last_checkpoint(tmp_path, pipe):
     straight = json.loads((tmp_path / "straight" / "summary.json").read_text())
     resumed = json.loads((tmp_path / "crashed" / "summary.json").read_text())
     assert straight["resumed_from"] == 0 and resumed["resumed_from"] == 2
-    assert resumed["final_loss"] == straight["final_loss"]
+    bars = [line.split("]")[1].split()[0] for line in crashed.stderr.splitlines() if line.startswith("train [")]
+    assert bars == ["1/6", "2/6", "3/6", "3/6", "4/6", "5/6", "6/6"]  # resumed at 2: counts on in global steps    assert resumed["final_loss"] == straight["final_loss"]
+
+
+def test_help_shows_every_default(capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_gpt
+
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("optimizer steps (default: 400)", "model width (default: 128)", "(default: runs/gpt)",
+                  "interleaved_1f1b takes any >= 2"):
+        assert shown in text
+    assert "(default: None)" not in text

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import os
 
 import torch
 import torch.distributed as dist
+
+from pipezero.topology.device import default_backend
 
 
 def init_distributed(timeout_s: float = 600.0) -> None:
@@ -18,13 +22,14 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     previous attempt's addresses still sit under the same keys, so each attempt's keys go
     under a prefix of its own (TORCHELASTIC_RESTART_COUNT).
     """
+    _destroy_at_exit()
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -37,6 +42,18 @@ def init_distributed(timeout_s: float = 600.0) -> None:
                           is_master=not agent_store and rank == 0, timeout=timeout)
     store = dist.PrefixStore(f"pipezero/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+@functools.cache
+def _destroy_at_exit() -> None:
+    """Destroy the process groups at exit while the interpreter is whole (once per process).
+
+    Left to interpreter finalisation, a gloo group's worker threads can still hold finished
+    work whose tensors need the GIL, and the process aborts ("terminate called without an
+    active exception", exit -6) after a job that trained correctly. A user who already called
+    destroy_process_group() makes this a no-op.
+    """
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
 def _free_port() -> int:

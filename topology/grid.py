@@ -4,16 +4,26 @@ Rank order puts tensor fastest, then data, then pipe, so the ranks of one tensor
 are adjacent (as in Megatron-LM and DeepSpeed): rank = (pipe * data_deg + data) * tensor_deg + tensor.
 The grid is a torch DeviceMesh with dims ("pipe", "data", "tensor"); `grid.mesh` is that
 mesh, so DTensor and FSDP work on its sub-meshes.
+
+Across nodes: torchrun gives each node's agent one contiguous block of global ranks
+(node n holds ranks n * nproc_per_node ... (n + 1) * nproc_per_node - 1), so the axes that
+vary fastest stay inside a node. Tensor groups exchange activations in every layer and data
+groups all-reduce or reduce-scatter every gradient, so they get the fast links inside a node
+(NVLink); the pipe axis sends one activation per micro-batch between neighbouring stages and
+is the one that crosses the slower network. With 2 nodes x 2 processes, pipe 2 x data 2
+puts stage 0 (data ranks 0, 1) on one node and stage 1 on the other. When tensor x data is
+a multiple of the processes per node, each stage owns whole nodes and only its data group
+spans several of them; a tensor degree above the processes per node would cross nodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipezero.topology.device import process_device
 from pipezero.topology.env import init_distributed
 
 AXES = ("pipe", "data", "tensor")
@@ -53,8 +63,20 @@ class Coords:
     tensor: int
 
 
+def rank_coords(rank: int, shape: tuple[int, int, int]) -> Coords:
+    """The (pipe, data, tensor) coordinates of a global rank on a grid of `shape`; pure arithmetic."""
+    pipe_size, data_size, tensor_size = shape
+    if not 0 <= rank < pipe_size * data_size * tensor_size:
+        raise ValueError(f"rank {rank} is outside the grid of {pipe_size * data_size * tensor_size} ranks")
+    return Coords(rank // (tensor_size * data_size), (rank // tensor_size) % data_size, rank % tensor_size)
+
+
 class Grid:
-    """The pipe x data x tensor rank grid of the default process group."""
+    """The pipe x data x tensor rank grid of the default process group.
+
+    Tensor varies fastest, then data, then pipe: on a multi-node torchrun launch the tensor and
+    data groups stay inside a node and the pipeline crosses nodes (the module docstring says why).
+    """
 
     def __init__(self, pipe: int = 1, data: int | None = None, tensor: int = 1):
         init_distributed()
@@ -62,8 +84,7 @@ class Grid:
         self.rank = dist.get_rank()
         self.shape = grid_shape(self.world_size, pipe, data, tensor)
         self.pipe_size, self.data_size, self.tensor_size = self.shape
-        device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        self.mesh: DeviceMesh = init_device_mesh(device, self.shape, mesh_dim_names=AXES)
+        self.mesh: DeviceMesh = init_device_mesh(process_device().type, self.shape, mesh_dim_names=AXES)
         me = self.coords(self.rank)
         self.pipe_rank, self.data_rank, self.tensor_rank = me.pipe, me.data, me.tensor
         self.pipe_group = self.mesh.get_group("pipe")
@@ -73,12 +94,7 @@ class Grid:
     # -- coordinates --------------------------------------------------------------
     def coords(self, rank: int) -> Coords:
         """The (pipe, data, tensor) coordinates of a global rank."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside the grid of {self.world_size} ranks")
-        tensor = rank % self.tensor_size
-        data = (rank // self.tensor_size) % self.data_size
-        pipe = rank // (self.tensor_size * self.data_size)
-        return Coords(pipe, data, tensor)
+        return rank_coords(rank, self.shape)
 
     def rank_of(self, pipe: int | None = None, data: int | None = None, tensor: int | None = None) -> int:
         """The global rank at these coordinates; an omitted axis means this rank's own."""

@@ -13,6 +13,7 @@ Every check that can fail on user input runs before the first collective, on eve
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -21,21 +22,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from pipezero.pipe import GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 from pipezero.pipe.module import PipelineModule
+from pipezero.pipe.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
 from pipezero.precision import LossScaler
-from pipezero.topology import Grid, init_distributed
-from pipezero.train.config import ScheduleKind, TrainConfig, parse_config
+from pipezero.topology import Grid, init_distributed, process_device
+from pipezero.train.config import TrainConfig, parse_config
 from pipezero.train.config_optim import OptimizerConfig, build_optimizer, build_scheduler
 from pipezero.train.log import warn_once
 from pipezero.zero import ZeroOptimizer
 
-__all__ = ["Parts", "build", "init_process_group", "make_schedule", "resolve_precision"]
-
-_SCHEDULES = {ScheduleKind.GPIPE: GPipe, ScheduleKind.ONE_F_ONE_B: OneFOneB,
-              ScheduleKind.INTERLEAVED_1F1B: Interleaved1F1B, ScheduleKind.ZB_H1: ZeroBubbleH1,
-              ScheduleKind.ZBV: ZeroBubbleV}
+__all__ = ["Parts", "build", "init_process_group", "model_width", "resolve_precision"]
 
 
 @dataclass(eq=False)
@@ -55,15 +52,6 @@ class Parts:
     device: torch.device = torch.device("cpu")
 
 
-def make_schedule(kind: ScheduleKind, num_microbatches: int, chunks: int = 1) -> Any:
-    """The pipe/ schedule object a config names."""
-    if not isinstance(kind, ScheduleKind):
-        raise TypeError(f"make_schedule({kind!r}): expected a ScheduleKind, e.g. ScheduleKind.ONE_F_ONE_B")
-    if kind is ScheduleKind.INTERLEAVED_1F1B:
-        return Interleaved1F1B(num_microbatches=num_microbatches, num_chunks=chunks)
-    return _SCHEDULES[kind](num_microbatches=num_microbatches)
-
-
 def resolve_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The compute dtype to use: fp16 on a device that cannot multiply in fp16 falls back to bf16."""
     if dtype != torch.float16 or device.type != "cpu":
@@ -75,6 +63,21 @@ def resolve_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:
         warn_once("fp16 is not supported by this CPU's torch build: computing in bf16 instead "
                   '(set "bf16": {"enabled": true} to silence this)')
         return torch.bfloat16
+
+
+def model_width(model: nn.Module) -> int | None:
+    """The hidden size that "auto" ZeRO sizes follow, read off a model as DeepSpeed users expect.
+
+    A Hugging Face-style `model.config.hidden_size` (or the largest of `hidden_sizes`) first;
+    else the input width most of the model's Linear layers share (the residual width of a
+    transformer, whose MLP and head are wider), the larger on a tie; None without Linears.
+    """
+    config = getattr(model, "config", None)
+    width = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0])
+    if isinstance(width, int) and width > 0:
+        return width
+    counts = Counter(m.in_features for m in model.modules() if isinstance(m, nn.Linear))
+    return max(counts, key=lambda w: (counts[w], w)) if counts else None
 
 
 init_process_group = init_distributed  # the restart-safe start lives in topology/
@@ -93,12 +96,14 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     as the innermost link instead of the config's "optimizer" section. `tensor` > 1 (with specs=)
     shards each layer by `tensor_plan` (PipelineModule's) over the grid's tensor axis.
     """
+    if hidden_size is None and isinstance(model, nn.Module):
+        hidden_size = model_width(model)
     cfg = _config(config, hidden_size, tensor)
     _check_build_args(cfg, specs, model, loss_fn, optimizer)
     if tensor > 1 and specs is None:
         raise ValueError(f"build(tensor={tensor}) shards pipeline layers by tensor_plan: pass specs= (and "
                          "tensor_plan=, e.g. gpt_tensor_plan()), or tensor=1 with model=")
-    dev = torch.device(device) if device is not None else _default_device()
+    dev = torch.device(device) if device is not None else process_device()  # the process group's device
     dtype = resolve_precision(cfg.compute_dtype, dev)
     init_distributed()
     grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=tensor)
@@ -145,8 +150,8 @@ def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, op
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"build(model={type(model).__name__}): expected an nn.Module")
     if cfg.zero.has_auto:
-        raise ValueError('ds_config["zero_optimization"] has "auto" sizes: pass build(..., hidden_size=) '
-                         "(the model's width) to resolve them")
+        raise ValueError('ds_config["zero_optimization"] has "auto" sizes and the model\'s width is unknown: pass '
+                         "build(..., hidden_size=) (e.g. the transformer's d_model) to resolve them")
     if specs is not None:
         if loss_fn is None:
             raise ValueError("build(specs=...) needs loss_fn=: the last pipeline stage computes the loss")
@@ -170,9 +175,3 @@ def _scaler(cfg: TrainConfig, inner: torch.optim.Optimizer, dtype: torch.dtype) 
     if dtype == torch.float16:
         return LossScaler.from_config(inner, cfg.fp16.to_dict(), dtype=torch.float16, clip_grad_norm=clip)
     return LossScaler.from_config(inner, cfg.bf16.to_dict(), dtype=torch.bfloat16, clip_grad_norm=clip)
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "export_consolidated", "latest_step",
-           "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint", "set_rng_state",
+__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "checkpoint_meta", "export_consolidated",
+           "latest_step", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint", "set_rng_state",
            "step_dir_name"]
 
 FORMAT_VERSION = 2  # 2: the manifest carries its own sha256
@@ -296,6 +296,14 @@ def load_checkpoint(directory: str | os.PathLike, step: int | None = None,
     if expected is not None:
         _check_fits(path, manifest, merged, where, expected, strict, wanted)
     return Checkpoint(merged, manifest["meta"], int(manifest["step"]), path)
+
+
+def checkpoint_meta(directory: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
+    """The saver's meta of a checkpoint (the latest unless `step`) from its manifest alone, no tensor read.
+
+    For what must be decided before the parts exist, e.g. the batch sizes of a resumed run.
+    """
+    return dict(_read_manifest(_resolve(Path(directory), step))["meta"])
 
 
 def _resolve(root: Path, step: int | None) -> Path:

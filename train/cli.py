@@ -19,11 +19,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["main", "examples_dir"]
+__all__ = ["DefaultsHelp", "main", "examples_dir"]
 
-_KINDS = {"gpipe": "GPipe", "1f1b": "OneFOneB", "interleaved_1f1b": "Interleaved1F1B", "zb_h1": "ZeroBubbleH1",
-          "zbv": "ZeroBubbleV"}
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default; a flag whose default is None says in its own help what applies."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 def examples_dir() -> Path:
     """The repository's examples/ folder, or a FileNotFoundError that says how to get it."""
@@ -41,16 +44,15 @@ def examples_dir() -> Path:
 def _simulate(args: argparse.Namespace) -> int:
     from pipezero import pipe
 
-    kind = getattr(pipe, _KINDS[args.schedule])
-    if kind is pipe.Interleaved1F1B:
-        schedule = kind(num_microbatches=args.microbatches, num_chunks=args.chunks)
-    else:
-        schedule = kind(num_microbatches=args.microbatches)
+    try:
+        schedule = pipe.make_schedule(args.schedule, args.microbatches, args.chunks)
+    except ValueError as e:
+        raise SystemExit(f"pipezero simulate: {e}") from None
     costs = pipe.Costs(forward=args.forward, backward_input=args.backward_input, backward_weight=args.backward_weight)
     result = pipe.simulate(schedule, args.stages, costs=costs)
     print(pipe.to_text(result))
     peak = ", ".join(f"rank {r}: {n:g}" for r, n in sorted(result.peak_stage_activations().items()))
-    print(f"\n{type(schedule).__name__}: {args.stages} stages, {args.microbatches} microbatches, "
+    print(f"\n{schedule!r}: {args.stages} stages, {args.microbatches} microbatches, "
           f"makespan {result.makespan:g}, bubble {result.bubble:.3f}")
     print(f"peak live activations (whole-stage microbatches): {peak}")
     png = Path(args.png or f"{args.schedule}_p{args.stages}_m{args.microbatches}.png")
@@ -88,13 +90,17 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from pipezero.pipe.registry import schedule_names
+
     parser = argparse.ArgumentParser(prog="pipezero", description="pipeline-parallel training toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
-    sim = sub.add_parser("simulate", help="simulate a schedule: text grid, bubble, peak memory, PNG")
-    sim.add_argument("--schedule", choices=sorted(_KINDS), default="1f1b")
+    sim = sub.add_parser("simulate", help="simulate a schedule: text grid, bubble, peak memory, PNG",
+                         formatter_class=DefaultsHelp)
+    sim.add_argument("--schedule", choices=schedule_names(), default="1f1b")
     sim.add_argument("--stages", type=int, default=4)
     sim.add_argument("--microbatches", type=int, default=8)
-    sim.add_argument("--chunks", type=int, default=2, help="interleaved_1f1b: chunks per rank")
+    sim.add_argument("--chunks", type=int, default=None,
+                     help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
     sim.add_argument("--forward", type=float, default=1.0, help="cost of F")
     sim.add_argument("--backward-input", type=float, default=1.0, help="cost of I (B = I + W)")
     sim.add_argument("--backward-weight", type=float, default=1.0, help="cost of W")

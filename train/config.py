@@ -25,12 +25,13 @@ from typing import Any, Mapping
 
 import torch
 
+from pipezero.pipe.registry import schedule_entry, schedule_names
 from pipezero.train.config_batch import BatchConfig, resolve_batch
 from pipezero.train.config_fields import AUTO, ConfigError, ConfigTypeError, Section
 from pipezero.train.config_optim import OptimizerConfig, SchedulerConfig
 
 __all__ = ["BF16Config", "BatchConfig", "COSMETIC_KEYS", "ConfigError", "ConfigTypeError",
-           "FP16Config", "OffloadConfig", "OffloadDevice", "PipelineConfig", "ScheduleKind",
+           "FP16Config", "OffloadConfig", "OffloadDevice", "PipelineConfig",
            "TensorBoardConfig", "TrainConfig", "ZERO_COSMETIC_KEYS", "ZeroOptimizationConfig",
            "parse_config"]
 
@@ -71,16 +72,6 @@ class OffloadDevice(enum.Enum):
 
     NONE = "none"
     CPU = "cpu"
-
-
-class ScheduleKind(enum.Enum):
-    """Pipeline schedules a config can name (pipe/ has the classes)."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved_1f1b"
-    ZB_H1 = "zb_h1"
-    ZBV = "zbv"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -265,8 +256,8 @@ class PipelineConfig:
     """ds_config["pipeline"]: what DeepSpeed keeps in code (PipelineModule's arguments)."""
 
     stages: int = 1
-    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
-    chunks: int = 1                          # virtual stages per rank
+    schedule: str = "1f1b"                   # a name of pipe/registry.py's SCHEDULES
+    chunks: int = 1                          # virtual stages per rank (the schedule's default)
     micro_batches: int | None = None         # = gradient_accumulation_steps when given
     activation_checkpoint_interval: int = 0  # 0: no activation checkpointing
     partition_method: str | tuple[float, ...] = "parameters"  # "parameters", "uniform", "type:<regex>", costs
@@ -275,15 +266,20 @@ class PipelineConfig:
     @classmethod
     def parse(cls, sec: Section) -> "PipelineConfig":
         """Read the section and check that chunks fit the schedule."""
-        schedule = ScheduleKind(sec.choice("schedule", "1f1b", [s.value for s in ScheduleKind]))
-        chunks = sec.int("chunks", 2 if schedule is ScheduleKind.ZBV else 1, lo=1)
-        wants = {ScheduleKind.ZBV: 2, ScheduleKind.INTERLEAVED_1F1B: chunks}.get(schedule, 1)
-        if chunks != wants:
-            raise ConfigError(f'{sec.where("chunks")} = {chunks}: schedule "{schedule.value}" needs '
-                              f"chunks = {wants}; use \"interleaved_1f1b\" for other chunk counts")
+        name = sec.raw("schedule", "1f1b")
+        try:
+            entry = schedule_entry(name)
+        except ValueError:
+            raise ConfigError(f'{sec.where("schedule")} = {name!r}: expected one of '
+                              f'{", ".join(repr(n) for n in schedule_names())}') from None
+        chunks = sec.int("chunks", None, lo=1) if sec.raw("chunks") is not None else None
+        try:
+            chunks = entry.check_chunks(chunks)
+        except ValueError as e:
+            raise ConfigError(f'{sec.where("chunks")} = {chunks}: {e}') from None
         micro = sec.int("micro_batches", None, lo=1) if sec.raw("micro_batches") is not None else None
         method = _check_partition(sec.raw("partition_method", "parameters"), sec.where("partition_method"))
-        cfg = cls(stages=sec.int("stages", 1, lo=1), schedule=schedule, chunks=chunks,
+        cfg = cls(stages=sec.int("stages", 1, lo=1), schedule=entry.name, chunks=chunks,
                   micro_batches=micro, partition_method=method,
                   activation_checkpoint_interval=sec.int("activation_checkpoint_interval", 0, lo=0),
                   timeout=sec.float("timeout", 300.0, lo=0.001, hi=86400.0))

@@ -3,7 +3,8 @@
 Any two of the three ds_config keys imply the third; all three given must agree. DeepSpeed's
 rule is kept: with only one of train_batch_size / train_micro_batch_size_per_gpu given,
 gradient_accumulation_steps is 1. "auto" (the HuggingFace Trainer's placeholder) counts as
-not given. The pipeline's micro-batches per step are the accumulation steps.
+not given. The pipeline's micro-batches per step are the accumulation steps. A run resumed
+on another data degree keeps its checkpoint's global batch (`keep_global_batch`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from pipezero.train.config_fields import AUTO, ConfigError, Section
 
-__all__ = ["BatchConfig", "data_degree", "resolve_batch"]
+__all__ = ["BatchConfig", "data_degree", "keep_global_batch", "resolve_batch"]
 
 _TBS, _MBS, _GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 
@@ -84,3 +85,29 @@ def _complete(tbs: int | None, mbs: int | None, gas: int | None, dp: int) -> tup
                               f"degree {dp} = {gas * dp}: make it a multiple of {gas * dp} or set {_MBS}")
         return tbs, tbs // (gas * dp), gas
     return (mbs * gas * dp if tbs is None else tbs), mbs, gas
+
+
+def keep_global_batch(batch: BatchConfig, saved: BatchConfig | None) -> BatchConfig:
+    """This launch's batch, with the checkpoint's global batch when the data degree changed.
+
+    An elastic restart onto fewer nodes runs the same command on a smaller world: the data
+    degree shrinks, and with the same micro-batch size and accumulation steps so would the
+    global batch, and with it what one optimizer step, the lr schedule and the data position
+    (global batches taken) mean. So the checkpoint's train_batch_size is kept and the
+    accumulation steps absorb the change: accumulation = train_batch_size / (micro batch x
+    data degree), more steps on fewer replicas. With an unchanged data degree (or no
+    checkpoint) the launch's own batch is returned as it is.
+    """
+    if saved is None or batch.data_degree == saved.data_degree:
+        return batch
+    per_step = batch.micro_batch_size * batch.data_degree
+    if saved.train_batch_size % per_step:
+        raise ConfigError(
+            f"resuming a checkpoint trained with {_TBS} {saved.train_batch_size} (micro batch "
+            f"{saved.micro_batch_size} x {saved.accumulation_steps} accumulation steps x data degree "
+            f"{saved.data_degree}) on data degree {batch.data_degree}: {saved.train_batch_size} is not "
+            f"divisible by micro batch {batch.micro_batch_size} x data degree {batch.data_degree} = "
+            f"{per_step}, so no whole number of accumulation steps keeps the global batch; launch a "
+            f"data degree whose product with {_MBS} divides {saved.train_batch_size}")
+    return BatchConfig(train_batch_size=saved.train_batch_size, micro_batch_size=batch.micro_batch_size,
+                       accumulation_steps=saved.train_batch_size // per_step, data_degree=batch.data_degree)

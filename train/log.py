@@ -150,8 +150,10 @@ class Progress:
     """A plain-text progress bar on one rank: redrawn in place on a terminal, a line per ~5% otherwise."""
 
     def __init__(self, total: int, desc: str = "", enabled: bool | None = None,
-                 stream: TextIO | None = None, width: int = 24):
-        self.total, self.desc, self.width, self.count = max(1, total), desc, width, 0
+                 stream: TextIO | None = None, width: int = 24, start: int = 0):
+        """`start`: steps already done (a resumed run counts on from there, like its log)."""
+        self.total, self.desc, self.width = max(1, total), desc, width
+        self.count = self._start_count = min(max(0, start), self.total)
         self.enabled = current_rank() == 0 if enabled is None else enabled
         self.stream = stream or sys.stderr
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
@@ -169,7 +171,7 @@ class Progress:
     def render(self, **postfix: float | str) -> str:
         """The bar as text: desc [#####.....] 12/100 3.1 it/s loss=2.31."""
         filled = self.width * self.count // self.total
-        rate = self.count / max(1e-9, time.perf_counter() - self._start)
+        rate = (self.count - self._start_count) / max(1e-9, time.perf_counter() - self._start)
         extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in postfix.items())
         bar = "#" * filled + "." * (self.width - filled)
         return f"{self.desc} [{bar}] {self.count}/{self.total} {rate:.2f} it/s {extra}".strip()

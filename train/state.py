@@ -6,7 +6,8 @@ A checkpoint holds, under names that do not depend on the grid:
     optim/<param name>/<key>      the torch optimizer's per-parameter state (exp_avg, exp_avg_sq, step)
     rng.<rank>.torch_cpu          each rank's torch RNG (restored when the world size is unchanged)
 
-and as JSON meta the step, the LR schedule position, the data position, the non-torch links
+and as JSON meta the step, the LR schedule position, the data position, the batch sizes
+(`saved_batch`: a resume on another data degree keeps the global batch), the non-torch links
 of the optimizer chain (the loss scale and its counters) and Python's RNG. Parameter names are
 PipelineModule's ("layers.3.qkv.weight", "tied.embed.weight"): the same on every grid, so a
 pipe 2 x data 2 checkpoint loads into pipe 1 x data 4, pipe 4 x data 1 or one process. Only
@@ -17,6 +18,7 @@ over the data group first); `export_model` maps the names onto the single-proces
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -27,13 +29,15 @@ import torch.distributed as dist
 
 from pipezero.comm import all_gather
 from pipezero.pipe.spec import TiedLayerSpec
-from pipezero.train.checkpoint import (CheckpointError, export_consolidated, latest_step, load_checkpoint, rng_state,
-                                       save_checkpoint, set_rng_state)
+from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_consolidated, latest_step,
+                                       load_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from pipezero.train.checkpoint_state import flatten_state, unflatten_state
+from pipezero.train.config_batch import BatchConfig
 from pipezero.train.tensor_state import local_slice, whole
 from pipezero.zero.state import consolidated_state_dict
 
-__all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_state", "single_process_names"]
+__all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_state", "saved_batch",
+           "single_process_names"]
 
 _MODEL, _OPTIM = "model/", "optim/"
 
@@ -81,7 +85,8 @@ def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int
     tensors.update(chain_tensors if parts.grid.rank == 0 else {})
     meta = {"step": step, "data": dict(data_state or {}), "chain": chain, "rng": rng_json,
             "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
-            "grid": _grid_dict(parts.grid), "dtype": str(parts.dtype).removeprefix("torch.")}
+            "grid": _grid_dict(parts.grid), "dtype": str(parts.dtype).removeprefix("torch."),
+            "batch": dataclasses.asdict(parts.config.batch)}
     return tensors, meta
 
 
@@ -205,6 +210,18 @@ def resume_if_any(parts: Any, directory: str | os.PathLike) -> dict[str, Any] | 
     return load_state(parts, directory)
 
 
+def saved_batch(directory: str | os.PathLike) -> BatchConfig | None:
+    """The batch sizes the latest checkpoint under `directory` was trained with; None without one.
+
+    Read before the parts are built (no process group needed): `keep_global_batch` turns them
+    into this launch's accumulation steps when the data degree changed.
+    """
+    if latest_step(directory) is None:
+        return None
+    batch = checkpoint_meta(directory).get("batch")
+    return None if batch is None else BatchConfig(**batch)
+
+
 # -- export for one process -------------------------------------------------------------------------
 
 def single_process_names(specs: Sequence[Any]) -> Callable[[str], list[str]]:
@@ -230,13 +247,18 @@ def single_process_names(specs: Sequence[Any]) -> Callable[[str], list[str]]:
 
 
 def export_model(directory: str | os.PathLike, path: str | os.PathLike, specs: Sequence[Any],
-                 step: int | None = None, dtype: torch.dtype | None = None) -> Path:
-    """One safetensors file of the whole model under the single-process names (from any grid's checkpoint)."""
+                 step: int | None = None, dtype: torch.dtype | None = None,
+                 metadata: Mapping[str, str] | None = None) -> Path:
+    """One safetensors file of the whole model under the single-process names (from any grid's checkpoint).
+
+    `metadata` (strings) goes into the file's header beside the step, e.g. the model's config
+    as JSON, so the file alone is enough to rebuild the model it holds.
+    """
     ckpt = load_checkpoint(directory, step, names=lambda k: k.startswith(_MODEL))
     mapping = single_process_names(specs)
     out: dict[str, torch.Tensor] = {}
     for key, value in ckpt.tensors.items():
         for name in mapping(key[len(_MODEL):]):
             out[name] = value.to(dtype) if dtype is not None else value
-    return export_consolidated(path, out, metadata={"step": str(ckpt.step)})
+    return export_consolidated(path, out, metadata={**dict(metadata or {}), "step": str(ckpt.step)})
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipezero.comm import all_gather, group_size
+from pipezero.comm import all_gather, group_size, nvtx_range
+from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_sync import GradSync
 from pipezero.zero.partition import Bucket, plan_groups
@@ -130,7 +131,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         mine = torch.tensor([len(self.buckets), sum(b.numel for b in self.buckets),
                              sum((i + 1) * b.numel for i, b in enumerate(self.buckets))], dtype=torch.int64)
-        device = self.buckets[0].device if self.buckets and dist.get_backend(self.group) == "nccl" else "cpu"
+        device = process_device(self.group)
         everyone = torch.empty(3 * self.world, dtype=torch.int64, device=device)
         all_gather(everyone, mine.to(device), group=self.group)
         rows = everyone.view(self.world, 3).cpu().tolist()
@@ -186,7 +187,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._sync.finish()
         if self._gatherer is not None:
             self._gatherer.release_all()
-        stepped = self.inner.step() is not False
+        with nvtx_range("optimizer.step"):
+            stepped = self.inner.step() is not False
         self.last_step_skipped = not stepped
         self._sync.end_step()
         if stepped:
