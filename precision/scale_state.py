@@ -15,6 +15,7 @@ Unlike DeepSpeed, an overflow at the floor never raises here: LossScaler counts 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 __all__ = ["ScaleState"]
@@ -74,4 +75,14 @@ class ScaleState:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"loss-scaler state must have exactly the keys {sorted(names)}, got {got}; "
                              f"pass the 'loss_scaler' entry of LossScaler.state_dict()")
-        return cls(scale=float(data["scale"]), **{k: int(data[k]) for k in names - {"scale"}})
+        scale = data["scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"loss-scaler state: scale={scale!r}, expected a finite number > 0 (a checkpoint "
+                             f"edited or damaged); load another step or drop its loss-scaler state")
+        counts = {k: data[k] for k in names - {"scale"}}
+        for key, value in sorted(counts.items()):
+            low = -1 if key == "last_overflow_iteration" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"loss-scaler state: {key}={value!r}, expected an integer >= {low} (a "
+                                 f"checkpoint edited or damaged); load another step")
+        return cls(scale=float(scale), **counts)

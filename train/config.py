@@ -76,12 +76,13 @@ class PipelineConfig:
     activation_checkpoint_interval: int = 0  # 0: no activation checkpointing
     partition_method: str | tuple[float, ...] = "parameters"  # "parameters", "uniform", "type:<regex>", costs
     reshard_after_forward: bool = False      # ZeRO-3: free a chunk whenever another chunk runs (pipe/gathering.py)
+    timeout: float = 300.0                   # seconds a rank waits for a peer before PipelineTimeout
 
     @classmethod
     def parse(cls, sec: Section) -> "PipelineConfig":
         """Read the section and check that chunks fit the schedule."""
         sec.check(("stages", "schedule", "chunks", "micro_batches", "activation_checkpoint_interval",
-                   "partition_method", "reshard_after_forward"), _DS_PIPELINE_RULES)
+                   "partition_method", "reshard_after_forward", "timeout"), _DS_PIPELINE_RULES)
         name = sec.raw("schedule", "1f1b")
         try:
             entry = schedule_entry(name)
@@ -98,7 +99,8 @@ class PipelineConfig:
         return cls(stages=sec.int("stages", 1, lo=1), schedule=entry.name, chunks=chunks,
                    micro_batches=micro, partition_method=method,
                    activation_checkpoint_interval=sec.int("activation_checkpoint_interval", 0, lo=0),
-                   reshard_after_forward=sec.bool("reshard_after_forward", False))
+                   reshard_after_forward=sec.bool("reshard_after_forward", False),
+                   timeout=sec.float("timeout", 300.0, lo=0.001, hi=86400.0))
 
 
 def _check_partition(method: Any, where: str) -> str | tuple[float, ...]:
