@@ -90,11 +90,12 @@ def _ram_gb() -> float:
 def _matmul_tflops(torch) -> float:
     """One thread's fp32 matmul rate here (the layers are timed on one thread too)."""
     a = torch.randn(256, 256)
-    a @ a
-    start, n = time.perf_counter(), 20
-    for _ in range(n):
+    best = float("inf")
+    for _ in range(5):  # the best of a few: the machine may be shared
+        start = time.perf_counter()
         a @ a
-    return 2 * 256 ** 3 * n / (time.perf_counter() - start) / 1e12
+        best = min(best, time.perf_counter() - start)
+    return 2 * 256 ** 3 / best / 1e12
 
 
 def _adam_ns(torch) -> float:
@@ -102,8 +103,9 @@ def _adam_ns(torch) -> float:
     p = torch.nn.Parameter(torch.zeros(1 << 18))
     p.grad = torch.ones_like(p)
     opt = torch.optim.AdamW([p])
-    opt.step()
-    start = time.perf_counter()
-    for _ in range(3):
+    best = float("inf")
+    for _ in range(4):
+        start = time.perf_counter()
         opt.step()
-    return (time.perf_counter() - start) / 3 / p.numel() * 1e9
+        best = min(best, time.perf_counter() - start)
+    return best / p.numel() * 1e9
