@@ -110,7 +110,7 @@ def flops_profile(shape: ModelShape, flops_per_second: float) -> list[LayerProfi
 
 
 def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int = 2,
-                    repeats: int = 2) -> list[LayerProfile]:
+                    repeats: int = 2, device: str = "cpu") -> list[LayerProfile]:
     """Every layer timed on this machine: pipe.measure_layer_costs on one micro-batch, per token."""
     import torch
 
@@ -121,7 +121,7 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, shape.vocab, (microbatch, shape.seq_len), generator=gen)
+    tokens = torch.randint(0, shape.vocab, (microbatch, shape.seq_len), generator=gen).to(device)
     cfg = GPTConfig(n_layer=shape.layers, n_head=shape.heads, d_model=shape.d_model, seq_len=shape.seq_len,
                     vocab_size=shape.vocab)
     ms = measure_layer_costs(gpt_specs(cfg), tokens, loss_fn=gpt_loss, targets=tokens,
