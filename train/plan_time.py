@@ -122,6 +122,10 @@ def _extrapolated(layout: Layout, costs: dict) -> Sim:
     stages, every built-in schedule repeats one steady period per micro-batch, so makespan,
     busy time and peak live activations (constant, or m for GPipe) are linear in m."""
     m = layout.microbatches
+    if layout.pipe == 1:  # plain accumulation: one micro-batch after another, one live at a time
+        c = costs[(0, 0)]
+        per, back = c.forward + c.backward_input + c.backward_weight, c.backward_input + c.backward_weight
+        return Sim(m * per, {0: m * per}, 0.0, {0: 1.0}, {0: back})
     m1 = max(2 * layout.pipe, 4)
     if m <= 2 * m1:
         return _run(layout, m, costs)
