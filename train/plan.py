@@ -120,7 +120,7 @@ def ds_config(p: Prediction) -> dict[str, Any]:
     """The winner as a ds_config.json dict (pipezero's "pipeline" section included)."""
     lay = p.layout
     zero: dict[str, Any] = {"stage": lay.zero, "overlap_comm": True, "contiguous_gradients": True,
-                            "reduce_bucket_size": "auto"}
+                            "reduce_bucket_size": p.shape.d_model ** 2}  # what "auto" means (h*h)
     if lay.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return {
