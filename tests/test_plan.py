@@ -103,3 +103,20 @@ def test_cli_plan_prints_the_table_and_writes_the_config(tmp_path, capsys):
     assert main(["plan", "--hardware", "h200", "--layers", "4", "--d-model", "512", "--heads", "8",
                  "--seq-len", "512", "--vocab", "1024", "--global-batch", "16", "--top", "2"]) == 0
     assert "MFU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2),
+                                         ("dualpipev", 2)])
+def test_extrapolated_simulation_matches_the_full_one(name, chunks):
+    from pipezero.train import plan_time
+
+    layout = Layout(4, 2, 1, name, chunks, 24, 1, 0)
+    sim, held, _ = plan_time.simulate_layout(PROFILE, layout, HW, "bf16", SMALL.d_model, SMALL.seq_len)
+    costs = {k: plan_time._chunk_costs(PROFILE, layers, layout, HW, "bf16", SMALL.d_model, SMALL.seq_len, 0.0)[0]
+             for k, layers in held.items()}
+    bw, lat = HW.link(layout.tensor * layout.data + 1)
+    p2p = lat + SMALL.seq_len * SMALL.d_model * 2 / bw
+    costs = {k: replace(c, p2p=p2p) for k, c in costs.items()}
+    full = plan_time._run(layout, 24, costs)
+    assert sim.makespan == pytest.approx(full.makespan, rel=0.01)
+    assert sim.live == pytest.approx(full.live, rel=0.01)

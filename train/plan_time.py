@@ -126,11 +126,11 @@ def _extrapolated(layout: Layout, costs: dict) -> Sim:
         c = costs[(0, 0)]
         per, back = c.forward + c.backward_input + c.backward_weight, c.backward_input + c.backward_weight
         return Sim(m * per, {0: m * per}, 0.0, {0: 1.0}, {0: back})
-    m1 = max(2 * layout.pipe, 4)
-    if m <= 2 * m1:
+    m1, m2 = 2 * layout.pipe, 3 * layout.pipe
+    if m <= m2:
         return _run(layout, m, costs)
-    a, b = _run(layout, m1, costs), _run(layout, 2 * m1, costs)
-    x = (m - m1) / m1
+    a, b = _run(layout, m1, costs), _run(layout, m2, costs)
+    x = (m - m1) / (m2 - m1)
     line = lambda u, v: u + (v - u) * x  # noqa: E731
     busy = {r: line(a.busy[r], b.busy[r]) for r in a.busy}
     makespan = line(a.makespan, b.makespan)
