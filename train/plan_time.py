@@ -135,7 +135,8 @@ def _extrapolated(layout: Layout, costs: dict) -> Sim:
     busy = {r: line(a.busy[r], b.busy[r]) for r in a.busy}
     makespan = line(a.makespan, b.makespan)
     idle = layout.pipe * makespan - sum(busy.values())
-    return Sim(makespan, busy, idle / (layout.pipe * makespan), {r: line(a.live[r], b.live[r]) for r in a.live},
+    bubble = max(0.0, idle / (layout.pipe * makespan))  # the line can cross 0 by rounding
+    return Sim(makespan, busy, bubble, {r: line(a.live[r], b.live[r]) for r in a.live},
                b.last_backward)
 
 
