@@ -2,6 +2,7 @@
 
     pipezero simulate --schedule zbv --stages 4 --microbatches 8      # grid, bubble, peak memory, PNG
     pipezero train CONFIG [train_gpt.py flags]                        # torchrun-style, or re-launched
+    pipezero plan --layers 4 --d-model 128 --global-batch 32           # ranked layouts, winner's ds_config
 
 `train` runs examples/train_gpt.py, located next to the pipezero sources (an editable install
 or a clone: the examples are not part of the wheel). Under torchrun (RANK is set) it runs in
@@ -105,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--backward-input", type=float, default=1.0, help="cost of I (B = I + W)")
     sim.add_argument("--backward-weight", type=float, default=1.0, help="cost of W")
     sim.add_argument("--png", default=None, help="where to write the picture")
+    from pipezero.train.plan_cli import add_plan_parser
+
+    add_plan_parser(sub, DefaultsHelp)
     train = sub.add_parser("train", help="train examples/train_gpt.py with a ds_config (other flags pass through)")
     train.add_argument("config")
     train.add_argument("--nproc-per-node", type=int, default=None)
@@ -119,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             raise SystemExit(f"pipezero simulate: unknown arguments {rest}")
         return _simulate(args)
+    if args.command == "plan":
+        if rest:
+            raise SystemExit(f"pipezero plan: unknown arguments {rest}")
+        from pipezero.train.plan_cli import run_plan
+
+        return run_plan(args)
     return _train(args, rest)
 
 

@@ -1,0 +1,122 @@
+"""The planner: valid layouts, the ZeRO formulas, sane time trends, a parseable winner, the CLI.
+
+No process group: the planner is arithmetic over the simulator and measured layer times.
+"""
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipezero.pipe.registry import make_schedule
+from pipezero.train.cli import main
+from pipezero.train.config import parse_config
+from pipezero.train.plan import ds_config, plan, predict
+from pipezero.train.plan_hardware import h200
+from pipezero.train.plan_layout import Layout, enumerate_layouts
+from pipezero.train.plan_memory import model_state_bytes
+from pipezero.train.plan_model import ModelShape, flops_profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import Block, GPTConfig  # noqa: E402
+from test_zero_memory import expected  # noqa: E402  the formulas ZeroOptimizer is tested against
+
+SMALL = ModelShape(layers=8, d_model=256, heads=8, seq_len=256, vocab=1024)
+HW = h200(nodes=1)
+PROFILE = flops_profile(SMALL, HW.peak_tflops * 1e12 * HW.efficiency)
+
+
+def test_every_layout_fills_the_world_and_its_schedule_is_valid():
+    layouts = list(enumerate_layouts(8, 8, 32, len(PROFILE), SMALL.heads))
+    assert {lay.schedule for lay in layouts} >= {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"}
+    for lay in layouts:
+        assert lay.pipe * lay.data * lay.tensor == 8, lay
+        assert lay.data * lay.microbatches * lay.microbatch_size == 32, lay
+        assert lay.zero < 3 or lay.pipe == 1, lay
+        chunks = lay.chunks if lay.schedule == "interleaved_1f1b" else None
+        make_schedule(lay.schedule, lay.microbatches, chunks).actions(lay.pipe)  # raises if invalid
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_model_state_equals_the_zero_formulas(stage, dtype, precision):
+    psi, n = 1_000_000, 4
+    assert sum(model_state_bytes(psi, stage, n, precision)) == pytest.approx(expected(stage, dtype, psi, n))
+
+
+def test_block_activation_bytes_match_autograd():
+    cfg = GPTConfig(n_layer=1, n_head=4, d_model=64, seq_len=32)
+    block, saved = Block(cfg, 0), {}
+    x = torch.randn(2, 32, 64, requires_grad=True)
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    measured = sum(v for k, v in saved.items() if k not in params)
+    model = flops_profile(ModelShape(layers=1, d_model=64, heads=4, seq_len=32), 1.0)[1].act_bytes("fp32") * 64
+    assert model == pytest.approx(measured, rel=0.25), (model, measured)
+
+
+def test_more_data_parallel_means_less_compute_per_device():
+    base = Layout(1, 1, 1, "1f1b", 1, 32, 1, 0)
+    times = [predict(PROFILE, replace(base, data=d, microbatches=32 // d), HW, SMALL, "bf16").time.compute
+             for d in (1, 2, 4, 8)]
+    assert times == sorted(times, reverse=True) and times[-1] < times[0] / 6, times
+
+
+def test_more_microbatches_shrink_the_bubble():
+    bubbles = [predict(PROFILE, Layout(4, 1, 1, "1f1b", 1, m, 1, 0), HW, SMALL, "bf16").time.bubble
+               for m in (4, 8, 16, 64)]
+    assert bubbles == sorted(bubbles, reverse=True)
+    assert bubbles[0] >= 3 / 7 - 1e-9  # (p-1)/(m+p-1) for balanced stages; imbalance only adds
+
+
+def test_zero_stages_trade_memory_for_traffic():
+    mems = [predict(PROFILE, Layout(1, 8, 1, "1f1b", 1, 4, 1, z), HW, SMALL, "bf16").memory.total for z in range(4)]
+    assert mems == sorted(mems, reverse=True) and mems[3] < mems[0]
+
+
+def test_winner_ds_config_parses_and_layouts_that_do_not_fit_are_dropped():
+    preds = plan(SMALL, PROFILE, replace(HW, memory_gb=2.5), 32, "bf16")
+    assert all(p.memory.total <= 2.5e9 for p in preds)
+    assert [p.tokens_per_second for p in preds] == sorted((p.tokens_per_second for p in preds), reverse=True)
+    cfg = parse_config(ds_config(preds[0]), world_size=8, tensor=preds[0].layout.tensor)
+    assert cfg.pipeline.stages == preds[0].layout.pipe and cfg.zero.stage == preds[0].layout.zero
+    with pytest.raises(ValueError, match="no layout"):
+        plan(SMALL, PROFILE, replace(HW, memory_gb=0.001), 32, "bf16")
+
+
+def test_cli_plan_prints_the_table_and_writes_the_config(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    assert main(["plan", "--layers", "2", "--d-model", "64", "--heads", "2", "--seq-len", "32",
+                 "--global-batch", "8", "--top", "3", "--write-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "winner:" in out and "torchrun --standalone --nproc-per-node 4" in out
+    parse_config(json.loads(path.read_text()), world_size=4, tensor=1)
+    assert main(["plan", "--hardware", "h200", "--layers", "4", "--d-model", "512", "--heads", "8",
+                 "--seq-len", "512", "--vocab", "1024", "--global-batch", "16", "--top", "2"]) == 0
+    assert "MFU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2),
+                                         ("dualpipev", 2)])
+def test_extrapolated_simulation_matches_the_full_one(name, chunks):
+    from pipezero.train import plan_time
+
+    layout = Layout(4, 2, 1, name, chunks, 24, 1, 0)
+    sim, held, _ = plan_time.simulate_layout(PROFILE, layout, HW, "bf16", SMALL.d_model, SMALL.seq_len)
+    costs = {k: plan_time._chunk_costs(PROFILE, layers, layout, HW, "bf16", SMALL.d_model, SMALL.seq_len, 0.0)[0]
+             for k, layers in held.items()}
+    bw, lat = HW.link(layout.tensor * layout.data + 1)
+    p2p = lat + SMALL.seq_len * SMALL.d_model * 2 / bw
+    costs = {k: replace(c, p2p=p2p) for k, c in costs.items()}
+    full = plan_time._run(layout, 24, costs)
+    assert sim.makespan == pytest.approx(full.makespan, rel=0.01)
+    assert sim.live == pytest.approx(full.live, rel=0.01)

@@ -1,0 +1,156 @@
+"""The planner: every layout of a job, its predicted step time and memory, ranked; the winner's config.
+
+    preds = plan(ModelShape(layers=24, d_model=2048, heads=16, seq_len=2048, vocab=50304),
+                 h200(nodes=1), global_batch=512, precision="bf16")
+    print(format_table(preds[:10])); print(explain(preds[0])); ds_config(preds[0])
+
+Each layout (plan_layout.py) is timed by plan_time.py (pipe/simulate.py per rank with
+compute, p2p, tensor- and data-parallel traffic) and sized by plan_memory.py (the ZeRO
+formulas, the simulator's peak live micro-batches); layouts over the device's memory are
+dropped and the rest ranked by tokens/s (less memory breaks ties). Why a layout wins is in
+its parts: compute, bubble, exposed communication, the optimizer, the memory breakdown.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pipezero.train.plan_hardware import Hardware
+from pipezero.train.plan_layout import Layout, enumerate_layouts
+from pipezero.train.plan_memory import MemoryBreakdown, rank_memory
+from pipezero.train.plan_model import LayerProfile, ModelShape, total_params
+from pipezero.train.plan_time import TimeBreakdown, step_time
+
+__all__ = ["Prediction", "ds_config", "explain", "format_table", "plan", "predict", "torchrun_command"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One layout's predicted step."""
+
+    layout: Layout
+    time: TimeBreakdown
+    memory: MemoryBreakdown        # the fullest pipeline rank
+    tokens_per_step: int
+    flops_per_step: float          # model FLOPs (no recompute), as MFU counts them
+    hardware: Hardware
+    shape: ModelShape
+    precision: str
+    partition_costs: tuple[float, ...]
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Global training throughput."""
+        return self.tokens_per_step / self.time.total
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second over the devices' peak."""
+        return self.flops_per_step / self.time.total / (self.layout.world * self.hardware.peak_tflops * 1e12)
+
+
+def predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape: ModelShape,
+            precision: str, memo: dict | None = None) -> Prediction:
+    """Step time and peak memory of one layout (`memo`: see plan_time.simulate_layout)."""
+    time, result, held = step_time(profile, layout, hw, precision, shape.d_model, shape.seq_len, memo)
+    live = result.live
+    worst = None
+    for rank in range(layout.pipe):
+        layers = [i for (r, _), rng in sorted(held.items()) if r == rank for i in rng]
+        mem = rank_memory(profile, layers, live[rank], layout, hw, precision, shape.d_model, shape.seq_len)
+        worst = mem if worst is None or mem.total > worst.total else worst
+    tokens = layout.data * layout.microbatches * layout.microbatch_size * shape.seq_len
+    flops = sum(p.flops for p in profile) * tokens
+    total = sum(p.seconds for p in profile) or 1.0
+    return Prediction(layout, time, worst, tokens, flops, hw, shape, precision,
+                      tuple(round(p.seconds / total, 6) for p in profile))
+
+
+def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, global_batch: int,
+         precision: str = "bf16", *, keep_unfit: bool = False, **enumerate_kw: Any) -> list[Prediction]:
+    """Every layout that fits, best tokens/s first (with keep_unfit, the rest after them)."""
+    if global_batch < 1:
+        raise ValueError(f"global_batch={global_batch!r}: expected sequences per step >= 1")
+    n_layers, memo = len(profile), {}
+    enumerate_kw.setdefault("offload", hw.host_offload)
+    preds = [predict(profile, layout, hw, shape, precision, memo)
+             for layout in enumerate_layouts(hw.world, hw.gpus_per_node, global_batch, n_layers, shape.heads,
+                                             **enumerate_kw)]
+    fits = [p for p in preds if p.memory.total <= hw.memory_gb * 1e9]
+    if not fits and not keep_unfit:
+        least = min(preds, key=lambda p: p.memory.total, default=None)
+        need = f"; the smallest needs {least.memory.total / 1e9:.1f} GB ({least.layout.label})" if least else ""
+        raise ValueError(f"no layout of {shape.label} fits {hw.memory_gb:g} GB per device on {hw.name}{need}: "
+                         "add devices, lower the micro-batch or sequence length")
+    rank = sorted(fits, key=lambda p: (-p.tokens_per_second, p.memory.total))
+    if keep_unfit:
+        rank += sorted((p for p in preds if p not in fits), key=lambda p: -p.tokens_per_second)
+    return rank
+
+
+def format_table(preds: Sequence[Prediction]) -> str:
+    """The ranked table: layout, tokens/s, MFU, step, bubble, exposed comm, memory."""
+    rows = [f"{'#':>3}  {'layout':<44} {'tokens/s':>11} {'MFU':>6} {'step s':>9} {'bubble':>6} "
+            f"{'exp.comm':>8} {'mem GB':>8}"]
+    for i, p in enumerate(preds, 1):
+        rows.append(f"{i:>3}  {p.layout.label:<44} {p.tokens_per_second:>11,.0f} {p.mfu:>6.1%} "
+                    f"{p.time.total:>9.4g} {p.time.bubble:>6.1%} {p.time.exposed_comm / p.time.total:>8.1%} "
+                    f"{p.memory.total / 1e9:>8.3g}")
+    return "\n".join(rows)
+
+
+def explain(p: Prediction) -> str:
+    """Where the winner's time and memory go, in words and numbers."""
+    t, m, gb = p.time, p.memory, 1e9
+    return "\n".join([
+        f"{p.layout.label} on {p.hardware.name}, {p.shape.label}, {p.precision}:",
+        f"  step {t.total:.4g} s = pipeline makespan {t.pipeline:.4g} s (busiest rank computes {t.compute:.4g} s, "
+        f"of it tensor-parallel all-reduce {t.tensor_comm:.3g} s; bubble {t.bubble:.1%})",
+        f"    + exposed data-parallel comm {t.exposed_comm:.3g} s (of {t.data_comm:.3g} s in all) "
+        f"+ optimizer {t.optimizer:.3g} s",
+        f"  {p.tokens_per_second:,.0f} tokens/s, MFU {p.mfu:.1%} of {p.hardware.peak_tflops:g} TFLOP/s per device",
+        f"  memory {m.total / gb:.3g} GB of {p.hardware.memory_gb:g}: params {m.params / gb:.3g}, "
+        f"grads {m.grads / gb:.3g}, optimizer {m.optimizer / gb:.3g}, activations {m.activations / gb:.3g}, "
+        f"buffers {m.buffers / gb:.3g}"])
+
+
+def ds_config(p: Prediction) -> dict[str, Any]:
+    """The winner as a ds_config.json dict (pipezero's "pipeline" section included)."""
+    lay = p.layout
+    zero: dict[str, Any] = {"stage": lay.zero, "overlap_comm": True, "contiguous_gradients": True,
+                            "reduce_bucket_size": p.shape.d_model ** 2}  # what "auto" means (h*h)
+    if lay.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_batch_size": lay.data * lay.microbatches * lay.microbatch_size,
+        "train_micro_batch_size_per_gpu": lay.microbatch_size,
+        "gradient_accumulation_steps": lay.microbatches,
+        "bf16": {"enabled": p.precision == "bf16"},
+        "fp16": {"enabled": p.precision == "fp16"},
+        "zero_optimization": zero,
+        "pipeline": {"stages": lay.pipe, "schedule": lay.schedule, "chunks": lay.chunks,
+                     "activation_checkpoint_interval": lay.checkpoint,
+                     "partition_method": list(p.partition_costs)},
+        "gradient_clipping": 1.0,
+    }
+
+
+def torchrun_command(p: Prediction, config_path: str = "plan_ds_config.json") -> str:
+    """The launch line for examples/train_gpt.py with the winner's config (one line per node)."""
+    hw, s = p.hardware, p.shape
+    if hw.nodes == 1:
+        launch = f"torchrun --standalone --nproc-per-node {p.layout.world}"
+    else:
+        launch = (f"torchrun --nnodes {hw.nodes} --nproc-per-node {hw.gpus_per_node} --rdzv-backend c10d "
+                  "--rdzv-endpoint node0:29500 --rdzv-id plan")
+    return (f"{launch} examples/train_gpt.py --config {config_path} --tensor {p.layout.tensor} "
+            f"--layers {s.layers} --d-model {s.d_model} --heads {s.heads} --seq-len {s.seq_len}")
+
+
+def write_config(p: Prediction, path: str) -> None:
+    """Write ds_config(p) as JSON."""
+    with open(path, "w") as f:
+        json.dump(ds_config(p), f, indent=1)
+        f.write("\n")

@@ -1,0 +1,111 @@
+"""The hardware a plan is for: devices, memory, FLOP/s, links; given or measured here.
+
+Every number is a stated assumption the user can override from `pipezero plan`. The H200
+preset follows the vendor's data sheet (141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16,
+NVLink 900 GB/s total = 450 GB/s per direction) and a DGX/HGX-style node: 8 GPUs, one
+400 Gb/s NIC per GPU (50 GB/s per GPU between nodes). `efficiency` is the fraction of peak a
+transformer layer's kernels reach (matmuls, attention, norms together); 0.55 is a round
+figure for Hopper at large shapes, the planner's one free parameter at cluster scale.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+__all__ = ["Hardware", "h200", "local_cpu"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Hardware:
+    """Devices and links; bandwidths in GB/s per direction per device, latencies in microseconds."""
+
+    name: str
+    gpus_per_node: int
+    nodes: int = 1
+    memory_gb: float                   # usable memory per device
+    peak_tflops: float                 # dense peak of the training precision
+    efficiency: float = 0.55           # achieved fraction of peak in a layer (modelled time only)
+    intra_gbps: float = 450.0          # within a node (NVLink)
+    inter_gbps: float = 50.0           # between nodes, per device (one 400 Gb/s NIC each)
+    intra_latency_us: float = 3.0
+    inter_latency_us: float = 8.0
+    optimizer_ns_per_param: float = 0.01   # Adam on the device, per fp32 master parameter
+    cpu_adam_ns_per_param: float = 1.0     # offloaded Adam on the host, per parameter (per device)
+    pcie_gbps: float = 25.0            # host <-> device, for offload
+    reserved_gb: float = 2.0           # runtime context, communication buffers, allocator slack
+    compute_slowdown: float = 1.0      # measured time x this (processes sharing fewer cores)
+    layer_overhead_us: float = 30.0    # fixed cost of one layer's F, I or W (kernel launches; 0 when measured)
+    host_offload: bool = True          # whether offloading to a host makes sense (not on a CPU device)
+
+    def __post_init__(self) -> None:
+        for key in ("gpus_per_node", "nodes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Hardware({key}={value!r}): expected a positive integer")
+        for key in ("memory_gb", "peak_tflops", "efficiency", "intra_gbps", "inter_gbps", "pcie_gbps"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"Hardware({key}={getattr(self, key)!r}): expected a number > 0")
+
+    @property
+    def world(self) -> int:
+        """Devices in all."""
+        return self.gpus_per_node * self.nodes
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bytes/s, seconds latency) of a group whose ranks are `span` consecutive ranks apart at most."""
+        if span <= self.gpus_per_node or self.nodes == 1:
+            return self.intra_gbps * 1e9, self.intra_latency_us * 1e-6
+        return self.inter_gbps * 1e9, self.inter_latency_us * 1e-6
+
+
+def h200(nodes: int = 1, gpus_per_node: int = 8) -> Hardware:
+    """NVIDIA H200 SXM nodes (see the module docstring for where each number comes from)."""
+    return Hardware(name=f"{nodes * gpus_per_node}x H200", gpus_per_node=gpus_per_node, nodes=nodes,
+                    memory_gb=141.0, peak_tflops=989.0, optimizer_ns_per_param=36 / 4.8e3)
+
+
+def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
+    """This machine as `processes` gloo ranks: FLOP/s and Adam time measured, links assumed (loopback)."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    if memory_gb is None:
+        memory_gb = _ram_gb() / processes
+    return Hardware(name=f"{processes} CPU processes on {cores} cores", gpus_per_node=processes,
+                    memory_gb=memory_gb, peak_tflops=_matmul_tflops(torch), efficiency=1.0,
+                    intra_gbps=1.0, intra_latency_us=100.0, optimizer_ns_per_param=_adam_ns(torch),
+                    reserved_gb=0.0, compute_slowdown=max(1.0, processes / cores), host_offload=False,
+                    layer_overhead_us=0.0)
+
+
+def _ram_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError):
+        return 8.0
+
+
+def _matmul_tflops(torch) -> float:
+    """One thread's fp32 matmul rate here (the layers are timed on one thread too)."""
+    a = torch.randn(256, 256)
+    best = float("inf")
+    for _ in range(5):  # the best of a few: the machine may be shared
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return 2 * 256 ** 3 / best / 1e12
+
+
+def _adam_ns(torch) -> float:
+    """torch AdamW's step time per parameter here."""
+    p = torch.nn.Parameter(torch.zeros(1 << 18))
+    p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW([p])
+    best = float("inf")
+    for _ in range(4):
+        start = time.perf_counter()
+        opt.step()
+        best = min(best, time.perf_counter() - start)
+    return best / p.numel() * 1e9

@@ -1,0 +1,146 @@
+"""What the planner knows about a model: per-layer parameters, FLOPs, activation bytes and time.
+
+A GPT-style model is the layer list Embedding, n_layer x Block, FinalNorm, Head (tied to the
+embedding), the same list examples/gpt.py builds. Every number is per layer and per token, so
+the time and memory models can cut the list into stages anywhere and scale it to any
+micro-batch. Time comes from one of two sources:
+
+* measured (`measure_profile`): each layer's forward + backward on this machine through
+  pipe.measure_layer_costs, divided by the tokens of the sample; used when the target is the
+  machine the planner runs on;
+* modelled (`flops_profile`): the layer's training FLOPs over (peak FLOP/s x efficiency);
+  used for cluster-scale predictions on hardware that is not here.
+
+Activation bytes (what autograd keeps per token between forward and backward) follow
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+section 4) without dropout masks and with a fused attention that stores no score matrix:
+a block keeps 4d replicated elements (two LayerNorm inputs and outputs) and 12d elements
+that tensor parallelism shards (q, k, v, attention output, MLP hidden before and after
+GELU). tests/test_plan.py checks the count against autograd's saved tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+__all__ = ["LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "measure_profile", "total_params"]
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelShape:
+    """A GPT-style decoder: the shape flags of examples/train_gpt.py."""
+
+    layers: int = 4
+    d_model: int = 128
+    heads: int = 4
+    seq_len: int = 128
+    vocab: int = 256
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "d_model", "heads", "seq_len", "vocab"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelShape({key}={value!r}): expected a positive integer")
+        if self.d_model % self.heads:
+            raise ValueError(f"ModelShape(d_model={self.d_model}, heads={self.heads}): d_model must be a "
+                             "multiple of heads")
+
+    @property
+    def label(self) -> str:
+        """The name, or the shape in flag form."""
+        return self.name or f"GPT {self.layers}x{self.d_model} (heads {self.heads}, seq {self.seq_len})"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LayerProfile:
+    """One layer, per token: parameters, training FLOPs, activation elements, seconds.
+
+    `tied`: replicated over tensor ranks (pipezero's tensor_plan leaves tied layers whole);
+    `act_shared` / `act_sharded`: saved elements per token replicated / split by tensor
+    parallelism; `act_extra_bytes`: saved bytes per token that do not scale with the dtype
+    (token ids, fp32 loss terms).
+    """
+
+    kind: str
+    params: int
+    flops: float                  # forward + backward, per token
+    act_shared: float
+    act_sharded: float
+    act_extra_bytes: float = 0.0
+    seconds: float = 0.0          # forward + backward per token on the target device
+    tied: bool = False
+
+    def act_bytes(self, precision: str, tensor: int = 1) -> float:
+        """Saved bytes per token on one tensor rank."""
+        sharded = self.act_sharded if self.tied else self.act_sharded / tensor
+        return (self.act_shared + sharded) * _BYTES[precision] + self.act_extra_bytes
+
+
+def bytes_per_element(precision: str) -> int:
+    """2 for bf16/fp16, 4 for fp32; a ValueError naming the choices otherwise."""
+    if precision not in _BYTES:
+        raise ValueError(f"precision={precision!r}: expected one of {', '.join(_BYTES)}")
+    return _BYTES[precision]
+
+
+def _layers(shape: ModelShape) -> list[LayerProfile]:
+    """The analytic profile of every layer (seconds 0: filled by a time source)."""
+    d, s, v = shape.d_model, shape.seq_len, shape.vocab
+    block_flops = 6.0 * 12 * d * d + 12.0 * d * s      # weights' matmuls + QK^T and AV, x3 for backward
+    embed = LayerProfile(kind="Embedding", params=v * d + s * d, flops=0.0, act_shared=0.0, act_sharded=0.0,
+                         act_extra_bytes=8.0, tied=True)
+    block = LayerProfile(kind="Block", params=12 * d * d + 13 * d, flops=block_flops,
+                         act_shared=4.0 * d, act_sharded=12.0 * d)
+    norm = LayerProfile(kind="FinalNorm", params=2 * d, flops=0.0, act_shared=float(d), act_sharded=0.0,
+                        act_extra_bytes=8.0)
+    head = LayerProfile(kind="Head", params=v * d, flops=6.0 * v * d, act_shared=float(d), act_sharded=0.0,
+                        act_extra_bytes=4.0 * v, tied=True)
+    return [embed, *([block] * shape.layers), norm, head]
+
+
+def flops_profile(shape: ModelShape, flops_per_second: float) -> list[LayerProfile]:
+    """Every layer timed as FLOPs / `flops_per_second` (the target's peak x efficiency)."""
+    if flops_per_second <= 0:
+        raise ValueError(f"flops_profile: flops_per_second={flops_per_second!r}, expected > 0")
+    return [replace(p, seconds=p.flops / flops_per_second) for p in _layers(shape)]
+
+
+def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int = 2,
+                    repeats: int = 2, device: str = "cpu") -> list[LayerProfile]:
+    """Every layer timed on this machine: pipe.measure_layer_costs on one micro-batch, per token."""
+    import torch
+
+    from pipezero.pipe import measure_layer_costs
+
+    _examples_path()
+    from gpt import GPTConfig, gpt_loss, gpt_specs
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, shape.vocab, (microbatch, shape.seq_len), generator=gen).to(device)
+    cfg = GPTConfig(n_layer=shape.layers, n_head=shape.heads, d_model=shape.d_model, seq_len=shape.seq_len,
+                    vocab_size=shape.vocab)
+    ms = measure_layer_costs(gpt_specs(cfg), tokens, loss_fn=gpt_loss, targets=tokens,
+                             dtype=dtype, repeats=repeats)
+    per_token = microbatch * shape.seq_len
+    return [replace(p, seconds=t / 1e3 / per_token) for p, t in zip(_layers(shape), ms)]
+
+
+def total_params(profile: Sequence[LayerProfile]) -> int:
+    """Unique parameters: the tied head's weight is the embedding's."""
+    return sum(p.params for p in profile if p.kind != "Head")
+
+
+def _examples_path() -> None:
+    """Put the repository's examples/ on sys.path so `import gpt` finds examples/gpt.py."""
+    import sys
+
+    from pipezero.train.cli import examples_dir
+
+    folder = str(examples_dir())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)

@@ -1,0 +1,210 @@
+"""Step time of one layout: the pipeline simulator per rank, then data-parallel traffic and the optimizer.
+
+* compute: each layer's forward + backward seconds per token x the micro-batch's tokens,
+  split F : I : W = 1 : 1 : 1 (backward = two matmuls per forward one: input and weight
+  gradients), divided by the tensor degree except for tied layers, which stay whole, plus a
+  fixed launch overhead per layer and action (Hardware.layer_overhead_us), which is what
+  makes small micro-batches slower on a GPU;
+  checkpointing adds one forward to the backward (recompute);
+* tensor parallel: Megatron's two all-reduces of the block's output in forward and two in
+  backward, ring time 2(t-1)/t x bytes / bandwidth, not overlapped;
+* p2p: one activation (tokens x d_model) per hop, latency + bytes / bandwidth of the link
+  between neighbouring stages (inter-node when a stage's tensor x data ranks fill a node);
+* pipe/simulate.py runs the schedule with those per-(rank, chunk) costs: makespan, bubble,
+  peak live micro-batches;
+* data parallel (per pipeline rank, its own parameters): ZeRO 0 all-reduces the gradients,
+  1-2 reduce-scatter them and all-gather the updated parameters, 3 gathers parameters twice
+  and reduce-scatters gradients every micro-batch. Gradient reduction overlaps the rank's
+  last micro-batch backward (overlap_comm); ZeRO-3's gathers overlap all compute
+  (prefetch); the parameter all-gather after the step is exposed;
+* optimizer: Adam over the rank's shard on the device, or on the host plus the PCIe
+  round trip when offloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import NamedTuple, Sequence
+
+from pipezero.pipe.actions import Op
+from pipezero.pipe.partition import partition
+from pipezero.pipe.placement import owner
+from pipezero.pipe.registry import make_schedule, schedule_entry
+from pipezero.pipe.simulate import Costs, SimResult, simulate
+from pipezero.train.plan_hardware import Hardware
+from pipezero.train.plan_layout import Layout
+from pipezero.train.plan_model import LayerProfile, bytes_per_element
+
+__all__ = ["TimeBreakdown", "chunk_layers", "data_parallel_seconds", "optimizer_seconds", "ring_seconds",
+           "Sim", "simulate_layout", "step_time"]
+
+
+@dataclass(frozen=True, slots=True)
+class TimeBreakdown:
+    """Seconds of one optimizer step and where they go."""
+
+    compute: float        # the busiest pipeline rank's busy time (incl. tensor-parallel comm, p2p wait excluded)
+    pipeline: float       # simulated makespan of the schedule
+    tensor_comm: float    # part of compute spent in tensor-parallel all-reduces
+    data_comm: float      # data-parallel traffic in all
+    exposed_comm: float   # the part of it that is not hidden behind compute
+    optimizer: float      # optimizer step (and offload transfers)
+    bubble: float         # the simulator's idle fraction
+
+    @property
+    def total(self) -> float:
+        """Step time."""
+        return self.pipeline + self.exposed_comm + self.optimizer
+
+
+def ring_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float, factor: float = 1.0) -> float:
+    """Ring collective moving factor x (n-1)/n x nbytes per rank (all-reduce: factor 2)."""
+    if ranks <= 1:
+        return 0.0
+    return factor * (ranks - 1) / ranks * nbytes / bandwidth + factor * (ranks - 1) * latency
+
+
+@lru_cache(maxsize=256)
+def _bounds(weights: tuple[float, ...], pipe: int, chunks: int, placement: str) -> tuple[int, ...]:
+    parts = pipe * chunks
+    ranks = [owner(s, pipe, placement)[0] for s in range(parts)]
+    return tuple(partition(list(weights), parts, list(weights), ranks=ranks))
+
+
+def chunk_layers(profile: Sequence[LayerProfile], layout: Layout, placement: str) -> dict[tuple[int, int], range]:
+    """(rank, chunk) -> the layer indices it holds, balanced on measured or modelled seconds."""
+    weights = tuple(max(p.seconds, 1e-12) for p in profile)
+    bounds = _bounds(weights, layout.pipe, layout.chunks, placement)
+    return {owner(s, layout.pipe, placement): range(bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1)}
+
+
+def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout, hw: Hardware,
+                 precision: str, d_model: int, seq_len: int, p2p: float) -> tuple[Costs, float]:
+    tokens = layout.microbatch_size * seq_len
+    t = layout.tensor
+    sec = sum(profile[i].seconds / (1 if profile[i].tied else t) for i in layers) * tokens * hw.compute_slowdown
+    third = sec / 3 + len(layers) * hw.layer_overhead_us * 1e-6
+    blocks = sum(1 for i in layers if not profile[i].tied and profile[i].flops > 0)
+    bw, lat = hw.link(t)
+    one = ring_seconds(tokens * d_model * bytes_per_element(precision), t, bw, lat, factor=2.0)
+    fwd, tp = third + 2 * blocks * one, 4 * blocks * one
+    back = third + 2 * blocks * one + (fwd if layout.checkpoint else 0.0)
+    return Costs(forward=fwd, backward_input=back, backward_weight=third, p2p=p2p), tp * layout.microbatches
+
+
+class Sim(NamedTuple):
+    """What the time and memory models need from a simulated schedule."""
+
+    makespan: float
+    busy: dict[int, float]           # rank -> busy seconds
+    bubble: float
+    live: dict[int, float]           # rank -> peak live micro-batches, whole-stage units
+    last_backward: dict[int, float]  # rank -> seconds of the last micro-batch's backward
+
+
+def _summarise(result: SimResult) -> Sim:
+    last_mb = max(e.action.microbatch for e in result.timeline)
+    last = {r: 0.0 for r in result.busy}
+    for e in result.timeline:
+        if e.action.op is not Op.FORWARD and e.action.microbatch == last_mb:
+            last[e.rank] += e.end - e.start
+    return Sim(result.makespan, dict(result.busy), result.bubble, result.peak_stage_activations(), last)
+
+
+def _run(layout: Layout, m: int, costs: dict) -> Sim:
+    chunks = layout.chunks if layout.schedule == "interleaved_1f1b" else None
+    return _summarise(simulate(make_schedule(layout.schedule, m, chunks), layout.pipe, costs=costs))
+
+
+def _extrapolated(layout: Layout, costs: dict) -> Sim:
+    """Simulate at two smaller micro-batch counts and extend linearly: past a few times the
+    stages, every built-in schedule repeats one steady period per micro-batch, so makespan,
+    busy time and peak live activations (constant, or m for GPipe) are linear in m."""
+    m = layout.microbatches
+    if layout.pipe == 1:  # plain accumulation: one micro-batch after another, one live at a time
+        c = costs[(0, 0)]
+        per, back = c.forward + c.backward_input + c.backward_weight, c.backward_input + c.backward_weight
+        return Sim(m * per, {0: m * per}, 0.0, {0: 1.0}, {0: back})
+    m1, m2 = 2 * layout.pipe, 3 * layout.pipe
+    if m <= m2:
+        return _run(layout, m, costs)
+    a, b = _run(layout, m1, costs), _run(layout, m2, costs)
+    x = (m - m1) / (m2 - m1)
+    line = lambda u, v: u + (v - u) * x  # noqa: E731
+    busy = {r: line(a.busy[r], b.busy[r]) for r in a.busy}
+    makespan = line(a.makespan, b.makespan)
+    idle = layout.pipe * makespan - sum(busy.values())
+    bubble = max(0.0, idle / (layout.pipe * makespan))  # the line can cross 0 by rounding
+    return Sim(makespan, busy, bubble, {r: line(a.live[r], b.live[r]) for r in a.live},
+               b.last_backward)
+
+
+def simulate_layout(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str,
+                    d_model: int, seq_len: int, memo: dict | None = None
+                    ) -> tuple[Sim, dict[tuple[int, int], range], float]:
+    """The simulated schedule of the layout, the layers of each (rank, chunk), the worst rank's TP seconds.
+
+    `memo` (a dict the caller keeps for one model and hardware) shares the simulation between
+    layouts that differ only in ZeRO stage or offload, which do not change the schedule.
+    """
+    key = replace(layout, zero=0, offload=False)
+    if memo is not None and key in memo:
+        return memo[key]
+    placement = schedule_entry(layout.schedule).placement
+    held = chunk_layers(profile, layout, placement)
+    span = layout.tensor * layout.data + 1  # neighbours on the pipe axis are t x d ranks apart
+    bw, lat = hw.link(span if layout.pipe > 1 else 1)
+    p2p = lat + layout.microbatch_size * seq_len * d_model * bytes_per_element(precision) / bw
+    costs, tp = {}, {}
+    for k, layers in held.items():
+        costs[k], tp[k] = _chunk_costs(profile, layers, layout, hw, precision, d_model, seq_len, p2p)
+    tensor_by_rank: dict[int, float] = {}
+    for (rank, _), seconds in tp.items():
+        tensor_by_rank[rank] = tensor_by_rank.get(rank, 0.0) + seconds
+    out = (_extrapolated(layout, costs), held, max(tensor_by_rank.values()))
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision: str,
+                          last_backward: float, compute: float) -> tuple[float, float]:
+    """(all traffic, exposed part) of one rank's data-parallel collectives per step."""
+    n = layout.data
+    nbytes = params * bytes_per_element(precision)
+    bw, lat = hw.link(layout.tensor * n)
+    if layout.zero == 0:
+        reduce, gather = ring_seconds(nbytes, n, bw, lat, 2.0), 0.0
+    elif layout.zero < 3:
+        reduce, gather = ring_seconds(nbytes, n, bw, lat), ring_seconds(nbytes, n, bw, lat)
+    else:
+        total = layout.microbatches * 3 * ring_seconds(nbytes, n, bw, lat)
+        return total, max(0.0, total - compute)
+    return reduce + gather, max(0.0, reduce - last_backward) + gather
+
+
+def optimizer_seconds(params: float, layout: Layout, hw: Hardware, precision: str) -> float:
+    """Adam over this rank's shard, on the device or offloaded to the host."""
+    shard = params / (layout.data if layout.zero >= 1 else 1)
+    if not layout.offload:
+        return shard * hw.optimizer_ns_per_param * 1e-9
+    round_trip = 2 * shard * bytes_per_element(precision) / (hw.pcie_gbps * 1e9)
+    return shard * hw.cpu_adam_ns_per_param * 1e-9 + round_trip
+
+
+def step_time(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str, d_model: int,
+              seq_len: int, memo: dict | None = None) -> tuple[TimeBreakdown, Sim, dict[tuple[int, int], range]]:
+    """The step time of `layout`, its simulation and the layers each (rank, chunk) holds."""
+    result, held, tensor_comm = simulate_layout(profile, layout, hw, precision, d_model, seq_len, memo)
+    data_comm = exposed = opt = 0.0
+    for rank in range(layout.pipe):
+        layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
+        params = sum(profile[i].params / (1 if profile[i].tied else layout.tensor) for i in layers)
+        last = result.last_backward[rank]
+        comm, hidden_not = data_parallel_seconds(params, layout, hw, precision, last, result.busy[rank])
+        if hidden_not + optimizer_seconds(params, layout, hw, precision) > exposed + opt:
+            data_comm, exposed, opt = comm, hidden_not, optimizer_seconds(params, layout, hw, precision)
+    return (TimeBreakdown(compute=max(result.busy.values()), pipeline=result.makespan, tensor_comm=tensor_comm,
+                          data_comm=data_comm, exposed_comm=exposed, optimizer=opt, bubble=result.bubble),
+            result, held)
