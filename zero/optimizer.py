@@ -83,6 +83,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_same_layout()
         self._build(module)
         self.last_step_skipped = False
+        self._grads_ready = False    # prepare_grads() ran since the last step (an outer link called it)
 
     # -- construction -------------------------------------------------------------------
     @staticmethod
@@ -153,18 +154,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def backward(self, loss: torch.Tensor) -> None:
         self.scale(loss).backward()
 
-    def step(self, closure=None) -> bool:
-        """Reduce gradients into the shards, step the inner chain, gather the new parameters."""
-        if closure is not None:
-            raise ValueError("ZeroOptimizer.step(closure=...) is not supported: run forward/backward first")
+    def prepare_grads(self) -> None:
+        """Finish the reductions: every master shard gets its reduced .grad (fp32).
+
+        An outer link (LossScaler(ZeroOptimizer(...))) calls this before it reads the gradients;
+        step() does it itself when nobody did since the last step.
+        """
         if hasattr(self.inner, "prepare_grads"):
             self.inner.prepare_grads()
         self._sync.finish()
         if self._gatherer is not None:
             self._gatherer.release_all()
+        self._grads_ready = True
+
+    def step(self, closure=None) -> bool:
+        """Reduce gradients into the shards, step the inner chain, gather the new parameters."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step(closure=...) is not supported: run forward/backward first")
+        if not self._grads_ready:
+            self.prepare_grads()
         with nvtx_range("optimizer.step"):
             stepped = self.inner.step() is not False
         self.last_step_skipped = not stepped
+        self._grads_ready = False
         self._sync.end_step()
         if stepped:
             self._publish()
@@ -184,6 +196,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Forget all gradients (always set to None: the flat buffers are zeroed, not freed, at stages 0-1)."""
         self.inner.zero_grad(set_to_none=True)
         self._sync.zero_grad()
+        self._grads_ready = False
 
     def add_param_group(self, param_group: dict) -> None:
         if not hasattr(self, "_sync"):      # torch's Optimizer.__init__ adds the placeholder group
