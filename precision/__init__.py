@@ -1,6 +1,6 @@
 """precision/: loss scaling (static, dynamic), fp32 master weights, global grad norm/overflow/clipping."""
 
-from pipezero.precision.chain import ChainLink
+from pipezero.comm.chain import ChainLink
 from pipezero.precision.clip import DUPLICATE_ATTR, clip_grad_norm, global_grad_norm
 from pipezero.precision.config import ScalerConfig
 from pipezero.precision.master import MasterWeights

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from pipezero.comm import all_gather
+from pipezero.comm.chain import links
 from pipezero.pipe.spec import TiedLayerSpec
 from pipezero.train.checkpoint import (checkpoint_meta, export_consolidated, latest_step, load_checkpoint,
                                        rng_state, save_checkpoint, set_rng_state)
@@ -91,13 +92,11 @@ def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int
 
 def _chain_state(zero: Any) -> tuple[dict[str, torch.Tensor], list[Any]]:
     """The own state of each link between ZeRO and the torch optimizer (e.g. the loss scale)."""
-    tensors, skeletons, link, i = {}, [], zero.inner, 0
-    while hasattr(link, "inner"):
-        own = {k: v for k, v in link.state_dict().items() if k != "inner"}
-        part, skeleton = flatten_state(own, f"chain.{i}")
+    tensors, skeletons = {}, []
+    for i, link in enumerate(links(zero.inner)):
+        part, skeleton = flatten_state(link.link_state_dict(), f"chain.{i}")
         tensors.update(part)
         skeletons.append(skeleton)
-        link, i = link.inner, i + 1
     return tensors, skeletons
 
 
@@ -160,11 +159,8 @@ def _load_weights(parts: Any, t: Mapping[str, torch.Tensor], names: dict[int, st
 
 
 def _load_chain(zero: Any, t: Mapping[str, torch.Tensor], skeletons: list[Any]) -> None:
-    link = zero.inner
-    for skeleton in skeletons:
-        own = unflatten_state(dict(t), skeleton)
-        link.load_state_dict({"inner": link.inner.state_dict(), **own})
-        link = link.inner
+    for link, skeleton in zip(links(zero.inner), skeletons, strict=True):
+        link.load_link_state_dict(unflatten_state(dict(t), skeleton))
 
 
 def _load_optimizer(zero: Any, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:

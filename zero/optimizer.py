@@ -21,11 +21,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_gather, group_size, nvtx_range
+from pipezero.comm.chain import ChainWrapper, describe, innermost
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_sync import GradSync
 from pipezero.zero.partition import Bucket, plan_groups
 from pipezero.zero.stage3 import ParamGatherer
+from pipezero.zero.state import check_layout, layout, load_consolidated_state_dict, restore_masters
 
 __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
 
@@ -34,15 +36,7 @@ ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD"))
 
 
-def innermost(opt: Any) -> Any:
-    """Follow `.inner` down the chain to the optimizer that holds the state."""
-    seen = 0
-    while hasattr(opt, "inner") and seen < 32:
-        opt, seen = opt.inner, seen + 1
-    return opt
-
-
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(ChainWrapper):
     """Partition optimizer state (1), gradients (2) and parameters (3) over a data-parallel group.
 
     Stage 0 averages gradients only (like DDP) and keeps fp32 masters for low-precision models.
@@ -55,7 +49,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         config = config or ZeroConfig()
         if stage is not None:
             config = replace(config, stage=stage)
-        self.config, self.stage, self.inner, self.group = config, config.stage, inner, group
+        self.config, self.stage, self.group = config, config.stage, group
         self._check_inner(inner, elementwise)
         if self.stage == 3 and any(isinstance(p, DTensor) for g in inner.param_groups for p in g["params"]):
             raise ValueError("ZeroOptimizer(stage=3) does not take tensor-parallel (DTensor) parameters; use "
@@ -64,12 +58,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.stage == 3 and module is None:
             raise ValueError("ZeroOptimizer(stage=3) needs module=: the model whose submodules gather their "
                              "parameters before running (ZeroOptimizer(inner, stage=3, module=model))")
-        # torch's Optimizer base (so LR schedulers accept us) is set up on a placeholder, then
-        # shares the inner chain's param_groups list and state
-        super().__init__([torch.empty(0)], {})
-        self.param_groups = inner.param_groups
-        self.defaults = getattr(inner, "defaults", {})
-        self.state = getattr(innermost(inner), "state", self.state)
+        super().__init__(inner)  # shares the inner chain's param_groups list and state
         self.world = group_size(group)
         self.rank = dist.get_rank(group) if self.world > 1 else 0
         # the single-process layout (consolidated state): every group's original parameters, in order
@@ -82,7 +71,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             module if self.stage == 3 else None, threshold)
         self._check_same_layout()
         self._build(module)
-        self.last_step_skipped = False
         self._grads_ready = False    # prepare_grads() ran since the last step (an outer link called it)
 
     # -- construction -------------------------------------------------------------------
@@ -148,20 +136,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return cls(inner, group=group, module=module, config=config, elementwise=elementwise)
 
     # -- the optimizer chain -------------------------------------------------------------
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.inner.scale(loss) if hasattr(self.inner, "scale") else loss
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.scale(loss).backward()
-
     def prepare_grads(self) -> None:
         """Finish the reductions: every master shard gets its reduced .grad (fp32).
 
         An outer link (LossScaler(ZeroOptimizer(...))) calls this before it reads the gradients;
         step() does it itself when nobody did since the last step.
         """
-        if hasattr(self.inner, "prepare_grads"):
-            self.inner.prepare_grads()
+        super().prepare_grads()
         self._sync.finish()
         if self._gatherer is not None:
             self._gatherer.release_all()
@@ -199,7 +180,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._grads_ready = False
 
     def add_param_group(self, param_group: dict) -> None:
-        if not hasattr(self, "_sync"):      # torch's Optimizer.__init__ adds the placeholder group
+        """Refused: the partition is fixed at construction."""
+        if "inner" not in self.__dict__:      # torch's Optimizer.__init__ adds the placeholder group
             return super().add_param_group(param_group)
         raise ValueError("ZeroOptimizer.add_param_group: the partition is fixed when the ZeroOptimizer is "
                          "built; put every param group into the inner optimizer before wrapping it")
@@ -235,16 +217,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             yield
 
     # -- state ----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        from pipezero.zero.state import local_state_dict
-        return local_state_dict(self)
+    def link_state_dict(self) -> dict:
+        """{"zero": the layout (stage, group size, rank, buckets)}: the inner chain's state is this
+        rank's shards, loadable only onto the same layout (consolidated_state_dict moves between them)."""
+        return {"zero": layout(self)}
 
-    def load_state_dict(self, state: dict) -> None:
-        from pipezero.zero.state import load_local_state_dict
-        load_local_state_dict(self, state)
+    def load_link_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse a per-rank state saved on another layout."""
+        check_layout(self, state["zero"])
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load what state_dict() (same layout) or consolidated_state_dict() (any layout) returned."""
+        if isinstance(state, Mapping) and "consolidated" in state:
+            load_consolidated_state_dict(self, state)
+            return
+        super().load_state_dict(state)
+        restore_masters(self)
 
     def __repr__(self) -> str:
-        own = type(self.inner).__repr__
-        plain = own is torch.optim.Optimizer.__repr__ or own is object.__repr__
-        return f"ZeroOptimizer(stage={self.stage}, {type(self.inner).__name__ if plain else repr(self.inner)})"
+        return f"ZeroOptimizer(stage={self.stage}, {describe(self.inner)})"
 
