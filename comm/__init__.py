@@ -6,6 +6,7 @@ from pipezero.comm.chain import ChainLink, ChainWrapper, innermost, links
 from pipezero.comm.collectives import Handle, all_gather, all_reduce, group_size, reduce_scatter
 from pipezero.comm.nvtx import nvtx_range, profiling, profiling_enabled
 from pipezero.comm.p2p import P2P, CommTimeout
+from pipezero.comm.replica import is_replica, mark_replica
 from pipezero.comm.traffic import TRAFFIC, Traffic
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "all_reduce", "reduce_scatter", "all_gather", "group_size",
     "all_reduce_coalesced", "reduce_scatter_coalesced", "all_gather_coalesced", "plan_buckets",
     "nvtx_range", "profiling", "profiling_enabled", "ChainLink", "ChainWrapper", "innermost", "links",
+    "mark_replica", "is_replica",
 ]

@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
+from pipezero.comm import is_replica, mark_replica
 from pipezero.comm.chain import ChainWrapper, chain_step, describe
-from pipezero.precision.clip import DUPLICATE_ATTR
 
 __all__ = ["MasterWeights"]
 
@@ -48,8 +48,8 @@ class MasterWeights(ChainWrapper):
             return param
         master = torch.nn.Parameter(param.detach().to(self.master_dtype).clone(),
                                     requires_grad=param.requires_grad)
-        if getattr(param, DUPLICATE_ATTR, False):
-            setattr(master, DUPLICATE_ATTR, True)
+        if is_replica(param):
+            mark_replica(master)
         self._pairs.append((param, master))
         return master
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipezero.comm import all_gather, group_size, nvtx_range
+from pipezero.comm import all_gather, group_size, is_replica, mark_replica, nvtx_range
 from pipezero.comm.chain import ChainWrapper, describe, innermost
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
@@ -111,9 +111,8 @@ class ZeroOptimizer(ChainWrapper):
             b.build(offload, keep_full=self.stage < 3 or b.persistent)
             if cfg.offload_param and not b.persistent:
                 b.local = b.local.cpu()  # gathered onto the compute device when the submodule runs
-            dup = any(getattr(p, "pipezero_duplicate", False) for p in b.params)
-            if dup or (self.stage == 0 and self.rank > 0):
-                b.master.pipezero_duplicate = True
+            if any(is_replica(p) for p in b.params) or (self.stage == 0 and self.rank > 0):
+                mark_replica(b.master)
         for g, group in enumerate(self.param_groups):
             group["params"] = [b.master for b in self.buckets if b.group_index == g]
         self._gatherer = None
