@@ -185,18 +185,27 @@ class ZeroOptimizer(ChainWrapper):
         raise ValueError("ZeroOptimizer.add_param_group: the partition is fixed when the ZeroOptimizer is "
                          "built; put every param group into the inner optimizer before wrapping it")
 
-    # -- the readiness protocol -------------------------------------------------------------
+    # -- the readiness protocol (pipe/readiness.py's GradReadiness) ----------------------------
+    def check_pipeline(self) -> None:
+        """Raise ValueError for what the pipeline runner cannot drive: stage 3."""
+        if self.stage == 3:
+            raise ValueError("PipelineRunner does not run ZeRO stage 3 (it would gather every chunk's parameters "
+                             "once per microbatch); use ZeroOptimizer(stage=2), which keeps full weights per stage")
+
     def no_sync(self):
         """Context: backward passes inside accumulate gradients locally, without reduction."""
         return self._sync.no_sync()
 
     def hold_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
+        """Backward passes leave these params' gradients unreduced until released."""
         self._sync.hold(params)
 
     def release_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
+        """The next backward completes these params' gradients: reduce them as they become ready."""
         self._sync.release(params)
 
     def flush_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
+        """Reduce what of these params' gradients is not yet reduced (their last backward is done)."""
         self._sync.flush(params)
 
     def collect_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
