@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_sync import GradSync
 from pipezero.zero.partition import Bucket, plan_groups
 from pipezero.zero.stage3 import ParamGatherer
-from pipezero.zero.state import check_layout, layout, load_consolidated_state_dict, restore_masters
+from pipezero.zero import state as _state
 
 __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
 
@@ -228,19 +228,44 @@ class ZeroOptimizer(ChainWrapper):
     def link_state_dict(self) -> dict:
         """{"zero": the layout (stage, group size, rank, buckets)}: the inner chain's state is this
         rank's shards, loadable only onto the same layout (consolidated_state_dict moves between them)."""
-        return {"zero": layout(self)}
+        return {"zero": _state.layout(self)}
 
     def load_link_state_dict(self, state: Mapping[str, Any]) -> None:
         """Refuse a per-rank state saved on another layout."""
-        check_layout(self, state["zero"])
+        _state.check_layout(self, state["zero"])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load what state_dict() (same layout) or consolidated_state_dict() (any layout) returned."""
         if isinstance(state, Mapping) and "consolidated" in state:
-            load_consolidated_state_dict(self, state)
+            _state.load_consolidated_state_dict(self, state)
             return
         super().load_state_dict(state)
-        restore_masters(self)
+        _state.restore_masters(self)
+
+    def consolidated_state_dict(self) -> dict:
+        """The innermost optimizer's state as one process would hold it (loads onto any layout); a collective."""
+        return _state.consolidated_state_dict(self)
+
+    def full_parameters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, its whole fp32 master) for each parameter this optimizer owns; a collective."""
+        return _state.full_parameters(self)
+
+    def load_full_parameters(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Set each owned parameter (model copy and master) to value_of(parameter), e.g. from a checkpoint by name."""
+        _state.load_full_parameters(self, value_of)
+
+    def per_parameter_state(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """(parameter, its whole optimizer state) for each parameter that has state; a collective."""
+        return _state.per_parameter_state(self)
+
+    def load_per_parameter_state(self, state_of: Callable[[torch.Tensor], dict[str, Any] | None]) -> None:
+        """Load each parameter's whole optimizer state from state_of(parameter); every rank keeps its shard."""
+        _state.load_per_parameter_state(self, state_of)
+
+    @property
+    def gatherer(self) -> ParamGatherer | None:
+        """Stage 3's parameter gatherer (gathers submodules' parameters before they run); None at stages 0-2."""
+        return self._gatherer
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.stage}, {describe(self.inner)})"

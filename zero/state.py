@@ -13,7 +13,7 @@ out its own shard (`load_consolidated_state_dict`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from pipezero.zero.optimizer import ZeroOptimizer
 
 __all__ = ["layout", "check_layout", "restore_masters", "consolidated_state_dict",
-           "load_consolidated_state_dict"]
+           "load_consolidated_state_dict", "full_parameters", "load_full_parameters", "per_parameter_state",
+           "load_per_parameter_state"]
 
 
 def layout(opt: "ZeroOptimizer") -> dict[str, Any]:
@@ -112,6 +113,57 @@ def load_consolidated_state_dict(opt: "ZeroOptimizer", state: dict[str, Any]) ->
     for b, per_param in per_bucket.items():
         if all(s is not None for s in per_param):
             core.state[b.master] = _shard_of(b, per_param)
+
+
+def full_parameters(opt: "ZeroOptimizer") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(model parameter, its whole fp32 master) for every partitioned parameter; a collective over the group.
+
+    The masters, not the model's copies: exact for bf16/fp16 models too. A tensor-parallel
+    parameter's value is this tensor rank's local slice.
+    """
+    out = []
+    for b in opt.buckets:
+        full = _gather_flat(opt, b, b.master.detach().to(b.device)) if b.parts > 1 else b.master.detach()
+        out += [(p, b.slot(full, i)) for i, p in enumerate(b.params)]
+    return out
+
+
+def load_full_parameters(opt: "ZeroOptimizer", value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Set every partitioned parameter (model copy and fp32 master) to `value_of(parameter)` (its local shape)."""
+    with torch.no_grad():
+        for b in opt.buckets:
+            flat = torch.zeros(b.padded, dtype=torch.float32)
+            for i, p in enumerate(b.params):
+                b.slot(flat, i).copy_(value_of(p))
+            if b.flat is not None:
+                b.flat.copy_(flat.to(b.flat.device, b.dtype))
+            elif b.local is not None:
+                b.local.copy_(b.owned(flat).to(b.local.device, b.dtype))
+            if b.master.data_ptr() != (b.local.data_ptr() if b.local is not None else -1):
+                b.master.copy_(b.owned(flat).to(b.master.device))
+
+
+def per_parameter_state(opt: "ZeroOptimizer") -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """(parameter, the innermost optimizer's state for it, whole) in param-group order; a collective."""
+    state = consolidated_state_dict(opt)["consolidated"]["state"]
+    params = [p for group in opt.original_params for p in group]
+    return [(p, state[i]) for i, p in enumerate(params) if i in state]
+
+
+def load_per_parameter_state(opt: "ZeroOptimizer", state_of: Callable[[torch.Tensor], dict[str, Any] | None]
+                             ) -> None:
+    """Load the innermost optimizer's state from `state_of(parameter)` (None: no state); each rank keeps its shard."""
+    state, groups, index = {}, [], 0
+    for group, params in zip(opt.param_groups, opt.original_params):
+        for offset, p in enumerate(params):
+            entry = state_of(p)
+            if entry:
+                state[index + offset] = entry
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(index, index + len(params)))})
+        index += len(params)
+    load_consolidated_state_dict(opt, {"consolidated": {"state": state, "param_groups": groups},
+                                       "zero": {"stage": opt.stage}})
 
 
 def _shard_of(b: Bucket, per_param: list[dict]) -> dict:
