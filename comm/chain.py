@@ -86,7 +86,9 @@ class ChainWrapper(torch.optim.Optimizer):
     """Base of the links: shares `inner.param_groups`, forwards scale/prepare_grads/zero_grad.
 
     torch's Optimizer.__init__ runs on a placeholder parameter (it wants at least one) only to set
-    up its hooks; the groups are then replaced by the inner optimizer's own list. `state_dict()`
+    up its hooks; from then on `param_groups` and `state` ARE the inner chain's, read through on
+    every access: torch's load_state_dict replaces those objects, and a copy kept here would go
+    stale after every resume (an lr set here would then be ignored). `state_dict()`
     is `{"inner": inner.state_dict(), **link_state_dict()}`: each link serialises only its own
     state, the inner chain once.
     """
@@ -96,9 +98,33 @@ class ChainWrapper(torch.optim.Optimizer):
         super().__init__([torch.empty(0)], {})
         self.inner = inner
         self.defaults = getattr(inner, "defaults", {})
-        self.state = getattr(innermost(inner), "state", self.state)
-        self.param_groups = inner.param_groups
         self.last_step_skipped = False
+
+    @property
+    def param_groups(self) -> list:
+        """The inner optimizer's param_groups list itself."""
+        inner = self.__dict__.get("inner")
+        return inner.param_groups if inner is not None else self.__dict__["_own_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list) -> None:
+        if "inner" in self.__dict__:
+            self.inner.param_groups = groups
+        else:  # torch's __init__, before the chain is linked
+            self.__dict__["_own_groups"] = groups
+
+    @property
+    def state(self) -> Any:
+        """The innermost optimizer's per-parameter state itself."""
+        inner = self.__dict__.get("inner")
+        return getattr(innermost(inner), "state", None) if inner is not None else self.__dict__["_own_state"]
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        if "inner" in self.__dict__:
+            innermost(self.inner).state = state
+        else:
+            self.__dict__["_own_state"] = state
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer (and so to the shared list)."""
@@ -130,7 +156,15 @@ class ChainWrapper(torch.optim.Optimizer):
         return {}
 
     def load_link_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what link_state_dict() returned (state_dict() checked its keys)."""
+        """Restore what link_state_dict() returned (its keys are checked first)."""
+        name, expected = type(self).__name__, sorted(self.link_state_dict())
+        if not isinstance(state, Mapping) or sorted(state) != expected:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"{name}: its own state has the keys {expected} (link_state_dict()), got {got}")
+        self._load_link(state)
+
+    def _load_link(self, state: Mapping[str, Any]) -> None:
+        """Restore this link's own state (keys already checked); links with state override this."""
 
     def state_dict(self) -> dict:
         """{"inner": inner.state_dict(), **link_state_dict()}."""

@@ -104,7 +104,7 @@ class MasterWeights(ChainWrapper):
         """{"master": {"<i>": fp32 master of the i-th copied param}}; state_dict() adds "inner"."""
         return {"master": {str(i): master.detach() for i, (_, master) in enumerate(self._pairs)}}
 
-    def load_link_state_dict(self, state: Mapping[str, Any]) -> None:
+    def _load_link(self, state: Mapping[str, Any]) -> None:
         """Restore what link_state_dict() returned (the masters are copied in place)."""
         masters = state["master"]
         expected = {str(i): tuple(m.shape) for i, (_, m) in enumerate(self._pairs)}

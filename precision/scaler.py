@@ -170,7 +170,7 @@ class LossScaler(ChainWrapper):
         """{"loss_scaler": plain numbers (scale, hysteresis, counters)}; state_dict() adds "inner"."""
         return {"loss_scaler": self.scale_state.as_dict()}
 
-    def load_link_state_dict(self, state: Mapping[str, Any]) -> None:
+    def _load_link(self, state: Mapping[str, Any]) -> None:
         """Restore what link_state_dict() returned."""
         self.scale_state = ScaleState.from_dict(dict(state["loss_scaler"]))
 

@@ -230,7 +230,7 @@ class ZeroOptimizer(ChainWrapper):
         rank's shards, loadable only onto the same layout (consolidated_state_dict moves between them)."""
         return {"zero": _state.layout(self)}
 
-    def load_link_state_dict(self, state: Mapping[str, Any]) -> None:
+    def _load_link(self, state: Mapping[str, Any]) -> None:
         """Refuse a per-rank state saved on another layout."""
         _state.check_layout(self, state["zero"])
 
