@@ -129,7 +129,7 @@ def _measure(step, args, device) -> float:
 
 def _state_bytes(module, opt) -> float:
     """This rank's parameters (local shards) plus optimizer state: what the layout saves at rest."""
-    from pipezero.zero.optimizer import innermost
+    from pipezero.comm.chain import innermost
 
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t

@@ -14,8 +14,8 @@ single-process `GPT`, which makes the pipeline's parity tests exact. Architectur
 Radford et al. 2019 (GPT-2), as in karpathy/nanoGPT.
 
 Generation (`generate(layers, idx, n)`, `GPT.generate`) lives in examples/generate.py (KV
-cache, left-padded batches, a CUDA-graph decode step); its names are importable from here
-too (`from gpt import generate`). gpt_from_pipeline and gpt_stage_layers give it the layers
+cache, left-padded batches, a CUDA-graph decode step): `from generate import generate`.
+gpt_from_pipeline and gpt_stage_layers give it the layers
 of a pipeline.
 """
 
@@ -32,7 +32,7 @@ from torch import nn
 
 __all__ = ["Block", "Embedding", "FinalNorm", "GPT", "GPTConfig", "Head", "LayerRecipe", "TIED_KEY",
            "TIED_WEIGHT_ATTR", "flops_per_token", "gpt_from_pipeline", "gpt_layers", "gpt_loss", "gpt_specs",
-           "gpt_stage_layers", "gpt_tensor_plan", "head_forward"]  # generate.py's names: see __getattr__
+           "gpt_stage_layers", "gpt_tensor_plan", "head_forward"]
 
 TIED_KEY = "embed"          # TiedLayerSpec key shared by Embedding and Head
 TIED_WEIGHT_ATTR = "weight"  # the tied parameter's attribute name on both layers
@@ -263,23 +263,13 @@ def flops_per_token(cfg: GPTConfig) -> float:
     return 6.0 * n + 12.0 * layers * d * cfg.seq_len
 
 
-# -- generation: examples/generate.py, re-exported ---------------------------------------------
-_GENERATION = ("KVCache", "LayerCache", "StaticLayerCache", "generate", "_attention_mask", "_check_generate",
-               "_logits", "_pick", "_positions")
-
-
+# -- generation: examples/generate.py --------------------------------------------------------------
 def _generation():
     """examples/generate.py, imported the way this module was: as examples.generate or as generate.
 
     Imported on first use, not at the top: generate.py imports this module's layers.
     """
     return importlib.import_module(f"{__package__}.generate" if __package__ else "generate")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _GENERATION:
-        return getattr(_generation(), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def gpt_from_pipeline(module: nn.Module, cfg: GPTConfig) -> "GPT":

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import GPT, GPTConfig, generate  # noqa: E402
+from generate import generate  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
 
 from pipezero.train.log import TensorBoardWriter  # noqa: E402
 from pipezero.zero import ZeroConfig, ZeroOptimizer  # noqa: E402

@@ -20,6 +20,8 @@ from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from pipezero.pipe.readiness import find_link
+
 __all__ = ["GatherPlan", "ChunkGathering", "NoGathering", "ParamGathering", "chunk_gatherings", "plan_gathers"]
 
 
@@ -109,7 +111,8 @@ def chunk_gatherings(optimizer: Any, model: Any, chunk_lists: dict[bool, Sequenc
                      reshard_after_forward: bool) -> dict[bool, ChunkGathering | NoGathering]:
     """train / eval -> the gatherer of its action list (chunks in order); NoGathering when the
     optimizer partitions no parameters. Takes the gathering over from the optimizer."""
-    if not isinstance(optimizer, ParamGathering) or not optimizer.drive_param_gathering():
+    optimizer = find_link(optimizer, ParamGathering)  # anywhere in the chain, as readiness is
+    if optimizer is None or not optimizer.drive_param_gathering():
         return {key: NoGathering() for key in chunk_lists}
     params = [model.chunk_parameters(c) for c in range(model.num_chunks)]
     tied = model.tied_parameters()

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipezero.comm import is_replica
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 from pipezero.pipe.tensor_parallel import ColwiseHeads, TensorPlan
 
@@ -371,14 +372,14 @@ def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters under their Hugging Face names, whole (DTensor shards gathered).
 
     A collective over the tensor group when tensor-parallel; a tied weight appears only on
-    its first owner (the copies are marked pipezero_duplicate).
+    its first owner (the copies are marked with comm.mark_replica).
     """
     out = {}
     for layer in module.modules():
         if isinstance(layer, _HFLayer):
             for name, p in layer.hf_parameters():
                 whole = p.full_tensor() if hasattr(p, "full_tensor") else p
-                if not (getattr(p, "pipezero_duplicate", False) and not hasattr(p, "full_tensor")):
+                if not (is_replica(p) and not hasattr(p, "full_tensor")):
                     out[name] = whole.detach()
     return out
 

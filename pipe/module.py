@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipezero.comm import all_reduce_coalesced
+from pipezero.comm import all_reduce_coalesced, mark_replica
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec, layer_name
@@ -186,7 +186,7 @@ class PipelineModule(nn.Module):
                 with torch.no_grad():
                     dist.broadcast(p.data, src=src, group=group)
                 if src != grid.rank:
-                    p.pipezero_duplicate = True
+                    mark_replica(p)
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """Local parameters shared with other pipeline ranks (their grads are summed over the owners)."""

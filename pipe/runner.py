@@ -36,6 +36,7 @@ from pipezero.pipe.gathering import chunk_gatherings
 from pipezero.pipe.groups import cpu_world_group, side_group
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.placement import owner, virtual_stage
+from pipezero.pipe.readiness import grad_readiness, loss_scaling
 from pipezero.pipe.stage_errors import LayerError
 from pipezero.pipe.timeline import Timeline, bubble_fraction, gather_events
 from pipezero.pipe.validate import validate
@@ -74,8 +75,10 @@ class PipelineRunner:
 
     def __init__(self, model: PipelineModule, schedule: Any, optimizer: Any = None,
                  timeout_s: float = 300.0, variable_shapes: bool = False, reshard_after_forward: bool = False):
-        _check_schedule(model, schedule, optimizer)
+        _check_schedule(model, schedule)
         self.model, self.schedule, self.optimizer = model, schedule, optimizer
+        self._readiness = grad_readiness(optimizer)   # refuses what cannot run here (ZeRO-3)
+        self._scale = loss_scaling(optimizer)
         self.grid = model.grid
         self.num_microbatches = schedule.num_microbatches
         self.timeout_s, self.variable_shapes = timeout_s, variable_shapes
@@ -236,9 +239,7 @@ class PipelineRunner:
             kind, *saved = self._stash.pop(("w", *step.action[1:]))
             if kind == "split":
                 _stage_backward_weight(*saved)  # assigns .grad without autograd hooks: tell the optimizer
-                collect = getattr(self.optimizer, "collect_grad_sync", None)
-                if collect is not None:
-                    collect(self.model.chunk_parameters(step.action.chunk))
+                self._readiness.collect_grad_sync(self.model.chunk_parameters(step.action.chunk))
             else:
                 torch.autograd.backward(*saved)
             return []
@@ -286,8 +287,7 @@ class PipelineRunner:
         x, out = self._stash.pop((chunk, mb))
         if model.is_last(chunk):
             loss = out / self.num_microbatches
-            scale = getattr(self.optimizer, "scale", None)
-            outs, grads = [scale(loss) if scale is not None else loss], [None]
+            outs, grads = [self._scale(loss)], [None]
         else:
             got = self._take(f"g{s + 1}", mb, step)
             got = (got,) if isinstance(got, torch.Tensor) else tuple(got)
@@ -335,23 +335,18 @@ class PipelineRunner:
                              f"before its input {key!r} of microbatch {mb} exists; check the action order "
                              "(validate the schedule)") from None
 
-    # -- gradient readiness (protocol 3) and loss ------------------------------------------
+    # -- gradient readiness (pipe/readiness.py) and loss ------------------------------------
     def _hold(self) -> None:
-        hold = getattr(self.optimizer, "hold_grad_sync", None)
-        if hold is not None:
-            hold(list(self.model.parameters()))
+        self._readiness.hold_grad_sync(list(self.model.parameters()))
 
     def _release(self, params: list, flush: bool = True) -> None:
-        release = getattr(self.optimizer, "release_grad_sync", None)
-        if release is not None and params:
-            release(params)
+        if params:
+            self._readiness.release_grad_sync(params)
             if flush:
                 self._flush(params)
 
     def _flush(self, params: list) -> None:
-        flush = getattr(self.optimizer, "flush_grad_sync", None)
-        if flush is not None:
-            flush(params)
+        self._readiness.flush_grad_sync(params)
 
     def _mean_loss(self) -> torch.Tensor:
         """Mean over microbatches (and data replicas), broadcast from the last stage over the pipe."""
@@ -455,7 +450,7 @@ def _last_weight_use(steps: Sequence[_Step], model: PipelineModule) -> dict[int,
 
 
 # -- checks and batch helpers ------------------------------------------------------------
-def _check_schedule(model: PipelineModule, schedule: Any, optimizer: Any) -> None:
+def _check_schedule(model: PipelineModule, schedule: Any) -> None:
     if not isinstance(model, PipelineModule):
         raise TypeError(f"PipelineRunner(model={type(model).__name__}): expected a PipelineModule")
     for attr in ("num_microbatches", "actions"):

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.validate import check_static, execute, raise_deadlock
 
-__all__ = ["Costs", "Event", "SimResult", "simulate"]
+__all__ = ["Costs", "Event", "SimResult", "simulate", "idle_fraction"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,15 @@ class SimResult:
                 "peak_activations": dict(self.peak_activations)}
 
 
+def idle_fraction(busy: Iterable[float], span: float) -> float:
+    """The bubble: idle / (ranks x span) = 1 - sum(busy) / (ranks x span), for each rank's busy time.
+
+    The one definition the simulator, the runner's measured timeline and the training metrics share.
+    """
+    busy = list(busy)
+    return 1.0 - sum(busy) / (len(busy) * span) if span > 0 and busy else 0.0
+
+
 def simulate(actions: Any, num_stages: int | None = None,
              costs: Costs | Mapping[tuple[int, int], Costs] = Costs(),
              placement: Any = "looped", *, channels: str = "kind",
@@ -119,10 +128,8 @@ def simulate(actions: Any, num_stages: int | None = None,
     busy = {r: 0.0 for r in range(p)}
     for e in timeline:
         busy[e.rank] += e.end - e.start
-    idle = p * makespan - sum(busy.values())
     return SimResult(
-        timeline=timeline, makespan=makespan, busy=busy,
-        bubble=idle / (p * makespan) if makespan > 0 else 0.0,
+        timeline=timeline, makespan=makespan, busy=busy, bubble=idle_fraction(busy.values(), makespan),
         peak_activations={r: _peak_live(acts) for r, acts in table.items()},
         num_stages=p,
         num_chunks=1 + max(a.chunk for acts in table.values() for a in acts))

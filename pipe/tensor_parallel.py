@@ -18,6 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from pipezero.comm import mark_replica
+
 TensorPlan = Mapping[str, ParallelStyle]  # submodule path (relative to the layer) -> style
 # what PipelineModule(tensor_plan=) takes: {layer class: plan}, or a callable built layer -> plan or None
 PlanSource = Union[Mapping[type, TensorPlan], Callable[[nn.Module], "TensorPlan | None"]]
@@ -62,7 +64,7 @@ def mark_tensor_duplicates(module: nn.Module, tensor_rank: int) -> None:
         return
     for p in module.parameters():
         if is_replicated(p):
-            p.pipezero_duplicate = True
+            mark_replica(p)
 
 
 def check_tensor_plan(module: nn.Module, plan: TensorPlan, degree: int, where: str = "layer") -> None:

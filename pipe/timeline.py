@@ -21,6 +21,8 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from pipezero.pipe.simulate import idle_fraction
+
 __all__ = ["Event", "Timeline", "bubble_fraction", "chrome_trace", "gather_events"]
 
 
@@ -81,10 +83,6 @@ class Timeline:
             yield
             self._events.append(Event(name, kind, self.rank, start, time.perf_counter()))
 
-    def bubble(self) -> float:
-        """This rank's idle share of its step: 1 - compute time / span."""
-        return bubble_fraction(self.events)
-
 
 def bubble_fraction(events: Sequence[Event]) -> float:
     """1 - (compute time summed over ranks) / (ranks x the step's span).
@@ -94,13 +92,12 @@ def bubble_fraction(events: Sequence[Event]) -> float:
     idle until the last one ends, as in the simulator's definition (idle area / ranks x
     makespan). Only durations are compared, so the ranks' clocks need not agree.
     """
-    busy, spans = 0.0, []
+    busy, spans = [], []
     for rank in sorted({e.rank for e in events}):
         mine = [e for e in events if e.rank == rank]
-        busy += sum(e.end - e.start for e in mine if e.kind == "compute")
+        busy.append(sum(e.end - e.start for e in mine if e.kind == "compute"))
         spans.append(max(e.end for e in mine) - min(e.start for e in mine))
-    total = len(spans) * max(spans, default=0.0)
-    return 1.0 - busy / total if total > 0 else 0.0
+    return idle_fraction(busy, max(spans, default=0.0))
 
 
 def gather_events(events: Sequence[Event], group=None) -> list[Event]:

@@ -1,10 +1,9 @@
 """precision/: loss scaling (static, dynamic), fp32 master weights, global grad norm/overflow/clipping."""
 
-from pipezero.precision.chain import ChainLink
-from pipezero.precision.clip import DUPLICATE_ATTR, clip_grad_norm, global_grad_norm
+from pipezero.comm.chain import ChainLink
+from pipezero.precision.clip import clip_grad_norm, global_grad_norm
 from pipezero.precision.config import Precision, ScalerConfig, read_precision
 from pipezero.precision.master import MasterWeights
 from pipezero.precision.scaler import LossScaler
 
-__all__ = ["LossScaler", "MasterWeights", "ScalerConfig", "ChainLink", "clip_grad_norm", "global_grad_norm",
-           "DUPLICATE_ATTR"]
+__all__ = ["LossScaler", "MasterWeights", "ScalerConfig", "ChainLink", "clip_grad_norm", "global_grad_norm"]

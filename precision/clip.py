@@ -2,9 +2,9 @@
 
 Gradients of one model may be spread over pipeline stages, data shards (ZeRO) and tensor shards.
 The global L2 norm is sqrt(sum over the world of each rank's local sum of squares), where a
-tensor that duplicates one another rank already counts carries `pipezero_duplicate = True`
-(a tied embedding on its second stage, replicated masters on data ranks > 0, a replicated
-weight on tensor ranks > 0) and is left out of the sum. Duplicates still take part in the
+tensor that duplicates one another rank already counts is marked a replica (comm.mark_replica:
+a tied embedding on its second stage, replicated masters on data ranks > 0, a replicated
+weight on tensor ranks > 0) and is left out of the sum. Replicas still take part in the
 inf/nan count, which rides in the same two-number all-reduce.
 """
 
@@ -17,13 +17,12 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from pipezero.comm import all_reduce
+from pipezero.comm import all_reduce, is_replica
 from pipezero.topology import process_device
 
-__all__ = ["DUPLICATE_ATTR", "GradStats", "grad_stats", "global_grad_norm", "clip_grad_norm",
+__all__ = ["GradStats", "grad_stats", "global_grad_norm", "clip_grad_norm",
            "grouped_grads"]
 
-DUPLICATE_ATTR = "pipezero_duplicate"
 _EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
 
 
@@ -48,7 +47,7 @@ def grouped_grads(params: Iterable[torch.Tensor]) -> dict[tuple, tuple[list, lis
             grad = _local(p.grad)  # a tensor-parallel grad counts by this rank's shard
             grads, dups = groups[(grad.device, grad.dtype)]
             grads.append(grad)
-            dups.append(bool(getattr(p, DUPLICATE_ATTR, False)))
+            dups.append(is_replica(p))
     return groups
 
 
@@ -119,7 +118,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor] | torch.Tensor, max_norm: floa
     """Scale the gradients so their global L2 norm is at most `max_norm`; return the norm before clipping.
 
     Like torch.nn.utils.clip_grad_norm_, but over every rank of `group` (default: the world), each
-    `pipezero_duplicate` tensor counted once. A non-finite norm is returned and the gradients are
+    replica (comm.is_replica) counted once. A non-finite norm is returned and the gradients are
     left untouched (never multiplied by nan), so the caller can skip the step.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:

@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
-from pipezero.precision.chain import ChainWrapper, chain_step, describe
-from pipezero.precision.clip import DUPLICATE_ATTR
+from pipezero.comm import is_replica, mark_replica
+from pipezero.comm.chain import ChainWrapper, chain_step, describe
 
 __all__ = ["MasterWeights"]
 
@@ -48,8 +48,8 @@ class MasterWeights(ChainWrapper):
             return param
         master = torch.nn.Parameter(param.detach().to(self.master_dtype).clone(),
                                     requires_grad=param.requires_grad)
-        if getattr(param, DUPLICATE_ATTR, False):
-            setattr(master, DUPLICATE_ATTR, True)
+        if is_replica(param):
+            mark_replica(master)
         self._pairs.append((param, master))
         return master
 
@@ -100,18 +100,13 @@ class MasterWeights(ChainWrapper):
                     param.grad.zero_()
         self._grads_ready = False
 
-    def state_dict(self) -> dict:
-        """{"inner": inner.state_dict(), "master": {"<i>": fp32 master of the i-th copied param}}."""
-        return {"inner": self.inner.state_dict(),
-                "master": {str(i): master.detach() for i, (_, master) in enumerate(self._pairs)}}
+    def link_state_dict(self) -> dict:
+        """{"master": {"<i>": fp32 master of the i-th copied param}}; state_dict() adds "inner"."""
+        return {"master": {str(i): master.detach() for i, (_, master) in enumerate(self._pairs)}}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what state_dict() returned (the masters are copied in place)."""
-        if not isinstance(state_dict, Mapping) or set(state_dict) != {"inner", "master"}:
-            got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(f"MasterWeights.load_state_dict expects the keys ['inner', 'master'] from "
-                             f"MasterWeights.state_dict(), got {got}")
-        masters = state_dict["master"]
+    def _load_link(self, state: Mapping[str, Any]) -> None:
+        """Restore what link_state_dict() returned (the masters are copied in place)."""
+        masters = state["master"]
         expected = {str(i): tuple(m.shape) for i, (_, m) in enumerate(self._pairs)}
         got = {k: tuple(v.shape) for k, v in masters.items()}
         if got != expected:
@@ -120,7 +115,6 @@ class MasterWeights(ChainWrapper):
         with torch.no_grad():
             for i, (_, master) in enumerate(self._pairs):
                 master.copy_(masters[str(i)])
-        self.inner.load_state_dict(state_dict["inner"])
 
     def __repr__(self) -> str:
         return f"MasterWeights({describe(self.inner)})"

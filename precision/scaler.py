@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from pipezero.comm import all_reduce
-from pipezero.precision.chain import ChainWrapper, chain_step, describe
+from pipezero.comm.chain import ChainWrapper, chain_step, describe
 from pipezero.precision.clip import comm_device, grad_stats, grouped_grads
 from pipezero.precision.config import ScalerConfig
 from pipezero.precision.scale_state import ScaleState
@@ -166,19 +166,13 @@ class LossScaler(ChainWrapper):
                         "scale %s", count, self.loss_scale)
 
     # -- checkpoints ------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """{"inner": inner.state_dict(), "loss_scaler": plain numbers (scale, hysteresis, counters)}."""
-        return {"inner": self.inner.state_dict(), "loss_scaler": self.scale_state.as_dict()}
+    def link_state_dict(self) -> dict:
+        """{"loss_scaler": plain numbers (scale, hysteresis, counters)}; state_dict() adds "inner"."""
+        return {"loss_scaler": self.scale_state.as_dict()}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what state_dict() returned."""
-        if not isinstance(state_dict, Mapping) or set(state_dict) != {"inner", "loss_scaler"}:
-            got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(f"LossScaler.load_state_dict expects the keys ['inner', 'loss_scaler'] from "
-                             f"LossScaler.state_dict(), got {got}")
-        scale_state = ScaleState.from_dict(dict(state_dict["loss_scaler"]))
-        self.inner.load_state_dict(state_dict["inner"])
-        self.scale_state = scale_state
+    def _load_link(self, state: Mapping[str, Any]) -> None:
+        """Restore what link_state_dict() returned."""
+        self.scale_state = ScaleState.from_dict(dict(state["loss_scaler"]))
 
     def __repr__(self) -> str:
         config = self.config

@@ -22,7 +22,8 @@ from pipezero.zero import ZeroConfig, ZeroOptimizer
 from pipezero.zero.gathered import gathered, parameter_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import (GPT, GPTConfig, generate, gpt_from_pipeline, gpt_loss, gpt_specs, gpt_stage_layers,  # noqa: E402
+from generate import generate  # noqa: E402
+from gpt import (GPT, GPTConfig, gpt_from_pipeline, gpt_loss, gpt_specs, gpt_stage_layers,  # noqa: E402
                  gpt_tensor_plan)
 
 CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=32, seed=3)

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from harness import run
+from pipezero.comm import is_replica
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.partition import partition, partition_balanced, partition_uniform
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec, count_parameters
@@ -98,7 +99,7 @@ def _build(pipe, chunks, placement):
     tied = model.tied["emb"].weight if "emb" in model.tied else None
     return dict(names=sorted(n for n, _ in model.named_parameters()),
                 tied=None if tied is None else tied.detach().clone(),
-                duplicate=getattr(tied, "pipezero_duplicate", False),
+                duplicate=is_replica(tied),
                 table=model.describe())
 
 

@@ -182,7 +182,7 @@ def test_parity_with_single_process(world, pipe, name, m, blocks):
 
 # -- features on top of the schedules -----------------------------------------------------------
 class Scaled:
-    """A minimal loss-scaling wrapper (protocol 1): the runner must backpropagate scale(loss)."""
+    """A minimal loss-scaling wrapper (pipe/readiness.py's LossScaling): the runner must backpropagate scale(loss)."""
 
     def __init__(self, inner, factor):
         self.inner, self.factor, self.scaled = inner, factor, 0
@@ -351,10 +351,16 @@ def test_bad_runner_input_raises_on_every_rank(case, message):
 
 
 class Recorder:
-    """Records the readiness protocol (protocol 3) the runner drives, around a plain SGD."""
+    """Records the readiness protocol (pipe/readiness.py) the runner drives, around a plain SGD."""
 
     def __init__(self, inner):
         self.inner, self.calls = inner, []
+
+    def check_pipeline(self):
+        pass
+
+    def collect_grad_sync(self, params):
+        pass
 
     def hold_grad_sync(self, params):
         self.calls.append(("hold", {id(p) for p in params}))

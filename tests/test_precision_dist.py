@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from harness import run
 from pipezero.comm import TRAFFIC
-from pipezero.precision import DUPLICATE_ATTR, LossScaler, clip_grad_norm, global_grad_norm
+from pipezero.comm import mark_replica
+from pipezero.precision import LossScaler, clip_grad_norm, global_grad_norm
 from pipezero.topology import Grid
 
 INF = float("inf")
@@ -109,9 +110,9 @@ def _local_tensors(grid, params, layout):
             t = torch.zeros_like(grad)
             t.grad = grad.clone()
             if grid.data_rank > 0:
-                setattr(t, DUPLICATE_ATTR, True)
+                mark_replica(t)
         if name == "embed" and grid.pipe_rank == 1:  # the tied copy: stage 0 already counts it
-            setattr(t, DUPLICATE_ATTR, True)
+            mark_replica(t)
         tensors.append(t)
     return tensors
 

@@ -9,6 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from pipezero.comm import is_replica, mark_replica
 from pipezero.precision import LossScaler, MasterWeights, ScalerConfig, clip_grad_norm
 from pipezero.precision.scale_state import ScaleState
 
@@ -226,10 +227,10 @@ def test_lr_scheduler_drives_the_whole_chain():
 
 def test_masters_keep_the_duplicate_mark():
     tied = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
-    tied.pipezero_duplicate = True
+    mark_replica(tied)
     own = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
     masters = MasterWeights(torch.optim.SGD([tied, own], lr=0.1)).param_groups[0]["params"]
-    assert [getattr(m, "pipezero_duplicate", False) for m in masters] == [True, False]
+    assert [is_replica(m) for m in masters] == [True, False]
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from harness import run
+from pipezero.comm import is_replica
 from pipezero.pipe.tensor_parallel import apply_tensor_plan, check_tensor_plan
 
 
@@ -40,7 +41,7 @@ def _parity(degree):
     for (name, p), q in zip(sharded.named_parameters(), dense.parameters()):
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         torch.testing.assert_close(grad, q.grad, msg=name)
-    dup = [n for n, p in sharded.named_parameters() if getattr(p, "pipezero_duplicate", False)]
+    dup = [n for n, p in sharded.named_parameters() if is_replica(p)]
     return dup
 
 

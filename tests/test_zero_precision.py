@@ -23,14 +23,19 @@ def _config(stage, **kw):
     return ZeroConfig(stage=stage, stage3_param_persistence_threshold=10, **kw)
 
 
-def _low_precision_run(stage, dtype, overflow_step=None):
-    """ZeRO over a bf16/fp16 model (fp32 masters inside); fp16 goes through a dynamic LossScaler."""
+def _low_precision_run(stage, dtype, overflow_step=None, scaler_outside=False):
+    """ZeRO over a bf16/fp16 model (fp32 masters inside); fp16 goes through a dynamic LossScaler.
+
+    scaler_outside: the chain in the other order, LossScaler(ZeroOptimizer(Adam)).
+    """
     world = dist.get_world_size()
     model = make_model(dtype)
     inner = make_opt(model, "adam")
-    if dtype == torch.float16:
+    if dtype == torch.float16 and not scaler_outside:
         inner = LossScaler(inner, init_scale=2.0 ** 8)
-    opt = ZeroOptimizer(inner, module=model, config=_config(stage))
+    opt = zero = ZeroOptimizer(inner, module=model, config=_config(stage))
+    if dtype == torch.float16 and scaler_outside:
+        opt = LossScaler(zero, init_scale=2.0 ** 8)
     assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
     stepped = []
     for step in range(STEPS):
@@ -41,7 +46,7 @@ def _low_precision_run(stage, dtype, overflow_step=None):
             loss = loss * float("inf")              # only the last rank overflows
         opt.backward(loss)
         stepped.append(opt.step())
-    with opt.gathered_parameters():
+    with zero.gathered_parameters():
         return [p.detach().float().clone() for p in model.parameters()], stepped, repr(opt)
 
 
@@ -94,14 +99,43 @@ def test_bf16_model_with_fp32_masters(stage):
     assert all(all(r[1]) for r in results)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_fp16_loss_scaler_chain_with_forced_overflow(stage):
-    results = run(_low_precision_run, 2, stage, torch.float16, 4)
+@pytest.mark.parametrize("stage, scaler_outside", [(1, False), (3, False), (2, True), (3, True)])
+def test_fp16_loss_scaler_chain_with_forced_overflow(stage, scaler_outside):
+    results = run(_low_precision_run, 2, stage, torch.float16, 4, scaler_outside)
+    expected = f"LossScaler(dynamic, ZeroOptimizer(stage={stage}, Adam))" if scaler_outside else \
+        f"ZeroOptimizer(stage={stage}, LossScaler(dynamic, Adam))"
     for params, stepped, text in results:
         assert stepped == [s != 4 for s in range(STEPS)], stepped      # every rank skipped step 4
-        assert text == f"ZeroOptimizer(stage={stage}, LossScaler(dynamic, Adam))"
+        assert text == expected
     _check_close([r[0] for r in results], _fp32_truth(2, skip=4),
                  _single_low_precision(torch.float16, 2, skip=4), f"fp16 stage {stage}")
+
+
+def _overflow_once(scaler_outside):
+    """One fp16 Linear, stage 2, one process, an infinite loss: (stepped, weights, scale after)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4).half()
+    before = [p.detach().clone() for p in model.parameters()]
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if scaler_outside:
+        scaler = opt = LossScaler(ZeroOptimizer(adamw, stage=2), init_scale=16.0, hysteresis=1)
+    else:
+        scaler = LossScaler(adamw, init_scale=16.0, hysteresis=1)
+        opt = ZeroOptimizer(scaler, stage=2)
+    loss = model(torch.ones(2, 4, dtype=torch.float16)).float().sum() * float("inf")
+    opt.backward(loss)
+    stepped = opt.step()
+    return stepped, before, [p.detach().clone() for p in model.parameters()], scaler.loss_scale
+
+
+@pytest.mark.parametrize("scaler_outside", [False, True])
+def test_either_chain_order_skips_an_overflow(scaler_outside):
+    """LossScaler(ZeroOptimizer(...)) once stepped on inf grads: the scaler looked before ZeRO handed them over."""
+    stepped, before, after, scale = run(_overflow_once, 1, scaler_outside)[0]
+    assert stepped is False
+    for a, b in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert scale == 8.0
 
 
 # -- offload -------------------------------------------------------------------------------------

@@ -123,16 +123,6 @@ class Grid:
     def is_last_stage(self) -> bool:
         return self.pipe_rank == self.pipe_size - 1
 
-    @property
-    def next_rank(self) -> int | None:
-        """Global rank of the next pipeline stage (same data/tensor coords), None on the last."""
-        return None if self.is_last_stage else self.rank_of(pipe=self.pipe_rank + 1)
-
-    @property
-    def prev_rank(self) -> int | None:
-        """Global rank of the previous pipeline stage, None on the first."""
-        return None if self.is_first_stage else self.rank_of(pipe=self.pipe_rank - 1)
-
     # -- display -------------------------------------------------------------------
     def describe(self) -> str:
         """A short table of who is where, for logs."""

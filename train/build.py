@@ -1,7 +1,7 @@
 """One call: a ds_config plus layer specs (or a plain model) -> the explicit parts of a training job.
 
 `build(config, specs=..., loss_fn=...)` composes what a user would otherwise write by hand
-(DESIGN.md): a Grid, the PipelineModule, the optimizer chain
+(README, "The parts"): a Grid, the PipelineModule, the optimizer chain
 `ZeroOptimizer(stage, LossScaler(..., Adam))`, the LR scheduler, the schedule and the
 PipelineRunner, and returns them in a small dataclass. Nothing is hidden: the loop talks to
 the parts directly. With `model=` (a plain nn.Module, e.g. the seed's MLP) there is no

@@ -16,7 +16,7 @@ import torch
 
 from pipezero.pipe.actions import Action
 from pipezero.pipe.simulate import Event as SimEvent
-from pipezero.pipe.simulate import SimResult
+from pipezero.pipe.simulate import SimResult, idle_fraction
 from pipezero.pipe.timeline import Event
 
 __all__ = ["mfu", "peak_memory_bytes", "timeline_result", "traffic_scalars"]
@@ -60,6 +60,5 @@ def timeline_result(events: Sequence[Event], pipe_rank_of: Any, num_stages: int,
         rows.append(SimEvent(row, step, Action.parse(e.name), e.start - t0, e.end - t0))
     makespan = max((e.end for e in rows), default=0.0)
     busy = {r: sum(e.end - e.start for e in rows if e.rank == r) for r in range(num_stages)}
-    bubble = 1.0 - sum(busy.values()) / (num_stages * makespan) if makespan > 0 else 0.0
-    return SimResult(timeline=rows, makespan=makespan, busy=busy, bubble=bubble,
+    return SimResult(timeline=rows, makespan=makespan, busy=busy, bubble=idle_fraction(busy.values(), makespan),
                      peak_activations={}, num_stages=num_stages, num_chunks=num_chunks)

@@ -27,14 +27,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from pipezero.comm import all_gather
+from pipezero.comm.chain import links
 from pipezero.pipe.spec import TiedLayerSpec
 from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_consolidated, latest_step,
                                        load_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from pipezero.train.checkpoint_state import flatten_state, unflatten_state
 from pipezero.train.config_batch import BatchConfig
 from pipezero.train.tensor_state import local_slice, whole
-from pipezero.zero.state import consolidated_state_dict
 
 __all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_state", "saved_batch",
            "single_process_names"]
@@ -46,36 +45,18 @@ def _param_names(parts: Any) -> dict[int, str]:
     return {id(p): n for n, p in parts.module.named_parameters()}
 
 
-def _ordered_params(zero: Any) -> list[Any]:
-    """Parameters in the index order of ZeRO's consolidated optimizer state."""
-    return [p for params in zero.original_params for p in params]
-
-
-def _full_master(zero: Any, bucket: Any) -> torch.Tensor:
-    """The whole fp32 flat master of a bucket (an all-gather over the data group when sharded)."""
-    if bucket.parts == 1:
-        return bucket.master.detach()
-    shard = bucket.master.detach().to(bucket.device)
-    full = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
-    all_gather(full, shard.contiguous(), group=zero.group)
-    return full
-
-
 def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int
                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(this rank's tensors, the JSON meta) of a checkpoint; a collective over the data group."""
     zero, names = parts.optimizer, _param_names(parts)
     writer = parts.grid.data_rank == 0 and parts.grid.tensor_rank == 0
     tensors: dict[str, torch.Tensor] = {}
-    for bucket in zero.buckets:
-        full = _full_master(zero, bucket)
-        for i, p in enumerate(bucket.params):
-            value = whole(p, bucket.slot(full, i))  # tensor-parallel: every tensor rank takes part
-            if writer:
-                tensors[_MODEL + names[id(p)]] = value.float().cpu()
-    consolidated = consolidated_state_dict(zero)["consolidated"]["state"]
-    for index, p in enumerate(_ordered_params(zero)):
-        for key, value in consolidated.get(index, {}).items():
+    for p, master in zero.full_parameters():
+        value = whole(p, master)  # tensor-parallel: every tensor rank takes part
+        if writer:
+            tensors[_MODEL + names[id(p)]] = value.float().cpu()
+    for p, state in zero.per_parameter_state():
+        for key, value in state.items():
             value = whole(p, torch.as_tensor(value))
             if writer:
                 tensors[f"{_OPTIM}{names[id(p)]}/{key}"] = value.cpu()
@@ -92,13 +73,11 @@ def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int
 
 def _chain_state(zero: Any) -> tuple[dict[str, torch.Tensor], list[Any]]:
     """The own state of each link between ZeRO and the torch optimizer (e.g. the loss scale)."""
-    tensors, skeletons, link, i = {}, [], zero.inner, 0
-    while hasattr(link, "inner"):
-        own = {k: v for k, v in link.state_dict().items() if k != "inner"}
-        part, skeleton = flatten_state(own, f"chain.{i}")
+    tensors, skeletons = {}, []
+    for i, link in enumerate(links(zero.inner)):
+        part, skeleton = flatten_state(link.link_state_dict(), f"chain.{i}")
         tensors.update(part)
         skeletons.append(skeleton)
-        link, i = link.inner, i + 1
     return tensors, skeletons
 
 
@@ -161,46 +140,29 @@ def _agree_on_load(problem: str | None, world: int) -> None:
 
 def _load_weights(parts: Any, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
     """Write the fp32 weights into the flat buffers (model dtype) and the fp32 masters."""
-    zero, done = parts.optimizer, set()
+    done = set()
+
+    def value_of(p: torch.Tensor) -> torch.Tensor:
+        done.add(id(p))
+        return local_slice(p, t[_MODEL + names[id(p)]])
+    parts.optimizer.load_full_parameters(value_of)
     with torch.no_grad():
-        for b in zero.buckets:
-            flat = torch.zeros(b.padded, dtype=torch.float32)
-            for i, p in enumerate(b.params):
-                b.slot(flat, i).copy_(local_slice(p, t[_MODEL + names[id(p)]]))
-                done.add(id(p))
-            if b.flat is not None:
-                b.flat.copy_(flat.to(b.flat.device, b.dtype))
-            elif b.local is not None:
-                b.local.copy_(b.owned(flat).to(b.local.device, b.dtype))
-            if b.master.data_ptr() != (b.local.data_ptr() if b.local is not None else -1):
-                b.master.copy_(b.owned(flat).to(b.master.device))
         for p in parts.module.parameters():
             if id(p) not in done:
                 p.copy_(t[_MODEL + names[id(p)]].to(p.dtype))
 
 
 def _load_chain(zero: Any, t: Mapping[str, torch.Tensor], skeletons: list[Any]) -> None:
-    link = zero.inner
-    for skeleton in skeletons:
-        own = unflatten_state(dict(t), skeleton)
-        link.load_state_dict({"inner": link.inner.state_dict(), **own})
-        link = link.inner
+    for link, skeleton in zip(links(zero.inner), skeletons, strict=True):
+        link.load_link_state_dict(unflatten_state(dict(t), skeleton))
 
 
 def _load_optimizer(zero: Any, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
-    """Per-parameter optimizer state by name -> ZeRO's consolidated form -> every rank's shard."""
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for index, p in enumerate(_ordered_params(zero)):
+    """Per-parameter optimizer state by name -> every rank's shard."""
+    def state_of(p: torch.Tensor) -> dict[str, torch.Tensor]:
         prefix = f"{_OPTIM}{names[id(p)]}/"
-        entry = {k[len(prefix):]: local_slice(p, v) for k, v in t.items() if k.startswith(prefix)}
-        if entry:
-            state[index] = entry
-    groups, start = [], 0
-    for group, params in zip(zero.param_groups, zero.original_params):
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": list(range(start, start + len(params)))})
-        start += len(params)
-    zero.load_state_dict({"consolidated": {"state": state, "param_groups": groups}, "zero": {"stage": zero.stage}})
+        return {k[len(prefix):]: local_slice(p, v) for k, v in t.items() if k.startswith(prefix)}
+    zero.load_per_parameter_state(state_of)
 
 
 def resume_if_any(parts: Any, directory: str | os.PathLike) -> dict[str, Any] | None:

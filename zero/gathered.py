@@ -89,7 +89,7 @@ def _check(opt: Any, dtype: Any, layers_at_a_time: Any) -> tuple[list[Bucket], A
     if layers_at_a_time is not None and (not isinstance(layers_at_a_time, int) or layers_at_a_time < 1):
         raise ValueError(f"gathered(layers_at_a_time={layers_at_a_time!r}): expected None (all at once) or an "
                          "integer >= 1")
-    return list(buckets), getattr(opt, "_gatherer", None)
+    return list(buckets), opt.gatherer
 
 
 def _cast(buckets: list[Bucket], dtype: torch.dtype | None) -> None:

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipezero.comm import all_gather, group_size, nvtx_range
+from pipezero.comm import all_gather, group_size, is_replica, mark_replica, nvtx_range
+from pipezero.comm.chain import ChainWrapper, describe, innermost
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_sync import GradSync
 from pipezero.zero.partition import Bucket, plan_groups
 from pipezero.zero.stage3 import ParamGatherer
+from pipezero.zero import state as _state
 
 __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
 
@@ -34,15 +36,7 @@ ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD"))
 
 
-def innermost(opt: Any) -> Any:
-    """Follow `.inner` down the chain to the optimizer that holds the state."""
-    seen = 0
-    while hasattr(opt, "inner") and seen < 32:
-        opt, seen = opt.inner, seen + 1
-    return opt
-
-
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(ChainWrapper):
     """Partition optimizer state (1), gradients (2) and parameters (3) over a data-parallel group.
 
     Stage 0 averages gradients only (like DDP) and keeps fp32 masters for low-precision models.
@@ -55,7 +49,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         config = config or ZeroConfig()
         if stage is not None:
             config = replace(config, stage=stage)
-        self.config, self.stage, self.inner, self.group = config, config.stage, inner, group
+        self.config, self.stage, self.group = config, config.stage, group
         self._check_inner(inner, elementwise)
         if self.stage == 3 and any(isinstance(p, DTensor) for g in inner.param_groups for p in g["params"]):
             raise ValueError("ZeroOptimizer(stage=3) does not take tensor-parallel (DTensor) parameters; use "
@@ -64,11 +58,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.stage == 3 and module is None:
             raise ValueError("ZeroOptimizer(stage=3) needs module=: the model whose submodules gather their "
                              "parameters before running (ZeroOptimizer(inner, stage=3, module=model))")
-        # torch's Optimizer base (so LR schedulers accept us) is set up on a placeholder; from then
-        # on param_groups and state are the inner chain's, read through (properties below)
-        super().__init__([torch.empty(0)], {})
-        self._linked = True
-        self.defaults = getattr(inner, "defaults", {})
+        super().__init__(inner)  # shares the inner chain's param_groups list and state
         self.world = group_size(group)
         self.rank = dist.get_rank(group) if self.world > 1 else 0
         # the single-process layout (consolidated state): every group's original parameters, in order
@@ -81,33 +71,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             module if self.stage == 3 else None, threshold)
         self._check_same_layout()
         self._build(module)
-        self.last_step_skipped = False
-
-    @property
-    def param_groups(self) -> list:
-        """The inner chain's param_groups list itself, read on every access: torch's
-        load_state_dict replaces that list, and a copy kept here would go stale after a resume."""
-        return self.inner.param_groups if "_linked" in self.__dict__ else self.__dict__["_own_groups"]
-
-    @param_groups.setter
-    def param_groups(self, groups: list) -> None:
-        if "_linked" in self.__dict__:
-            self.inner.param_groups = groups
-        else:  # torch's __init__ on the placeholder
-            self.__dict__["_own_groups"] = groups
-
-    @property
-    def state(self) -> Any:
-        """The torch optimizer's per-parameter state (over this rank's shards) itself."""
-        return getattr(innermost(self.inner), "state", None) if "_linked" in self.__dict__ \
-            else self.__dict__["_own_state"]
-
-    @state.setter
-    def state(self, state: Any) -> None:
-        if "_linked" in self.__dict__:
-            innermost(self.inner).state = state
-        else:
-            self.__dict__["_own_state"] = state
+        self._grads_ready = False    # prepare_grads() ran since the last step (an outer link called it)
 
     # -- construction -------------------------------------------------------------------
     @staticmethod
@@ -147,9 +111,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             b.build(offload, keep_full=self.stage < 3 or b.persistent)
             if cfg.offload_param and not b.persistent:
                 b.local = b.local.cpu()  # gathered onto the compute device when the submodule runs
-            dup = any(getattr(p, "pipezero_duplicate", False) for p in b.params)
-            if dup or (self.stage == 0 and self.rank > 0):
-                b.master.pipezero_duplicate = True
+            if any(is_replica(p) for p in b.params) or (self.stage == 0 and self.rank > 0):
+                mark_replica(b.master)
         for g, group in enumerate(self.param_groups):
             group["params"] = [b.master for b in self.buckets if b.group_index == g]
         self._gatherer = None
@@ -172,24 +135,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return cls(inner, group=group, module=module, config=config, elementwise=elementwise)
 
     # -- the optimizer chain -------------------------------------------------------------
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.inner.scale(loss) if hasattr(self.inner, "scale") else loss
+    def prepare_grads(self) -> None:
+        """Finish the reductions: every master shard gets its reduced .grad (fp32).
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.scale(loss).backward()
+        An outer link (LossScaler(ZeroOptimizer(...))) calls this before it reads the gradients;
+        step() does it itself when nobody did since the last step.
+        """
+        super().prepare_grads()
+        self._sync.finish()
+        if self._gatherer is not None:
+            self._gatherer.release_all()
+        self._grads_ready = True
 
     def step(self, closure=None) -> bool:
         """Reduce gradients into the shards, step the inner chain, gather the new parameters."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step(closure=...) is not supported: run forward/backward first")
-        if hasattr(self.inner, "prepare_grads"):
-            self.inner.prepare_grads()
-        self._sync.finish()
-        if self._gatherer is not None:
-            self._gatherer.release_all()
+        if not self._grads_ready:
+            self.prepare_grads()
         with nvtx_range("optimizer.step"):
             stepped = self.inner.step() is not False
         self.last_step_skipped = not stepped
+        self._grads_ready = False
         self._sync.end_step()
         if stepped:
             self._publish()
@@ -209,25 +176,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Forget all gradients (always set to None: the flat buffers are zeroed, not freed, at stages 0-1)."""
         self.inner.zero_grad(set_to_none=True)
         self._sync.zero_grad()
+        self._grads_ready = False
 
     def add_param_group(self, param_group: dict) -> None:
-        if not hasattr(self, "_sync"):      # torch's Optimizer.__init__ adds the placeholder group
+        """Refused: the partition is fixed at construction."""
+        if "inner" not in self.__dict__:      # torch's Optimizer.__init__ adds the placeholder group
             return super().add_param_group(param_group)
         raise ValueError("ZeroOptimizer.add_param_group: the partition is fixed when the ZeroOptimizer is "
                          "built; put every param group into the inner optimizer before wrapping it")
 
-    # -- the readiness protocol -------------------------------------------------------------
+    # -- the readiness protocol (pipe/readiness.py's GradReadiness) ----------------------------
+    def check_pipeline(self) -> None:
+        """Nothing to refuse: every stage runs under the runner (stage 3 as a ParamGathering)."""
+
     def no_sync(self):
         """Context: backward passes inside accumulate gradients locally, without reduction."""
         return self._sync.no_sync()
 
     def hold_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
+        """Backward passes leave these params' gradients unreduced until released."""
         self._sync.hold(params)
 
     def release_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
+        """The next backward completes these params' gradients: reduce them as they become ready."""
         self._sync.release(params)
 
     def flush_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
+        """Reduce what of these params' gradients is not yet reduced (their last backward is done)."""
         self._sync.flush(params)
 
     def collect_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
@@ -265,16 +240,48 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._gatherer.release_params(params)
 
     # -- state ----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        from pipezero.zero.state import local_state_dict
-        return local_state_dict(self)
+    def link_state_dict(self) -> dict:
+        """{"zero": the layout (stage, group size, rank, buckets)}: the inner chain's state is this
+        rank's shards, loadable only onto the same layout (consolidated_state_dict moves between them)."""
+        return {"zero": _state.layout(self)}
 
-    def load_state_dict(self, state: dict) -> None:
-        from pipezero.zero.state import load_local_state_dict
-        load_local_state_dict(self, state)
+    def _load_link(self, state: Mapping[str, Any]) -> None:
+        """Refuse a per-rank state saved on another layout."""
+        _state.check_layout(self, state["zero"])
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load what state_dict() (same layout) or consolidated_state_dict() (any layout) returned."""
+        if isinstance(state, Mapping) and "consolidated" in state:
+            _state.load_consolidated_state_dict(self, state)
+            return
+        super().load_state_dict(state)
+        _state.restore_masters(self)
+
+    def consolidated_state_dict(self) -> dict:
+        """The innermost optimizer's state as one process would hold it (loads onto any layout); a collective."""
+        return _state.consolidated_state_dict(self)
+
+    def full_parameters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, its whole fp32 master) for each parameter this optimizer owns; a collective."""
+        return _state.full_parameters(self)
+
+    def load_full_parameters(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Set each owned parameter (model copy and master) to value_of(parameter), e.g. from a checkpoint by name."""
+        _state.load_full_parameters(self, value_of)
+
+    def per_parameter_state(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """(parameter, its whole optimizer state) for each parameter that has state; a collective."""
+        return _state.per_parameter_state(self)
+
+    def load_per_parameter_state(self, state_of: Callable[[torch.Tensor], dict[str, Any] | None]) -> None:
+        """Load each parameter's whole optimizer state from state_of(parameter); every rank keeps its shard."""
+        _state.load_per_parameter_state(self, state_of)
+
+    @property
+    def gatherer(self) -> ParamGatherer | None:
+        """Stage 3's parameter gatherer (gathers submodules' parameters before they run); None at stages 0-2."""
+        return self._gatherer
 
     def __repr__(self) -> str:
-        own = type(self.inner).__repr__
-        plain = own is torch.optim.Optimizer.__repr__ or own is object.__repr__
-        return f"ZeroOptimizer(stage={self.stage}, {type(self.inner).__name__ if plain else repr(self.inner)})"
+        return f"ZeroOptimizer(stage={self.stage}, {describe(self.inner)})"
 

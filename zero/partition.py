@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from pipezero.comm import is_replica
+
 __all__ = ["Bucket", "local_tensor", "plan_groups", "stage3_units"]
 
 
@@ -195,7 +197,7 @@ def _split_run(run, where, limit, parts, part, stage3, threshold) -> list[Bucket
     out: list[Bucket] = []
     for p in run:
         persistent = (not stage3) or p.numel() < threshold
-        key = (where[id(p)], p.dtype, p.device, bool(getattr(p, "pipezero_duplicate", False)), persistent)
+        key = (where[id(p)], p.dtype, p.device, is_replica(p), persistent)
         members = open_.setdefault(key, [])
         if limit is not None and members and sum(local_tensor(q).numel() for q in members) + \
                 local_tensor(p).numel() > limit:

@@ -1,8 +1,8 @@
 """ZeroOptimizer state: per-rank flat shards, and the consolidated single-process layout.
 
-Per rank (`local_state_dict`): the inner chain's own state_dict (its tensors are this
-rank's flat shards, safetensors-friendly) plus JSON-able metadata about the layout, so a
-load onto a different layout fails with a clear message instead of silently misplacing.
+Per rank (ZeroOptimizer.state_dict): the inner chain's own state_dict (its tensors are this
+rank's flat shards, safetensors-friendly) plus JSON-able metadata about the layout (`layout`),
+so a load onto a different layout fails with a clear message instead of silently misplacing.
 
 Consolidated (`consolidated_state_dict`): the state the innermost torch optimizer would
 have had in one process over the original (unsharded) parameters: per-parameter state
@@ -13,50 +13,39 @@ out its own shard (`load_consolidated_state_dict`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from pipezero.comm import all_gather
+from pipezero.comm.chain import innermost
 from pipezero.zero.partition import Bucket
 
 if TYPE_CHECKING:
     from pipezero.zero.optimizer import ZeroOptimizer
 
-__all__ = ["local_state_dict", "load_local_state_dict", "consolidated_state_dict",
-           "load_consolidated_state_dict"]
+__all__ = ["layout", "check_layout", "restore_masters", "consolidated_state_dict",
+           "load_consolidated_state_dict", "full_parameters", "load_full_parameters", "per_parameter_state",
+           "load_per_parameter_state"]
 
 
-def _layout(opt: "ZeroOptimizer") -> dict[str, Any]:
+def layout(opt: "ZeroOptimizer") -> dict[str, Any]:
+    """What a per-rank state depends on, as JSON: stage, group size, rank, bucket shapes."""
     return {"stage": opt.stage, "world": opt.world, "rank": opt.rank,
             "buckets": [[b.group_index, b.padded, [list(s) for s in b.shapes]] for b in opt.buckets]}
 
 
-def local_state_dict(opt: "ZeroOptimizer") -> dict[str, Any]:
-    """This rank's state: the inner chain's state_dict (over the shards) and the layout."""
-    return {"inner": opt.inner.state_dict(), "zero": _layout(opt)}
-
-
-def load_local_state_dict(opt: "ZeroOptimizer", state: dict[str, Any]) -> None:
-    """Load a state saved by local_state_dict on the same layout (stage, group size, rank, model)."""
-    if "consolidated" in state:
-        load_consolidated_state_dict(opt, state)
-        return
-    if not isinstance(state, dict) or "zero" not in state or "inner" not in state:
-        raise ValueError("ZeroOptimizer.load_state_dict expects the dict that ZeroOptimizer.state_dict() or "
-                         "consolidated_state_dict() returned")
-    mine = _layout(opt)
-    if state["zero"] != mine:
-        saved = state["zero"]
+def check_layout(opt: "ZeroOptimizer", saved: dict[str, Any]) -> None:
+    """Raise ValueError unless a per-rank state saved with layout `saved` fits this optimizer."""
+    mine = layout(opt)
+    if saved != mine:
         raise ValueError(f"this per-rank state was saved with stage={saved['stage']}, world={saved['world']}, "
                          f"rank={saved['rank']} (or another model); here stage={mine['stage']}, "
                          f"world={mine['world']}, rank={mine['rank']}. To change the data-parallel degree "
                          "save consolidated_state_dict(opt) and load that")
-    opt.inner.load_state_dict(state["inner"])
-    _restore_masters_from_state(opt)
 
 
-def _restore_masters_from_state(opt: "ZeroOptimizer") -> None:
+def restore_masters(opt: "ZeroOptimizer") -> None:
     """The masters are not part of the inner state; they follow the model's parameters."""
     for b in opt.buckets:
         if b.master.data_ptr() != b.local.data_ptr():
@@ -82,7 +71,6 @@ def consolidated_state_dict(opt: "ZeroOptimizer") -> dict[str, Any]:
     A collective over the group (every rank must call it); every rank gets the whole dict.
     Parameters are numbered in param-group order, as torch's Optimizer.state_dict does.
     """
-    from pipezero.zero.optimizer import innermost
     core, slots = innermost(opt.inner), _slots(opt)
     full = {}
     for b in opt.buckets:
@@ -105,7 +93,6 @@ def consolidated_state_dict(opt: "ZeroOptimizer") -> dict[str, Any]:
 
 def load_consolidated_state_dict(opt: "ZeroOptimizer", state: dict[str, Any]) -> None:
     """Load a consolidated state (from any group size or stage): every rank slices out its own shard."""
-    from pipezero.zero.optimizer import innermost
     core, slots = innermost(opt.inner), _slots(opt)
     saved = state["consolidated"]
     sizes = [len(g["params"]) for g in saved["param_groups"]]
@@ -126,6 +113,57 @@ def load_consolidated_state_dict(opt: "ZeroOptimizer", state: dict[str, Any]) ->
     for b, per_param in per_bucket.items():
         if all(s is not None for s in per_param):
             core.state[b.master] = _shard_of(b, per_param)
+
+
+def full_parameters(opt: "ZeroOptimizer") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(model parameter, its whole fp32 master) for every partitioned parameter; a collective over the group.
+
+    The masters, not the model's copies: exact for bf16/fp16 models too. A tensor-parallel
+    parameter's value is this tensor rank's local slice.
+    """
+    out = []
+    for b in opt.buckets:
+        full = _gather_flat(opt, b, b.master.detach().to(b.device)) if b.parts > 1 else b.master.detach()
+        out += [(p, b.slot(full, i)) for i, p in enumerate(b.params)]
+    return out
+
+
+def load_full_parameters(opt: "ZeroOptimizer", value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Set every partitioned parameter (model copy and fp32 master) to `value_of(parameter)` (its local shape)."""
+    with torch.no_grad():
+        for b in opt.buckets:
+            flat = torch.zeros(b.padded, dtype=torch.float32)
+            for i, p in enumerate(b.params):
+                b.slot(flat, i).copy_(value_of(p))
+            if b.flat is not None:
+                b.flat.copy_(flat.to(b.flat.device, b.dtype))
+            elif b.local is not None:
+                b.local.copy_(b.owned(flat).to(b.local.device, b.dtype))
+            if b.master.data_ptr() != (b.local.data_ptr() if b.local is not None else -1):
+                b.master.copy_(b.owned(flat).to(b.master.device))
+
+
+def per_parameter_state(opt: "ZeroOptimizer") -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """(parameter, the innermost optimizer's state for it, whole) in param-group order; a collective."""
+    state = consolidated_state_dict(opt)["consolidated"]["state"]
+    params = [p for group in opt.original_params for p in group]
+    return [(p, state[i]) for i, p in enumerate(params) if i in state]
+
+
+def load_per_parameter_state(opt: "ZeroOptimizer", state_of: Callable[[torch.Tensor], dict[str, Any] | None]
+                             ) -> None:
+    """Load the innermost optimizer's state from `state_of(parameter)` (None: no state); each rank keeps its shard."""
+    state, groups, index = {}, [], 0
+    for group, params in zip(opt.param_groups, opt.original_params):
+        for offset, p in enumerate(params):
+            entry = state_of(p)
+            if entry:
+                state[index + offset] = entry
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(index, index + len(params)))})
+        index += len(params)
+    load_consolidated_state_dict(opt, {"consolidated": {"state": state, "param_groups": groups},
+                                       "zero": {"stage": opt.stage}})
 
 
 def _shard_of(b: Bucket, per_param: list[dict]) -> dict:

@@ -1,0 +1,57 @@
+"""The contracts between the packages, in one process: the optimizer chain and gradient readiness."""
+
+import pytest
+import torch
+from torch import nn
+
+from pipezero.comm import innermost, links
+from pipezero.pipe.readiness import grad_readiness, loss_scaling
+from pipezero.precision import LossScaler, MasterWeights
+from pipezero.zero import ZeroOptimizer
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+def test_readiness_is_found_anywhere_in_the_chain():
+    model = _model()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert type(grad_readiness(plain)).__name__ == "_NoReadiness"
+    assert loss_scaling(plain)(torch.tensor(3.0)) == 3.0
+    zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
+    scaler = LossScaler(zero, init_scale=8.0)
+    assert grad_readiness(zero) is zero and grad_readiness(scaler) is zero
+    assert loss_scaling(scaler)(torch.tensor(3.0)) == 24.0
+
+
+def test_stage3_readiness_is_found_wherever_it_sits():
+    model = _model()
+    zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3, module=model)
+    for opt in (zero, LossScaler(zero)):
+        assert grad_readiness(opt) is zero  # ZeRO-3 runs inside the pipeline (tests/test_zero3_pipe.py)
+
+
+class _Counting(torch.optim.SGD):
+    serialised = 0
+
+    def state_dict(self):
+        type(self).serialised += 1
+        return super().state_dict()
+
+
+def test_chain_state_serialises_the_inner_optimizer_once():
+    model = _model().half()
+    sgd = _Counting(model.parameters(), lr=0.1, momentum=0.9)
+    opt = ZeroOptimizer(LossScaler(MasterWeights(sgd), init_scale=4.0), stage=1)
+    assert [type(link).__name__ for link in links(opt)] == ["ZeroOptimizer", "LossScaler", "MasterWeights"]
+    assert innermost(opt) is sgd
+    opt.backward(model(torch.ones(2, 4, dtype=torch.half)).float().sum())
+    assert opt.step() is True
+    state = opt.state_dict()
+    assert _Counting.serialised == 1 and set(state) == {"inner", "zero"}
+    assert set(state["inner"]) == {"inner", "loss_scaler"} and set(state["inner"]["inner"]) == {"inner", "master"}
+    opt.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"expects the keys \['inner', 'loss_scaler'\]"):
+        opt.inner.load_state_dict(state)
