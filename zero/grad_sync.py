@@ -27,7 +27,7 @@ import weakref
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from pipezero.comm import Handle, all_reduce, group_size, reduce_scatter
 from pipezero.zero.partition import Bucket, local_tensor
 
-__all__ = ["GradSync"]
+__all__ = ["GradSink", "GradSync"]
 
 _MAX_IN_FLIGHT = 2  # stage 2/3: buckets whose full buffer may be alive while reducing
 
@@ -60,6 +60,16 @@ class _Pending:
         self.pushed, self.seen = set(), set()
 
 
+class GradSink(Protocol):
+    """Where reduced gradients go when the masters live elsewhere (CPU offload, see offload.py)."""
+
+    def reduced(self, b: Bucket, values: torch.Tensor) -> None:
+        """b's owned reduced gradient is now `values` (more may still be added before step)."""
+
+    def hand_over(self, b: Bucket, values: torch.Tensor) -> torch.Tensor:
+        """At step: the gradient for b's master, given the owned reduced values."""
+
+
 def _weak(method: Callable) -> Callable:
     """A function calling `method` while its object lives (a no-op after)."""
     ref = weakref.WeakMethod(method)
@@ -75,8 +85,8 @@ class GradSync:
 
     def __init__(self, buckets: list[Bucket], stage: int, group,
                  on_backward_done: Callable[[Bucket], None] | None = None, overlap: bool = True,
-                 every_microbatch: bool = False):
-        self.buckets, self.stage, self.group, self.overlap = buckets, stage, group, overlap
+                 every_microbatch: bool = False, sink: GradSink | None = None):
+        self.buckets, self.stage, self.group, self.overlap, self.sink = buckets, stage, group, overlap, sink
         self.replicated = stage == 0 or group_size(group) == 1   # all-reduce or nothing at all
         self.keep_grads = stage <= 1      # a persistent full gradient buffer per bucket
         self.views = stage == 0           # parameters' .grad are views of that buffer
@@ -290,12 +300,17 @@ class GradSync:
             st.grad, st.fresh = None, False
         st.handle, st.out, st.reduced, st.dirty = None, None, True, False
         st.pushed.clear()
+        if self.sink is not None:
+            self.sink.reduced(b, b.owned(st.grad) if self.keep_grads else st.shard)
 
     def _hand_over(self, b: Bucket) -> None:
         """Give the reduced owned values to the master as its .grad (fp32, on its device)."""
         st, master = self._state[b], b.master
         g = b.owned(st.grad) if self.keep_grads else st.shard
         if g is None:
+            return
+        if self.sink is not None:
+            master.grad = self.sink.hand_over(b, g)
             return
         master.grad = g if g.dtype == master.dtype and g.device == master.device \
             else g.to(master.device, master.dtype)

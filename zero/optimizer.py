@@ -24,6 +24,7 @@ from pipezero.comm import all_gather, group_size, nvtx_range
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_sync import GradSync
+from pipezero.zero.offload import HostOffload, host_copy
 from pipezero.zero.partition import Bucket, plan_groups
 from pipezero.zero.stage3 import ParamGatherer
 
@@ -75,8 +76,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # the single-process layout (consolidated state): every group's original parameters, in order
         self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in self.param_groups]
         parts = 1 if self.stage == 0 else self.world
-        # a group of one has nothing to partition: stage 3 then keeps every parameter whole
-        threshold = config.stage3_param_persistence_threshold if self.world > 1 else float("inf")
+        # a group of one has nothing to partition: stage 3 then keeps every parameter whole, unless
+        # the parameters are offloaded (they then live on the host between uses)
+        threshold = config.stage3_param_persistence_threshold if self.world > 1 or config.offload_param \
+            else float("inf")
         self.buckets: list[Bucket] = plan_groups(
             self.param_groups, config.reduce_bucket_size, parts, self.rank if parts > 1 else 0,
             module if self.stage == 3 else None, threshold)
@@ -121,7 +124,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             b.build(offload, keep_full=self.stage < 3 or b.persistent)
             if cfg.offload_param and not b.persistent:
-                b.local = b.local.cpu()  # gathered onto the compute device when the submodule runs
+                b.local = host_copy(b.local)  # uploaded to the compute device when the submodule runs
             dup = any(getattr(p, "pipezero_duplicate", False) for p in b.params)
             if dup or (self.stage == 0 and self.rank > 0):
                 b.master.pipezero_duplicate = True
@@ -133,9 +136,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._gatherer = ParamGatherer(module, self.buckets, self.group, device,
                                            prefetch_numel=cfg.stage3_prefetch_bucket_size)
         done = self._gatherer.release if self._gatherer else None
+        self._offload = HostOffload(self.buckets, innermost(self.inner), delayed=cfg.delayed_param_update) \
+            if offload else None
         self._sync = GradSync(self.buckets, self.stage, self.group, on_backward_done=done,
                               overlap=self.config.overlap_comm,
-                              every_microbatch=self.config.reduce_every_microbatch)
+                              every_microbatch=self.config.reduce_every_microbatch, sink=self._offload)
 
     @classmethod
     def from_config(cls, inner: Any, cfg: Mapping[str, Any], group=None, module: nn.Module | None = None,
@@ -157,24 +162,37 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Reduce gradients into the shards, step the inner chain, gather the new parameters."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step(closure=...) is not supported: run forward/backward first")
+        self.apply_delayed_update()
         if hasattr(self.inner, "prepare_grads"):
             self.inner.prepare_grads()
         self._sync.finish()
         if self._gatherer is not None:
             self._gatherer.release_all()
-        with nvtx_range("optimizer.step"):
+        with nvtx_range("optimizer.step"), self._offload.stepping(self._offload.start_upload) \
+                if self._offload else nullcontext():
             stepped = self.inner.step() is not False
         self.last_step_skipped = not stepped
         self._sync.end_step()
-        if stepped:
+        if stepped and not self.config.delayed_param_update:
             self._publish()
         return stepped
+
+    def apply_delayed_update(self) -> None:
+        """With delayed_param_update: wait for the update still being computed and publish it now.
+
+        step() does this first; call it at the end of training. A no-op otherwise.
+        """
+        if self._offload is not None and self._offload.settle(self._offload.start_upload):
+            self._publish()
 
     def _publish(self) -> None:
         """Copy masters into the model slices and all-gather the buckets that are kept whole."""
         handles = []
         for b in self.buckets:
-            b.publish_master()
+            if self._offload is None:
+                b.publish_master()
+            else:  # the offload uploaded it while the next bucket stepped
+                self._offload.wait_upload(b)
             if b.flat is not None and b.parts > 1:
                 handles.append(all_gather(b.flat, b.local.clone(), group=self.group, async_op=True))
         for h in handles:
@@ -182,7 +200,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients (always set to None: the flat buffers are zeroed, not freed, at stages 0-1)."""
-        self.inner.zero_grad(set_to_none=True)
+        if self._offload is None or not self._offload.in_flight:  # a delayed update reads the masters' grads
+            self.inner.zero_grad(set_to_none=True)
         self._sync.zero_grad()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -223,11 +242,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """This rank's state (a delayed update in flight is applied first)."""
         from pipezero.zero.state import local_state_dict
+        self.apply_delayed_update()
         return local_state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
         from pipezero.zero.state import load_local_state_dict
+        self.apply_delayed_update()
         load_local_state_dict(self, state)
 
     def __repr__(self) -> str:
