@@ -63,11 +63,15 @@ class _Pending:
 class GradSink(Protocol):
     """Where reduced gradients go when the masters live elsewhere (CPU offload, see offload.py)."""
 
-    def reduced(self, b: Bucket, values: torch.Tensor) -> None:
-        """b's owned reduced gradient is now `values` (more may still be added before step)."""
+    def reduced(self, b: Bucket, values: torch.Tensor, accumulate: bool) -> None:
+        """b's owned reduced gradient: `values` adds to what this step brought (stages 2-3, which
+        then drop their device copy) or replaces it (stages 0-1, whose buffer keeps the sum)."""
 
-    def hand_over(self, b: Bucket, values: torch.Tensor) -> torch.Tensor:
-        """At step: the gradient for b's master, given the owned reduced values."""
+    def hand_over(self, b: Bucket) -> torch.Tensor | None:
+        """At step: the gradient for b's master (None if nothing was reduced this step)."""
+
+    def discard(self) -> None:
+        """zero_grad: forget this step's gradients."""
 
 
 def _weak(method: Callable) -> Callable:
@@ -182,6 +186,8 @@ class GradSync:
             b = self._in_flight.popleft()
             self._state[b].handle.wait()
             self._state[b].handle = None
+        if self.sink is not None:
+            self.sink.discard()
         for b in self.buckets:
             st = self._state[b]
             st.pushed.clear()
@@ -282,7 +288,8 @@ class GradSync:
             st.out = torch.empty(b.shard_numel, dtype=b.dtype, device=b.device)
             st.handle = reduce_scatter(st.out, st.grad, group=self.group, average=True, async_op=True)
         self._in_flight.append(b)
-        while not self.keep_grads and len(self._in_flight) > _MAX_IN_FLIGHT:
+        # stage 2/3 free the full buffer; with a sink, stage 0/1 too start the copy to the host
+        while (not self.keep_grads or self.sink is not None) and len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
 
     def _complete(self, b: Bucket) -> None:
@@ -296,21 +303,26 @@ class GradSync:
             st.grad[(b.part + 1) * b.shard_numel:].zero_()
             st.rescale = True
         elif not self.keep_grads:                             # stage 2/3: accumulate the shard
-            st.shard = st.out if st.shard is None else st.shard.add_(st.out)
+            if self.sink is not None:                          # on the host (CPU offload)
+                self.sink.reduced(b, st.out, accumulate=True)
+            else:
+                st.shard = st.out if st.shard is None else st.shard.add_(st.out)
             st.grad, st.fresh = None, False
+        if self.keep_grads and self.sink is not None:
+            self.sink.reduced(b, b.owned(st.grad), accumulate=False)
         st.handle, st.out, st.reduced, st.dirty = None, None, True, False
         st.pushed.clear()
-        if self.sink is not None:
-            self.sink.reduced(b, b.owned(st.grad) if self.keep_grads else st.shard)
 
     def _hand_over(self, b: Bucket) -> None:
         """Give the reduced owned values to the master as its .grad (fp32, on its device)."""
         st, master = self._state[b], b.master
+        if self.sink is not None:
+            g = self.sink.hand_over(b)
+            if g is not None:
+                master.grad = g
+            return
         g = b.owned(st.grad) if self.keep_grads else st.shard
         if g is None:
-            return
-        if self.sink is not None:
-            master.grad = self.sink.hand_over(b, g)
             return
         master.grad = g if g.dtype == master.dtype and g.device == master.device \
             else g.to(master.device, master.dtype)

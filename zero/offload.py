@@ -84,20 +84,53 @@ class HostOffload:
         self._down = torch.cuda.Stream(device) if device is not None else None
         self._up = torch.cuda.Stream(device) if device is not None else None
         self._landing: dict[Bucket, torch.Tensor] = {}   # pinned, model dtype: the D2H copies land here
-        self._grads: dict[Bucket, torch.Tensor] = {}     # host fp32: what the master steps with
-        self._copied: dict[Bucket, tuple[torch.Tensor, int, Any]] = {}  # values, their version, event
+        self._grads: dict[Bucket, torch.Tensor] = {}     # host fp32: sums, and what the master steps with
+        self._window: dict[Bucket, tuple[torch.Tensor, Any]] = {}  # the latest copy not yet summed, its event
+        self._summed: set[Bucket] = set()                # buckets whose _grads hold a partial sum
         self._uploads: dict[Bucket, Any] = {}
         self._order: list[Bucket] = []                   # buckets in the order their gradients landed
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    # -- gradients: device -> host ---------------------------------------------------------
-    def reduced(self, b: Bucket, values: torch.Tensor) -> None:
-        """b's reduced owned gradient is (being) computed in `values`: start its copy to the host."""
+    # -- gradients: device -> host (GradSync's GradSink) -----------------------------------
+    def reduced(self, b: Bucket, values: torch.Tensor, accumulate: bool) -> None:
+        """Start copying b's reduced owned gradient to the host: to be added to what this step
+        already brought (accumulate) or to replace it. The device copy of `values` may be freed."""
         if b not in self._order:
             self._order.append(b)
+        if accumulate and b in self._window:
+            self._add_up(b)
+        elif not accumulate:
+            self._summed.discard(b)
+        self._window[b] = self._copy_down(b, values)
+
+    def hand_over(self, b: Bucket) -> torch.Tensor | None:
+        """At step: the host fp32 gradient for b's master (None if nothing was reduced).
+
+        Delayed, it is always a buffer of our own: the update in flight reads the previous one.
+        """
+        if b not in self._window:
+            return None
+        if b in self._summed:
+            self._add_up(b)
+            self._summed.discard(b)
+            return self._grads[b]
+        source, done = self._window.pop(b)
+        if done is not None:
+            done.synchronize()
+        if not self.delayed and source.dtype == torch.float32 and source.device.type == "cpu":
+            return source
+        return self._sum_buffer(b).copy_(source)
+
+    def discard(self) -> None:
+        """Forget the gradients of this step (zero_grad without a step)."""
+        self._window.clear()
+        self._summed.clear()
+
+    def _copy_down(self, b: Bucket, values: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A non-blocking copy into b's pinned landing buffer on the side stream, and its event."""
         if self._down is None or values.device.type != "cuda":
-            return
+            return values, None
         landing = self._landing.get(b)
         if landing is None:
             landing = self._landing[b] = torch.empty(values.numel(), dtype=values.dtype, pin_memory=True)
@@ -106,26 +139,26 @@ class HostOffload:
             landing.copy_(values, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._down)
-        values.record_stream(self._down)
-        self._copied[b] = (values, values._version, done)
+        values.record_stream(self._down)   # the caller may free it; the copy still reads it
+        return landing, done
 
-    def hand_over(self, b: Bucket, values: torch.Tensor) -> torch.Tensor:
-        """The host fp32 gradient for b's master: the landed copy when `values` did not change since.
+    def _add_up(self, b: Bucket) -> None:
+        """Fold the copy in flight into b's host fp32 sum (a micro-batch later it has landed)."""
+        source, done = self._window.pop(b)
+        if done is not None:
+            done.synchronize()
+        total = self._sum_buffer(b)
+        if b in self._summed:
+            total.add_(source)
+        else:
+            total.copy_(source)
+            self._summed.add(b)
 
-        Delayed, it is always a buffer of our own: the update in flight reads the previous one.
-        """
-        copied = self._copied.pop(b, None)
-        source = values
-        if copied is not None and _same(copied[0], values) and copied[1] == values._version:
-            copied[2].synchronize()
-            source = self._landing[b]
-        if not self.delayed and source.dtype == torch.float32 and source.device.type == "cpu":
-            return source
+    def _sum_buffer(self, b: Bucket) -> torch.Tensor:
         grad = self._grads.get(b)
         if grad is None:
-            grad = self._grads[b] = torch.empty(values.numel(), dtype=torch.float32,
+            grad = self._grads[b] = torch.empty(b.shard_numel, dtype=torch.float32,
                                                 pin_memory=b.device.type == "cuda")
-        grad.copy_(source)
         return grad
 
     # -- the step ---------------------------------------------------------------------------
@@ -229,11 +262,6 @@ class HostOffload:
         for done in self._uploads.values():
             done.synchronize()
         self._uploads.clear()
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same memory (a view made again, as stage 1's owned region is, counts as the same)."""
-    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype
 
 
 @contextmanager
