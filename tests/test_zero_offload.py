@@ -166,3 +166,62 @@ def test_host_threads_split_the_cores_over_local_processes(monkeypatch):
     alone = host_threads()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert host_threads() == max(1, alone // 2)
+
+
+# -- on a GPU: the streams, pinned buffers and host sums (skipped on CPU-only CI) ---------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda_train(stage, offload, delayed=False, dtype=torch.float32, every=False, accum=2):
+    """One process, no process group, model on the GPU."""
+    model = make_model(dtype).cuda()
+    cfg = _config(stage, offload_optimizer=offload, offload_param=offload and stage == 3,
+                  delayed_param_update=delayed, reduce_every_microbatch=every)
+    opt = ZeroOptimizer(make_opt(model, "adamw2"), module=model, config=cfg)
+    for step in range(STEPS):
+        x, y = (t.cuda() for t in data(1, step))
+        opt.zero_grad()
+        for i, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+            with opt.no_sync() if i < accum - 1 else _null():
+                opt.backward(nn.functional.mse_loss(model(xs.to(dtype)).float(), ys) / accum)
+        opt.step()
+    opt.apply_delayed_update()
+    with opt.gathered_parameters():
+        return [p.detach().float().cpu() for p in model.parameters()]
+
+
+@cuda
+@pytest.mark.parametrize("stage,every", [(1, False), (2, True), (3, False), (3, True)])
+def test_cuda_offload_matches_the_device_step(stage, every):
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        plain = _cuda_train(stage, False, dtype=dtype, every=every)
+        offloaded = _cuda_train(stage, True, dtype=dtype, every=every)
+        for a, b in zip(plain, offloaded, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=tol)
+
+
+@cuda
+@pytest.mark.parametrize("stage", [1, 3])
+def test_cuda_delayed_update(stage):
+    _, truth = _delayed_reference(1, accum=2)
+    for a, t in zip(_cuda_train(stage, True, delayed=True), truth, strict=True):
+        torch.testing.assert_close(a, t, rtol=1e-5, atol=1e-6)
+
+
+@cuda
+def test_cuda_parameters_live_on_the_host_between_uses():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).cuda()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = _config(3, offload_optimizer=True, offload_param=True, stage3_prefetch_bucket_size=0)
+    opt = ZeroOptimizer(make_opt(model, "adam"), module=model, config=cfg)
+    peaks = []
+    for step in range(2):
+        opt.zero_grad()
+        x = torch.randn(8, 256, device="cuda")
+        opt.backward(model(x).square().mean())
+        opt.step()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.memory_allocated())
+    assert all(b.local.is_pinned() and b.master.is_pinned() for b in opt._gatherer.partitioned)
+    assert max(peaks) < whole / 4, (peaks, whole)   # less than one layer's weights stays on the GPU
