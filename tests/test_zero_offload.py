@@ -25,13 +25,13 @@ def _config(stage, **kw):
     return ZeroConfig(stage=stage, stage3_param_persistence_threshold=10, reduce_bucket_size=100, **kw)
 
 
-def _train(stage, offload, delayed=False, accum=1, scaler=False):
+def _train(stage, offload, delayed=False, accum=1, scaler=False, every=False):
     """Train STEPS steps; return the losses and the final parameters (whole)."""
     world = dist.get_world_size()
     model = make_model()
-    kw = {}
+    kw = {"reduce_every_microbatch": every}
     if offload:
-        kw = dict(offload_optimizer=True, offload_param=stage == 3, delayed_param_update=delayed)
+        kw.update(offload_optimizer=True, offload_param=stage == 3, delayed_param_update=delayed)
     inner = make_opt(model, "adamw2")
     if scaler:
         inner = LossScaler(inner, init_scale=2.0 ** 4, dynamic=True)
@@ -146,6 +146,14 @@ def test_delayed_update_applies_the_previous_steps_gradients(world, stage):
     if world == 1:  # one process: the losses are the reference's too (each forward saw those weights)
         ref_losses, _ = _delayed_reference(1)
         torch.testing.assert_close(torch.stack(results[0][0]), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_update_sums_microbatches_on_the_host():
+    """Every micro-batch's shard is summed on the host while the previous update still runs."""
+    _, truth = _delayed_reference(2, accum=2)
+    for _, got in run(_train, 2, 3, True, True, 2, every=True):
+        for a, t in zip(got, truth, strict=True):
+            torch.testing.assert_close(a, t, rtol=1e-5, atol=1e-6)
 
 
 def test_delayed_update_through_a_loss_scaler():

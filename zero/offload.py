@@ -19,7 +19,7 @@ Training", USENIX ATC 2021, section 4):
   result reaches the model at step k+1's step(): the forward/backward of step k+1 uses
   parameters updated with the gradients of steps up to k-1. The loss-scale/overflow check and
   gradient clipping of step k still run in step k's step() (they need collectives); only the
-  optimizer's element-wise update is deferred.
+  optimizer's element-wise update is deferred. It costs a second host fp32 gradient buffer.
 
 With `offload_param` (stage 3) the owned parameter slices live in (pinned) host memory and are
 uploaded when their submodule runs (see stage3.py), so the device holds only the working set,
@@ -39,6 +39,7 @@ from pipezero.comm import Handle
 from pipezero.zero.partition import Bucket
 
 __all__ = ["HostOffload", "host_copy", "host_threads", "upload"]
+
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy of t, pinned when a GPU may copy from it asynchronously."""
@@ -84,7 +85,8 @@ class HostOffload:
         self._down = torch.cuda.Stream(device) if device is not None else None
         self._up = torch.cuda.Stream(device) if device is not None else None
         self._landing: dict[Bucket, torch.Tensor] = {}   # pinned, model dtype: the D2H copies land here
-        self._grads: dict[Bucket, torch.Tensor] = {}     # host fp32: sums, and what the master steps with
+        self._grads: dict[tuple, torch.Tensor] = {}      # host fp32: sums, and what the master steps with
+        self._flip = 0   # delayed: which of two sum buffers this step fills; the update in flight reads the other
         self._window: dict[Bucket, tuple[torch.Tensor, Any]] = {}  # the latest copy not yet summed, its event
         self._summed: set[Bucket] = set()                # buckets whose _grads hold a partial sum
         self._uploads: dict[Bucket, Any] = {}
@@ -114,7 +116,7 @@ class HostOffload:
         if b in self._summed:
             self._add_up(b)
             self._summed.discard(b)
-            return self._grads[b]
+            return self._sum_buffer(b)
         source, done = self._window.pop(b)
         if done is not None:
             done.synchronize()
@@ -155,9 +157,9 @@ class HostOffload:
             self._summed.add(b)
 
     def _sum_buffer(self, b: Bucket) -> torch.Tensor:
-        grad = self._grads.get(b)
+        grad = self._grads.get((b, self._flip))
         if grad is None:
-            grad = self._grads[b] = torch.empty(b.shard_numel, dtype=torch.float32,
+            grad = self._grads[(b, self._flip)] = torch.empty(b.shard_numel, dtype=torch.float32,
                                                 pin_memory=b.device.type == "cuda")
         return grad
 
@@ -188,6 +190,7 @@ class HostOffload:
         if requested:
             self._thread = threading.Thread(target=self._background, args=(original, requested[0]), daemon=True)
             self._thread.start()
+            self._flip ^= 1
 
     @property
     def in_flight(self) -> bool:
@@ -228,11 +231,6 @@ class HostOffload:
         done = self._uploads.get(b)
         if done is not None:
             torch.cuda.current_stream(b.local.device).wait_event(done)
-
-    def close(self) -> None:
-        """Wait for a delayed step still running (it writes masters and optimizer state)."""
-        if self._thread is not None:
-            self._thread.join()
 
     # -- internals -----------------------------------------------------------------------------
     def _per_bucket(self, step: Callable[[], Any], after: Callable[[Bucket], None], groups: list[dict]) -> None:
