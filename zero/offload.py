@@ -197,13 +197,10 @@ class HostOffload:
         """A delayed update is being computed (its masters' gradients must stay as they are)."""
         return self._thread is not None
 
-    def settle(self, after: Callable[[Bucket], None]) -> bool:
-        """Delayed: wait for the update in flight, drop its gradients, publish it (`after` per bucket).
-
-        Returns whether there was one.
-        """
+    def settle(self, after: Callable[[Bucket], None]) -> None:
+        """Delayed: wait for the update in flight, drop its gradients, publish it (`after` per bucket)."""
         if self._thread is None:
-            return False
+            return
         self._thread.join()
         self._thread = None
         if self._error is not None:
@@ -212,7 +209,6 @@ class HostOffload:
         for b in self.buckets:
             b.master.grad = None
             after(b)
-        return True
 
     def start_upload(self, b: Bucket) -> None:
         """Copy b's stepped master into its model slice (asynchronously on a side stream to a GPU)."""

@@ -182,8 +182,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         step() does this first; call it at the end of training. A no-op otherwise.
         """
-        if self._offload is not None and self._offload.settle(self._offload.start_upload):
-            self._publish()
+        if self._offload is None or not self._offload.in_flight:
+            return
+        if self._gatherer is not None:
+            self._gatherer.wait_uploads()     # the update writes the host slices they read
+        self._offload.settle(self._offload.start_upload)
+        self._publish()
 
     def _publish(self) -> None:
         """Copy masters into the model slices and all-gather the buckets that are kept whole."""

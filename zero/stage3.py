@@ -78,6 +78,11 @@ class ParamGatherer:
         with torch.cuda.stream(self._upload):  # the gather waits for the upload, not for compute
             return all_gather(b.flat, mine, group=self.group, async_op=True)
 
+    def wait_uploads(self) -> None:
+        """Block until no upload reads the host slices any more (the optimizer is about to write them)."""
+        if self._upload is not None:
+            self._upload.synchronize()
+
     def resident_numel(self) -> int:
         """Elements of partitioned buckets now whole on the compute device (gathered or on their way)."""
         return sum(b.padded for b in self.partitioned if b.flat is not None)
@@ -102,6 +107,7 @@ class ParamGatherer:
         """Partition everything again (at step); the first call freezes the recorded unit order."""
         for b in self.partitioned:
             self.release(b)
+        self.wait_uploads()
         if not self._frozen and self._order["forward"]:
             self._order = {k: list(dict.fromkeys(v)) for k, v in self._order.items()}
             self._frozen = True
