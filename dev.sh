@@ -62,6 +62,6 @@ cat <<EOF
 
 dev.sh: done. In $out/:
   TensorBoard logs     $out/tensorboard   (view: $venv/bin/tensorboard --logdir $out)
-  checkpoints          $out/checkpoints   (run ./dev.sh train again to resume)
-  the trained model    $out/model.safetensors
+  checkpoints          $out/checkpoints   (the same command again resumes from the latest)
+  the trained model    $out/model.safetensors   (sample: $venv/bin/python examples/generate.py --checkpoint $out)
 EOF

@@ -76,7 +76,7 @@ def main(argv=None) -> float:
     model = SimpleModel()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     engine, optimizer, _, _ = initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
-                                         config=args.config, hidden_size=512)
+                                         config=args.config)
     grid, batch = engine.parts.grid, engine.parts.config.batch
     gen = torch.Generator().manual_seed(0)
     loss = torch.tensor(float("nan"))

@@ -93,7 +93,7 @@ BAD = [  # (build kwargs, config changes, words the error must contain)
     ({"specs": "gpt", "loss_fn": None}, {}, ["loss_fn="]),
     ({"specs": "gpt"}, {"zero_optimization": {"stage": 3}}, ["stage", "3", "use stage 2"]),
     ({"model": "mlp"}, {"pipeline": {"stages": 2}}, ["stages", "specs="]),
-    ({"model": "mlp"}, {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, ["auto", "hidden_size="]),
+    ({"specs": "gpt"}, {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, ["auto", "hidden_size="]),
     ({"specs": "short"}, {"pipeline": {"stages": 2, "schedule": "zbv"}}, ["3 layers", "2 pipeline stages x 2 chunks"]),
     ({"model": "not a module"}, {}, ["expected an nn.Module"]),
     ({"specs": "gpt"}, {"pipeline": {"stages": 3}}, ["stages", "3", "does not divide the world size 4"]),
@@ -120,7 +120,7 @@ def _build_errors() -> list[str]:
 
 def test_bad_combinations_raise_on_every_rank_before_any_collective():
     # 4 ranks: an error raised on some ranks only would leave the others hanging in Grid()
-    results = run(_build_errors, 4, timeout=60)
+    results = run(_build_errors, 4, timeout=180)
     for rank_messages in results:
         for (_, _, words), message in zip(BAD, rank_messages):
             for word in words:
@@ -197,3 +197,59 @@ def test_initialize_engine_matches_plain_pytorch():
         truth.append(loss.item())
     for losses in run(_engine_losses, 2, 2):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(truth), rtol=0, atol=1e-5)
+
+
+def _seed_loop_losses() -> list[float]:
+    """The seed guide's loop as written (section 3.3): a DDP-wrapped model, `config_params=`,
+    `engine.train()`, inputs `.to(engine.local_rank)`, ZeRO-3 with "auto" sizes and no hidden_size."""
+    import torch.distributed as dist
+
+    from pipezero.train import initialize
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.3)
+    model = nn.parallel.DistributedDataParallel(model)
+    cfg = {"train_batch_size": 8, "gradient_clipping": 0.5,
+           "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                 "stage3_param_persistence_threshold": "auto"}}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine, optimizer, _, _ = initialize(model=model, model_parameters=model.parameters(), optimizer=opt,
+                                         config_params=cfg)
+    engine.train()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(4):
+        x, y = _batch(step)
+        mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        inputs, labels = x[mine].to(engine.local_rank), y[mine].to(engine.local_rank)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(engine(inputs), labels)
+        engine.backward(loss)
+        engine.step()
+        full = loss.detach().clone()
+        dist.all_reduce(full)
+        losses.append(full.item() / world)
+    return losses
+
+
+def test_the_seed_loop_runs_with_only_the_import_changed():
+    for losses in run(_seed_loop_losses, 2):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(run(_engine_losses, 1, 0)[0]),
+                                   rtol=0, atol=1e-5)
+
+
+def test_model_width_reads_the_config_else_the_common_linear_input():
+    from types import SimpleNamespace
+
+    from pipezero.train.build import model_width
+
+    seed_mlp = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+    assert model_width(seed_mlp) == 784  # a tie: the larger width
+    block = nn.ModuleDict({"qkv": nn.Linear(64, 192), "proj": nn.Linear(64, 64), "up": nn.Linear(64, 256),
+                           "down": nn.Linear(256, 64), "head": nn.Linear(64, 1000)})
+    assert model_width(block) == 64  # the residual width, not the MLP's or the head's
+    block.config = SimpleNamespace(hidden_size=96)
+    assert model_width(block) == 96
+    assert model_width(nn.Sequential(nn.ReLU())) is None

@@ -15,10 +15,12 @@ from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from pipezero.train.build import Parts, build
 from pipezero.train.config import TrainConfig
 from pipezero.train.config_optim import OptimizerConfig, build_optimizer
+from pipezero.train.log import warn_once
 
 __all__ = ["Engine", "initialize"]
 
@@ -45,25 +47,44 @@ class Engine:
         self.optimizer.zero_grad()
         return stepped
 
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype: cast inputs to it (`x.to(engine.dtype)`)."""
         return self.parts.dtype
 
+    @property
+    def local_rank(self) -> torch.device:
+        """Where inputs go (`x.to(engine.local_rank)`, as DeepSpeed loops write it): this process's device."""
+        return self.parts.device
+
 
 def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
                optimizer: torch.optim.Optimizer | None = None,
                config: str | os.PathLike | Mapping[str, Any] | TrainConfig | None = None,
-               hidden_size: int | None = None) -> tuple[Engine, Any, None, Any]:
+               hidden_size: int | None = None, config_params: Any = None) -> tuple[Engine, Any, None, Any]:
     """(engine, optimizer chain, None, lr scheduler), like deepspeed.initialize.
 
     The optimizer is yours if given, else the config's "optimizer" section over
     `model_parameters` (default: every trainable parameter). `hidden_size` resolves "auto"
     ZeRO sizes; by default it is read off the model (`build.model_width`). The third item, DeepSpeed's data
-    loader, is always None: keep your own.
+    loader, is always None: keep your own. `config_params` is DeepSpeed's older name for
+    `config`. A model wrapped in DistributedDataParallel is unwrapped: the optimizer chain
+    reduces gradients itself (DDP's would reduce them a second time).
     """
+    config = config if config is not None else config_params
     if config is None:
         raise ValueError("initialize(config=None): pass a ds_config path or dict")
+    if isinstance(model, DistributedDataParallel):
+        warn_once("initialize(model=DistributedDataParallel(...)): training its .module; pipezero's optimizer "
+                  "chain averages gradients over the data group itself")
+        model = model.module
     if optimizer is None and model_parameters is not None:
         from pipezero.train.build import _config, model_width
 
