@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
 #   bash bench/gpu.sh [main-job|nsys|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|
-#                      profile|trace|smoke|offload|offload-big ...]
-#   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.4B GPT
-#   under a 16 GiB GPU memory cap, pipezero and DeepSpeed ZeRO-3 with both offloads (tokens/s, GPU and host peak).
+#                      profile|trace|smoke|offload|offload-big|offload-test ...]
+#   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
+#   under a 16 GiB GPU memory cap, pipezero and DeepSpeed ZeRO-3 with both offloads (tokens/s, GPU and host peak);
+#   offload-test: the offload tests that need CUDA (streams, pinned buffers, parameters off the GPU).
 #   (default: main-job smoke zero pipe comm precision; profile/trace: kernel tables and chrome traces under $OUT)
 #   main-job: the README's main job on 1 GPU and on 2 when present, failing unless every parameter and
 #   activation is on CUDA (--expect-device cuda); nsys: 2 steps of it under Nsight Systems with NVTX ranges.
@@ -63,8 +64,9 @@ for w in $what; do
                --adam fused --runs pipezero-1 pipezero-1-offload pipezero-1-offload-dpu pipezero-3-offload \
                deepspeed-1-offload deepspeed-3-offload ;;
     offload-big) run offload-big 480 python3 bench/zero.py --device cuda --nproc 1 --memory-cap-gib 16 --layers 20 \
-                   --hidden 4096 --heads 32 --vocab 32000 --seq 2048 --batch 1 --accum 2 --steps 2 --adam fused \
+                   --hidden 4096 --heads 32 --vocab 32000 --seq 2048 --batch 1 --accum 1 --steps 3 --adam fused \
                    --runs pipezero-3-offload deepspeed-3-offload ;;
+    offload-test) run offload-test 240 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py -k cuda ;;
     one-gpu) run one-gpu-zero 240 python3 bench/zero.py --device cuda --nproc 1 --runs pipezero-1 deepspeed-1 --steps 3 ;;
     generate-test) run generate-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_generate_static.py ;;
     profile) run zero-profile 240 python3 bench/zero.py --device cuda --runs pipezero-0 pipezero-1 --steps 3 \
