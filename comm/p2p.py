@@ -25,6 +25,7 @@ receive); `drain()` then checks the step's transfers against `timeout_s` once.
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Sequence
 
 import torch
@@ -40,6 +41,24 @@ _META_LEN = 512  # int64 words: room for a tuple of dozens of tensors
 
 class CommTimeout(TimeoutError):
     """A transfer did not complete in time; the message names the operation and peers."""
+
+
+class PeerLost(ConnectionError):
+    """A peer closed its connection mid-transfer (it crashed or exited): reported at once, not
+    after the timeout; the message names the operation and peers."""
+
+
+def is_peer_lost(err: BaseException) -> bool:
+    """Whether a transport error says a peer went away (rather than that a wait timed out)."""
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and "timed out" not in text and "timeout" not in text and any(
+        w in text for w in ("closed", "reset by peer", "broken pipe", "connection refused"))
+
+
+def peer_lost(err: BaseException, what: str, start: float) -> PeerLost:
+    """The PeerLost to raise for `err`, met `what` was under way since time.monotonic() = start."""
+    return PeerLost(f"rank {dist.get_rank()}: a peer closed its connection {time.monotonic() - start:.1f}s into "
+                    f"{what} (it crashed or exited; its own error is in its log): {err}")
 
 
 Send = tuple[int, str, Sequence[torch.Tensor]]  # (peer global rank, stream key, tensors)
@@ -197,14 +216,17 @@ class P2P:
         return tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, _, shape in self._meta[(peer, key)])
 
     def _wait(self, works: list, sends: Sequence, recvs: Sequence) -> None:
+        start = time.monotonic()
         try:
             for work in works:
                 work.wait(self.timeout)
         except RuntimeError as e:
             what = [f"send {k!r} to rank {p}" for p, k, _ in sends] + [f"recv {k!r} from rank {p}" for p, k in recvs]
+            what = "; ".join(what) or "pending sends"
+            if is_peer_lost(e):
+                raise peer_lost(e, what, start) from e
             raise CommTimeout(f"rank {dist.get_rank()}: p2p did not complete within "
-                              f"{self.timeout.total_seconds():.0f}s: {'; '.join(what) or 'pending sends'} "
-                              f"({e})") from e
+                              f"{self.timeout.total_seconds():.0f}s: {what} ({e})") from e
 
 
 def _count(sends: Sequence, known_buffers: Sequence[torch.Tensor], recvs: Sequence) -> None:

@@ -9,7 +9,9 @@
 The corpus is the standard library's own source code (byte tokens, on every machine with
 Python), or --data-path. Everything the loop uses is an explicit part returned by
 pipezero.train.build; nothing hides behind an engine. Re-running with the same --out resumes
-from the latest checkpoint there (so does a torchrun --max-restarts restart after a crash).
+from the latest checkpoint there (so does a torchrun --max-restarts restart after a crash);
+--resume-from step_00000100 resumes from that one instead. A bad input ends with its cause in
+one line per failing rank (PIPEZERO_TRACEBACK=1 prints the traceback too).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan  # noqa: E402
 
-from pipezero.comm import TRAFFIC  # noqa: E402
+from pipezero.comm import TRAFFIC, is_peer_lost  # noqa: E402
 from pipezero.pipe import schedule_names, simulate, to_image, to_png, to_text  # noqa: E402
 from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
 from pipezero.precision import global_grad_norm  # noqa: E402
@@ -40,7 +42,7 @@ from pipezero.train.config_batch import keep_global_batch  # noqa: E402
 from pipezero.train.data import ShardedBatches, TokenData  # noqa: E402
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once  # noqa: E402
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars  # noqa: E402
-from pipezero.train.state import export_model, resume_if_any, save_state, saved_batch  # noqa: E402
+from pipezero.train.state import export_model, load_state, resume_if_any, save_state, saved_batch  # noqa: E402
 
 PEAK_FLOPS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}  # H100/H200 SXM, dense
 
@@ -59,8 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2], help="default: the config's, else 2")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"], help="default: the config's, else fp32")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
-    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch per data rank (default 4)")
+    p.add_argument("--micro-batches", type=_positive, default=None, help="micro-batches per step (default 4)")
+    p.add_argument("--batch-size", type=_positive, default=None,
+                   help="sequences per micro-batch per data rank (default 4)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--d-model", type=int, default=128, help="model width")
@@ -70,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-path", default=None, help="your own text/.bin/.npy file (default: stdlib sources)")
     p.add_argument("--out", default="runs/gpt", help="TensorBoard logs, checkpoints and the exported model")
     p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to resume from")
+    p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
+                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012), not the latest")
+    p.add_argument("--pipeline-timeout", type=float, default=None,
+                   help="seconds a rank waits for a pipeline peer (ds_config pipeline.timeout; default 300)")
     p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
     p.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--steps-per-print", type=int, default=None,
@@ -79,21 +86,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: expected a positive integer")
+    return value
+
+
 def ds_config(args: argparse.Namespace) -> dict:
     """The ds_config this run uses: --config (if any) with the command line's choices on top."""
     cfg = json.loads(Path(args.config).read_text()) if args.config else {}
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    if args.batch_size or args.micro_batches or not any(k in cfg for k in batch_keys):
+    if args.batch_size is not None or args.micro_batches is not None or \
+            all(cfg.get(k, "auto") == "auto" for k in batch_keys):
         for key in batch_keys:
             cfg.pop(key, None)
-        cfg["train_micro_batch_size_per_gpu"] = args.batch_size or 4
-        cfg["gradient_accumulation_steps"] = args.micro_batches or 4
+        cfg["train_micro_batch_size_per_gpu"] = 4 if args.batch_size is None else args.batch_size
+        cfg["gradient_accumulation_steps"] = 4 if args.micro_batches is None else args.micro_batches
         cfg.get("pipeline", {}).pop("micro_batches", None)
     pipeline = {"stages": 2, "schedule": "1f1b", **cfg.get("pipeline", {})}
     if args.schedule is not None and args.chunks is None:
         pipeline.pop("chunks", None)  # a new schedule brings its own default chunk count
-    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule), ("chunks", args.chunks))
-                     if v is not None})
+    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule), ("chunks", args.chunks),
+                                       ("timeout", args.pipeline_timeout)) if v is not None})
     cfg["pipeline"] = pipeline
     zero = {"stage": 2, **cfg.get("zero_optimization", {})}
     zero.update({"stage": args.zero_stage} if args.zero_stage is not None else {})
@@ -114,6 +129,15 @@ def ds_config(args: argparse.Namespace) -> dict:
     return cfg
 
 
+def auto_values(args: argparse.Namespace) -> dict:
+    """What this script knows for a Hugging Face-style config's "auto" values (by DeepSpeed key path)."""
+    return {"optimizer.params.lr": args.lr, "optimizer.params.weight_decay": 0.1,
+            "optimizer.params.betas": [0.9, 0.95], "optimizer.params.eps": 1e-8, "gradient_clipping": 1.0,
+            "scheduler.params.warmup_num_steps": max(1, args.steps // 20),
+            "scheduler.params.total_num_steps": args.steps,
+            "fp16.enabled": args.precision == "fp16", "bf16.enabled": args.precision == "bf16"}
+
+
 def main(argv=None) -> float:
     args = parse_args(argv)
     log = get_logger("train_gpt")
@@ -122,7 +146,12 @@ def main(argv=None) -> float:
     # -- the config; resumed on another data degree (an elastic restart), it keeps the global batch --
     ckpt_dir = Path(args.out) / "checkpoints"
     saved = saved_batch(ckpt_dir)
-    config = parse_config(ds_config(args), tensor=args.tensor, hidden_size=args.d_model)
+    raw = ds_config(args)
+    if "WORLD_SIZE" not in os.environ and raw["pipeline"]["stages"] > 1:
+        raise ValueError(f"{raw['pipeline']['stages']} pipeline stages need as many processes at least, but this "
+                         f"is one plain python process: launch torchrun --standalone --nproc-per-node 4 "
+                         f"examples/train_gpt.py, or pass --pipe 1 to train in this process")
+    config = parse_config(raw, tensor=args.tensor, hidden_size=args.d_model, auto_values=auto_values(args))
     config = dataclasses.replace(config, batch=keep_global_batch(config.batch, saved))
 
     # -- the parts: grid, pipeline module, optimizer chain, lr schedule, schedule, runner ----------
@@ -152,7 +181,7 @@ def main(argv=None) -> float:
     val = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="val", shuffle=False)
 
     # -- resume from the latest checkpoint under --out, if there is one -----------------------------
-    meta = resume_if_any(parts, ckpt_dir)
+    meta = resume(parts, ckpt_dir, args.resume_from)
     if args.resume and meta is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; drop --resume to start fresh")
     start = 0
@@ -160,6 +189,10 @@ def main(argv=None) -> float:
         train.load_state_dict(meta["data"])
         start = meta["step"]
         log.info("resumed from %s at step %d", meta["path"], start)
+    if start >= args.steps:
+        log.info("the run in %s is already complete (step %d of --steps %d): nothing to train; pass --steps "
+                 "above %d to train longer, or another --out to start afresh", args.out, start, args.steps, start)
+        return _summary_loss(args.out)
 
     # -- logging --------------------------------------------------------------------------------------
     tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
@@ -174,7 +207,6 @@ def main(argv=None) -> float:
 
     loss = torch.tensor(float("nan"))
     for step in range(start, args.steps):
-        _crash_for_the_restart_test(step, grid.rank)
         _lose_node_for_the_elastic_test(step)
         TRAFFIC.reset()
         t0 = time.perf_counter()
@@ -239,6 +271,26 @@ def main(argv=None) -> float:
         (Path(args.out) / "summary.json").write_text(json.dumps(summary))
     tb.close()
     return loss.item()
+
+
+def resume(parts, ckpt_dir: Path, resume_from: str | None) -> dict | None:
+    """The latest checkpoint's meta (None: start fresh), or that of --resume-from's step."""
+    if resume_from is None:
+        return resume_if_any(parts, ckpt_dir)
+    name = Path(resume_from).name
+    if not name.startswith("step_") or not name[5:].isdigit():
+        raise ValueError(f"--resume-from {resume_from!r}: expected a checkpoint folder name like step_00000012 "
+                         f"(see {ckpt_dir})")
+    if not (ckpt_dir / name).is_dir():
+        found = sorted(p.name for p in ckpt_dir.glob("step_*")) if ckpt_dir.is_dir() else []
+        raise FileNotFoundError(f"--resume-from {name}: no such checkpoint under {ckpt_dir}; there are {found}")
+    return load_state(parts, ckpt_dir, step=int(name[5:]))
+
+
+def _summary_loss(out: str) -> float:
+    """The final loss a finished run recorded (NaN when it recorded none)."""
+    path = Path(out) / "summary.json"
+    return json.loads(path.read_text())["final_loss"] if path.is_file() else float("nan")
 
 
 @torch.no_grad()
@@ -307,16 +359,6 @@ def _check_device(module, expect: str, rank: int) -> None:
     handle = module.register_forward_hook(hook, with_kwargs=True)
 
 
-def _crash_for_the_restart_test(step: int, rank: int) -> None:
-    """Fault injection: PIPEZERO_CRASH_AT=step:rank kills that rank once (the first torchrun attempt)."""
-    spec = os.environ.get("PIPEZERO_CRASH_AT")
-    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        at, who = (int(v) for v in spec.split(":"))
-        if (step, rank) == (at, who):
-            print(f"[rank {rank}] PIPEZERO_CRASH_AT: exiting at step {step}", file=sys.stderr, flush=True)
-            os._exit(17)
-
-
 def _lose_node_for_the_elastic_test(step: int) -> None:
     """Fault injection: PIPEZERO_STOP_AGENT_AT=step, set on one torchrun agent, stops that agent once.
 
@@ -331,5 +373,22 @@ def _lose_node_for_the_elastic_test(step: int) -> None:
         os._exit(17)
 
 
+def _brief(err: BaseException) -> None:
+    """The cause in one line on the failing rank (a traceback with PIPEZERO_TRACEBACK=1), exit 1."""
+    if os.environ.get("PIPEZERO_TRACEBACK") == "1":
+        raise err
+    rank = os.environ.get("RANK")
+    print(f"train_gpt.py{f' rank {rank}' if rank is not None else ''}: {type(err).__name__}: {err}",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, TypeError, OSError) as e:  # bad input, checkpoint, timeout or lost peer: a known cause
+        _brief(e)
+    except RuntimeError as e:  # a collective whose peer exited: gloo's own words
+        if not is_peer_lost(e):
+            raise
+        _brief(e)

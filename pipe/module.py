@@ -21,7 +21,8 @@ from torch.utils.checkpoint import checkpoint
 from pipezero.comm import all_reduce_coalesced
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
-from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
+from pipezero.pipe.spec import LayerSpec, TiedLayerSpec, layer_name
+from pipezero.pipe.stage_errors import describe_input, layer_error
 from pipezero.pipe.tensor_parallel import (PlanSource, apply_tensor_plan, check_tensor_plan,
                                              mark_tensor_duplicates, plan_for)
 from pipezero.topology import Grid, process_device
@@ -107,20 +108,28 @@ class PipelineModule(nn.Module):
         lo, hi = self.chunk_range(chunk)
         k = self.activation_checkpoint_interval
         if not k or not torch.is_grad_enabled():
-            return self._run(lo, hi, x)
+            return self._run(lo, hi, x, chunk)
         for start in range(lo, hi, k):
-            x = checkpoint(self._run, start, min(hi, start + k), x, use_reentrant=False)
+            x = checkpoint(self._run, start, min(hi, start + k), x, chunk, use_reentrant=False)
         return x
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
         """loss_fn(output, target) of the last virtual stage."""
         if self.loss_fn is None:
             raise ValueError("PipelineModule(loss_fn=None) cannot compute a loss; pass loss_fn=")
-        return self.loss_fn(output, target)
+        try:
+            return self.loss_fn(output, target)
+        except Exception as err:  # noqa: BLE001 - layer_error keeps what it does not describe
+            raise layer_error(err, f"loss_fn (targets {describe_input(target)})", output, False) from err
 
-    def _run(self, lo: int, hi: int, x: Any) -> Any:
+    def _run(self, lo: int, hi: int, x: Any, chunk: int = 0) -> Any:
         for index in range(lo, hi):
-            x = self._calls[index](x)
+            try:
+                x = self._calls[index](x)
+            except Exception as err:  # noqa: BLE001 - layer_error keeps what it does not describe
+                name = layer_name(self._specs[index])
+                fed = index == self.chunk_range(chunk)[0] and not self.is_first(chunk)
+                raise layer_error(err, f"layer {index} ({name})", x, fed) from err
         return x
 
     # -- building ---------------------------------------------------------------------

@@ -21,19 +21,23 @@ torch module) W re-runs the retained graph's backward: exact, at one more backwa
 
 from __future__ import annotations
 
-import zlib
-from typing import Any, NamedTuple, Sequence
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from pipezero.comm import P2P, CommTimeout, nvtx_range
+from pipezero.comm import P2P, CommTimeout, PeerLost, is_peer_lost, nvtx_range, peer_lost
 from pipezero.pipe.actions import Action, Op
+from pipezero.pipe.batch_check import ABSENT, NO_TARGETS, SIGNATURE, batch_words, raise_batch_errors
 from pipezero.pipe.dealloc import free, freeable, saved_storages
 from pipezero.pipe.groups import cpu_world_group, side_group
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.placement import owner, virtual_stage
+from pipezero.pipe.stage_errors import LayerError
 from pipezero.pipe.timeline import Timeline, bubble_fraction, gather_events
+from pipezero.pipe.validate import validate
 
 __all__ = ["PipelineRunner", "PipelineTimeout"]
 
@@ -127,18 +131,21 @@ class PipelineRunner:
         m, model = self.num_microbatches, self.model
         holds_first = any(model.is_first(c) for c in range(model.num_chunks))
         holds_last = any(model.is_last(c) for c in range(model.num_chunks))
-        words = [0] * 6
-        if holds_first:
-            words[0:2] = _batch_problem(inputs, m)
-            words[4] = _signature(inputs) if not words[0] and not words[1] else 0
-        if holds_last and (need_targets or targets is not None):
-            words[2:4] = _batch_problem(targets, m)
-        words[5] = int(holds_last and targets is None)
+        wants_targets = holds_last and (need_targets or targets is not None)
+        words = batch_words(inputs if holds_first else ABSENT, targets if wants_targets else ABSENT, m)
+        words[NO_TARGETS] = int(holds_last and targets is None)
         flags = torch.tensor(words, dtype=torch.int64)
-        dist.all_reduce(flags, group=self._check_group)  # on the CPU: no wait for the GPU's queued work
+        # on the CPU (no wait for the GPU's queued work); MAX: a flag set anywhere, and [max, -min] pairs
+        start = time.monotonic()
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._check_group)
+        except RuntimeError as e:
+            if is_peer_lost(e):
+                raise peer_lost(e, "the step-start batch check", start) from e
+            raise
         flags = flags.tolist()
-        _raise_batch_errors(flags, m, need_targets)
-        self._new_p2p_if_shapes_changed(flags[4], need_targets)
+        raise_batch_errors(flags, words, m, need_targets)
+        self._new_p2p_if_shapes_changed(flags[SIGNATURE], need_targets)
         self._inputs = _split(inputs, m, model.device) if holds_first else None
         self._targets = _split(targets, m, model.device) if holds_last and targets is not None else None
         self._received: dict[tuple[str, int], Any] = {}
@@ -148,7 +155,7 @@ class PipelineRunner:
         self._sent_outputs: list[torch.Tensor] = []
         self.freed_bytes = 0  # activation bytes freed right after sending, this step
         self.timeline.begin()
-        return flags[5] == 0
+        return flags[NO_TARGETS] == 0
 
     def _new_p2p_if_shapes_changed(self, signature: int, train: bool) -> None:
         """Stream metadata is cached per shape signature and mode; new shapes start new streams."""
@@ -180,6 +187,9 @@ class PipelineRunner:
         try:
             with self.timeline.span("wait", "comm"):
                 self._p2p.drain()
+        except PeerLost as e:
+            raise PeerLost(f"rank {self.grid.rank} (pipe stage {self.grid.pipe_rank}), after the last action "
+                           f"{steps[-1].action}: {e}") from e
         except CommTimeout as e:
             raise PipelineTimeout(f"rank {self.grid.rank} (pipe stage {self.grid.pipe_rank}): sends of this step "
                                   f"never completed after the last action {steps[-1].action}: {e}") from e
@@ -191,12 +201,17 @@ class PipelineRunner:
         try:
             with self.timeline.span("wait", "comm"):
                 got = self._p2p.exchange(out, ins)
+        except PeerLost as e:
+            a = step.action
+            raise PeerLost(f"rank {self.grid.rank} (pipe stage {self.grid.pipe_rank}) at action {a} (microbatch "
+                           f"{a.microbatch}): {e}") from e
         except CommTimeout as e:
             a = step.action
             raise PipelineTimeout(
                 f"rank {self.grid.rank} (pipe stage {self.grid.pipe_rank}) timed out around action {a} "
                 f"({a.op.name} of chunk {a.chunk}, virtual stage {step.stage}, microbatch {a.microbatch}); "
-                f"a peer never answered: {e}") from e
+                f"a peer never answered (set the pipeline timeout with ds_config pipeline.timeout or "
+                f"PipelineRunner(timeout_s=)): {e}") from e
         for (_, key, mb), tensors in zip(recvs, got):
             self._received[(key, mb)] = tensors[0] if len(tensors) == 1 else tensors
         self.freed_bytes += free(self._sent_outputs)  # posted: their values may go (pipe/dealloc.py)
@@ -225,11 +240,12 @@ class PipelineRunner:
             x = self._inputs[mb]
         else:
             x = self._take(f"a{s - 1}", mb, step)
-        with saved_storages(train and step.send is not None) as saved:
+        with saved_storages(train and step.send is not None) as saved, self._where(step):
             out = model(x, chunk=chunk)
         if model.is_last(chunk):
             if with_loss:
-                loss = model.loss(out, self._targets[mb])
+                with self._where(step):
+                    loss = model.loss(out, self._targets[mb])
                 self._losses[mb] = loss.detach()
                 out = loss
             else:
@@ -242,6 +258,16 @@ class PipelineRunner:
         if not model.is_last(chunk):  # the next virtual stage is on this rank
             self._received[(f"a{s}", mb)] = _detached(out)
         return []
+
+    @contextmanager
+    def _where(self, step: _Step) -> Iterator[None]:
+        """Prefix a layer's error with this rank, stage and microbatch."""
+        try:
+            yield
+        except LayerError as err:
+            a = step.action
+            raise LayerError(f"rank {self.grid.rank} (pipe stage {self.grid.pipe_rank}, virtual stage {step.stage}, "
+                             f"microbatch {a.microbatch}): {err}") from err.__cause__
 
     def _backward(self, step: _Step, keep_graph: bool) -> list:
         _, chunk, mb = step.action
@@ -436,6 +462,7 @@ def _check_schedule(model: PipelineModule, schedule: Any, optimizer: Any) -> Non
     if placement != model.placement:
         raise ValueError(f"{type(schedule).__name__} places chunks {placement!r} but "
                          f"PipelineModule(placement={model.placement!r}); make them equal")
+    validate(schedule, model.num_stages, num_microbatches=m)  # a ScheduleError (bad cells marked) on every rank
     if getattr(optimizer, "stage", None) == 3:
         raise ValueError("PipelineRunner does not run ZeRO stage 3 (it would gather every chunk's parameters "
                          "once per microbatch); use ZeroOptimizer(stage=2), which keeps full weights per stage")
@@ -449,37 +476,6 @@ def _detached(x: Any) -> Any:
     """A same-rank hand-off: a new graph leaf per tensor, as if it had come over the network."""
     cut = lambda t: t.detach().requires_grad_(t.requires_grad)  # noqa: E731
     return cut(x) if isinstance(x, torch.Tensor) else tuple(cut(t) for t in x)
-
-
-def _batch_problem(batch: Any, m: int) -> list[int]:
-    """[missing, indivisible batch size (0 if fine)] for the inputs or targets of this rank."""
-    if batch is None:
-        return [1, 0]
-    sizes = {t.shape[0] for t in _tensors(batch)} if not isinstance(batch, torch.Tensor) else {batch.shape[0]}
-    if len(sizes) != 1:
-        return [0, -1]
-    size = sizes.pop()
-    return [0, size if size % m else 0]
-
-
-def _raise_batch_errors(w: list[int], m: int, need_targets: bool) -> None:
-    if w[0]:
-        raise ValueError("train_step/eval_step: the first pipeline stage got inputs=None; pass the batch there")
-    if w[1]:
-        raise ValueError(f"the inputs' batch dimension ({w[1] if w[1] > 0 else 'differs between tensors'}) "
-                         f"does not split into num_microbatches={m} equal microbatches; use a batch "
-                         f"that is a multiple of {m}")
-    if w[2] and need_targets:
-        raise ValueError("train_step: the last pipeline stage got targets=None; pass the targets there")
-    if w[3]:
-        raise ValueError(f"the targets' batch dimension ({w[3] if w[3] > 0 else 'differs between tensors'}) "
-                         f"does not split into num_microbatches={m} equal microbatches")
-
-
-def _signature(batch: Any) -> int:
-    """A number that changes when the microbatch shapes change (then metadata is sent afresh)."""
-    shapes = tuple((tuple(t.shape), str(t.dtype)) for t in _tensors(batch))
-    return zlib.crc32(repr(shapes).encode())
 
 
 def _split(batch: Any, m: int, device: torch.device) -> list:

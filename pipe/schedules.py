@@ -110,10 +110,11 @@ class Interleaved1F1B(_Base):
         _check_count(f"{self!r}.actions", "num_stages", num_stages)
         m, p = self.num_microbatches, num_stages
         if m % p:
-            lower, upper = max(p, m - m % p), m + p - m % p
+            lower, upper = m - m % p, m + p - m % p
+            near = f"{lower} or {upper}" if lower >= p else f"{upper}"
             raise ValueError(
                 f"{self!r} on num_stages={p}: num_microbatches must be a multiple of "
-                f"num_stages (e.g. {lower} or {upper}), or use OneFOneB / ZeroBubbleV")
+                f"num_stages (e.g. {near}), or use OneFOneB / ZeroBubbleV")
         return super().actions(num_stages)
 
     def _unit(self, k: int, p: int, backward: bool) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 from pipezero.precision.chain import ChainLink
 from pipezero.precision.clip import DUPLICATE_ATTR, clip_grad_norm, global_grad_norm
-from pipezero.precision.config import ScalerConfig
+from pipezero.precision.config import Precision, ScalerConfig, read_precision
 from pipezero.precision.master import MasterWeights
 from pipezero.precision.scaler import LossScaler
 

@@ -65,7 +65,9 @@ class ChainWrapper(torch.optim.Optimizer):
     """Base of the links here: shares `inner.param_groups`, forwards scale/zero_grad/add_param_group.
 
     torch's Optimizer.__init__ runs on a placeholder parameter (it wants at least one) only to set
-    up its hooks; the groups are then replaced by the inner optimizer's own list.
+    up its hooks; from then on `param_groups` and `state` ARE the inner optimizer's, read through
+    on every access: torch's load_state_dict replaces those objects, and a copy kept here would
+    go stale after every resume (an lr set here would then be ignored).
     """
 
     def __init__(self, inner: Any):
@@ -73,9 +75,33 @@ class ChainWrapper(torch.optim.Optimizer):
         super().__init__([torch.empty(0)], {})
         self.inner = inner
         self.defaults = getattr(inner, "defaults", {})
-        self.state = getattr(inner, "state", self.state)
-        self.param_groups = inner.param_groups
         self.last_step_skipped = False
+
+    @property
+    def param_groups(self) -> list:
+        """The inner optimizer's param_groups list itself."""
+        inner = self.__dict__.get("inner")
+        return inner.param_groups if inner is not None else self.__dict__["_own_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list) -> None:
+        if "inner" in self.__dict__:
+            self.inner.param_groups = groups
+        else:  # torch's __init__, before the chain is linked
+            self.__dict__["_own_groups"] = groups
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's per-parameter state itself."""
+        inner = self.__dict__.get("inner")
+        return getattr(inner, "state", None) if inner is not None else self.__dict__["_own_state"]
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        if "inner" in self.__dict__:
+            self.inner.state = state
+        else:
+            self.__dict__["_own_state"] = state
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer (and so to the shared list)."""

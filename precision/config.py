@@ -1,8 +1,11 @@
-"""ScalerConfig: the validated settings of a LossScaler, and the DeepSpeed sections they come from.
+"""ScalerConfig: the validated settings of a LossScaler, and the one reader of DeepSpeed's fp16/bf16 sections.
 
 One small typed dataclass owns every knob (so LossScaler's constructor and from_config share one
-validation), and two readers translate DeepSpeed's `fp16` / `bf16` sections into it: a DeepSpeed
-user's config gives the same scale trajectory here as there.
+validation). `read_precision` is the only reader of ds_config's `fp16` and `bf16` (old name
+`bfloat16`) sections, with DeepSpeed 0.19.8's defaults and coercions; `parse_config` (train/)
+and `LossScaler.from_config` both call it, so they cannot disagree. A DeepSpeed user's config
+gives the same dtype, scale trajectory and overflow skipping here as there: bf16 skips steps
+with inf/nan gradients by default (`check_grad_overflow`, true in DeepSpeed's ZeRO bf16 path).
 """
 
 from __future__ import annotations
@@ -11,15 +14,27 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["ScalerConfig", "FP16_KEYS", "BF16_KEYS"]
+import torch
 
-# DeepSpeed fp16 keys. `auto_cast` and `fp16_master_weights_and_grads` belong to the model and
-# ZeRO glue (train/, zero/), not to loss scaling: accepted here and left to them.
-FP16_KEYS = frozenset({"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
-                       "hysteresis", "consecutive_hysteresis", "min_loss_scale",
-                       "fp16_master_weights_and_grads"})
-# DeepSpeed bf16 keys: bf16 needs no scaling; `check_grad_overflow` asks for the inf/nan skip anyway.
-BF16_KEYS = frozenset({"enabled", "immediate_grad_update", "check_grad_overflow"})
+from pipezero.config_fields import ConfigError, Ignored, Section, Unsupported
+
+__all__ = ["BF16_RULES", "FP16_RULES", "Precision", "ScalerConfig", "read_precision"]
+
+_FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale")
+FP16_RULES = {
+    "auto_cast": Ignored("inputs are not cast for you; cast them with x.to(engine.dtype)", noop=False),
+    "fp16_master_weights_and_grads": Unsupported(
+        "fp16 master weights and gradients, with DeepSpeedCPUAdam", "leave it false (masters are fp32)", noop=False),
+}
+_BF16_KEYS = ("enabled", "check_grad_overflow")
+BF16_RULES = {
+    "immediate_grad_update": Ignored("gradients are accumulated in fp32 as they arrive either way", noop=False),
+    "bf16_master_weights_and_grads": Unsupported(
+        "bf16 master weights and gradients in ZeRO", "leave it false (masters are fp32)", noop=False),
+    "bf16_optimizer_states": Unsupported(
+        "bf16 optimizer state in ZeRO", "leave it false (optimizer state is fp32)", noop=False),
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,8 +58,9 @@ class ScalerConfig:
     clip_grad_norm: float = 0.0
     """Clip gradients to this global L2 norm (DeepSpeed's `gradient_clipping`); 0 disables."""
     check_finite: bool | None = None
-    """Skip steps whose gradients hold inf/nan. None: yes when scaling (fp16), no for the bf16/fp32
-    no-op path (as DeepSpeed's bf16 path); a clipped step always skips on a non-finite norm."""
+    """Skip steps whose gradients hold inf/nan. None: yes when scaling (fp16), no for the fp32 no-op
+    path (as DeepSpeed); bf16 sets it from `check_grad_overflow`. A clipped step always skips on a
+    non-finite norm."""
 
     def __post_init__(self) -> None:
         _check_number("init_scale", self.init_scale, "a positive finite number, e.g. 2.0**16")
@@ -85,58 +101,72 @@ class ScalerConfig:
 
     @classmethod
     def from_fp16(cls, section: Mapping[str, Any], **extra: Any) -> "ScalerConfig":
-        """Read DeepSpeed's `fp16` section: `loss_scale` 0 = dynamic from 2**initial_scale_power."""
-        _check_keys("fp16", section, FP16_KEYS)
-        if not _flag("fp16", section, "enabled", True):
+        """Read DeepSpeed's `fp16` section (enabled unless it says false): `loss_scale` 0 = dynamic."""
+        sec = Section(section, ("fp16",))
+        if not sec.bool("enabled", True):
             return cls(init_scale=1.0, dynamic=False, **extra)
-        loss_scale = section.get("loss_scale", 0)
-        power = section.get("initial_scale_power", 16)
-        if isinstance(power, bool) or not isinstance(power, int) or not 0 <= power <= 127:
-            raise ValueError(f"fp16.initial_scale_power={power!r}: must be an integer in 0..127 (16 means 2**16)")
-        _check_number("fp16.loss_scale", loss_scale, "0 for dynamic scaling or a positive static scale",
-                      allow_zero=True)
-        dynamic = loss_scale == 0
-        return cls(init_scale=2.0 ** power if dynamic else float(loss_scale), dynamic=dynamic,
-                   scale_window=section.get("loss_scale_window", 1000),
-                   hysteresis=section.get("hysteresis", 2),
-                   min_scale=float(_numeric("fp16.min_loss_scale", section.get("min_loss_scale", 1.0))),
-                   consecutive_hysteresis=_flag("fp16", section, "consecutive_hysteresis", False), **extra)
+        return _read_fp16(sec, extra)
 
     @classmethod
     def from_bf16(cls, section: Mapping[str, Any], **extra: Any) -> "ScalerConfig":
-        """Read DeepSpeed's `bf16` section: no scaling; inf/nan skipping only if asked for."""
-        _check_keys("bf16", section, BF16_KEYS)
-        _flag("bf16", section, "enabled", True)
-        _flag("bf16", section, "immediate_grad_update", False)
-        check = _flag("bf16", section, "check_grad_overflow", False)
-        extra.setdefault("check_finite", check)
-        return cls(init_scale=1.0, dynamic=False, **extra)
+        """Read DeepSpeed's `bf16` section: no scaling; inf/nan steps skipped unless check_grad_overflow is false."""
+        return _read_bf16(Section(section, ("bf16",)), extra)
 
 
-def _check_keys(name: str, section: Mapping[str, Any], known: frozenset) -> None:
-    if not isinstance(section, Mapping):
-        raise TypeError(f"the {name} config section must be a dict, got {type(section).__name__}")
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in the {name} config section; "
-                         f"known keys: {sorted(known)}")
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """What ds_config's fp16/bf16 sections ask for: the compute dtype and the loss scaler's settings."""
+
+    dtype: torch.dtype
+    scaler: ScalerConfig
 
 
-def _flag(name: str, section: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = section.get(key, default)
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}.{key}={value!r}: must be true or false "
-                         f"(resolve \"auto\" values before building the scaler)")
-    return value
+def read_precision(ds_config: Mapping[str, Any], *, clip_grad_norm: float = 0.0) -> Precision:
+    """The fp16 and bf16 (or bfloat16) sections of a whole ds_config -> Precision (fp32 when neither is on).
+
+    `clip_grad_norm` is DeepSpeed's top-level `gradient_clipping` (read by train/).
+    """
+    if "bf16" in ds_config and "bfloat16" in ds_config:
+        raise ConfigError('ds_config has both "bf16" and its old name "bfloat16": keep only "bf16"')
+    fp16 = Section(ds_config.get("fp16"), ("fp16",))
+    bf16 = Section(ds_config.get("bf16", ds_config.get("bfloat16")),
+                   ("bfloat16",) if "bfloat16" in ds_config else ("bf16",))
+    fp16.check(_FP16_KEYS, FP16_RULES)
+    bf16.check(_BF16_KEYS, BF16_RULES)
+    fp16_on, bf16_on = fp16.bool("enabled", False), bf16.bool("enabled", False)
+    if fp16_on and bf16_on:
+        raise ConfigError(f'{fp16.where("enabled")} and {bf16.where("enabled")} are both true: enable at most one')
+    extra = {"clip_grad_norm": clip_grad_norm}
+    if fp16_on:
+        return Precision(torch.float16, _read_fp16(fp16, extra))
+    if bf16_on:
+        return Precision(torch.bfloat16, _read_bf16(bf16, extra))
+    return Precision(torch.float32, ScalerConfig(init_scale=1.0, dynamic=False, **extra))
 
 
-def _numeric(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={value!r}: must be a number (resolve \"auto\" values first)")
-    return value
+def _read_fp16(sec: Section, extra: dict) -> ScalerConfig:
+    """DeepSpeed's fp16 keys and defaults (min_loss_scale may be fractional here; DeepSpeed wants an int)."""
+    sec.check(_FP16_KEYS, FP16_RULES)
+    loss_scale = sec.float("loss_scale", 0.0, lo=0.0)
+    power = sec.int("initial_scale_power", 16, lo=0, hi=127)
+    dynamic = loss_scale == 0
+    window = sec.int("loss_scale_window", 1000, lo=1 if dynamic else None)
+    min_scale = sec.float("min_loss_scale", 1.0, lo=0.0)
+    if dynamic and min_scale <= 0:
+        raise ConfigError(f"{sec.where('min_loss_scale')} = {min_scale}: expected a value > 0 with a dynamic "
+                          f"loss scale (loss_scale 0)")
+    return ScalerConfig(init_scale=2.0 ** power if dynamic else loss_scale, dynamic=dynamic,
+                        scale_window=max(window, 1), hysteresis=sec.int("hysteresis", 2, lo=1),
+                        min_scale=min_scale if dynamic else 1.0,
+                        consecutive_hysteresis=sec.bool("consecutive_hysteresis", False), **extra)
 
 
-def _check_number(name: str, value: Any, expected: str, allow_zero: bool = False) -> None:
-    _numeric(name, value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+def _read_bf16(sec: Section, extra: dict) -> ScalerConfig:
+    sec.check(_BF16_KEYS, BF16_RULES)
+    extra = {"check_finite": sec.bool("check_grad_overflow", True), **extra}
+    return ScalerConfig(init_scale=1.0, dynamic=False, **extra)
+
+
+def _check_number(name: str, value: Any, expected: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r}: expected {expected}")

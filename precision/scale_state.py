@@ -5,15 +5,17 @@ loss by a scale so small fp16 gradients do not flush to zero, and lowers the sca
 overflow. DeepSpeed's rule, which a DeepSpeed user's `fp16` section expects:
   * overflow: the step is skipped; when the hysteresis is down to 1 (or configured as 1) the scale
     becomes max(scale / 2, min_scale), otherwise the hysteresis left drops by one;
-  * clean step: with consecutive_hysteresis the hysteresis refills; when
-    (iteration - last overflow iteration) is a multiple of scale_window (the last overflow
-    iteration starts at -1, so the first growth comes after scale_window clean steps) the
-    hysteresis refills and the scale doubles.
-Unlike DeepSpeed, reaching the floor never raises here: LossScaler counts and reports it.
+  * clean step: with consecutive_hysteresis the hysteresis refills; when the stable interval
+    (iteration - last overflow iteration - 1, the last overflow iteration starting at -1) is
+    positive and a multiple of scale_window, the hysteresis refills and the scale doubles. So the
+    first growth comes at iteration scale_window, one clean step later than torch's GradScaler,
+    and after an overflow at iteration k the next growth is at k + scale_window + 1.
+Unlike DeepSpeed, an overflow at the floor never raises here: LossScaler counts and reports it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 __all__ = ["ScaleState"]
@@ -56,7 +58,8 @@ class ScaleState:
             return
         if consecutive_hysteresis:
             self.hysteresis_left = hysteresis
-        if (self.iteration - self.last_overflow_iteration) % scale_window == 0:
+        stable = self.iteration - self.last_overflow_iteration - 1
+        if stable > 0 and stable % scale_window == 0:
             self.hysteresis_left = hysteresis
             self.scale *= _FACTOR
 
@@ -72,4 +75,14 @@ class ScaleState:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"loss-scaler state must have exactly the keys {sorted(names)}, got {got}; "
                              f"pass the 'loss_scaler' entry of LossScaler.state_dict()")
-        return cls(scale=float(data["scale"]), **{k: int(data[k]) for k in names - {"scale"}})
+        scale = data["scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"loss-scaler state: scale={scale!r}, expected a finite number > 0 (a checkpoint "
+                             f"edited or damaged); load another step or drop its loss-scaler state")
+        counts = {k: data[k] for k in names - {"scale"}}
+        for key, value in sorted(counts.items()):
+            low = -1 if key == "last_overflow_iteration" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"loss-scaler state: {key}={value!r}, expected an integer >= {low} (a "
+                                 f"checkpoint edited or damaged); load another step")
+        return cls(scale=float(scale), **counts)

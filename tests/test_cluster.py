@@ -26,7 +26,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from harness import run
 from pipezero.topology import rank_coords
 from pipezero.train.config_batch import BatchConfig, keep_global_batch
-from pipezero.train.config_fields import ConfigError
+from pipezero.config_fields import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "slurm" / "train_gpt.sbatch"
@@ -56,18 +56,21 @@ def _main(out: str, stop_at: int | None = None) -> None:
     """examples/train_gpt.py in a harness worker, stopped at the top of step `stop_at` if given."""
     import train_gpt
 
-    def stop(step: int, rank: int) -> None:
-        if step == stop_at:
-            raise _Stop
+    from pipezero.train.data import ShardedBatches
+    real = ShardedBatches.next_batch
 
-    hook = train_gpt._crash_for_the_restart_test
-    train_gpt._crash_for_the_restart_test = stop
+    def next_batch(self):  # the training batch of step `stop_at` is never taken
+        if self.split == "train" and self.epoch * self.steps_per_epoch + self.step == stop_at:
+            raise _Stop
+        return real(self)
+
+    ShardedBatches.next_batch = next_batch
     try:
         train_gpt.main(["--out", out, *ARGS])
     except _Stop:
         pass
     finally:
-        train_gpt._crash_for_the_restart_test = hook
+        ShardedBatches.next_batch = real
 
 
 def _agents(out: Path, nnodes: str, rdzv_conf: list[str], env: list[dict],

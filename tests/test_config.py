@@ -1,6 +1,10 @@
-"""ds_config parsing: the seed config, a catalogue of bad configs, "auto" sizes, batch arithmetic, LR schedules."""
+"""ds_config parsing: the seed config, a catalogue of bad configs, "auto", batch arithmetic, LR schedules.
+
+Comparisons with DeepSpeed's own DeepSpeedConfig on real files are in test_config_deepspeed.py.
+"""
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -9,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipezero.train.config import ConfigError, OffloadDevice, parse_config
+from pipezero.train.config import ConfigError, parse_config
 from pipezero.train.config_optim import (SchedulerConfig, SchedulerType, WarmupType, build_optimizer,
                                          build_scheduler, lr_at)
 
@@ -22,19 +26,16 @@ def _seed():
 
 def test_seed_config_verbatim():
     cfg = parse_config(SEED, world_size=4, hidden_size=64)
-    assert cfg.fp16.enabled and cfg.fp16.dynamic and cfg.fp16.min_loss_scale == 1e-5
-    assert cfg.compute_dtype == torch.float16
-    assert cfg.zero.stage == 3 and cfg.zero.overlap_comm and cfg.zero.contiguous_gradients
-    assert cfg.zero.offload_optimizer.device is OffloadDevice.CPU and cfg.zero.offload_param.pin_memory
+    scaler = cfg.precision.scaler
+    assert cfg.compute_dtype == torch.float16 and scaler.dynamic and scaler.min_scale == 1e-5
+    assert scaler.init_scale == 2.0 ** 16 and scaler.clip_grad_norm == cfg.gradient_clipping == 1.0
+    assert cfg.zero.stage == 3 and cfg.zero.overlap_comm
+    assert cfg.zero.offload_optimizer and cfg.zero.offload_param
     assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_size, cfg.batch.accumulation_steps) == (32, 8, 1)
     assert cfg.steps_per_print == 100 and not cfg.wall_clock_breakdown
-    zero = cfg.zero.to_dict()  # what ZeroOptimizer.from_config receives
-    assert zero["reduce_bucket_size"] == 64 * 64
-    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
-    assert zero["stage3_param_persistence_threshold"] == 640
-    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
-    fp16 = cfg.fp16.to_dict()  # what LossScaler.from_config receives: DeepSpeed's keys and values
-    assert {k: fp16[k] for k in _seed()["fp16"]} == _seed()["fp16"]
+    assert cfg.zero.reduce_bucket_size == 64 * 64
+    assert cfg.zero.stage3_prefetch_bucket_size == int(0.9 * 64 * 64)
+    assert cfg.zero.stage3_param_persistence_threshold == 640
 
 
 def test_a_typical_deepspeed_user_config():
@@ -54,37 +55,74 @@ def test_a_typical_deepspeed_user_config():
     cfg = parse_config(raw, world_size=8)
     assert cfg.batch.train_batch_size == 4 * 8 * 8 and cfg.gradient_clipping == 1.0
     assert cfg.scheduler.type is SchedulerType.WARMUP_DECAY_LR and cfg.scheduler.total_num_steps == 1000
-    assert cfg.zero.stage3_param_persistence_threshold == 1_000_000 and cfg.bf16.enabled
+    assert cfg.zero.stage3_param_persistence_threshold == 1_000_000 and cfg.compute_dtype == torch.bfloat16
     assert (cfg.tensorboard.enabled, cfg.tensorboard.output_path, cfg.tensorboard.job_name) == (
         True, "logs/", "gpt_small")
 
 
-def test_sections_are_accepted_by_their_packages():
-    """The contract with precision/ and zero/: the dicts we hand over parse there to the same values."""
-    from pipezero.precision import ScalerConfig
-    from pipezero.zero import ZeroConfig
+def test_one_reader_per_section():
+    """parse_config and the packages' own from_config read a section through the same reader."""
+    from pipezero.precision import LossScaler
+    from pipezero.zero import ZeroOptimizer
 
     raw = _seed()
     raw["zero_optimization"].update(allgather_partitions=True, reduce_bucket_size=5e8)
-    raw["gradient_clipping"] = 1.0
     cfg = parse_config(raw, world_size=4, hidden_size=64)
-    ours = ScalerConfig.from_fp16(cfg.fp16.to_dict(), clip_grad_norm=cfg.gradient_clipping)
-    assert ours == ScalerConfig.from_fp16(raw["fp16"], clip_grad_norm=1.0)
-    assert ours.dynamic and ours.min_scale == 1e-5 and ours.init_scale == 2.0 ** 16
-    zero = ZeroConfig.from_dict(cfg.zero.to_dict())
-    assert zero.stage == 3 and zero.reduce_bucket_size == 500_000_000
-    assert zero.stage3_prefetch_bucket_size == int(0.9 * 64 * 64)
-    bf16 = parse_config({"train_batch_size": 1, "bf16": {"enabled": True, "check_grad_overflow": True}}).bf16
-    assert ScalerConfig.from_bf16(bf16.to_dict()).checks_finite
+    param = torch.nn.Parameter(torch.zeros(2))
+    scaler = LossScaler.from_config(torch.optim.SGD([param], lr=0.1), raw["fp16"], clip_grad_norm=1.0)
+    assert scaler.config == cfg.precision.scaler
+    zero = ZeroOptimizer.from_config(torch.optim.SGD([param], lr=0.1), {**raw["zero_optimization"], "stage": 2},
+                                     hidden_size=64)
+    assert zero.config == dataclasses.replace(cfg.zero, stage=2, offload_param=False, overlap_comm=True)
+    empty = ZeroOptimizer.from_config(torch.optim.SGD([param], lr=0.1), {})
+    assert empty.config == parse_config({"train_batch_size": 1}).zero  # DeepSpeed's defaults on both paths
+    assert (empty.config.stage, empty.config.reduce_bucket_size, empty.config.overlap_comm) == (0, 500_000_000, False)
 
 
-def test_auto_left_unresolved_is_refused_at_hand_over():
-    cfg = parse_config(SEED, world_size=1)
-    assert cfg.zero.has_auto
-    with pytest.raises(ConfigError, match="reduce_bucket_size.*hidden_size"):
-        cfg.zero.to_dict()
-    resolved = cfg.zero.resolve_auto(1024)
-    assert resolved.reduce_bucket_size == 1024 * 1024 and resolved.stage3_param_persistence_threshold == 10240
+def test_deepspeed_defaults_spellings_and_coercions():
+    cfg = parse_config({"train_batch_size": 8, "fp16": {"enabled": "true"}, "zero_optimization": {
+        "stage": 3, "reduce_bucket_size": 2e8, "prefetch_bucket_size": "1000", "param_persistence_threshold": 1e4,
+        "max_live_parameters": 1e9, "gather_16bit_weights_on_model_save": False, "cpu_offload": True,
+        "offload_param": {"device": "cpu", "pipeline_read": False, "pipeline_write": False}},
+        "prescale_gradients": False, "aio": {"block_size": 1048576}})
+    assert cfg.gradient_clipping == 1.0 and cfg.compute_dtype == torch.float16  # DeepSpeed's default clip
+    z = cfg.zero
+    assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
+        200_000_000, 1000, 10_000)
+    assert z.offload_optimizer and z.offload_param and z.overlap_comm
+    below = parse_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_param": {
+        "device": "cpu"}}}).zero
+    assert not below.offload_param  # ignored below stage 3, as DeepSpeed ignores it
+    bf16 = parse_config({"train_batch_size": 8, "bf16": {"enabled": True}}).precision.scaler
+    assert bf16.checks_finite and bf16.is_noop  # DeepSpeed's check_grad_overflow default
+
+
+def test_auto_resolves_from_the_callers_values():
+    hf = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                    "weight_decay": "auto"}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                            "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                "stage3_param_persistence_threshold": "auto", "sub_group_size": "auto"}}
+    values = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
+              "bf16.enabled": True, "optimizer.params.lr": 1e-4, "optimizer.params.betas": [0.9, 0.95],
+              "optimizer.params.eps": 1e-6, "optimizer.params.weight_decay": 0.1,
+              "scheduler.params.warmup_num_steps": 5, "scheduler.params.total_num_steps": 50}
+    cfg = parse_config(hf, world_size=4, hidden_size=32, auto_values=values)
+    assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_size, cfg.batch.accumulation_steps) == (24, 2, 3)
+    assert cfg.gradient_clipping == 0.5 and cfg.compute_dtype == torch.bfloat16
+    assert (cfg.optimizer.lr, cfg.optimizer.betas, cfg.scheduler.warmup_max_lr, cfg.scheduler.warmup_min_lr) == (
+        1e-4, (0.9, 0.95), 1e-4, 0.0)
+    assert cfg.zero.reduce_bucket_size == 32 * 32 and cfg.zero.stage3_param_persistence_threshold == 320
+    with pytest.raises(ConfigError, match=r'sets train_batch_size and .*"auto".*auto_values'):
+        parse_config(hf, world_size=4, hidden_size=32)  # never "sets neither": it says what resolves them
+    with pytest.raises(ConfigError, match=r'\["gradient_clipping"\] is "auto".*auto_values=\{"gradient_clipping"'):
+        parse_config(hf, world_size=4, hidden_size=32, auto_values={k: v for k, v in values.items()
+                                                                     if k != "gradient_clipping"})
+    with pytest.raises(ConfigError, match=r'\["reduce_bucket_size"\] is "auto": pass hidden_size='):
+        parse_config(hf, world_size=4, auto_values=values)
 
 
 def test_explicit_sizes_are_kept_and_5e8_is_an_int():
@@ -135,36 +173,41 @@ _DEL = object()
 BAD = [
     (("train_batch_size",), 30, 4, ["train_batch_size", "30", "4"]),
     (("train_batch_size",), -1, 1, ["train_batch_size", "-1"]),
-    (("train_batch_size",), "32", 1, ["train_batch_size", "integer"]),
+    (("train_batch_size",), "thirty-two", 1, ["train_batch_size", "integer"]),
     (("train_micro_batch_size_per_gpu",), 3, 4, ["train_batch_size", "32", "3", "4", "12"]),
     (("gradient_accumulation_steps",), 3, 1, ["train_batch_size", "32", "gradient_accumulation_steps 3"]),
     (("gradient_accumulation_steps",), 0.5, 1, ["gradient_accumulation_steps", "integer"]),
     (("train_batch_size",), _DEL, 1, ["train_micro_batch_size_per_gpu", "at least one"]),
-    (("fp16", "enabled"), "yes", 1, ['["fp16"]["enabled"]', "true or false"]),
+    (("fp16", "enabled"), "maybe", 1, ['["fp16"]["enabled"]', "true or false"]),
+    (("fp16", "enabled"), "yes", 1, []),  # DeepSpeed reads "yes" (and "true", 1, "on") as true
+    (("fp16", "opt_level"), "O2", 1, ['["fp16"]["opt_level"]', "not a key of DeepSpeed's"]),
     (("fp16", "loss_scale"), -2, 1, ['["fp16"]["loss_scale"]', "-2"]),
     (("fp16", "loss_scale_window"), 0, 1, ["loss_scale_window", ">= 1"]),
     (("fp16", "hysterisis"), 2, 1, ['"hysterisis"', 'did you mean "hysteresis"']),
     (("fp16", "fp16_master_weights_and_grads"), True, 1, ["fp16_master_weights_and_grads", "fp32"]),
     (("bf16",), {"enabled": True}, 1, ["fp16", "bf16", "at most one"]),
     (("zero_optimization", "stage"), 4, 1, ['["zero_optimization"]["stage"]', "4", "3"]),
-    (("zero_optimization", "stage"), 2, 1, ["offload_param", "stage", "3"]),
+    (("zero_optimization", "stage"), 2, 1, []),  # offload_param below stage 3: ignored with a warning
+    (("zero_optimization", "zero_quantized_weights"), True, 1, ["zero_quantized_weights", "ZeRO++",
+                                                                "is not supported by pipezero"]),
     (("zero_optimization", "offload_optimizer", "device"), "nvme", 1, ["nvme", "cpu"]),
     (("zero_optimization", "offload_optimizer", "device"), "gpu", 1, ["device", "'gpu'", "'cpu'"]),
-    (("zero_optimization", "offload_param", "nvme_path"), "/nvme", 1, ["nvme_path", "cpu"]),
+    (("zero_optimization", "offload_param", "nvme_path"), "/nvme", 1, []),  # unused without NVMe
     (("zero_optimization", "cpu_offload"), True, 1, ["cpu_offload", "offload_optimizer"]),
-    (("zero_optimization", "reduce_bucket_size"), "big", 1, ["reduce_bucket_size", "auto"]),
-    (("zero_optimization", "allgather_bucket_size"), "auto", 1, ["allgather_bucket_size", "HuggingFace"]),
+    (("zero_optimization", "reduce_bucket_size"), "big", 1, ["reduce_bucket_size", "'big'", "integer"]),
+    (("zero_optimization", "allgather_bucket_size"), "auto", 1, []),  # DeepSpeed's default applies
     (("zero_optimization", "overlap_com"), True, 1, ['"overlap_com"', 'did you mean "overlap_comm"']),
     (("zero_optimization",), [3], 1, ['["zero_optimization"]', "JSON object"]),
-    (("gradient_clipping",), "auto", 1, ["gradient_clipping", "HuggingFace"]),
+    (("gradient_clipping",), "auto", 1, ["gradient_clipping", 'auto_values={"gradient_clipping"']),
     (("gradient_clipping",), -1.0, 1, ["gradient_clipping", "-1.0"]),
     (("steps_per_print",), 0, 1, ["steps_per_print", "0"]),
-    (("wall_clock_breakdown",), 1, 1, ["wall_clock_breakdown", "true or false"]),
+    (("wall_clock_breakdown",), "often", 1, ["wall_clock_breakdown", "true or false"]),
     (("tensorboard", "output_path"), 3, 1, ["output_path", "string"]),
     (("tensorboard", "job"), "x", 1, ['["tensorboard"]["job"]', "job_name"]),
     (("optimizer",), {"type": "SGD"}, 1, ['["optimizer"]["type"]', "'SGD'", "'AdamW'"]),
     (("optimizer", "params"), {"lr": 1e-3, "betas": [0.9]}, 1, ["betas", "two numbers"]),
-    (("optimizer", "params"), {"lr": "auto"}, 1, ['["lr"]', "HuggingFace"]),
+    (("optimizer", "params"), {"lr": "auto"}, 1, ['["lr"]', 'auto_values={"optimizer.params.lr"']),
+    (("optimizer", "params"), {"amsgrad": True}, 1, ['["amsgrad"]', "AMSGrad", "is not supported by pipezero"]),
     (("scheduler",), {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}, 1,
      ["total_num_steps", "required"]),
     (("scheduler",), {"type": "WarmupCosineLR", "params": {"total_num_steps": 5, "warmup_num_steps": 10}}, 1,
@@ -183,8 +226,10 @@ BAD = [
     (("pipeline", "partition_method"), [1, -2, 1], 1, ["partition_method", "per-layer costs", ">= 0"]),
     (("pipeline", "partition_method"), [0.0, 1.5, 7.4], 1, []),  # per-layer costs are accepted
     (("amp",), {"enabled": True}, 1, ['["amp"]', "fp16 or bf16"]),
-    (("activation_checkpointing",), {"partition_activations": True}, 1,
-     ["activation_checkpointing", "activation_checkpoint_interval"]),
+    (("activation_checkpointing",), {"partition_activations": True}, 1, []),  # a warning: it needs model code
+    (("sparse_attention",), {"mode": "fixed"}, 1, ['["sparse_attention"]', "is not supported by pipezero"]),
+    (("my_own_key",), 1, 1, []),  # in no DeepSpeed version: DeepSpeed ignores it, pipezero warns
+    (("train_micro_batch_size_per_gpuu",), 8, 1, ['did you mean "train_micro_batch_size_per_gpu"']),
     (("train_batch_sise",), 32, 1, ['"train_batch_sise"', 'did you mean "train_batch_size"']),
 ]
 
@@ -193,10 +238,10 @@ BAD = [
 def test_bad_config_names_the_key(path, value, world, words):
     raw = _with(path, value)
     if not words:  # the control case of the catalogue: this one must parse
-        parse_config(raw, world_size=world)
+        parse_config(raw, world_size=world, hidden_size=64)
         return
     with pytest.raises(ConfigError) as err:
-        parse_config(raw, world_size=world)
+        parse_config(raw, world_size=world, hidden_size=64)
     for word in words:
         assert word in str(err.value), f"{word!r} not in: {err.value}"
 
@@ -215,21 +260,21 @@ def test_bad_file_and_json(tmp_path):
         parse_config(42)
 
 
-def test_cosmetic_keys_warn_once(caplog):
-    # warn_once is per process: these two keys appear in no other test
+def test_ignored_keys_warn_once_and_noop_values_are_silent(caplog, monkeypatch):
+    # warn_once is per process: these keys appear in no other test
+    monkeypatch.setattr(logging.getLogger("pipezero"), "propagate", True)  # train/log may have stopped it
     raw = _with(("dump_state",), True)
     raw["zero_optimization"]["round_robin_gradients"] = True
-    logger = logging.getLogger("pipezero")
-    logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger="pipezero"):
-            parse_config(raw)
-            parse_config(raw)
-    finally:
-        logger.removeHandler(caplog.handler)
+    raw["zero_optimization"]["parameter_alignment"] = False  # DeepSpeed's default: changes nothing, silent
+    raw["my_note_to_self"] = "x"  # a key of no DeepSpeed version
+    with caplog.at_level(logging.WARNING, logger="pipezero"):
+        parse_config(raw, hidden_size=64)
+        parse_config(raw, hidden_size=64)
     text = [r.getMessage() for r in caplog.records]
     assert sum("dump_state" in t for t in text) == 1
     assert sum("round_robin_gradients" in t for t in text) == 1
+    assert sum("my_note_to_self" in t and "any DeepSpeed version" in t for t in text) == 1
+    assert not any("parameter_alignment" in t for t in text)
 
 
 def test_pipeline_section_and_bfloat16_alias():
@@ -237,7 +282,7 @@ def test_pipeline_section_and_bfloat16_alias():
            "pipeline": {"stages": 2, "schedule": "Interleaved_1F1B", "chunks": 2, "micro_batches": 4,
                         "activation_checkpoint_interval": 1, "partition_method": "type:Block"}}
     cfg = parse_config(raw, world_size=4)
-    assert cfg.bf16.enabled and cfg.compute_dtype == torch.bfloat16
+    assert cfg.compute_dtype == torch.bfloat16
     assert cfg.pipeline.schedule == "interleaved_1f1b"
     assert (cfg.pipeline.chunks, cfg.batch.accumulation_steps, cfg.batch.micro_batch_size) == (2, 4, 2)
     with pytest.raises(ConfigError, match="bfloat16"):

@@ -55,7 +55,7 @@ def test_ranks_together_take_exactly_the_single_process_batch(dp):
             starts = set(whole_x[:, 0].tolist())  # token = position, so this is the window
             assert len(starts) == 2 * dp and not (starts & seen)  # no window twice within an epoch
             seen |= starts
-    assert single.state_dict() == {"epoch": 1, "step": 2}
+    assert single.state_dict() == {"epoch": 1, "step": 2, "global_batch": single.batch_size}
 
 
 def test_epochs_reshuffle_and_seed_matters():

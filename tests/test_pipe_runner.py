@@ -348,7 +348,7 @@ def bad_runner(case):
     ("zero3", "does not run ZeRO stage 3"),
     ("batch", "batch dimension (8) does not split into num_microbatches=3"),
     ("targets", "the last pipeline stage got targets=None"),
-    ("order", "rank 1 sends [g1/mb1] to rank 0, which never uses them"),
+    ("order", "rank 0 never runs 0F1 (chunk 0, microbatch 1)"),
 ])
 def test_bad_runner_input_raises_on_every_rank(case, message):
     messages = run(bad_runner, 2, case)

@@ -1,4 +1,4 @@
-"""LossScaler in one process: the scale trajectory, the no-op path, checkpoints, bad input."""
+"""LossScaler in one process: the scale trajectory (against DeepSpeed's class), the no-op path, checkpoints, bad input."""
 
 import copy
 import json
@@ -10,28 +10,26 @@ import safetensors.torch
 import torch
 
 from pipezero.precision import LossScaler, MasterWeights, ScalerConfig, clip_grad_norm
+from pipezero.precision.scale_state import ScaleState
 
 INF = float("inf")
 
 
-# -- the trajectory: an independent statement of DeepSpeed's rule ---------------------------
-def reference_trajectory(overflows, init, window, hysteresis, min_scale, consecutive):
-    """(scale, hysteresis left) after each step, counting clean steps since the last overflow."""
-    scale, left, clean_run, out = init, hysteresis, 0, []
-    for overflow in overflows:
-        if overflow:
-            clean_run = 0
-            if left > 1:
-                left -= 1
-            else:
-                scale = max(scale / 2, min_scale)
-        else:
-            clean_run += 1
-            if consecutive:
-                left = hysteresis
-            if clean_run % window == 0:
-                scale, left = scale * 2, hysteresis
-        out.append((scale, left))
+# -- the trajectory: DeepSpeed 0.19.8's own DynamicLossScaler is the reference ---------------
+def deepspeed_trajectory(overflows, init, window, hysteresis, min_scale, consecutive):
+    """(scale, hysteresis left) after each step of DeepSpeed's DynamicLossScaler (a test-only dependency)."""
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    from unittest import mock
+
+    ds = loss_scaler.DynamicLossScaler(init_scale=init, scale_window=window, min_scale=min_scale,
+                                       delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
+                                       raise_error_at_min_scale=False,  # pipezero never raises at the floor
+                                       dtype=torch.float32)  # (fp16 only changes its log line, which int()s inf)
+    out = []
+    with mock.patch.object(loss_scaler.dist, "get_rank", lambda *a, **k: 0):  # no process group here
+        for overflow in overflows:
+            ds.update_scale(overflow)
+            out.append((ds.cur_scale, ds.cur_hysteresis))
     return out
 
 
@@ -51,6 +49,8 @@ CONFIGS = [
     dict(init=2.0 ** 8, window=7, hysteresis=1, min_scale=1.0, consecutive=False),
     dict(init=2.0 ** 10, window=5, hysteresis=3, min_scale=4.0, consecutive=True),
     dict(init=2.0 ** 4, window=1, hysteresis=2, min_scale=0.25, consecutive=False),
+    dict(init=2.0 ** 12, window=3, hysteresis=4, min_scale=2.0, consecutive=False),
+    dict(init=2.0 ** 6, window=2, hysteresis=1, min_scale=1.0, consecutive=True),
 ]
 
 
@@ -63,45 +63,40 @@ def _scaler(cfg, lr=0.5):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"w{c['window']}h{c['hysteresis']}c{int(c['consecutive'])}")
-def test_scale_trajectory_matches_reference(cfg):
-    for name, pattern in overflow_patterns(2000, seed=cfg["window"]).items():
-        param, opt = _scaler(cfg)
-        expected = reference_trajectory(pattern, **cfg)
-        got, stepped = [], []
+def test_scale_trajectory_matches_deepspeed(cfg):
+    """5000 steps per pattern through ScaleState (LossScaler's rule), the first 400 through LossScaler.step."""
+    for name, pattern in overflow_patterns(5000, seed=cfg["window"]).items():
+        expected = deepspeed_trajectory(pattern, **cfg)
+        state = ScaleState(scale=cfg["init"], hysteresis_left=cfg["hysteresis"])
+        got = []
         for overflow in pattern:
-            before = param.detach().clone()
-            param.grad = torch.tensor([INF if overflow else 1.0], dtype=torch.float64)
-            stepped.append(opt.step())
-            got.append((opt.loss_scale, opt.scale_state.hysteresis_left))
-            assert opt.last_step_skipped == overflow
-            if overflow:
-                assert torch.equal(param.detach(), before), f"{name}: a skipped step moved the parameter"
+            state.update(overflow, dynamic=True, hysteresis=cfg["hysteresis"], scale_window=cfg["window"],
+                         min_scale=cfg["min_scale"], consecutive_hysteresis=cfg["consecutive"])
+            got.append((state.scale, state.hysteresis_left))
         assert got == expected, f"pattern {name}: first difference at step " \
                                 f"{next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)}"
-        assert stepped == [not o for o in pattern]
-        assert opt.skipped_steps == sum(pattern)
+        param, opt = _scaler(cfg)
+        for step, overflow in enumerate(pattern[:400]):
+            before = param.detach().clone()
+            param.grad = torch.tensor([INF if overflow else 1.0], dtype=torch.float64)
+            assert opt.step() is not overflow and opt.last_step_skipped == overflow
+            assert (opt.loss_scale, opt.scale_state.hysteresis_left) == expected[step], f"{name}: step {step}"
+            if overflow:
+                assert torch.equal(param.detach(), before), f"{name}: a skipped step moved the parameter"
+        assert opt.skipped_steps == sum(pattern[:400])
 
 
-def test_trajectory_equals_torch_grad_scaler_without_hysteresis():
-    """hysteresis=1 and GradScaler(growth_interval=window) are the same rule: same scales, same skips."""
-    rng = random.Random(4)
-    pattern = [rng.random() < 0.15 for _ in range(600)]
-    window = 6
-    param, opt = _scaler(dict(init=2.0 ** 16, window=window, hysteresis=1, min_scale=2.0 ** -100,
-                              consecutive=False))
-    torch_param = torch.nn.Parameter(torch.zeros(1))
-    torch_opt = torch.optim.SGD([torch_param], lr=0.5)
-    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=window)
-    grad_scaler.scale(torch.ones(()))  # GradScaler sets its scale up on the first scale()
-    for step, overflow in enumerate(pattern):
-        param.grad = torch.tensor([INF if overflow else opt.loss_scale], dtype=torch.float64)
-        torch_param.grad = torch.tensor([INF if overflow else grad_scaler.get_scale()])
+def test_growth_waits_a_full_window_after_the_overflow():
+    """DeepSpeed's rule: window 7, hysteresis 1, overflow at iteration 190 -> the scale doubles at 198, not 197."""
+    param, opt = _scaler(dict(init=2.0 ** 8, window=7, hysteresis=1, min_scale=1.0, consecutive=False))
+    scales = []
+    for step in range(200):
+        param.grad = torch.tensor([INF if step == 190 else 1.0], dtype=torch.float64)
         opt.step()
-        grad_scaler.step(torch_opt)
-        grad_scaler.update()
-        assert opt.loss_scale == grad_scaler.get_scale(), f"step {step}"
-    torch.testing.assert_close(param.detach().float(), torch_param.detach(), rtol=0, atol=0)
-    assert param.item() == -0.5 * (len(pattern) - sum(pattern))  # every unscaled grad was exactly 1
+        scales.append(opt.loss_scale)
+    assert scales[7] == 2.0 ** 9 and scales[6] == 2.0 ** 8  # first growth at iteration 7 (= window)
+    assert scales[190] == scales[189] / 2
+    assert scales[197] == scales[190] and scales[198] == 2 * scales[190]
 
 
 def test_floor_keeps_training_then_limit_raises(caplog, monkeypatch):
@@ -143,11 +138,12 @@ def test_noop_path_is_the_inner_optimizer():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     bf16 = LossScaler.from_config(torch.optim.SGD(model.parameters(), lr=0.1), {"enabled": True},
                                   dtype=torch.bfloat16)
-    assert bf16.config.is_noop and not bf16.config.checks_finite
-    checked = LossScaler.from_config(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     {"enabled": True, "check_grad_overflow": True}, dtype=torch.bfloat16)
+    assert bf16.config.is_noop and bf16.config.checks_finite  # DeepSpeed's check_grad_overflow default
+    unchecked = LossScaler.from_config(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       {"enabled": True, "check_grad_overflow": False}, dtype=torch.bfloat16)
+    assert unchecked.config.is_noop and not unchecked.config.checks_finite
     model.weight.grad = torch.full_like(model.weight, INF)
-    assert checked.step() is False
+    assert bf16.step() is False
 
 
 def test_clip_option_equals_torch_clip_after_unscaling():
@@ -255,11 +251,12 @@ def test_bad_arguments(kwargs, error, match):
 
 
 @pytest.mark.parametrize("section, match", [
-    ({"loss_scale": 0, "loss_scale_windw": 100}, r"unknown key\(s\) \['loss_scale_windw'\]"),
-    ({"enabled": "auto"}, "fp16.enabled='auto'"),
-    ({"loss_scale": -1}, "fp16.loss_scale=-1"),
-    ({"initial_scale_power": 200}, "initial_scale_power=200"),
-    ({"hysteresis": 0}, "hysteresis=0"),
+    ({"loss_scale": 0, "loss_scale_windw": 100}, 'did you mean "loss_scale_window"'),
+    ({"enabled": "maybe"}, r'\["enabled"\] = .maybe.: expected true or false'),
+    ({"loss_scale": -1}, r'\["loss_scale"\] = -1'),
+    ({"initial_scale_power": 200}, r'\["initial_scale_power"\] = 200'),
+    ({"hysteresis": 0}, r'\["hysteresis"\] = 0'),
+    ({"opt_level": "O2"}, r"not a key of DeepSpeed's ds_config\[\"fp16\"\] section"),
 ])
 def test_bad_config(section, match):
     params = [torch.nn.Parameter(torch.zeros(2))]

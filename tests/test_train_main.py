@@ -4,7 +4,7 @@ Both launch examples/train_gpt.py with torchrun --standalone as a user would (th
 pool cannot play torchrun's agent): pipe 2 x data 2 for a few steps with the TensorBoard
 scalars read back; and 2 processes where rank 1 dies at step 3 on the first attempt only,
 torchrun restarts the job, it resumes from the step-2 checkpoint and ends with exactly the
-final loss of an uninterrupted run.
+final loss of an uninterrupted run (the crash is injected by tests/faults/crash_train_gpt.py).
 """
 
 import importlib.util
@@ -22,9 +22,10 @@ TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "
         "--micro-batches", "2", "--eval-interval", "2", "--steps-per-print", "2"]
 
 
-def _torchrun(nproc: int, out: Path, *args: str, restarts: int = 0, env: dict | None = None):
+def _torchrun(nproc: int, out: Path, *args: str, restarts: int = 0, env: dict | None = None,
+              script: Path = ROOT / "examples" / "train_gpt.py"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={restarts}", str(ROOT / "examples" / "train_gpt.py"), "--out", str(out), *TINY, *args]
+           f"--max-restarts={restarts}", str(script), "--out", str(out), *TINY, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=full_env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -72,7 +73,8 @@ def _sample_from_the_export(out: Path) -> None:
 def test_killed_rank_restarts_from_last_checkpoint(tmp_path, pipe):
     steps = ["--pipe", str(pipe), "--steps", "6", "--save-interval", "2", "--zero-stage", "0"]
     _torchrun(2, tmp_path / "straight", *steps)
-    crashed = _torchrun(2, tmp_path / "crashed", *steps, restarts=1, env={"PIPEZERO_CRASH_AT": "3:1"})
+    crashed = _torchrun(2, tmp_path / "crashed", *steps, restarts=1, env={"PIPEZERO_CRASH_AT": "3:1"},
+                        script=ROOT / "tests" / "faults" / "crash_train_gpt.py")
     assert "PIPEZERO_CRASH_AT: exiting at step 3" in crashed.stderr
     straight = json.loads((tmp_path / "straight" / "summary.json").read_text())
     resumed = json.loads((tmp_path / "crashed" / "summary.json").read_text())

@@ -7,6 +7,13 @@ from torch import nn
 from pipezero.zero import ZeroConfig, ZeroOptimizer
 
 
+def test_deepspeed_defaults_and_ignored_offload():
+    assert ZeroConfig.from_dict({}) == ZeroConfig(stage=0, reduce_bucket_size=500_000_000, overlap_comm=False)
+    assert ZeroConfig.from_dict({"stage": 3}).overlap_comm  # DeepSpeed turns overlap on at stage 3 only
+    cfg = ZeroConfig.from_dict({"stage": 1, "offload_param": {"device": "cpu"}, "cpu_offload": "true"})
+    assert cfg.offload_optimizer and not cfg.offload_param  # offload_param means nothing below stage 3
+
+
 def test_deepspeed_keys():
     cfg = ZeroConfig.from_dict({"stage": 3, "reduce_bucket_size": 1000, "overlap_comm": False,
                                 "contiguous_gradients": True, "stage3_param_persistence_threshold": 0,
@@ -25,14 +32,16 @@ def test_auto_sizes_follow_the_hidden_size():
 
 
 @pytest.mark.parametrize("section,match", [
-    ({"stage": 5}, "stage must be 0, 1, 2 or 3"),
-    ({"stage": 2, "reduce_bucket_sise": 10}, "reduce_bucket_sise is not a known key"),
-    ({"stage": 2, "reduce_bucket_size": 0}, "reduce_bucket_size=0"),
-    ({"stage": 2, "reduce_bucket_size": "auto"}, "needs the model's hidden size"),
-    ({"stage": 2, "overlap_comm": "auto"}, "only .* may be \"auto\""),
-    ({"stage": 2, "offload_param": {"device": "cpu"}}, "needs stage 3"),
-    ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "NVMe offload is not supported"),
-    ({"stage": 2, "offload_optimizer": {"devise": "cpu"}}, "unknown keys \\['devise'\\]"),
+    ({"stage": 5}, r'\["stage"\] = 5: expected a value in \[0, 3\]'),
+    ({"stage": 2, "reduce_bucket_sise": 10}, 'did you mean "reduce_bucket_size"'),
+    ({"stage": 2, "reduce_bucket_size": 0}, r'\["reduce_bucket_size"\] = 0: expected a value >= 1'),
+    ({"stage": 2, "reduce_bucket_size": "auto"}, r'is "auto": pass hidden_size='),
+    ({"stage": 2, "overlap_comm": "sometimes"}, "expected true or false"),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "NVMe offload .* is not supported by pipezero"),
+    ({"stage": 2, "offload_optimizer": {"devise": "cpu"}}, 'did you mean "device"'),
+    ({"stage": 3, "zero_hpz_partition_size": 8}, "ZeRO\\+\\+ hierarchical partitioning .* set it to 1"),
+    ({"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}, "both 'cpu_offload'"),
+    ({"stage": 2, "mics_shard_size": 8}, "MiCS"),
 ])
 def test_bad_sections_name_the_key(section, match):
     with pytest.raises((ValueError, TypeError), match=match):

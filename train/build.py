@@ -87,18 +87,19 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
           specs: Sequence[Any] | None = None, model: nn.Module | None = None,
           loss_fn: Callable | None = None, hidden_size: int | None = None, seed: int = 0,
           device: torch.device | str | None = None, optimizer: torch.optim.Optimizer | None = None,
-          tensor: int = 1, tensor_plan: Any = None) -> Parts:
+          tensor: int = 1, tensor_plan: Any = None, auto_values: Mapping[str, Any] | None = None) -> Parts:
     """Config + layer specs (a pipeline) or a model (no pipeline) -> Parts.
 
     `config` is a ds_config path, dict or an already parsed TrainConfig (for the world size
-    the process group, or $WORLD_SIZE, has). `hidden_size` resolves "auto" ZeRO bucket sizes.
+    the process group, or $WORLD_SIZE, has). `hidden_size` resolves "auto" ZeRO bucket sizes and
+    `auto_values` any other "auto" (parse_config's argument, e.g. {"gradient_clipping": 1.0}).
     `optimizer` (with model= only): your own torch optimizer over the model's parameters, used
     as the innermost link instead of the config's "optimizer" section. `tensor` > 1 (with specs=)
     shards each layer by `tensor_plan` (PipelineModule's) over the grid's tensor axis.
     """
     if hidden_size is None and isinstance(model, nn.Module):
         hidden_size = model_width(model)
-    cfg = _config(config, hidden_size, tensor)
+    cfg = _config(config, hidden_size, tensor, auto_values)
     _check_build_args(cfg, specs, model, loss_fn, optimizer)
     if tensor > 1 and specs is None:
         raise ValueError(f"build(tensor={tensor}) shards pipeline layers by tensor_plan: pass specs= (and "
@@ -120,22 +121,21 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     inner = optimizer if optimizer is not None else build_optimizer(
         cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])
     scaler = _scaler(cfg, inner, dtype)
-    zero = ZeroOptimizer.from_config(scaler, cfg.zero.to_dict(), group=grid.data_group,
-                                     module=module if cfg.zero.stage == 3 else None)
+    zero = ZeroOptimizer(scaler, group=grid.data_group, module=module if cfg.zero.stage == 3 else None,
+                         config=cfg.zero)
     scheduler = build_scheduler(cfg.scheduler, inner) if cfg.scheduler is not None else None
-    runner = PipelineRunner(module, schedule, optimizer=zero) if specs is not None else None
+    runner = PipelineRunner(module, schedule, optimizer=zero, timeout_s=cfg.pipeline.timeout) \
+        if specs is not None else None
     return Parts(config=cfg, grid=grid, module=module, optimizer=zero, scaler=scaler, inner=inner,
                  scheduler=scheduler, schedule=schedule, runner=runner, dtype=dtype, device=dev)
 
 
-def _config(config: Any, hidden_size: int | None, tensor: int = 1) -> TrainConfig:
+def _config(config: Any, hidden_size: int | None, tensor: int = 1,
+            auto_values: Mapping[str, Any] | None = None) -> TrainConfig:
     if isinstance(config, TrainConfig):
-        if hidden_size is not None and config.zero.has_auto:
-            from dataclasses import replace
-            return replace(config, zero=config.zero.resolve_auto(hidden_size))
         return config
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-    return parse_config(config, world_size=world, hidden_size=hidden_size, tensor=tensor)
+    return parse_config(config, world_size=world, hidden_size=hidden_size, tensor=tensor, auto_values=auto_values)
 
 
 def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, optimizer: Any) -> None:
@@ -148,9 +148,6 @@ def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, op
                          "LayerSpec for a pipeline) or model= (an nn.Module, no pipeline)")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"build(model={type(model).__name__}): expected an nn.Module")
-    if cfg.zero.has_auto:
-        raise ValueError('ds_config["zero_optimization"] has "auto" sizes and the model\'s width is unknown: pass '
-                         "build(..., hidden_size=) (e.g. the transformer's d_model) to resolve them")
     if specs is not None:
         if loss_fn is None:
             raise ValueError("build(specs=...) needs loss_fn=: the last pipeline stage computes the loss")
@@ -164,13 +161,12 @@ def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, op
     elif cfg.pipeline.stages > 1:
         raise ValueError(f'ds_config["pipeline"]["stages"] = {cfg.pipeline.stages} needs specs= (a list of '
                          "LayerSpec) to cut the model into stages; pass specs= or set stages to 1")
-    if cfg.zero.stage == 3 and (cfg.zero.offload_param.device.value == "cpu") and not torch.cuda.is_available():
+    if cfg.zero.offload_param and not torch.cuda.is_available():
         warn_once("ZeRO-3 parameter offload on a CPU-only machine moves nothing: parameters already live there")
 
 
 def _scaler(cfg: TrainConfig, inner: torch.optim.Optimizer, dtype: torch.dtype) -> LossScaler:
-    """fp16: dynamic/static loss scaling; bf16 and fp32: a pass-through that clips if asked."""
-    clip = cfg.gradient_clipping
-    if dtype == torch.float16:
-        return LossScaler.from_config(inner, cfg.fp16.to_dict(), dtype=torch.float16, clip_grad_norm=clip)
-    return LossScaler.from_config(inner, cfg.bf16.to_dict(), dtype=torch.bfloat16, clip_grad_norm=clip)
+    """The config's loss scaler; fp16 that fell back to bf16 (resolve_precision) takes bf16's defaults."""
+    if dtype == cfg.compute_dtype:
+        return LossScaler.from_config(inner, cfg.precision.scaler)
+    return LossScaler.from_config(inner, {}, dtype=torch.bfloat16, clip_grad_norm=cfg.gradient_clipping)

@@ -10,7 +10,13 @@ Layout of `dir` (every name below is ours; nothing is ever unpickled):
 A save writes into `.tmp-step_...`, which only becomes `step_...` by one rename once every
 rank's file and the manifest are on disk; `latest` is swapped after that. A crash at any
 point leaves the previous checkpoint and `latest` as they were, and the half-written
-directory is never read (the next save of that step clears it).
+directory is never read (the next save of that step clears it). Re-saving the step that
+`latest` names moves the old folder to `.old-step_...` before the new one is renamed in; a
+crash between the two renames leaves `latest` naming a missing folder, so loading follows it
+to `.old-step_...` (complete) and the next save moves that back. The manifest carries its own
+sha256 and its step must match the folder name and `meta["step"]`: an edited manifest is
+refused, never trusted. `_reach(point)` marks each write and rename of the protocol, for tests
+that kill the process there (PIPEZERO_CHECKPOINT_KILL_AT=<point>).
 
 State is keyed by GLOBAL names (e.g. a parameter's name in the single-process model, or
 "optim.exp_avg/layers.3.qkv.weight"), not by rank or flat buffer, so a checkpoint saved on
@@ -20,24 +26,28 @@ dict (optionally only the names a rank needs) and each rank takes its part.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 __all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "checkpoint_meta", "export_consolidated",
            "latest_step", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint", "set_rng_state",
            "step_dir_name"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries its own sha256
 _MANIFEST, _LATEST = "manifest.json", "latest"
+SAVE_POINTS = ("mkdir", "write_rank", "write_entry", "write_manifest", "rename_manifest", "move_old",
+               "rename", "drop_old", "write_latest", "rename_latest")
 
 
 class CheckpointError(ValueError):
@@ -77,17 +87,52 @@ def save_checkpoint(directory: str | os.PathLike, step: int, tensors: Mapping[st
     root = Path(directory)
     name = step_dir_name(step)
     tmp = root / f".tmp-{name}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(world, group)
-    entry = _write_rank(tmp, rank, tensors)
-    (tmp / f"rank_{rank:05d}.json").write_text(json.dumps(entry))
-    _barrier(world, group)
-    if rank == 0:
-        _seal(root, tmp, name, step, world, dict(meta), dict(grid or {}))
-    _barrier(world, group)
+    _agree(_attempt(lambda: _start_save(root, tmp)) if rank == 0 else None, world, group, name)
+    _agree(_attempt(lambda: _write_entry(tmp, rank, tensors)), world, group, name)
+    sealed = _attempt(lambda: _seal(root, tmp, name, step, world, dict(meta), dict(grid or {}))) if rank == 0 else None
+    _agree(sealed, world, group, name)
     return root / name
+
+
+def _start_save(root: Path, tmp: Path) -> None:
+    """Rank 0: put back a re-save's old folder that a crash left aside, clear an old temp dir."""
+    _repair(root)
+    shutil.rmtree(tmp, ignore_errors=True)
+    _reach("mkdir")
+    tmp.mkdir(parents=True)
+
+
+def _write_entry(tmp: Path, rank: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    entry = _write_rank(tmp, rank, tensors)
+    _reach("write_entry")
+    (tmp / f"rank_{rank:05d}.json").write_text(json.dumps(entry))
+
+
+def _attempt(fn: Callable[[], Any]) -> str | None:
+    """Run one part of a save; an OSError (disk full, read-only) becomes a message for every rank."""
+    try:
+        fn()
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        hint = " (disk full: free space or save elsewhere)" if err.errno == errno.ENOSPC else \
+            " (read-only: save elsewhere with --out)" if err.errno == errno.EROFS else ""
+        return f"{where}{err.strerror or err}{hint}"
+    return None
+
+
+def _agree(problem: str | None, world: int, group: Any, name: str) -> None:
+    """Every rank learns whether any rank failed (replaces a barrier: no rank waits forever)."""
+    problems = [problem]
+    if world > 1:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"save_checkpoint(world={world}) needs an initialised process group")
+        problems = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, problem, group=group)
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        text = "; ".join(f"rank {r}: {p}" for r, p in failed)
+        raise OSError(f"saving checkpoint {name} failed ({text}); the previous checkpoint and "
+                      f"'{_LATEST}' are unchanged")
 
 
 def _check_save_args(step: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
@@ -123,8 +168,14 @@ def _write_rank(tmp: Path, rank: int, tensors: Mapping[str, torch.Tensor]) -> di
     """Write one rank file, fsync it, and describe it (size, sha256, tensors) for the manifest."""
     path = tmp / _rank_file(rank)
     cpu = _cpu_tensors(tensors)
-    save_file(cpu, str(path), metadata={"format": f"pipezero-checkpoint-v{FORMAT_VERSION}", "rank": str(rank)})
-    _fsync(path)
+    _reach("write_rank")
+    try:
+        save_file(cpu, str(path), metadata={"format": f"pipezero-checkpoint-v{FORMAT_VERSION}", "rank": str(rank)})
+        _fsync(path)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from None
+    except SafetensorError as err:  # safetensors reports a failed write as its own error type
+        raise OSError(errno.EIO, str(err), str(path)) from None
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
             "tensors": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
                         for k, v in cpu.items()}}
@@ -139,33 +190,55 @@ def _seal(root: Path, tmp: Path, name: str, step: int, world: int, meta: dict, g
         part.unlink()
     manifest = {"format_version": FORMAT_VERSION, "step": step, "world": world, "grid": grid,
                 "meta": meta, "files": files}
-    _atomic_write(tmp / _MANIFEST, json.dumps(manifest, indent=1))
+    manifest["sha256"] = _manifest_digest(manifest)
+    _atomic_write(tmp / _MANIFEST, json.dumps(manifest, indent=1), "manifest")
     final = root / name
     if final.exists():  # re-saving a step: move the old one aside, swap, then drop it
         old = root / f".old-{name}"
         shutil.rmtree(old, ignore_errors=True)
+        _reach("move_old")
         os.replace(final, old)
+        _reach("rename")
         os.replace(tmp, final)
+        _reach("drop_old")
         shutil.rmtree(old, ignore_errors=True)
     else:
+        _reach("rename")
         os.replace(tmp, final)
     _fsync_dir(root)
-    _atomic_write(root / _LATEST, name + "\n")
+    _atomic_write(root / _LATEST, name + "\n", "latest")
 
 
-def _barrier(world: int, group: Any) -> None:
-    if world > 1:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"save_checkpoint(world={world}) needs an initialised process group")
-        dist.barrier(group=group)
+def _repair(root: Path) -> None:
+    """Undo what a crash between a re-save's two renames left: `latest`'s folder is `.old-`."""
+    latest = root / _LATEST
+    if not latest.is_file():
+        return
+    name = latest.read_text().strip()
+    old = root / f".old-{name}"
+    if name.startswith("step_") and not (root / name).exists() and (old / _MANIFEST).is_file():
+        os.replace(old, root / name)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def _reach(point: str) -> None:
+    """A named write or rename of the save protocol (SAVE_POINTS); a test can kill the process here."""
+    if os.environ.get("PIPEZERO_CHECKPOINT_KILL_AT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _manifest_digest(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _atomic_write(path: Path, text: str, point: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
+    _reach(f"write_{point}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    _reach(f"rename_{point}")
     os.replace(tmp, path)
 
 
@@ -235,7 +308,7 @@ def checkpoint_meta(directory: str | os.PathLike, step: int | None = None) -> di
 
 def _resolve(root: Path, step: int | None) -> Path:
     if step is not None:
-        return root / step_dir_name(step)
+        return _or_old_copy(root, step_dir_name(step))
     if (root / _MANIFEST).exists():
         return root
     latest = root / _LATEST
@@ -245,6 +318,14 @@ def _resolve(root: Path, step: int | None) -> Path:
     name = latest.read_text().strip()
     if not name.startswith("step_") or "/" in name:
         raise CheckpointError(f"{latest}: holds {name!r}, not a checkpoint name like 'step_00000100'")
+    return _or_old_copy(root, name)
+
+
+def _or_old_copy(root: Path, name: str) -> Path:
+    """The step's folder, or its `.old-` copy when a re-save was cut between its two renames."""
+    old = root / f".old-{name}"
+    if not (root / name / _MANIFEST).is_file() and (old / _MANIFEST).is_file():
+        return old
     return root / name
 
 
@@ -259,13 +340,29 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{file}: format_version {version!r}, this pipezero reads {FORMAT_VERSION}")
-    for key in ("step", "world", "meta", "files"):
+    for key in ("step", "world", "meta", "files", "sha256"):
         if key not in manifest:
             raise CheckpointError(f"{file}: lacks the key {key!r}; the manifest is corrupted")
-    if len(manifest["files"]) != manifest["world"]:
-        raise CheckpointError(f"{file}: lists {len(manifest['files'])} rank files for world "
-                              f"{manifest['world']}; the manifest is corrupted")
+    if manifest["sha256"] != _manifest_digest(manifest):
+        raise CheckpointError(f"{file}: its sha256 does not match its contents: the manifest was edited or "
+                              f"corrupted; load another step (--resume-from step_...)")
+    _check_manifest_fields(file, path, manifest)
     return manifest
+
+
+def _check_manifest_fields(file: Path, path: Path, manifest: Mapping[str, Any]) -> None:
+    """The step agrees with the folder name and meta; the file list with the world size."""
+    step, meta = manifest["step"], manifest["meta"]
+    folder = path.name.removeprefix(".old-")
+    if not isinstance(step, int) or (folder.startswith("step_") and folder != step_dir_name(step)):
+        raise CheckpointError(f"{file}: says step {step!r} but lies in {path.name}; the manifest is corrupted")
+    if isinstance(meta, dict) and "step" in meta and meta["step"] != step:
+        raise CheckpointError(f"{file}: says step {step} but its meta says step {meta['step']}; "
+                              "the manifest is corrupted")
+    files = manifest["files"]
+    if not isinstance(files, list) or len(files) != manifest["world"]:
+        raise CheckpointError(f"{file}: lists {len(files) if isinstance(files, list) else files!r} rank files "
+                              f"for world {manifest['world']!r}; the manifest is corrupted")
 
 
 def _verify_file(path: Path, entry: Mapping[str, Any]) -> Path:
@@ -318,7 +415,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
     latest = Path(directory) / _LATEST
     if not latest.is_file():
         return None
-    return int(_resolve(Path(directory), None).name.removeprefix("step_"))
+    return int(_resolve(Path(directory), None).name.removeprefix(".old-").removeprefix("step_"))
 
 
 def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[Path]:

@@ -2,16 +2,17 @@
 
 Any two of the three ds_config keys imply the third; all three given must agree. DeepSpeed's
 rule is kept: with only one of train_batch_size / train_micro_batch_size_per_gpu given,
-gradient_accumulation_steps is 1. "auto" (the HuggingFace Trainer's placeholder) counts as
-not given. The pipeline's micro-batches per step are the accumulation steps. A run resumed
-on another data degree keeps its checkpoint's global batch (`keep_global_batch`).
+gradient_accumulation_steps is 1. "auto" (the Hugging Face Trainer's placeholder) left after
+`auto_values` counts as not given. The pipeline's micro-batches per step are the accumulation steps.
+A run resumed on another data degree keeps its checkpoint's global batch (`keep_global_batch`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
-from pipezero.train.config_fields import AUTO, ConfigError, Section
+from pipezero.config_fields import AUTO, ConfigError, Section
 
 __all__ = ["BatchConfig", "data_degree", "keep_global_batch", "resolve_batch"]
 
@@ -45,31 +46,32 @@ def data_degree(world_size: int, pipe: int, tensor: int = 1) -> int:
     return world_size // (pipe * tensor)
 
 
-def resolve_batch(top: Section, *, world_size: int, pipe: int = 1, tensor: int = 1,
+def resolve_batch(ds_config: Mapping[str, Any], *, world_size: int, pipe: int = 1, tensor: int = 1,
                   micro_batches: int | None = None) -> BatchConfig:
-    """Read the three batch keys from the top-level section and complete them."""
+    """Read the three batch keys of a ds_config and complete them."""
     dp = data_degree(world_size, pipe, tensor)
-    tbs, mbs, gas = (_optional(top, key) for key in (_TBS, _MBS, _GAS))
+    top = Section(ds_config, ())
+    tbs, mbs, gas = (top.int(key, None, lo=1) for key in (_TBS, _MBS, _GAS))
+    autos = [key for key in (_TBS, _MBS, _GAS) if ds_config.get(key) == AUTO]
     if micro_batches is not None:
         if gas is not None and gas != micro_batches:
             raise ConfigError(f'ds_config["pipeline"]["micro_batches"] = {micro_batches} disagrees with '
                               f'ds_config["{_GAS}"] = {gas}: they are the same number; keep one')
         gas = micro_batches
-    tbs, mbs, gas = _complete(tbs, mbs, gas, dp)
+    tbs, mbs, gas = _complete(tbs, mbs, gas, dp, autos)
     if tbs != mbs * gas * dp:
         raise ConfigError(f'ds_config["{_TBS}"] = {tbs} != {_MBS} {mbs} x {_GAS} {gas} x data degree '
                           f"{dp} = {mbs * gas * dp}: change one of them so the product holds")
     return BatchConfig(train_batch_size=tbs, micro_batch_size=mbs, accumulation_steps=gas, data_degree=dp)
 
 
-def _optional(top: Section, key: str) -> int | None:
-    if top.raw(key) in (None, AUTO):
-        return None
-    return top.int(key, None, lo=1)
-
-
-def _complete(tbs: int | None, mbs: int | None, gas: int | None, dp: int) -> tuple[int, int, int]:
+def _complete(tbs: int | None, mbs: int | None, gas: int | None, dp: int,
+              autos: list[str]) -> tuple[int, int, int]:
     """Fill the missing value(s); a division that does not come out even is an error with the numbers."""
+    if tbs is None and mbs is None and autos:
+        raise ConfigError(f'ds_config sets {" and ".join(autos)} to "auto" and nothing resolves them: pass '
+                          f'auto_values={{"{_MBS}": N, "{_GAS}": M}} to parse_config, build or initialize '
+                          f"(the per-device batch size and accumulation steps your script uses), or write them")
     if tbs is None and mbs is None:
         raise ConfigError(f'ds_config sets neither "{_TBS}" nor "{_MBS}": set at least one of them '
                           f"(with {_GAS}, any two imply the third)")

@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from pipezero.train.config_fields import ConfigError, Section
+from pipezero.config_fields import ConfigError, Ignored, Section, Unsupported
 
 __all__ = ["OptimizerConfig", "OptimizerType", "SchedulerConfig", "SchedulerType", "WarmupType",
            "build_optimizer", "build_scheduler", "lr_at"]
@@ -61,23 +61,42 @@ class OptimizerConfig:
 
     @classmethod
     def parse(cls, sec: Section) -> "OptimizerConfig":
-        """Read {"type": ..., "params": {...}}."""
-        kind = OptimizerType(sec.choice("type", "AdamW", [t.value for t in OptimizerType]))
+        """Read {"type": ..., "params": {...}}; params DeepSpeed would pass to the optimizer, no others."""
+        sec.check(("type", "params"), {"legacy_fusion": Ignored("torch's fused kernels are used", noop=False)})
+        kind = OptimizerType(_supported_type(sec, "AdamW", [t.value for t in OptimizerType],
+                                             "pass your own torch optimizer (initialize(optimizer=...))"))
         p = sec.section("params")
+        p.check(("lr", "betas", "eps", "weight_decay", "adam_w_mode"), _ADAM_RULES)
         betas = p.raw("betas", [0.9, 0.999])
         if (not isinstance(betas, (list, tuple)) or len(betas) != 2
                 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
             raise ConfigError(f"{p.where('betas')} = {betas!r}: expected two numbers in [0, 1), "
                               f"e.g. [0.9, 0.999]")
         adam_w = p.bool("adam_w_mode", True)
-        p.bool("torch_adam", False)  # always torch's Adam here; accepted either way
-        cfg = cls(type=kind, lr=p.float("lr", 1e-3, lo=0.0), betas=(float(betas[0]), float(betas[1])),
-                  eps=p.float("eps", 1e-8, lo=0.0), weight_decay=p.float("weight_decay", 0.0, lo=0.0),
-                  decoupled_weight_decay=kind is OptimizerType.ADAMW or adam_w)
-        p.finish(known={"amsgrad": "use plain Adam/AdamW (amsgrad is not offered)",
-                        "bias_correction": "Adam always bias-corrects here; remove the key"})
-        sec.finish()
-        return cfg
+        return cls(type=kind, lr=p.float("lr", 1e-3, lo=0.0), betas=(float(betas[0]), float(betas[1])),
+                   eps=p.float("eps", 1e-8, lo=0.0), weight_decay=p.float("weight_decay", 0.0, lo=0.0),
+                   decoupled_weight_decay=kind is OptimizerType.ADAMW or adam_w)
+
+
+_ADAM_RULES = {
+    "torch_adam": Ignored("torch's Adam is always used", noop=lambda v: True),
+    **{k: Ignored("torch picks its own kernel", noop=lambda v: True) for k in ("fused", "foreach",
+                                                                              "set_grad_none")},
+    "amsgrad": Unsupported("AMSGrad's running maximum of the second moment", "set it false", noop=False),
+    "bias_correction": Unsupported("Adam without bias correction", "set it true", noop=True),
+    "max_grad_norm": Ignored('clipping is the top-level "gradient_clipping" (DeepSpeed ignores it too)',
+                             noop=lambda v: v == 0),
+}
+
+
+def _supported_type(sec: Section, default: str, names: list[str], fix: str) -> str:
+    """The type name (case-insensitive), or the "not supported" error for DeepSpeed's other types."""
+    value = sec.raw("type", default)
+    for name in names:
+        if isinstance(value, str) and value.lower() == name.lower():
+            return name
+    raise ConfigError(f"{sec.where('type')} = {value!r}: DeepSpeed's {value} is not supported by pipezero: "
+                      f"use one of {', '.join(repr(n) for n in names)}, or {fix}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -96,21 +115,28 @@ class SchedulerConfig:
     @classmethod
     def parse(cls, sec: Section) -> "SchedulerConfig":
         """Read {"type": ..., "params": {...}}; each type accepts only its own params."""
-        if not sec.has("type"):
+        sec.check(("type", "params"))
+        if "type" not in sec.data:
             raise ConfigError(f'{sec.where("type")} is required: one of '
                               f'{", ".join(t.value for t in SchedulerType)}')
-        kind = SchedulerType(sec.choice("type", None, [t.value for t in SchedulerType]))
+        kind = SchedulerType(_supported_type(sec, None, [t.value for t in SchedulerType],
+                                             "drive your own torch LR scheduler"))
         p = sec.section("params")
+        cosine = kind is SchedulerType.WARMUP_COSINE_LR
+        p.check(("warmup_num_steps", "warmup_type",
+                 *(("warmup_min_ratio", "cos_min_ratio") if cosine else ("warmup_min_lr", "warmup_max_lr")),
+                 *(() if kind is SchedulerType.WARMUP_LR else ("total_num_steps",))),
+                {"last_batch_iteration": Ignored("resume restores the schedule position", noop=-1)})
         common = dict(warmup_num_steps=p.int("warmup_num_steps", 1000, lo=0),
                       warmup_type=WarmupType(p.choice("warmup_type", "log", [w.value for w in WarmupType])))
-        if kind is SchedulerType.WARMUP_COSINE_LR:
+        if cosine:
             extra = dict(warmup_min_ratio=p.float("warmup_min_ratio", 0.0, lo=0.0, hi=1.0),
                          cos_min_ratio=p.float("cos_min_ratio", 1e-4, lo=0.0, hi=1.0))
         else:
             extra = dict(warmup_min_lr=p.float("warmup_min_lr", 0.0, lo=0.0),
                          warmup_max_lr=p.float("warmup_max_lr", 1e-3, lo=0.0))
         if kind is not SchedulerType.WARMUP_LR:
-            if not p.has("total_num_steps"):
+            if "total_num_steps" not in p.data:
                 raise ConfigError(f"{p.where('total_num_steps')} is required by {kind.value}: "
                                   f"set it to the number of optimizer steps of the run")
             total = p.int("total_num_steps", None, lo=1)
@@ -118,9 +144,6 @@ class SchedulerConfig:
                 raise ConfigError(f"{p.where('total_num_steps')} = {total} is less than "
                                   f"warmup_num_steps = {common['warmup_num_steps']}: raise it")
             extra["total_num_steps"] = total
-        p.finish(known={"last_batch_iteration": "resume restores the schedule position from "
-                                                "the checkpoint; remove the key"})
-        sec.finish()
         return cls(type=kind, **common, **extra)
 
 

@@ -43,7 +43,7 @@ def stdlib_corpus() -> tuple[torch.Tensor, str]:
     files = stdlib_files()
     if not files:
         raise FileNotFoundError(f"no .py files next to {os.__file__}: this Python ships without its "
-                                f"library sources; pass --data with a text file instead")
+                                f"library sources; pass --data-path with a text file instead")
     blob = b"".join(p.read_bytes() for p in files)
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8), corpus_hash(files)
 
@@ -52,7 +52,8 @@ def load_tokens(path: str | os.PathLike, vocab_size: int = 256) -> torch.Tensor:
     """Tokens of a user file: .npy (integer array), .bin (raw uint16, nanoGPT's format) or text (bytes)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--data {str(path)!r} is not a file")
+        raise FileNotFoundError(f"data file {str(path)!r} (--data-path) is not a file; pass a text, .bin or "
+                                f".npy file, or leave --data-path out for the built-in corpus")
     if path.suffix == ".npy":
         import numpy as np
 
@@ -166,9 +167,21 @@ class ShardedBatches:
         return self.next_batch()
 
     def state_dict(self) -> dict[str, int]:
-        """The position, as JSON-ready ints."""
-        return {"epoch": self.epoch, "step": self.step}
+        """The position, as JSON-ready ints, and the global batch it counts in."""
+        return {"epoch": self.epoch, "step": self.step, "global_batch": self.batch_size * self.data_degree}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a saved position."""
+        """Continue from a saved position; refused when it counts in another global batch.
+
+        A step counts global batches (data degree x batch size), so a position saved under one
+        global batch points elsewhere under another. A different data degree with the same
+        global batch (e.g. fewer replicas, more accumulation) continues exactly.
+        """
+        saved = state.get("global_batch")
+        mine = self.batch_size * self.data_degree
+        if saved is not None and saved != mine:
+            raise ValueError(f"the checkpoint's data position counts global batches of {saved} sequences, this run "
+                             f"takes {mine} ({self.data_degree} data ranks x {self.batch_size}): keep the global "
+                             f"batch (batch size x micro-batches x data degree = {saved}) to resume, or start afresh "
+                             f"in another --out")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])

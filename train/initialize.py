@@ -68,12 +68,14 @@ class Engine:
 def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
                optimizer: torch.optim.Optimizer | None = None,
                config: str | os.PathLike | Mapping[str, Any] | TrainConfig | None = None,
-               hidden_size: int | None = None, config_params: Any = None) -> tuple[Engine, Any, None, Any]:
+               hidden_size: int | None = None, config_params: Any = None,
+               auto_values: Mapping[str, Any] | None = None) -> tuple[Engine, Any, None, Any]:
     """(engine, optimizer chain, None, lr scheduler), like deepspeed.initialize.
 
     The optimizer is yours if given, else the config's "optimizer" section over
     `model_parameters` (default: every trainable parameter). `hidden_size` resolves "auto"
-    ZeRO sizes; by default it is read off the model (`build.model_width`). The third item, DeepSpeed's data
+    ZeRO sizes; by default it is read off the model (`build.model_width`). `auto_values` resolves
+    any other Hugging Face "auto" (see parse_config). The third item, DeepSpeed's data
     loader, is always None: keep your own. `config_params` is DeepSpeed's older name for
     `config`. A model wrapped in DistributedDataParallel is unwrapped: the optimizer chain
     reduces gradients itself (DDP's would reduce them a second time).
@@ -88,9 +90,10 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
     if optimizer is None and model_parameters is not None:
         from pipezero.train.build import _config, model_width
 
-        cfg = _config(config, hidden_size if hidden_size is not None else model_width(model))
+        cfg = _config(config, hidden_size if hidden_size is not None else model_width(model),
+                      auto_values=auto_values)
         optimizer = build_optimizer(cfg.optimizer or OptimizerConfig(), model_parameters)
         config = cfg
-    parts = build(config, model=model, hidden_size=hidden_size, optimizer=optimizer)
+    parts = build(config, model=model, hidden_size=hidden_size, optimizer=optimizer, auto_values=auto_values)
     engine = Engine(parts)
     return engine, parts.optimizer, None, parts.scheduler

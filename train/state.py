@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from pipezero.comm import all_gather
 from pipezero.pipe.spec import TiedLayerSpec
-from pipezero.train.checkpoint import (checkpoint_meta, export_consolidated, latest_step, load_checkpoint,
-                                       rng_state, save_checkpoint, set_rng_state)
+from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_consolidated, latest_step,
+                                       load_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from pipezero.train.checkpoint_state import flatten_state, unflatten_state
 from pipezero.train.config_batch import BatchConfig
 from pipezero.train.tensor_state import local_slice, whole
@@ -127,16 +128,35 @@ def load_state(parts: Any, directory: str | os.PathLike, step: int | None = None
             return True
         return "/" in key and key.split("/")[1] in local
     expected = {_MODEL + n: p.shape for n, p in parts.module.named_parameters()}
-    ckpt = load_checkpoint(directory, step, names=wanted, expected=expected, strict=False)
+    try:  # the chain's state (loss scale...) is the same on every rank; its links validate it first
+        ckpt = load_checkpoint(directory, step, names=wanted, expected=expected, strict=False)
+        _load_chain(parts.optimizer, ckpt.tensors, ckpt.meta["chain"])
+        problem = None
+    except (CheckpointError, ValueError, TypeError, KeyError) as err:
+        problem = str(err)
+    _agree_on_load(problem, parts.grid.world_size)
     t, meta = ckpt.tensors, ckpt.meta
     _load_weights(parts, t, names)
-    _load_chain(parts.optimizer, t, meta["chain"])
     _load_optimizer(parts.optimizer, t, names)
     if parts.scheduler is not None and meta.get("scheduler") is not None:
         parts.scheduler.load_state_dict(meta["scheduler"])
     if rank_prefix + "torch_cpu" in t and meta["grid"] == _grid_dict(parts.grid):
         set_rng_state(t, meta["rng"], prefix=rank_prefix)
     return {**meta, "step": ckpt.step, "path": str(ckpt.path)}
+
+
+def _agree_on_load(problem: str | None, world: int) -> None:
+    """Refuse a checkpoint on every rank when any rank refuses it (e.g. only one stage's layers
+    differ), so no rank starts training while the others exit."""
+    problems = [problem]
+    if world > 1:
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        rank, first = failed[0]
+        raise CheckpointError(problem if problem is not None else
+                              f"the checkpoint was refused on rank(s) {[r for r, _ in failed]} (rank {rank}: {first})")
 
 
 def _load_weights(parts: Any, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:

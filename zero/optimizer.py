@@ -65,12 +65,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.stage == 3 and module is None:
             raise ValueError("ZeroOptimizer(stage=3) needs module=: the model whose submodules gather their "
                              "parameters before running (ZeroOptimizer(inner, stage=3, module=model))")
-        # torch's Optimizer base (so LR schedulers accept us) is set up on a placeholder, then
-        # shares the inner chain's param_groups list and state
+        # torch's Optimizer base (so LR schedulers accept us) is set up on a placeholder; from then
+        # on param_groups and state are the inner chain's, read through (properties below)
         super().__init__([torch.empty(0)], {})
-        self.param_groups = inner.param_groups
+        self._linked = True
         self.defaults = getattr(inner, "defaults", {})
-        self.state = getattr(innermost(inner), "state", self.state)
         self.world = group_size(group)
         self.rank = dist.get_rank(group) if self.world > 1 else 0
         # the single-process layout (consolidated state): every group's original parameters, in order
@@ -86,6 +85,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_same_layout()
         self._build(module)
         self.last_step_skipped = False
+
+    @property
+    def param_groups(self) -> list:
+        """The inner chain's param_groups list itself, read on every access: torch's
+        load_state_dict replaces that list, and a copy kept here would go stale after a resume."""
+        return self.inner.param_groups if "_linked" in self.__dict__ else self.__dict__["_own_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list) -> None:
+        if "_linked" in self.__dict__:
+            self.inner.param_groups = groups
+        else:  # torch's __init__ on the placeholder
+            self.__dict__["_own_groups"] = groups
+
+    @property
+    def state(self) -> Any:
+        """The torch optimizer's per-parameter state (over this rank's shards) itself."""
+        return getattr(innermost(self.inner), "state", None) if "_linked" in self.__dict__ \
+            else self.__dict__["_own_state"]
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        if "_linked" in self.__dict__:
+            innermost(self.inner).state = state
+        else:
+            self.__dict__["_own_state"] = state
 
     # -- construction -------------------------------------------------------------------
     @staticmethod

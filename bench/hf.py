@@ -1,0 +1,260 @@
+"""A Hugging Face Llama-style model under pipezero beside DeepSpeed and FSDP2.
+
+    python bench/hf.py                                   # CPU smoke: a tiny Llama, gloo, 2 processes
+    python bench/hf.py --device cuda                     # every GPU, a ~1.1B Llama (TinyLlama's shape), bf16
+
+The same transformers model (random weights, built from a config; nothing downloaded), the
+same tokens per step, one run after the other in the same processes:
+  pipe-<Schedule>  pipezero's pipeline over all ranks (hf_layer_specs, one stage per rank,
+                   `--microbatches` = accum x ranks micro-batches), Adam on fp32 masters
+  pipezero-1/2/3   ZeroOptimizer on the model itself (module=), data parallel over all ranks
+  deepspeed-1/2/3  deepspeed.initialize on the same model (CUDA, when `import deepspeed` works)
+  fsdp2            fully_shard on every decoder layer and the root, bf16 params, fp32 reduce
+Prints ms per step, tokens/s and (CUDA) peak allocated memory per rank. Precision on CUDA:
+a bf16 model with fp32 masters for pipezero and DeepSpeed, fp32 weights with bf16 compute for
+FSDP2; CPU: fp32 everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import finish_rank, init_rank  # noqa: E402
+
+from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names  # noqa: E402
+from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
+from pipezero.precision import MasterWeights  # noqa: E402
+from pipezero.topology import Grid  # noqa: E402
+from pipezero.zero import ZeroConfig, ZeroOptimizer  # noqa: E402
+
+LR = 1e-4
+
+
+class Run(NamedTuple):
+    """One contender: step(batches) trains one optimizer step on this rank's micro-batches."""
+
+    step: Callable[[list], None]
+    precision: str
+
+
+def config(args) -> Any:
+    from transformers import LlamaConfig
+
+    if args.device == "cuda":  # TinyLlama-1.1B's shape
+        shape = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                     num_key_value_heads=4, vocab_size=32000)
+    else:
+        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256)
+    return LlamaConfig(**shape, max_position_embeddings=args.seq, bos_token_id=None, eos_token_id=None,
+                       pad_token_id=None)
+
+
+def _hf_model(cfg, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with device:
+        return AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+def build(name: str, args, cfg, device: torch.device) -> Run:
+    low = device.type == "cuda"
+    dtype = torch.bfloat16 if low else torch.float32
+    masters = "bf16 model, fp32 masters" if low else "fp32"
+    if name.startswith("pipe-"):
+        return _pipeline(name[5:], args, cfg, device, dtype, masters)
+    if name.startswith("pipezero-"):
+        stage = int(name[-1])
+        model = _hf_model(cfg, device, dtype)
+        zero = ZeroConfig(stage=stage, overlap_comm=True, reduce_every_microbatch=stage == 2,
+                          stage3_param_persistence_threshold=10 * cfg.hidden_size)
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), module=model, config=zero)
+        return Run(lambda batches: _accumulate(model, opt, batches), masters)
+    if name.startswith("deepspeed-"):
+        return _deepspeed(int(name[-1]), args, cfg, device, dtype, masters)
+    return _fsdp2(cfg, device, low)
+
+
+def _pipeline(schedule: str, args, cfg, device, dtype, masters) -> Run:
+    grid = Grid(pipe=dist.get_world_size())
+    sched = make_schedule(schedule, args.accum * dist.get_world_size())
+    model = PipelineModule(hf_layer_specs(cfg), grid=grid, loss_fn=causal_lm_loss, num_chunks=sched.num_chunks,
+                           placement=sched.placement, device=device).to(dtype)
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=LR)) if dtype != torch.float32 \
+        else torch.optim.AdamW(model.parameters(), lr=LR)
+    runner = PipelineRunner(model, sched, optimizer=opt)
+
+    def step(batches: list) -> None:  # as many tokens as the data-parallel runs' global batch
+        x = torch.cat([b[0] for b in batches] * dist.get_world_size())
+        y = torch.cat([b[1] for b in batches] * dist.get_world_size())
+        runner.train_step(x, y)
+        opt.step()
+        opt.zero_grad()
+    return Run(step, masters)
+
+
+def _accumulate(model, opt, batches: list) -> None:
+    for i, (x, y) in enumerate(batches):
+        with opt.no_sync() if i < len(batches) - 1 else _Null():
+            opt.backward(causal_lm_loss(model(x).logits, y) / len(batches))
+    opt.step()
+    opt.zero_grad()
+
+
+def _deepspeed(stage, args, cfg, device, dtype, masters) -> Run:
+    import deepspeed
+
+    model = _hf_model(cfg, device, torch.float32)
+    ds = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum,
+          "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}}
+    if dtype == torch.bfloat16:
+        ds["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+
+    def step(batches: list) -> None:  # DeepSpeed divides by the accumulation itself
+        for x, y in batches:
+            engine.backward(causal_lm_loss(engine(x).logits, y))
+            engine.step()
+    return Run(step, masters)
+
+
+def _fsdp2(cfg, device, low: bool) -> Run:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _hf_model(cfg, device, torch.float32)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if low \
+        else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(batches: list) -> None:
+        for i, (x, y) in enumerate(batches):
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+            (causal_lm_loss(model(x).logits, y) / len(batches)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return Run(step, "fp32 weights, bf16 compute" if low else "fp32")
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- measuring ------------------------------------------------------------------------------
+def _batches(args, vocab: int, device: torch.device) -> list:
+    g = torch.Generator().manual_seed(dist.get_rank())
+    return [(torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(device),
+             torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(device)) for _ in range(args.accum)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(name: str, args, cfg, device: torch.device) -> tuple[float, float, str]:
+    """(median seconds per step after 2 warm-up steps, peak MiB allocated on CUDA, precision)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    run, batches = build(name, args, cfg, device), _batches(args, cfg.vocab_size, device)
+    times = []
+    for _ in range(args.steps + 2):
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        run.step(batches)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+    precision = run.precision
+    del run, batches
+    gc.collect()
+    return statistics.median(times[2:]), peak, precision
+
+
+def _runs(args) -> list[str]:
+    names = [f"pipe-{s}" for s in args.schedules] + ["pipezero-1", "pipezero-2", "pipezero-3", "fsdp2"]
+    try:  # DeepSpeed's CPU accelerator wants oneCCL: on gloo/CPU its initialize waits forever
+        import deepspeed  # noqa: F401
+        if args.device == "cuda":
+            names += ["deepspeed-1", "deepspeed-2", "deepspeed-3"]
+    except Exception:  # noqa: BLE001 - optional peer
+        pass
+    return [n for n in names if not args.runs or n in args.runs]
+
+
+def worker(rank: int, world: int, args) -> None:
+    device = init_rank(rank, world, args.port, args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    cfg = config(args)
+    results = {}
+    for name in _runs(args):
+        results[name] = measure(name, args, cfg, device)
+    if rank == 0:
+        _print(results, args, cfg, world)
+    finish_rank()
+
+
+def _print(results: dict, args, cfg, world: int) -> None:
+    tokens = args.batch * args.seq * args.accum * world
+    params = sum(p.numel() for p in _meta_model(cfg).parameters())
+    print(f"{type(cfg).__name__} {cfg.num_hidden_layers}x{cfg.hidden_size} ({params / 1e9:.2f}B parameters), "
+          f"{tokens} tokens/step, {world} ranks, {args.device}")
+    print("| run | precision | ms/step | tokens/s | peak MiB per rank |")
+    print("|---|---|---|---|---|")
+    for name, (sec, peak, precision) in results.items():
+        print(f"| {name} | {precision} | {sec * 1e3:.0f} | {tokens / sec:,.0f} | {peak:,.0f} |")
+
+
+def _meta_model(cfg) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--nproc", type=int, default=None, help="processes (default: 2, or every GPU)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048 on CUDA, 32 on CPU)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 4 CUDA, 2 CPU)")
+    parser.add_argument("--accum", type=int, default=4, help="micro-batches per rank per step")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after 2 warm-up steps")
+    parser.add_argument("--schedules", nargs="+", default=["dualpipev", "interleaved_1f1b"], choices=schedule_names())
+    parser.add_argument("--runs", nargs="*", default=None, help="only these runs (e.g. pipe-dualpipev fsdp2)")
+    parser.add_argument("--port", type=int, default=29731)
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    args.seq = args.seq or (2048 if cuda else 32)
+    args.batch = args.batch or (4 if cuda else 2)
+    world = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    mp.spawn(worker, args=(world, args), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()

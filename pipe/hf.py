@@ -1,0 +1,396 @@
+"""Hugging Face causal LMs as layer specs: embedding, each decoder layer, final norm, LM head.
+
+Users arrive with a Llama, Mistral, Qwen2 or GPT-2 checkpoint, not with LayerSpecs. Those
+families share one structure: a base model holding a token embedding, a ModuleList of
+decoder layers, a final norm (and, per family, learned positions or a rotary embedding),
+under a CausalLM with an `lm_head`. `hf_layer_specs` finds that structure on a copy of the
+model built on the meta device (no memory) and returns one spec per piece, so each
+pipeline stage builds only its own layers, from the config, and copies in only its own
+weights, read by name from the checkpoint's safetensors shards. Nothing is written per
+family: a model whose structure differs gets an error naming what was expected.
+
+Between stages travels `(hidden, position_ids)` or `(hidden, position_ids, attention_mask)`
+(the 2-D padding mask, 1 = token). Each decoder layer computes its own rotary cos/sin and
+builds its causal (or sliding-window) mask with transformers' own mask functions, so the
+layer is called exactly as the model's forward calls it. transformers is imported here
+only: it is an optional extra (`pip install -e ".[hf]"`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
+from pipezero.pipe.tensor_parallel import ColwiseHeads, TensorPlan
+
+__all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
+           "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_state_dict", "hf_tensor_plan"]
+
+TIED_KEY = "embed"  # TiedLayerSpec key of a tied embedding and LM head
+
+
+# -- where the weights come from ------------------------------------------------------------
+class _Shards:
+    """Tensors of a checkpoint directory read one at a time by name (model.safetensors or its index)."""
+
+    def __init__(self, directory: Path):
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            files = json.loads(index.read_text())["weight_map"]
+            self.files = {name: directory / f for name, f in files.items()}
+        elif (directory / "model.safetensors").exists():
+            from safetensors import safe_open
+
+            with safe_open(str(directory / "model.safetensors"), "pt") as f:
+                self.files = {name: directory / "model.safetensors" for name in f.keys()}
+        else:
+            raise ValueError(f"{directory} holds no model.safetensors nor model.safetensors.index.json; "
+                             "save the model with save_pretrained(dir) (safetensors is its default)")
+
+    def get(self, name: str) -> torch.Tensor | None:
+        from safetensors import safe_open
+
+        if name not in self.files:
+            return None
+        with safe_open(str(self.files[name]), "pt") as f:
+            return f.get_tensor(name)
+
+
+class _Tensors:
+    """Tensors of a model already in memory, by name."""
+
+    def __init__(self, model: nn.Module):
+        self.state = model.state_dict()
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.state.get(name)
+
+
+class _Model:
+    """What the specs share: the config, a meta copy of the whole model, the names, the weights."""
+
+    def __init__(self, config: Any, weights: _Shards | _Tensors | None):
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            self.meta = AutoModelForCausalLM.from_config(config)
+        self.config, self.weights = self.meta.config, weights
+        self.names = {id(m): name for name, m in self.meta.named_modules()}
+        self.embed, self.head = self.meta.get_input_embeddings(), self.meta.get_output_embeddings()
+        self.tied = self.head is not None and self.head.weight is getattr(self.embed, "weight", None)
+        parts = _base_parts(self.meta, self.embed, self.config)
+        self.layers, self.norm, self.positions, self.rotary, self.drop = parts
+        _check_structure(self)
+
+    def path(self, module: nn.Module) -> str:
+        """The module's name in the whole model, with a trailing dot ('model.layers.3.')."""
+        return self.names[id(module)] + "."
+
+    def fill(self, module: nn.Module, prefix: str) -> None:
+        """Copy each parameter's checkpoint tensor in by name, or initialise it as the model would."""
+        if any(p.device.type == "meta" for p in module.parameters()):
+            return
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                full = prefix + name.removeprefix("inner.")
+                value = self.weights.get(full) if self.weights is not None else None
+                if value is None and self.weights is not None:
+                    raise ValueError(f"the checkpoint has no tensor {full!r}; it does not match its config "
+                                     f"({type(self.meta).__name__})")
+                if value is not None:
+                    p.copy_(value)
+            if self.weights is None:
+                for sub in module.modules():
+                    self.meta._init_weights(sub)
+
+    def __repr__(self) -> str:
+        return f"<{type(self.meta).__name__}>"
+
+
+def _base_parts(meta: nn.Module, embed: nn.Module, config: Any) -> tuple:
+    """(layers, norm, positions, rotary, dropout) among the base model's children."""
+    layers, norms, positions, rotary, drop, other = [], [], None, None, None, []
+    for name, child in meta.base_model.named_children():
+        if child is embed:
+            continue
+        if isinstance(child, nn.ModuleList) and len(child) == config.num_hidden_layers:
+            layers.append(child)
+        elif isinstance(child, nn.Embedding):
+            positions = child
+        elif isinstance(child, nn.Dropout):
+            drop = child
+        elif "RotaryEmbedding" in type(child).__name__:
+            rotary = child
+        elif any(True for _ in child.parameters()) and "Norm" in type(child).__name__:
+            norms.append(child)
+        else:
+            other.append(f"{name} ({type(child).__name__})")
+    if len(layers) != 1 or len(norms) != 1 or other:
+        raise ValueError(
+            f"hf_layer_specs: {type(meta).__name__} is not the decoder structure it reads: expected its base model "
+            f"({type(meta.base_model).__name__}) to hold a token nn.Embedding, one ModuleList of num_hidden_layers="
+            f"{config.num_hidden_layers} decoder layers, one final norm, optionally learned positions (nn.Embedding), "
+            f"dropout and a rotary embedding; found {len(layers)} layer lists, {len(norms)} norms"
+            + (f" and unrecognised {other}" if other else ""))
+    return layers[0], norms[0], positions, rotary, drop
+
+
+def _check_structure(model: _Model) -> None:
+    name = type(model.meta).__name__
+    if type(model.embed) is not nn.Embedding:
+        raise ValueError(f"hf_layer_specs: {name}'s input embedding is {type(model.embed).__name__}; expected a plain "
+                         "nn.Embedding (a scaled or factorised embedding is not the decoder structure it reads)")
+    if model.head is None or type(model.head) is not nn.Linear:
+        raise ValueError(f"hf_layer_specs: {name}'s output embedding is {type(model.head).__name__}; expected an "
+                         "nn.Linear lm_head (is this a causal LM?)")
+
+
+def _source(source: Any) -> tuple[Any, _Shards | _Tensors | None]:
+    """(config, weights) of a directory, a PreTrainedModel or a config."""
+    from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+    if isinstance(source, (str, os.PathLike)):
+        directory = Path(source)
+        if not (directory / "config.json").exists():
+            raise ValueError(f"hf_layer_specs({str(source)!r}): no config.json there; pass a directory written by "
+                             "save_pretrained, a PreTrainedModel or a PretrainedConfig")
+        return AutoConfig.from_pretrained(directory), _Shards(directory)
+    if isinstance(source, PreTrainedModel):
+        return source.config, _Tensors(source)
+    if isinstance(source, PretrainedConfig):
+        return source, None
+    raise TypeError(f"hf_layer_specs({source!r}): expected a checkpoint directory, a PreTrainedModel or a "
+                    "PretrainedConfig")
+
+
+# -- the layers ----------------------------------------------------------------------------
+class _HFLayer(nn.Module):
+    """A piece of the model whose parameters are `prefix + name` in the Hugging Face layout."""
+
+    prefix: str
+    model: _Model
+
+    def hf_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(Hugging Face name, parameter) of each parameter."""
+        for name, p in self.named_parameters():
+            yield self.prefix + name.removeprefix("inner."), p
+
+
+class HFTokenEmbedding(_HFLayer):
+    """input_ids, or (input_ids, attention_mask[, position_ids]) -> (hidden, position_ids[, mask]).
+
+    Holds the token embedding as its own `weight`, so a tied LM head can share it
+    (TiedLayerSpec); positions default to 0..T-1, as the model's forward does.
+    """
+
+    def __init__(self, model: _Model):
+        super().__init__()
+        self.model, self.prefix = model, model.path(model.embed)
+        self.padding_idx = model.embed.padding_idx
+        self.weight = nn.Parameter(torch.empty_like(model.embed.weight, device=torch.get_default_device()))
+        if self.weight.device.type != "meta":
+            if model.weights is None:
+                with torch.no_grad():
+                    self.weight.copy_(_init_embedding(model, self.weight))
+            else:
+                model.fill(self, self.prefix)
+
+    def forward(self, x: Any) -> tuple:
+        ids, *rest = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+        mask = rest[0] if rest else None
+        if len(rest) > 1:
+            positions = rest[1]
+        else:
+            positions = torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape).contiguous()
+        hidden = F.embedding(ids, self.weight, self.padding_idx)
+        return (hidden, positions) if mask is None else (hidden, positions, mask)
+
+
+def _init_embedding(model: _Model, weight: nn.Parameter) -> torch.Tensor:
+    embed = nn.Embedding(*weight.shape, padding_idx=model.embed.padding_idx, device=weight.device)
+    model.meta._init_weights(embed)
+    return embed.weight
+
+
+class HFPositions(_HFLayer):
+    """Learned positions (GPT-2's wpe) added to the hidden states, then the embedding dropout."""
+
+    def __init__(self, model: _Model):
+        super().__init__()
+        self.model, self.prefix = model, model.path(model.positions)
+        self.inner = _materialise(model.positions)
+        self.drop = copy.deepcopy(model.drop) if model.drop is not None else nn.Identity()
+        model.fill(self, self.prefix)
+
+    def forward(self, x: tuple) -> tuple:
+        hidden, positions, *rest = x
+        return (self.drop(hidden + self.inner(positions)), positions, *rest)
+
+
+class HFDecoderLayer(_HFLayer):
+    """Decoder layer `index`, called as the model's forward calls it (mask, position ids, rotary cos/sin)."""
+
+    def __init__(self, model: _Model, index: int):
+        super().__init__()
+        self.model, self.index = model, index
+        self.prefix = model.path(model.layers[index])
+        self.inner = type(model.layers[index])(model.config, layer_idx=index)
+        self.rotary = type(model.rotary)(config=model.config) if model.rotary is not None else None
+        self.make_mask = _mask_function(model.config, index)
+        model.fill(self, self.prefix)
+
+    def forward(self, x: tuple) -> tuple:
+        hidden, positions, *rest = x
+        mask = self.make_mask(config=self.model.config, inputs_embeds=hidden,
+                              attention_mask=rest[0] if rest else None, cache=None, position_ids=positions)
+        extra = {"position_embeddings": self.rotary(hidden, positions)} if self.rotary is not None else {}
+        out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
+        return (out[0] if isinstance(out, tuple) else out, positions, *rest)
+
+
+def _mask_function(config: Any, index: int) -> Callable:
+    """transformers' causal or sliding-window mask builder for layer `index`, as the model picks it."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        sliding = kinds[index] == "sliding_attention"
+    else:
+        sliding = getattr(config, "sliding_window", None) is not None
+    return create_sliding_window_causal_mask if sliding else create_causal_mask
+
+
+class HFFinalNorm(_HFLayer):
+    """(hidden, ...) -> the final norm of hidden: what the LM head reads."""
+
+    def __init__(self, model: _Model):
+        super().__init__()
+        self.model, self.prefix = model, model.path(model.norm)
+        self.inner = _materialise(model.norm)
+        model.fill(self, self.prefix)
+
+    def forward(self, x: tuple) -> torch.Tensor:
+        return self.inner(x[0])
+
+
+class HFHead(_HFLayer):
+    """An untied LM head: hidden -> logits."""
+
+    def __init__(self, model: _Model):
+        super().__init__()
+        self.model, self.prefix = model, model.path(model.head)
+        self.inner = _materialise(model.head)
+        model.fill(self, self.prefix)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner(hidden)
+
+
+def _tied_logits(embedding: HFTokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """The tied LM head: logits from the embedding's weight."""
+    return F.linear(hidden, embedding.weight)
+
+
+def _materialise(meta: nn.Module) -> nn.Module:
+    """A copy of a meta submodule with real (uninitialised) storage on the default device."""
+    return copy.deepcopy(meta).to_empty(device=torch.get_default_device())
+
+
+# -- public -------------------------------------------------------------------------------
+def hf_layer_specs(source: Any) -> list[LayerSpec]:
+    """The LayerSpec / TiedLayerSpec list of a Hugging Face causal LM, for PipelineModule.
+
+    source: a directory written by save_pretrained (each stage reads only its layers' tensors
+    from the safetensors shards), a PreTrainedModel (weights copied from it by name) or a
+    PretrainedConfig (random weights, initialised as the model initialises them; PipelineModule
+    seeds each layer, so every grid builds the same values). Layers: token embedding,
+    [learned positions], num_hidden_layers decoder layers, final norm, LM head (a TiedLayerSpec
+    sharing the embedding when the model ties them). Train with loss_fn=causal_lm_loss.
+    """
+    config, weights = _source(source)
+    model = _Model(config, weights)
+    embed_spec = (TiedLayerSpec(TIED_KEY, HFTokenEmbedding, model) if model.tied
+                  else LayerSpec(HFTokenEmbedding, model))
+    specs = [embed_spec]
+    if model.positions is not None:
+        specs.append(LayerSpec(HFPositions, model))
+    specs += [LayerSpec(HFDecoderLayer, model, i) for i in range(config.num_hidden_layers)]
+    specs.append(LayerSpec(HFFinalNorm, model))
+    specs.append(TiedLayerSpec(TIED_KEY, HFTokenEmbedding, model, forward_fn=_tied_logits) if model.tied
+                 else LayerSpec(HFHead, model))
+    return specs
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; targets of -100 (Hugging Face's ignore index) are skipped."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-100)
+
+
+def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
+    """PipelineModule(tensor_plan=...) for HFDecoderLayers: Megatron-LM's split of attention and MLP.
+
+    In the attention and the MLP every nn.Linear but the last (q/k/v, gate/up) is split
+    column-wise, whole heads per tensor rank, and the last (o, down) row-wise: one all-reduce
+    after each (Shoeybi et al. 2019). Norms, embedding and head stay replicated. A family whose
+    projections are not nn.Linear (GPT-2's Conv1D) is a ValueError on every rank.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def plan(layer: nn.Module) -> TensorPlan | None:
+        if not isinstance(layer, HFDecoderLayer):
+            return None
+        out: dict[str, Any] = {}
+        for name, child in layer.inner.named_children():
+            projections = [(n, m) for n, m in child.named_children()
+                           if "Norm" not in type(m).__name__ and any(True for _ in m.parameters())]
+            if not projections:
+                continue
+            bad = [f"{name}.{n} ({type(m).__name__})" for n, m in projections if not isinstance(m, nn.Linear)]
+            if bad:
+                raise ValueError(f"hf_tensor_plan: {type(layer.inner).__name__} has projections {bad} that are not "
+                                 "nn.Linear; torch's ColwiseParallel/RowwiseParallel shard nn.Linear, so train "
+                                 "this family with tensor=1")
+            head_dim = getattr(child, "head_dim", None)
+            for n, m in projections[:-1]:
+                out[f"inner.{name}.{n}"] = (ColwiseHeads(m.out_features // head_dim) if head_dim
+                                            else ColwiseParallel())
+            out[f"inner.{name}.{projections[-1][0]}"] = RowwiseParallel()
+        return out
+    return plan
+
+
+def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's parameters under their Hugging Face names, whole (DTensor shards gathered).
+
+    A collective over the tensor group when tensor-parallel; a tied weight appears only on
+    its first owner (the copies are marked pipezero_duplicate).
+    """
+    out = {}
+    for layer in module.modules():
+        if isinstance(layer, _HFLayer):
+            for name, p in layer.hf_parameters():
+                whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+                if not (getattr(p, "pipezero_duplicate", False) and not hasattr(p, "full_tensor")):
+                    out[name] = whole.detach()
+    return out
+
+
+def hf_config(source: nn.Module | list[LayerSpec]) -> Any:
+    """The Hugging Face config of hf_layer_specs' list, or of a module built from it."""
+    if isinstance(source, (list, tuple)):
+        models = [a for spec in source for a in spec.args if isinstance(a, _Model)]
+        if models:
+            return models[0].config
+    else:
+        for layer in source.modules():
+            if isinstance(layer, _HFLayer):
+                return layer.model.config
+    raise ValueError(f"{type(source).__name__} holds no layer of hf_layer_specs")

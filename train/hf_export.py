@@ -1,0 +1,112 @@
+"""Export a pipeline built by hf_layer_specs back to the Hugging Face layout.
+
+A model fine-tuned here must go back to the tools that read Hugging Face checkpoints:
+`AutoModelForCausalLM.from_pretrained(directory)`. Each pipeline stage writes its own
+layers, under the model's own parameter names, as one shard
+(`model-0000k-of-0000n.safetensors`, or `model.safetensors` for one stage), so no rank ever
+holds the whole model; rank 0 writes the shard index and the config. Tensor-parallel
+weights are gathered whole first; a tied embedding is written once (from_pretrained ties
+the head to it again). Under ZeRO-3 (a model passed as module=) call it inside
+`with gathered(opt):` so every parameter is whole.
+
+    export_hf(model, "out/")    # every rank calls it
+    AutoModelForCausalLM.from_pretrained("out/")
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipezero.pipe.hf import hf_config, hf_state_dict
+
+__all__ = ["export_hf"]
+
+
+def export_hf(module: nn.Module, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write `module` (a PipelineModule or any module of hf_layer_specs layers) as a Hugging Face checkpoint.
+
+    Every rank calls it (tensor-parallel weights are gathered over the tensor group); the
+    ranks of data and tensor coordinate 0 write one shard per pipeline stage. Returns the directory.
+    """
+    directory = Path(directory)
+    state = {name: t.to(dtype) if dtype is not None else t for name, t in hf_state_dict(module).items()}
+    grid = getattr(module, "grid", None)
+    pipe_rank, stages = (grid.pipe_rank, grid.pipe_size) if grid is not None else (0, 1)
+    writer = grid is None or (grid.data_rank == 0 and grid.tensor_rank == 0)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    shard = "model.safetensors" if stages == 1 else f"model-{pipe_rank + 1:05d}-of-{stages:05d}.safetensors"
+    if writer:
+        _save(state, directory / shard)
+    names = _gather_names({name: shard for name in state} if writer else {})
+    if rank == 0:
+        _write_config(module, directory, state, dtype)
+        if stages > 1:
+            total = sum(_gather_sizes(names, directory))
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(names.items()))}
+            (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    _barrier()
+    return directory
+
+
+def _save(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write to a temporary name, then rename: a crash never leaves a shard that looks whole."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def _gather_names(mine: dict[str, str]) -> dict[str, str]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
+
+
+def _gather_sizes(names: dict[str, str], directory: Path) -> list[int]:
+    """Bytes of every tensor, read from the shards' headers."""
+    from safetensors import safe_open
+
+    sizes = []
+    for shard in sorted(set(names.values())):
+        with safe_open(str(directory / shard), "pt") as f:
+            for key in f.keys():
+                t = f.get_slice(key)
+                sizes.append(_numel(t.get_shape()) * _itemsize(t.get_dtype()))
+    return sizes
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(name: str) -> int:
+    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2}.get(name, 1)
+
+
+def _write_config(module: nn.Module, directory: Path, state: dict[str, torch.Tensor],
+                  dtype: torch.dtype | None) -> None:
+    config = copy.deepcopy(hf_config(module))
+    floats = [t.dtype for t in state.values() if t.is_floating_point()]
+    config.dtype = dtype or (floats[0] if floats else torch.float32)
+    config.save_pretrained(directory)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
