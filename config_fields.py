@@ -135,9 +135,9 @@ class Section:
                 self._unknown(key, [*known, *rules], strict)
 
     def _unknown(self, key: str, candidates: list[str], strict: bool) -> None:
-        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.8)
+        close = _near_miss(key, candidates)
         if close:
-            raise ConfigError(f'{self.where(key)} is not a DeepSpeed key: did you mean "{close[0]}"?')
+            raise ConfigError(f'{self.where(key)} is not a DeepSpeed key: did you mean "{close}"?')
         if strict:
             raise ConfigError(f"{self.where(key)} is not a key of DeepSpeed's {self.path} section (DeepSpeed "
                               f"0.19.8 refuses it too); remove it. Known keys: {', '.join(sorted(candidates))}")
@@ -226,3 +226,13 @@ class Section:
                 bounds = f"a value in [{lo}, {hi}]"
             raise ConfigError(f"{self.where(key)} = {value!r}: expected {bounds}")
 
+
+def _near_miss(key: str, candidates: list[str]) -> str | None:
+    """The real key `key` is a typo of: close as a whole, or (8 characters or more) close to the
+    start of a longer key, as a shortened misspelling is ("trian_micro_batch")."""
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.8)
+    if close or len(key) < 8:
+        return close[0] if close else None
+    starts = {c[:len(key) + 2]: c for c in candidates if len(c) > len(key) + 2}
+    close = difflib.get_close_matches(key, list(starts), n=1, cutoff=0.85)
+    return starts[close[0]] if close else None

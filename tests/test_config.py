@@ -339,3 +339,11 @@ def test_scheduler_drives_the_optimizer_and_resumes():
     opt2.step()
     sched2.step()
     assert opt2.param_groups[0]["lr"] == pytest.approx(lr_at(cfg.scheduler, 6, 0.5))
+
+
+def test_a_shortened_misspelling_of_a_top_level_key_is_a_typo_not_a_foreign_key():
+    from pipezero.config_fields import _near_miss
+
+    batch = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
+    assert _near_miss("trian_micro_batch", batch) == "train_micro_batch_size_per_gpu"
+    assert _near_miss("my_custom_key", batch) is None and _near_miss("steps", batch) is None
