@@ -2,7 +2,10 @@
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
-#                      profile|trace|smoke ...]
+#                      profile|trace|smoke|offload|offload-big|offload-test ...]
+#   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
+#   under a 16 GiB GPU memory cap, pipezero and DeepSpeed ZeRO-3 with both offloads (tokens/s, GPU and host peak);
+#   offload-test: the offload tests that need CUDA (streams, pinned buffers, parameters off the GPU).
 #   (default: main-job smoke zero pipe comm precision; profile/trace: kernel tables and chrome traces under $OUT)
 #   main-job: the README's main job on 1 GPU and on 2 when present, failing unless every parameter and
 #   activation is on CUDA (--expect-device cuda); nsys: 2 steps of it under Nsight Systems with NVTX ranges.
@@ -61,6 +64,13 @@ for w in $what; do
     precision) run precision 120 python3 bench/precision.py --device cuda ;;
     train) run train 300 python3 bench/train.py --device cuda --world 2 ;;
     hybrid) run hybrid 300 python3 bench/hybrid.py --device cuda ;;
+    offload) run offload 480 python3 bench/zero.py --device cuda --nproc 1 --vocab 32000 --batch 4 --accum 8 --steps 3 \
+               --adam fused --runs pipezero-1 pipezero-1-offload pipezero-1-offload-dpu pipezero-3-offload \
+               deepspeed-1-offload deepspeed-3-offload ;;
+    offload-big) run offload-big 480 python3 bench/zero.py --device cuda --nproc 1 --memory-cap-gib 16 --layers 20 \
+                   --hidden 4096 --heads 32 --vocab 32000 --seq 2048 --batch 1 --accum 1 --steps 3 --adam fused \
+                   --runs pipezero-3-offload deepspeed-3-offload ;;
+    offload-test) run offload-test 240 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py -k cuda ;;
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
     one-gpu) run one-gpu-zero 240 python3 bench/zero.py --device cuda --nproc 1 --runs pipezero-1 deepspeed-1 --steps 3 ;;
     generate-test) run generate-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_generate_static.py ;;

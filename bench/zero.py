@@ -2,15 +2,25 @@
 
     python bench/zero.py                       # CPU, gloo, 2 processes, a small GPT, fp32
     python bench/zero.py --device cuda         # one process per GPU, nccl, a ~1.3B GPT, bf16
+    python bench/zero.py --device cuda --nproc 1 --runs pipezero-1-offload deepspeed-1-offload
+    python bench/zero.py --device cuda --nproc 1 --memory-cap-gib 16 --hidden 4096 ... \
+        --runs pipezero-3-offload deepspeed-3-offload   # a model larger than the (capped) GPU
 
 Same model, same data, same Adam for every run, one run after the other in the same processes:
   stage 0    vs DDP + Adam
   stage 1, 2 vs DDP + torch's ZeroRedundancyOptimizer(Adam)
   stage 3    vs FSDP2 (torch.distributed.fsdp.fully_shard on every block and the root)
   DeepSpeed ZeRO 1/2/3 too when `import deepspeed` works (never a dependency).
+  CPU offload (asked for by name): pipezero-S-offload / deepspeed-S-offload offload the optimizer
+  (stage S) and, at stage 3, the parameters; pipezero-S-offload-dpu adds the delayed parameter
+  update. The offloaded Adam steps on the host (--adam fused: torch's fused CPU kernel); DeepSpeed
+  steps with torch's Adam too (torch_adam, its client-optimizer path).
 Prints ms per step, the ratio to the peer (> 1: pipezero is faster) and per-rank memory:
 on CPU the bytes of model state (live tensor storages after backward: parameters, gradients,
-optimizer state), on CUDA the peak allocated memory (model state + activations).
+optimizer state), on CUDA the peak allocated memory (model state + activations) and the peak
+resident host memory of the process during the timed steps (sampled every 20 ms).
+--memory-cap-gib caps each process's GPU memory (torch.cuda.set_per_process_memory_fraction) and
+builds the model on the host first, so a model larger than the cap can be offloaded.
 pipezero-2 reduce-scatters every micro-batch's gradients (reduce_every_microbatch, as DeepSpeed's
 ZeRO-2 does), so no whole gradient is held between micro-batches; the other runs are as configured.
 Precision: CPU fp32 everywhere. CUDA: pipezero and DeepSpeed train a bf16 model with fp32
@@ -24,6 +34,7 @@ import argparse
 import gc
 import os
 import statistics
+import threading
 import time
 import warnings
 
@@ -86,22 +97,39 @@ def _adam(params):
     return torch.optim.Adam(params, lr=1e-4, **ADAM)
 
 
-def build(name: str, args, device: torch.device) -> Run:
+def parse_run(name: str) -> tuple[str, int, bool, bool]:
+    """"pipezero-3-offload-dpu" -> ("pipezero", 3, offload, delayed update); other names: stage -1."""
+    bits = name.split("-")
+    stage = int(bits[1]) if len(bits) > 1 and bits[1].isdigit() else -1
+    return bits[0], stage, "offload" in bits, "dpu" in bits
+
+
+def _model(args, device: torch.device, low: bool) -> GPT:
+    """The GPT on the device; with a memory cap built on the host (and cast) first, as it may not fit twice."""
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq).to(device)
+    model = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
+    if args.memory_cap_gib and low:
+        model = model.to(torch.bfloat16)
+    return model.to(device)
+
+
+def build(name: str, args, device: torch.device) -> Run:
     low = device.type == "cuda"
-    if name.startswith("pipezero"):
-        stage = int(name[-1])
+    model = _model(args, device, low)
+    kind, stage, offload, delayed = parse_run(name)
+    if kind == "pipezero":
         if low:
             model = model.to(torch.bfloat16)
         # stage 2 reduce-scatters every micro-batch (DeepSpeed ZeRO-2): no whole gradients between them
         cfg = ZeroConfig(stage=stage, reduce_bucket_size=args.bucket, overlap_comm=True,
-                         stage3_param_persistence_threshold=10 * args.hidden, reduce_every_microbatch=stage == 2)
+                         stage3_param_persistence_threshold=10 * args.hidden, reduce_every_microbatch=stage == 2,
+                         offload_optimizer=offload, offload_param=offload and stage == 3,
+                         delayed_param_update=delayed)
         opt = ZeroOptimizer(_adam(model.parameters()), module=model, config=cfg)
         return Run(model, opt.step, opt.no_sync, opt.zero_grad,
                    "bf16 model, fp32 masters" if low else "fp32", settle=opt.wait_grad_sync)
-    if name.startswith("deepspeed"):
-        return _deepspeed(model, int(name[-1]), args, low)
+    if kind == "deepspeed":
+        return _deepspeed(model, stage, offload, args, low)
     policy = "fp32 weights, bf16 autocast" if low else "fp32"
     if name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -140,12 +168,16 @@ class _FsdpNoSync:
         return False
 
 
-def _deepspeed(model, stage, args, low) -> Run:
+def _deepspeed(model, stage, offload, args, low) -> Run:
     import deepspeed
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum,
               "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
                                     "reduce_bucket_size": args.bucket},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if stage == 3:
+            config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if low:
         config["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -236,22 +268,58 @@ def measure_cpu(names: list[str], args, device) -> dict:
             t = _timed_step(run, batches, device)
             if repeat >= 2:
                 times[name].append(t)
-    return {name: (statistics.median(times[name]), memory[name], runs[name].precision) for name in names}
+    return {name: (statistics.median(times[name]), memory[name], runs[name].precision, None) for name in names}
+
+
+class HostPeak:
+    """Peak resident memory of this process (VmRSS, pinned buffers included) inside the block."""
+
+    def __enter__(self) -> "HostPeak":
+        self.peak, self._stop = _rss(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc) -> bool:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+        return False
+
+
+def _empty_host_cache() -> None:
+    """torch keeps freed pinned host memory for reuse; give it back (a later run needs the RAM)."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None)
+    if empty is not None:
+        empty()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def measure_cuda(names: list[str], args, device) -> dict:
-    """One run at a time (they do not fit together): median step time and peak allocated memory."""
+    """One run at a time (they do not fit together): median step time, peak GPU and host memory."""
     out = {}
     for name in names:
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         run, batches = build(name, args, device), _batches(args, device)
-        times = [_timed_step(run, batches, device) for _ in range(args.steps + 2)][2:]
-        out[name] = (statistics.median(times), torch.cuda.max_memory_allocated(device) / 2**20, run.precision)
+        with HostPeak() as host:
+            times = [_timed_step(run, batches, device) for _ in range(args.steps + 2)][2:]
+        out[name] = (statistics.median(times), torch.cuda.max_memory_allocated(device) / 2**20, run.precision,
+                     host.peak / 2**30)
         if args.profile:
             _profile(name, run, batches, device, args.profile)
         del run, batches
         gc.collect()
+        _empty_host_cache()  # pinned host buffers go back to the system before the next run
     return out
 
 
@@ -287,19 +355,26 @@ def _runs() -> list[str]:
     return names
 
 
+OFFLOAD_RUNS = [f"{kind}-{stage}-offload{dpu}" for stage in (1, 2, 3) for kind, dpu in
+                (("pipezero", ""), ("pipezero", "-dpu"), ("deepspeed", ""))]
+
+
 def worker(rank: int, world: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if args.memory_cap_gib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     measure = measure_cuda if device.type == "cuda" else measure_cpu
     ADAM.clear()
     ADAM[args.adam] = True
-    results = measure([n for n in _runs() if not args.runs or n in args.runs], args, device)
+    results = measure(args.runs or _runs(), args, device)
     if rank == 0:
         _print(results, args, world)
     dist.destroy_process_group()
@@ -308,20 +383,26 @@ def worker(rank: int, world: int, args) -> None:
 def _print(results: dict, args, world: int) -> None:
     tokens = args.batch * args.seq * args.accum * world
     mem = "peak MiB" if args.device == "cuda" else "model state MiB"
-    print(f"GPT {args.layers}x{args.hidden}, vocab {args.vocab}, {tokens} tokens/step, {world} ranks, {args.device}")
-    print(f"| run | precision | ms/step | tokens/s | {mem} | peer | speed vs peer | memory vs peer "
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq).parameters())
+    cap = f", GPU memory capped at {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""
+    print(f"GPT {args.layers}x{args.hidden} ({params / 1e9:.2f}B parameters), vocab {args.vocab}, {tokens} "
+          f"tokens/step, {world} ranks, {args.device}{cap}")
+    print(f"| run | precision | ms/step | tokens/s | {mem} | host peak GiB | peer | speed vs peer | memory vs peer "
           f"| speed vs DeepSpeed same stage |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, (sec, memory, precision) in results.items():
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, (sec, memory, precision, host) in results.items():
         peer = PEERS.get(name) or ("ddp+ZeroRedundancyOptimizer" if name in ("deepspeed-1", "deepspeed-2")
                                    else "fsdp2" if name == "deepspeed-3" else "")
         peer = peer if peer in results else ""
         ratio = f"{results[peer][0] / sec:.2f}" if peer else ""
         mem_ratio = f"{memory / results[peer][1]:.2f}" if peer else ""
-        ds = results.get(f"deepspeed-{name[-1]}") if name.startswith("pipezero") else None
+        ds = results.get(name.replace("pipezero", "deepspeed").removesuffix("-dpu")) \
+            if name.startswith("pipezero") else None
         vs_ds = f"{ds[0] / sec:.2f}" if ds else ""
-        print(f"| {name} | {precision} | {sec * 1e3:.0f} | {tokens / sec:,.0f} | {memory:,.0f} | {peer} | "
-              f"{ratio} | {mem_ratio} | {vs_ds} |")
+        host_gib = f"{host:.1f}" if host is not None else ""
+        print(f"| {name} | {precision} | {sec * 1e3:.0f} | {tokens / sec:,.0f} | {memory:,.0f} | {host_gib} | "
+              f"{peer} | {ratio} | {mem_ratio} | {vs_ds} |")
 
 
 def main() -> None:
@@ -339,11 +420,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--port", type=int, default=29517)
     parser.add_argument("--adam", choices=["foreach", "fused"], default="foreach",
-                        help="torch Adam implementation for every run (fused: CUDA only)")
+                        help="torch Adam implementation for every pipezero/DDP/FSDP run (fused: CUDA and CPU)")
+    parser.add_argument("--memory-cap-gib", type=float, default=None,
+                        help="CUDA: cap each process's GPU memory (set_per_process_memory_fraction)")
     parser.add_argument("--runs", nargs="+", default=None, help="only these runs (names as in the table)")
     parser.add_argument("--profile", default=None, help="CUDA: folder for a profile of one more step of each run")
     args = parser.parse_args()
     gpu = args.device == "cuda"
+    known = _runs() + OFFLOAD_RUNS + ["deepspeed-1", "deepspeed-2", "deepspeed-3"]
+    unknown = [n for n in args.runs or [] if n not in known]
+    if unknown:
+        parser.error(f"--runs {' '.join(unknown)}: unknown run; known: {' '.join(dict.fromkeys(known))}")
     # CPU: a small GPT; GPU: ~1.3B parameters, 65,536 tokens per step on 2 GPUs
     defaults = dict(layers=24, hidden=2048, heads=16, vocab=50304, seq=2048, batch=4, accum=4, bucket=50_000_000) \
         if gpu else dict(layers=4, hidden=256, heads=4, vocab=4096, seq=128, batch=4, accum=2, bucket=2_000_000)

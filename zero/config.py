@@ -110,7 +110,10 @@ class ZeroConfig:
     offload_optimizer: bool = False
     """Keep fp32 master shards and optimizer state on the CPU and step there."""
     offload_param: bool = False
-    """Stage 3: keep the owned parameter slices on the CPU between uses."""
+    """Stage 3: keep the owned parameter slices on the CPU between uses (any data degree, one included)."""
+    delayed_param_update: bool = False
+    """With offload_optimizer: step k's CPU update runs during step k+1's forward and backward and is
+    applied at step k+1's step() (ZeRO-Offload's DPU; see zero/offload.py). Set here; ds_config has no such key."""
     reduce_every_microbatch: bool = False
     """Stages 2-3: reduce-scatter every backward's gradients into the shard, even inside no_sync or
     a pipeline hold, so no whole gradient outlives its bucket (DeepSpeed ZeRO-2's behaviour; more
@@ -130,6 +133,9 @@ class ZeroConfig:
         if self.reduce_every_microbatch and self.stage < 2:
             raise ValueError(f"ZeroConfig(reduce_every_microbatch=True, stage={self.stage}): only stages 2-3 "
                              "shard gradients; use stage=2, or leave reduce_every_microbatch False")
+        if self.delayed_param_update and not self.offload_optimizer:
+            raise ValueError("ZeroConfig(delayed_param_update=True, offload_optimizer=False): the delayed update "
+                             "overlaps the CPU optimizer step; set offload_optimizer=True or leave it False")
         if self.offload_param and self.stage != 3:
             raise ValueError(f"ZeroConfig(offload_param=True, stage={self.stage}): parameter offload needs "
                              "stage 3; use offload_optimizer for stages 1-2")

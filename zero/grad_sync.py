@@ -27,7 +27,7 @@ import weakref
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from pipezero.comm import Handle, all_reduce, group_size, reduce_scatter
 from pipezero.zero.partition import Bucket, local_tensor
 
-__all__ = ["GradSync"]
+__all__ = ["GradSink", "GradSync"]
 
 _MAX_IN_FLIGHT = 2  # stage 2/3: buckets whose full buffer may be alive while reducing
 
@@ -60,6 +60,20 @@ class _Pending:
         self.pushed, self.seen = set(), set()
 
 
+class GradSink(Protocol):
+    """Where reduced gradients go when the masters live elsewhere (CPU offload, see offload.py)."""
+
+    def reduced(self, b: Bucket, values: torch.Tensor, accumulate: bool) -> None:
+        """b's owned reduced gradient: `values` adds to what this step brought (stages 2-3, which
+        then drop their device copy) or replaces it (stages 0-1, whose buffer keeps the sum)."""
+
+    def hand_over(self, b: Bucket) -> torch.Tensor | None:
+        """At step: the gradient for b's master (None if nothing was reduced this step)."""
+
+    def discard(self) -> None:
+        """zero_grad: forget this step's gradients."""
+
+
 def _weak(method: Callable) -> Callable:
     """A function calling `method` while its object lives (a no-op after)."""
     ref = weakref.WeakMethod(method)
@@ -75,8 +89,8 @@ class GradSync:
 
     def __init__(self, buckets: list[Bucket], stage: int, group,
                  on_backward_done: Callable[[Bucket], None] | None = None, overlap: bool = True,
-                 every_microbatch: bool = False):
-        self.buckets, self.stage, self.group, self.overlap = buckets, stage, group, overlap
+                 every_microbatch: bool = False, sink: GradSink | None = None):
+        self.buckets, self.stage, self.group, self.overlap, self.sink = buckets, stage, group, overlap, sink
         self.replicated = stage == 0 or group_size(group) == 1   # all-reduce or nothing at all
         self.keep_grads = stage <= 1      # a persistent full gradient buffer per bucket
         self.views = stage == 0           # parameters' .grad are views of that buffer
@@ -172,6 +186,8 @@ class GradSync:
             b = self._in_flight.popleft()
             self._state[b].handle.wait()
             self._state[b].handle = None
+        if self.sink is not None:
+            self.sink.discard()
         for b in self.buckets:
             st = self._state[b]
             st.pushed.clear()
@@ -272,7 +288,8 @@ class GradSync:
             st.out = torch.empty(b.shard_numel, dtype=b.dtype, device=b.device)
             st.handle = reduce_scatter(st.out, st.grad, group=self.group, average=True, async_op=True)
         self._in_flight.append(b)
-        while not self.keep_grads and len(self._in_flight) > _MAX_IN_FLIGHT:
+        # stage 2/3 free the full buffer; with a sink, stage 0/1 too start the copy to the host
+        while (not self.keep_grads or self.sink is not None) and len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
 
     def _complete(self, b: Bucket) -> None:
@@ -286,14 +303,24 @@ class GradSync:
             st.grad[(b.part + 1) * b.shard_numel:].zero_()
             st.rescale = True
         elif not self.keep_grads:                             # stage 2/3: accumulate the shard
-            st.shard = st.out if st.shard is None else st.shard.add_(st.out)
+            if self.sink is not None:                          # on the host (CPU offload)
+                self.sink.reduced(b, st.out, accumulate=True)
+            else:
+                st.shard = st.out if st.shard is None else st.shard.add_(st.out)
             st.grad, st.fresh = None, False
+        if self.keep_grads and self.sink is not None:
+            self.sink.reduced(b, b.owned(st.grad), accumulate=False)
         st.handle, st.out, st.reduced, st.dirty = None, None, True, False
         st.pushed.clear()
 
     def _hand_over(self, b: Bucket) -> None:
         """Give the reduced owned values to the master as its .grad (fp32, on its device)."""
         st, master = self._state[b], b.master
+        if self.sink is not None:
+            g = self.sink.hand_over(b)
+            if g is not None:
+                master.grad = g
+            return
         g = b.owned(st.grad) if self.keep_grads else st.shard
         if g is None:
             return

@@ -25,6 +25,7 @@ from pipezero.comm.chain import ChainWrapper, describe, innermost
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_sync import GradSync
+from pipezero.zero.offload import HostOffload, host_copy
 from pipezero.zero.partition import Bucket, plan_groups
 from pipezero.zero.stage3 import ParamGatherer
 from pipezero.zero import state as _state
@@ -64,8 +65,10 @@ class ZeroOptimizer(ChainWrapper):
         # the single-process layout (consolidated state): every group's original parameters, in order
         self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in self.param_groups]
         parts = 1 if self.stage == 0 else self.world
-        # a group of one has nothing to partition: stage 3 then keeps every parameter whole
-        threshold = config.stage3_param_persistence_threshold if self.world > 1 else float("inf")
+        # a group of one has nothing to partition: stage 3 then keeps every parameter whole, unless
+        # the parameters are offloaded (they then live on the host between uses)
+        threshold = config.stage3_param_persistence_threshold if self.world > 1 or config.offload_param \
+            else float("inf")
         self.buckets: list[Bucket] = plan_groups(
             self.param_groups, config.reduce_bucket_size, parts, self.rank if parts > 1 else 0,
             module if self.stage == 3 else None, threshold)
@@ -110,7 +113,7 @@ class ZeroOptimizer(ChainWrapper):
         for b in self.buckets:
             b.build(offload, keep_full=self.stage < 3 or b.persistent)
             if cfg.offload_param and not b.persistent:
-                b.local = b.local.cpu()  # gathered onto the compute device when the submodule runs
+                b.local = host_copy(b.local)  # uploaded to the compute device when the submodule runs
             if any(is_replica(p) for p in b.params) or (self.stage == 0 and self.rank > 0):
                 mark_replica(b.master)
         for g, group in enumerate(self.param_groups):
@@ -121,9 +124,11 @@ class ZeroOptimizer(ChainWrapper):
             self._gatherer = ParamGatherer(module, self.buckets, self.group, device,
                                            prefetch_numel=cfg.stage3_prefetch_bucket_size)
         done = self._gatherer.backward_done if self._gatherer else None
+        self._offload = HostOffload(self.buckets, innermost(self.inner), delayed=cfg.delayed_param_update) \
+            if offload else None
         self._sync = GradSync(self.buckets, self.stage, self.group, on_backward_done=done,
                               overlap=self.config.overlap_comm,
-                              every_microbatch=self.config.reduce_every_microbatch)
+                              every_microbatch=self.config.reduce_every_microbatch, sink=self._offload)
 
     @classmethod
     def from_config(cls, inner: Any, cfg: Mapping[str, Any], group=None, module: nn.Module | None = None,
@@ -141,6 +146,7 @@ class ZeroOptimizer(ChainWrapper):
         An outer link (LossScaler(ZeroOptimizer(...))) calls this before it reads the gradients;
         step() does it itself when nobody did since the last step.
         """
+        self.apply_delayed_update()
         super().prepare_grads()
         self._sync.finish()
         if self._gatherer is not None:
@@ -153,20 +159,36 @@ class ZeroOptimizer(ChainWrapper):
             raise ValueError("ZeroOptimizer.step(closure=...) is not supported: run forward/backward first")
         if not self._grads_ready:
             self.prepare_grads()
-        with nvtx_range("optimizer.step"):
+        with nvtx_range("optimizer.step"), self._offload.stepping(self._offload.start_upload) \
+                if self._offload else nullcontext():
             stepped = self.inner.step() is not False
         self.last_step_skipped = not stepped
         self._grads_ready = False
         self._sync.end_step()
-        if stepped:
+        if stepped and not self.config.delayed_param_update:
             self._publish()
         return stepped
+
+    def apply_delayed_update(self) -> None:
+        """With delayed_param_update: wait for the update still being computed and publish it now.
+
+        step() does this first; call it at the end of training. A no-op otherwise.
+        """
+        if self._offload is None or not self._offload.in_flight:
+            return
+        if self._gatherer is not None:
+            self._gatherer.wait_uploads()     # the update writes the host slices they read
+        self._offload.settle(self._offload.start_upload)
+        self._publish()
 
     def _publish(self) -> None:
         """Copy masters into the model slices and all-gather the buckets that are kept whole."""
         handles = []
         for b in self.buckets:
-            b.publish_master()
+            if self._offload is None:
+                b.publish_master()
+            else:  # the offload uploaded it while the next bucket stepped
+                self._offload.wait_upload(b)
             if b.flat is not None and b.parts > 1:
                 handles.append(all_gather(b.flat, b.local.clone(), group=self.group, async_op=True))
         for h in handles:
@@ -174,7 +196,8 @@ class ZeroOptimizer(ChainWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients (always set to None: the flat buffers are zeroed, not freed, at stages 0-1)."""
-        self.inner.zero_grad(set_to_none=True)
+        if self._offload is None or not self._offload.in_flight:  # a delayed update reads the masters' grads
+            self.inner.zero_grad(set_to_none=True)
         self._sync.zero_grad()
         self._grads_ready = False
 
@@ -240,6 +263,11 @@ class ZeroOptimizer(ChainWrapper):
             self._gatherer.release_params(params)
 
     # -- state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's state (a delayed update in flight is applied first)."""
+        self.apply_delayed_update()
+        return super().state_dict()
+
     def link_state_dict(self) -> dict:
         """{"zero": the layout (stage, group size, rank, buckets)}: the inner chain's state is this
         rank's shards, loadable only onto the same layout (consolidated_state_dict moves between them)."""
@@ -252,17 +280,21 @@ class ZeroOptimizer(ChainWrapper):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load what state_dict() (same layout) or consolidated_state_dict() (any layout) returned."""
         if isinstance(state, Mapping) and "consolidated" in state:
+            self.apply_delayed_update()
             _state.load_consolidated_state_dict(self, state)
             return
+        self.apply_delayed_update()
         super().load_state_dict(state)
         _state.restore_masters(self)
 
     def consolidated_state_dict(self) -> dict:
         """The innermost optimizer's state as one process would hold it (loads onto any layout); a collective."""
+        self.apply_delayed_update()
         return _state.consolidated_state_dict(self)
 
     def full_parameters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, its whole fp32 master) for each parameter this optimizer owns; a collective."""
+        self.apply_delayed_update()
         return _state.full_parameters(self)
 
     def load_full_parameters(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -271,6 +303,7 @@ class ZeroOptimizer(ChainWrapper):
 
     def per_parameter_state(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """(parameter, its whole optimizer state) for each parameter that has state; a collective."""
+        self.apply_delayed_update()
         return _state.per_parameter_state(self)
 
     def load_per_parameter_state(self, state_of: Callable[[torch.Tensor], dict[str, Any] | None]) -> None:

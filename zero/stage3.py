@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from pipezero.comm import Handle, all_gather
+from pipezero.zero.offload import upload
 from pipezero.zero.partition import Bucket, stage3_units
 
 __all__ = ["ParamGatherer"]
@@ -36,6 +37,8 @@ class ParamGatherer:
     Prefetch: the order in which units run forward and backward is recorded during the first
     step; from then on, gathering a unit also starts the all-gathers of the units that follow
     it (up to `prefetch_numel` elements), so communication overlaps the unit's compute.
+    Offloaded slices (on the host while the compute device is another) are uploaded on a side
+    stream first; with a group of one the upload alone makes the bucket whole.
     """
 
     def __init__(self, module: nn.Module, buckets: list[Bucket], group, compute_device: torch.device,
@@ -58,6 +61,7 @@ class ParamGatherer:
         self._frozen = False
         self._where = {id(p): b for b in self.partitioned for p in b.params}
         self._driven = False
+        self._upload = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
 
     # -- gather / release ------------------------------------------------------------
     def _launch(self, buckets: list[Bucket]) -> None:
@@ -65,7 +69,30 @@ class ParamGatherer:
         for b in buckets:
             if b.flat is None:
                 b.flat = torch.empty(b.padded, dtype=b.dtype, device=self.device)
-                self._pending[b] = all_gather(b.flat, b.local.to(self.device), group=self.group, async_op=True)
+                self._pending[b] = self._fetch(b)
+
+    def _fetch(self, b: Bucket) -> Handle:
+        """Fill b.flat: upload an offloaded slice (the whole bucket in a group of one), all-gather."""
+        if b.local.device == self.device:
+            return all_gather(b.flat, b.local, group=self.group, async_op=True)
+        if b.parts == 1:
+            return upload(b.flat, b.local, self._upload)
+        if self._upload is None:
+            return all_gather(b.flat, b.local.to(self.device), group=self.group, async_op=True)
+        mine = torch.empty(b.shard_numel, dtype=b.dtype, device=self.device)
+        upload(mine, b.local, self._upload)
+        mine.record_stream(self._upload)
+        with torch.cuda.stream(self._upload):  # the gather waits for the upload, not for compute
+            return all_gather(b.flat, mine, group=self.group, async_op=True)
+
+    def wait_uploads(self) -> None:
+        """Block until no upload reads the host slices any more (the optimizer is about to write them)."""
+        if self._upload is not None:
+            self._upload.synchronize()
+
+    def resident_numel(self) -> int:
+        """Elements of partitioned buckets now whole on the compute device (gathered or on their way)."""
+        return sum(b.padded for b in self.partitioned if b.flat is not None)
 
     def gather(self, buckets: list[Bucket]) -> None:
         """Make the buckets whole: all-gather them (one async collective each) and wait."""
@@ -92,6 +119,7 @@ class ParamGatherer:
         """Partition everything again (at step); the first call freezes the recorded unit order."""
         for b in self.partitioned:
             self.release(b)
+        self.wait_uploads()
         if not self._frozen and self._order["forward"]:
             self._order = {k: list(dict.fromkeys(v)) for k, v in self._order.items()}
             self._frozen = True

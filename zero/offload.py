@@ -1,0 +1,269 @@
+"""ZeRO-Offload's host side: gradients down during backward, the CPU step, parameters back up.
+
+With `offload_optimizer` the fp32 master shards and the optimizer state live in host memory
+and the optimizer steps there. What makes it fast is that the transfers hide behind work
+the GPU or the CPU does anyway (Ren et al., "ZeRO-Offload: Democratizing Billion-Scale Model
+Training", USENIX ATC 2021, section 4):
+
+* a bucket's reduced gradient shard is copied into a pinned, reused host buffer on a side
+  stream as soon as its reduction completes, while backward still runs (`reduced`); step()
+  then only waits for the copies still in flight (`hand_over`);
+* the optimizer steps one bucket at a time and each stepped master is uploaded (a non-blocking
+  copy on a side stream) while the next bucket steps (`stepping`);
+* the step runs on every host core this process may use (torchrun sets OMP_NUM_THREADS=1;
+  the cores are split over the local processes). Build Adam/AdamW with `fused=True`: torch's
+  fused CPU kernel is one vectorised pass, 5.3x the foreach step measured on CPU (it is not
+  chosen for you because its rounding differs from foreach in the last bit);
+* optionally (`delayed=True`, the paper's delayed parameter update, DPU) the CPU step of step
+  k's gradients runs in a background thread during step k+1's forward and backward, and its
+  result reaches the model at step k+1's step(): the forward/backward of step k+1 uses
+  parameters updated with the gradients of steps up to k-1. The loss-scale/overflow check and
+  gradient clipping of step k still run in step k's step() (they need collectives); only the
+  optimizer's element-wise update is deferred. It costs a second host fp32 gradient buffer.
+
+With `offload_param` (stage 3) the owned parameter slices live in (pinned) host memory and are
+uploaded when their submodule runs (see stage3.py), so the device holds only the working set,
+on any data degree, one included.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from pipezero.comm import Handle
+from pipezero.zero.partition import Bucket
+
+__all__ = ["HostOffload", "host_copy", "host_threads", "upload"]
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of t, pinned when a GPU may copy from it asynchronously."""
+    out = t.detach().to("cpu", copy=True)
+    return out.pin_memory() if torch.cuda.is_available() and t.device.type == "cuda" else out
+
+
+def host_threads() -> int:
+    """Host cores for this process: the cores it may run on, split over torchrun's local processes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def upload(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> Handle:
+    """Copy host `src` into device `dst` on `stream`; wait() orders the current stream after it.
+
+    `dst` was allocated on the current stream, so the copy first waits for the work queued there.
+    """
+    if stream is None or dst.device.type != "cuda":
+        dst.copy_(src.view_as(dst))
+        return Handle("", [])
+    stream.wait_stream(torch.cuda.current_stream(dst.device))
+    with torch.cuda.stream(stream):
+        dst.copy_(src.view_as(dst), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return Handle("", [], lambda: torch.cuda.current_stream(dst.device).wait_event(done))
+
+
+class HostOffload:
+    """The host half of an offloaded ZeroOptimizer: gradient landing, the CPU step, the upload.
+
+    `buckets`: the optimizer's buckets (masters on the host); `core`: the innermost torch
+    optimizer, which the chain steps. GradSync calls `reduced` and `hand_over`; ZeroOptimizer
+    wraps its inner step in `stepping` and publishes through `wait_upload`.
+    """
+
+    def __init__(self, buckets: list[Bucket], core: Any, delayed: bool = False):
+        self.buckets, self.core, self.delayed = buckets, core, delayed
+        self.threads = host_threads()
+        cuda = [b for b in buckets if b.device.type == "cuda"]
+        device = cuda[0].device if cuda else None
+        self._down = torch.cuda.Stream(device) if device is not None else None
+        self._up = torch.cuda.Stream(device) if device is not None else None
+        self._landing: dict[Bucket, torch.Tensor] = {}   # pinned, model dtype: the D2H copies land here
+        self._grads: dict[tuple, torch.Tensor] = {}      # host fp32: sums, and what the master steps with
+        self._flip = 0   # delayed: which of two sum buffers this step fills; the update in flight reads the other
+        self._window: dict[Bucket, tuple[torch.Tensor, Any]] = {}  # the latest copy not yet summed, its event
+        self._summed: set[Bucket] = set()                # buckets whose _grads hold a partial sum
+        self._uploads: dict[Bucket, Any] = {}
+        self._order: list[Bucket] = []                   # buckets in the order their gradients landed
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- gradients: device -> host (GradSync's GradSink) -----------------------------------
+    def reduced(self, b: Bucket, values: torch.Tensor, accumulate: bool) -> None:
+        """Start copying b's reduced owned gradient to the host: to be added to what this step
+        already brought (accumulate) or to replace it. The device copy of `values` may be freed."""
+        if b not in self._order:
+            self._order.append(b)
+        if accumulate and b in self._window:
+            self._add_up(b)
+        elif not accumulate:
+            self._summed.discard(b)
+        self._window[b] = self._copy_down(b, values)
+
+    def hand_over(self, b: Bucket) -> torch.Tensor | None:
+        """At step: the host fp32 gradient for b's master (None if nothing was reduced).
+
+        Delayed, it is always a buffer of our own: the update in flight reads the previous one.
+        """
+        if b not in self._window:
+            return None
+        if b in self._summed:
+            self._add_up(b)
+            self._summed.discard(b)
+            return self._sum_buffer(b)
+        source, done = self._window.pop(b)
+        if done is not None:
+            done.synchronize()
+        if not self.delayed and source.dtype == torch.float32 and source.device.type == "cpu":
+            return source
+        return self._sum_buffer(b).copy_(source)
+
+    def discard(self) -> None:
+        """Forget the gradients of this step (zero_grad without a step)."""
+        self._window.clear()
+        self._summed.clear()
+
+    def _copy_down(self, b: Bucket, values: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A non-blocking copy into b's pinned landing buffer on the side stream, and its event."""
+        if self._down is None or values.device.type != "cuda":
+            return values, None
+        landing = self._landing.get(b)
+        if landing is None:
+            landing = self._landing[b] = torch.empty(values.numel(), dtype=values.dtype, pin_memory=True)
+        self._down.wait_stream(torch.cuda.current_stream(values.device))
+        with torch.cuda.stream(self._down):
+            landing.copy_(values, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._down)
+        values.record_stream(self._down)   # the caller may free it; the copy still reads it
+        return landing, done
+
+    def _add_up(self, b: Bucket) -> None:
+        """Fold the copy in flight into b's host fp32 sum (a micro-batch later it has landed)."""
+        source, done = self._window.pop(b)
+        if done is not None:
+            done.synchronize()
+        total = self._sum_buffer(b)
+        if b in self._summed:
+            total.add_(source)
+        else:
+            total.copy_(source)
+            self._summed.add(b)
+
+    def _sum_buffer(self, b: Bucket) -> torch.Tensor:
+        grad = self._grads.get((b, self._flip))
+        if grad is None:
+            grad = self._grads[(b, self._flip)] = torch.empty(b.shard_numel, dtype=torch.float32,
+                                                pin_memory=b.device.type == "cuda")
+        return grad
+
+    # -- the step ---------------------------------------------------------------------------
+    @contextmanager
+    def stepping(self, after: Callable[[Bucket], None]) -> Iterator[None]:
+        """Inside, the core optimizer steps bucket by bucket on every host core, calling `after(b)`
+        behind each; delayed, it only records the request and the step runs in a background
+        thread once the block ends (with the hyperparameters of now)."""
+        self._wait_uploads()
+        saved = self.core.__dict__.get("step")
+        original = self.core.step
+        requested: list[list[dict]] = []
+
+        def step(closure: Any = None) -> None:
+            if self.delayed:
+                requested.append([dict(g) for g in self.core.param_groups])
+            else:
+                self._per_bucket(original, after, self.core.param_groups)
+        self.core.step = step
+        try:
+            yield
+        finally:
+            if saved is None:
+                del self.core.step
+            else:
+                self.core.step = saved
+        if requested:
+            self._thread = threading.Thread(target=self._background, args=(original, requested[0]), daemon=True)
+            self._thread.start()
+            self._flip ^= 1
+
+    @property
+    def in_flight(self) -> bool:
+        """A delayed update is being computed (its masters' gradients must stay as they are)."""
+        return self._thread is not None
+
+    def settle(self, after: Callable[[Bucket], None]) -> None:
+        """Delayed: wait for the update in flight, drop its gradients, publish it (`after` per bucket)."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        for b in self.buckets:
+            b.master.grad = None
+            after(b)
+
+    def start_upload(self, b: Bucket) -> None:
+        """Copy b's stepped master into its model slice (asynchronously on a side stream to a GPU)."""
+        if self._up is None or b.local.device.type != "cuda":
+            b.publish_master()
+            return
+        self._up.wait_stream(torch.cuda.current_stream(b.local.device))
+        with torch.cuda.stream(self._up):
+            b.publish_master()
+            done = torch.cuda.Event()
+            done.record(self._up)
+        self._uploads[b] = done
+
+    def wait_upload(self, b: Bucket) -> None:
+        """The current stream waits until b's model slice holds the stepped master."""
+        done = self._uploads.get(b)
+        if done is not None:
+            torch.cuda.current_stream(b.local.device).wait_event(done)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _per_bucket(self, step: Callable[[], Any], after: Callable[[Bucket], None], groups: list[dict]) -> None:
+        """Step each bucket's master alone (landing order first), through a private param_groups list,
+        so the shared groups are never edited (the delayed step runs beside the main thread)."""
+        shared = self.core.param_groups
+        landed = set(self._order)
+        order = self._order + [b for b in self.buckets if b not in landed]
+        try:
+            with _num_threads(self.threads):
+                for b in order:
+                    self.core.param_groups = [dict(g, params=[b.master] if i == b.group_index else [])
+                                              for i, g in enumerate(groups)]
+                    step()
+                    after(b)
+        finally:
+            self.core.param_groups = shared
+
+    def _background(self, step: Callable[[], Any], groups: list[dict]) -> None:
+        try:
+            self._per_bucket(step, lambda b: None, groups)
+        except BaseException as error:  # noqa: BLE001 - re-raised by settle() on the main thread
+            self._error = error
+
+    def _wait_uploads(self) -> None:
+        """The masters are about to change: the last step's uploads must have read them."""
+        for done in self._uploads.values():
+            done.synchronize()
+        self._uploads.clear()
+
+
+@contextmanager
+def _num_threads(n: int) -> Iterator[None]:
+    """At least n intra-op threads inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(n, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
