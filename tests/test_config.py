@@ -273,7 +273,9 @@ def test_ignored_keys_warn_once_and_noop_values_are_silent(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="pipezero"):
         parse_config(raw, hidden_size=64)
         parse_config(raw, hidden_size=64)
-    text = [r.getMessage() for r in caplog.records]
+    # one record each: a record object that reached the capture twice (a handler another test left
+    # higher up the logger tree) is still one warning
+    text = [r.getMessage() for r in {id(r): r for r in caplog.records}.values()]
     assert sum("dump_state" in t for t in text) == 1
     assert sum("round_robin_gradients" in t for t in text) == 1
     assert sum("my_note_to_self" in t and "any DeepSpeed version" in t for t in text) == 1
