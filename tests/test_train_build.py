@@ -147,25 +147,29 @@ def test_cli_train_without_examples_says_where_to_get_them(monkeypatch, tmp_path
         cli.examples_dir()
 
 
-def _engine_losses(stage: int) -> list[float]:
-    """The DeepSpeed-shaped loop through initialize(): each data rank takes its half of every batch."""
-    import torch.distributed as dist
-
-    from pipezero.train import initialize
-
+def _seeded_mlp() -> nn.Module:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     torch.manual_seed(0)
     for p in model.parameters():
         nn.init.normal_(p, std=0.3)
-    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": stage}, "gradient_clipping": 0.5}
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    engine, optimizer, _, _ = initialize(model=model, optimizer=opt, config=cfg)
+    return model
+
+
+def _engine_run(engine, optimizer, seed_style: bool = False) -> list[float]:
+    """Four steps, each data rank on its share of every batch; the mean loss per step.
+    seed_style: the seed guide's spelling (inputs `.to(engine.local_rank)`, optimizer.zero_grad())."""
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for step in range(4):
         x, y = _batch(step)
         mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
-        loss = nn.functional.cross_entropy(engine(x[mine]), y[mine])
+        inputs, labels = x[mine], y[mine]
+        if seed_style:
+            inputs, labels = inputs.to(engine.local_rank), labels.to(engine.local_rank)
+            optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(engine(inputs), labels)
         engine.backward(loss)
         engine.step()
         full = loss.detach().clone()
@@ -174,16 +178,25 @@ def _engine_losses(stage: int) -> list[float]:
     return losses
 
 
+def _engine_losses(stage: int) -> list[float]:
+    """The DeepSpeed-shaped loop through initialize()."""
+    from pipezero.train import initialize
+
+    model = _seeded_mlp()
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": stage}, "gradient_clipping": 0.5}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine, optimizer, _, _ = initialize(model=model, optimizer=opt, config=cfg)
+    return _engine_run(engine, optimizer)
+
+
 def _batch(step: int):
     g = torch.Generator().manual_seed(step)
     return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
-def test_initialize_engine_matches_plain_pytorch():
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    torch.manual_seed(0)
-    for p in model.parameters():
-        nn.init.normal_(p, std=0.3)
+def _plain_losses() -> list[float]:
+    """The single-process truth: plain PyTorch, clipping at 0.5."""
+    model = _seeded_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     truth = []
     for step in range(4):
@@ -194,22 +207,20 @@ def test_initialize_engine_matches_plain_pytorch():
         opt.step()
         opt.zero_grad()
         truth.append(loss.item())
+    return truth
+
+
+def test_initialize_engine_matches_plain_pytorch():
     for losses in run(_engine_losses, 2, 2):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(truth), rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(_plain_losses()), rtol=0, atol=1e-5)
 
 
 def _seed_loop_losses() -> list[float]:
     """The seed guide's loop as written (section 3.3): a DDP-wrapped model, `config_params=`,
     `engine.train()`, inputs `.to(engine.local_rank)`, ZeRO-3 with "auto" sizes and no hidden_size."""
-    import torch.distributed as dist
-
     from pipezero.train import initialize
 
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    torch.manual_seed(0)
-    for p in model.parameters():
-        nn.init.normal_(p, std=0.3)
-    model = nn.parallel.DistributedDataParallel(model)
+    model = nn.parallel.DistributedDataParallel(_seeded_mlp())
     cfg = {"train_batch_size": 8, "gradient_clipping": 0.5,
            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
                                  "stage3_param_persistence_threshold": "auto"}}
@@ -217,26 +228,12 @@ def _seed_loop_losses() -> list[float]:
     engine, optimizer, _, _ = initialize(model=model, model_parameters=model.parameters(), optimizer=opt,
                                          config_params=cfg)
     engine.train()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(4):
-        x, y = _batch(step)
-        mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
-        inputs, labels = x[mine].to(engine.local_rank), y[mine].to(engine.local_rank)
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(engine(inputs), labels)
-        engine.backward(loss)
-        engine.step()
-        full = loss.detach().clone()
-        dist.all_reduce(full)
-        losses.append(full.item() / world)
-    return losses
+    return _engine_run(engine, optimizer, seed_style=True)
 
 
 def test_the_seed_loop_runs_with_only_the_import_changed():
     for losses in run(_seed_loop_losses, 2):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(run(_engine_losses, 1, 0)[0]),
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(_plain_losses()), rtol=0, atol=1e-5)
 
 
 def test_model_width_reads_the_config_else_the_common_linear_input():
