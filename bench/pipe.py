@@ -108,8 +108,12 @@ def setup_ours(name, args, grid, device, costs=None):
     return step, model.bounds, runner
 
 
-def setup_torch(name, args, grid, device, bounds):
-    """torch.distributed.pipelining's schedule of the same name on the same layers and cut."""
+def setup_torch(name, args, grid, device, bounds, prepare=None, make_optimizer=None):
+    """torch.distributed.pipelining's schedule of the same name on the same layers and cut.
+
+    `prepare(layers)` readies each stage's layers (default: the weights' dtype; bench/zero3_pipe.py
+    passes fully_shard), `make_optimizer(params)` builds the optimizer (default: this bench's).
+    """
     from torch.distributed import pipelining
 
     _, torch_name = SCHEDULES[name]
@@ -122,11 +126,12 @@ def setup_torch(name, args, grid, device, bounds):
             continue
         with device:
             layers = torch.nn.Sequential(*[s.build() for s in specs[bounds[stage]:bounds[stage + 1]]])
-        layers.to(_weights_dtype(args))
+        prepare(layers) if prepare is not None else layers.to(_weights_dtype(args))
         stages.append(pipelining.PipelineStage(layers, stage, p * chunks, device, group=grid.pipe_group))
     schedule_cls = getattr(pipelining, torch_name)
     sched = schedule_cls(stages if chunks > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=gpt_loss)
-    opt = _optimizer([q for s in stages for q in s.submod.parameters()], args)
+    params = [q for s in stages for q in s.submod.parameters()]
+    opt = make_optimizer(params) if make_optimizer is not None else _optimizer(params, args)
     ids, targets = _batch(args, device)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
 

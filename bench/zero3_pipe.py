@@ -32,9 +32,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.pipe import SCHEDULES, _autocast, _batch, _cfg, _max_over_ranks, _specs, _sync  # noqa: E402
+from bench.pipe import setup_torch as torch_pipeline  # noqa: E402
 from examples.gpt import gpt_loss  # noqa: E402
 from pipezero.pipe import PipelineModule, PipelineRunner  # noqa: E402
-from pipezero.pipe.placement import owner  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.zero import ZeroConfig, ZeroOptimizer  # noqa: E402
 
@@ -71,32 +71,11 @@ def setup_ours(name, args, grid, device, reshard: bool):
 
 def setup_torch(name, args, grid, device, bounds):
     """torch.distributed.pipelining's schedule over stages that fully_shard shards over the data axis."""
-    from torch.distributed import pipelining
     from torch.distributed.fsdp import fully_shard
 
-    ours = SCHEDULES[name][0](num_microbatches=args.microbatches)
-    p, chunks = grid.pipe_size, ours.num_chunks
-    specs = _specs(_cfg(args))
-    stages = []
-    for stage in range(p * chunks):
-        if owner(stage, p, ours.placement)[0] != grid.pipe_rank:
-            continue
-        with device:
-            layers = torch.nn.Sequential(*[s.build() for s in specs[bounds[stage]:bounds[stage + 1]]])
-        fully_shard(layers, mesh=grid.mesh["data"], reshard_after_forward=False)
-        stages.append(pipelining.PipelineStage(layers, stage, p * chunks, device, group=grid.pipe_group))
-    sched_cls = getattr(pipelining, SCHEDULES[name][1])
-    sched = sched_cls(stages if chunks > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=gpt_loss)
-    opt = torch.optim.Adam([q for s in stages for q in s.submod.parameters()], lr=1e-4)
-    ids, targets = _batch(args, device)
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-
-    def step():
-        with _autocast(device, args):
-            sched.step(*((ids,) if first else ()), target=targets if last else None)
-        opt.step()
-        opt.zero_grad()
-    return step
+    return torch_pipeline(name, args, grid, device, bounds,
+                          prepare=lambda layers: fully_shard(layers, mesh=grid.mesh["data"], reshard_after_forward=False),
+                          make_optimizer=lambda params: torch.optim.Adam(params, lr=1e-4))
 
 
 def _timed(step, device, steps: int, take_peak=None) -> tuple[float, float]:
