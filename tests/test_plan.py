@@ -120,3 +120,20 @@ def test_extrapolated_simulation_matches_the_full_one(name, chunks):
     full = plan_time._run(layout, 24, costs)
     assert sim.makespan == pytest.approx(full.makespan, rel=0.01)
     assert sim.live == pytest.approx(full.live, rel=0.01)
+
+
+def test_the_floor_bounds_every_prediction_and_top_equals_the_full_ranking():
+    from pipezero.train.plan_time import step_time_floor
+
+    for lay in enumerate_layouts(8, 8, 32, len(PROFILE), SMALL.heads, checkpoints=(0,)):
+        floor = step_time_floor(PROFILE, lay, HW, "bf16", SMALL.d_model, SMALL.seq_len)
+        assert floor <= predict(PROFILE, lay, HW, SMALL, "bf16").time.total * (1 + 1e-9), lay
+    full, top = plan(SMALL, PROFILE, HW, 32, "bf16"), plan(SMALL, PROFILE, HW, 32, "bf16", top=8)
+    assert [p.layout for p in top] == [p.layout for p in full[:8]]
+
+
+def test_an_extrapolated_schedule_never_ends_before_its_busiest_rank():
+    shape = ModelShape(layers=24, d_model=2048, heads=16, seq_len=2048, vocab=50304)
+    profile = flops_profile(shape, HW.peak_tflops * 1e12 * HW.efficiency)
+    pred = predict(profile, Layout(2, 4, 1, "interleaved_1f1b", 2, 64, 2, 2), HW, shape, "bf16")
+    assert pred.time.pipeline >= pred.time.compute and pred.time.bubble >= 0

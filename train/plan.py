@@ -17,11 +17,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from pipezero.pipe.registry import schedule_entry
 from pipezero.train.plan_hardware import Hardware
 from pipezero.train.plan_layout import Layout, enumerate_layouts
 from pipezero.train.plan_memory import MemoryBreakdown, rank_memory
-from pipezero.train.plan_model import LayerProfile, ModelShape, total_params
-from pipezero.train.plan_time import TimeBreakdown, step_time
+from pipezero.train.plan_model import LayerProfile, ModelShape
+from pipezero.train.plan_time import TimeBreakdown, chunk_layers, step_time, step_time_floor
 
 __all__ = ["Prediction", "ds_config", "explain", "format_table", "plan", "predict", "torchrun_command"]
 
@@ -69,17 +70,31 @@ def predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape
 
 
 def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, global_batch: int,
-         precision: str = "bf16", *, keep_unfit: bool = False, **enumerate_kw: Any) -> list[Prediction]:
-    """Every layout that fits, best tokens/s first (with keep_unfit, the rest after them)."""
+         precision: str = "bf16", *, keep_unfit: bool = False, top: int | None = None,
+         **enumerate_kw: Any) -> list[Prediction]:
+    """Every layout that fits, best tokens/s first (with keep_unfit, the rest after them).
+
+    With `top`, only the `top` best that fit, found without simulating every layout: layouts
+    are predicted in the order of their step-time floor (plan_time.step_time_floor) and the
+    search stops once a floor exceeds the step time of the `top`-th best so far; layouts whose
+    memory without activations already exceeds the device are never simulated. The answer is
+    the same as the full ranking's first `top` rows (every floor is a true lower bound), which
+    is what makes 512-4096 GPU plans take seconds instead of hours.
+    """
     if global_batch < 1:
         raise ValueError(f"global_batch={global_batch!r}: expected sequences per step >= 1")
-    n_layers, memo = len(profile), {}
+    if top is not None and (top < 1 or keep_unfit):
+        raise ValueError(f"plan(top={top!r}, keep_unfit={keep_unfit!r}): top must be >= 1 and excludes keep_unfit")
+    memo: dict = {}
     enumerate_kw.setdefault("offload", hw.host_offload)
-    preds = [predict(profile, layout, hw, shape, precision, memo)
-             for layout in enumerate_layouts(hw.world, hw.gpus_per_node, global_batch, n_layers, shape.heads,
-                                             **enumerate_kw)]
+    layouts = list(enumerate_layouts(hw.world, hw.gpus_per_node, global_batch, len(profile), shape.heads,
+                                     **enumerate_kw))
+    if top is None:
+        preds = [predict(profile, layout, hw, shape, precision, memo) for layout in layouts]
+    else:
+        preds = _bounded(profile, layouts, hw, shape, precision, top, memo)
     fits = [p for p in preds if p.memory.total <= hw.memory_gb * 1e9]
-    if not fits and not keep_unfit:
+    if not fits:
         least = min(preds, key=lambda p: p.memory.total, default=None)
         need = f"; the smallest needs {least.memory.total / 1e9:.1f} GB ({least.layout.label})" if least else ""
         raise ValueError(f"no layout of {shape.label} fits {hw.memory_gb:g} GB per device on {hw.name}{need}: "
@@ -87,7 +102,40 @@ def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, globa
     rank = sorted(fits, key=lambda p: (-p.tokens_per_second, p.memory.total))
     if keep_unfit:
         rank += sorted((p for p in preds if p not in fits), key=lambda p: -p.tokens_per_second)
-    return rank
+    return rank[:top]
+
+
+def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Hardware, shape: ModelShape,
+             precision: str, top: int, memo: dict) -> list[Prediction]:
+    """Predictions of the layouts that can reach the `top` best (branch and bound on the floors)."""
+    d, s, limit = shape.d_model, shape.seq_len, hw.memory_gb * 1e9
+    memory = [_memory_floor(profile, lay, hw, precision, shape) for lay in layouts]
+    if layouts and min(memory) > limit:  # nothing can fit: the leanest one, for the error message
+        return [predict(profile, layouts[memory.index(min(memory))], hw, shape, precision, memo)]
+    floors = sorted((step_time_floor(profile, lay, hw, precision, d, s), i) for i, lay in enumerate(layouts)
+                    if memory[i] <= limit)
+    best: list[float] = []  # step times of the fitting predictions so far, ascending, at most `top`
+    preds = []
+    for floor, i in floors:
+        if len(best) == top and floor > best[-1]:
+            break
+        pred = predict(profile, layouts[i], hw, shape, precision, memo)
+        preds.append(pred)
+        if pred.memory.total <= limit:
+            best = sorted(best + [pred.time.total])[:top]
+    return preds
+
+
+def _memory_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str,
+                  shape: ModelShape) -> float:
+    """The fullest rank's memory with no micro-batch in flight: a lower bound of predict()'s."""
+    held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
+    worst = 0.0
+    for rank in range(layout.pipe):
+        layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
+        worst = max(worst, rank_memory(profile, layers, 0.0, layout, hw, precision, shape.d_model,
+                                       shape.seq_len).total)
+    return worst
 
 
 def format_table(preds: Sequence[Prediction]) -> str:

@@ -34,7 +34,8 @@ def add_plan_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     p.add_argument("--efficiency", type=float, default=None, help="h200: achieved fraction of peak (default 0.55)")
     p.add_argument("--intra-gbps", type=float, default=None, help="GB/s per direction within a node")
     p.add_argument("--inter-gbps", type=float, default=None, help="GB/s per device between nodes")
-    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--top", type=int, default=10,
+                   help="rows of the table (layouts that cannot reach them are not simulated)")
     p.add_argument("--write-config", default=None, help="write the winner's ds_config.json here")
 
 
@@ -72,12 +73,12 @@ def run_plan(args: argparse.Namespace) -> int:
         else:
             profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
             source = f"layer times modelled: FLOPs / ({hw.peak_tflops:g} TFLOP/s x {hw.efficiency:g})"
-        preds = plan(shape, profile, hw, args.global_batch, args.precision)
+        preds = plan(shape, profile, hw, args.global_batch, args.precision, top=args.top)
     except ValueError as e:
         raise SystemExit(f"pipezero plan: {e}") from None
     print(f"{shape.label}, vocab {shape.vocab}, {args.precision}, global batch {args.global_batch} on {hw.name}; "
-          f"{source}; {len(preds)} layouts fit")
-    print(format_table(preds[: args.top]))
+          f"{source}; the best {len(preds)} layouts that fit")
+    print(format_table(preds))
     print("\nwinner:\n" + explain(preds[0]))
     print("\nds_config.json:\n" + json.dumps(ds_config(preds[0])))
     path = args.write_config or "plan_ds_config.json"

@@ -16,13 +16,15 @@
   1-2 reduce-scatter them and all-gather the updated parameters, 3 gathers parameters twice
   and reduce-scatters gradients every micro-batch. Gradient reduction overlaps the rank's
   last micro-batch backward (overlap_comm); ZeRO-3's gathers overlap all compute
-  (prefetch); the parameter all-gather after the step is exposed;
+  (prefetch); the parameter all-gather after the step is exposed; every collective runs in
+  buckets of d_model^2 elements (reduce_bucket_size "auto"), each paying the ring's latency;
 * optimizer: Adam over the rank's shard on the device, or on the host plus the PCIe
   round trip when offloaded.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple, Sequence
@@ -36,8 +38,8 @@ from pipezero.train.plan_hardware import Hardware
 from pipezero.train.plan_layout import Layout
 from pipezero.train.plan_model import LayerProfile, bytes_per_element
 
-__all__ = ["TimeBreakdown", "chunk_layers", "data_parallel_seconds", "optimizer_seconds", "ring_seconds",
-           "Sim", "simulate_layout", "step_time"]
+__all__ = ["TimeBreakdown", "buckets", "chunk_layers", "data_parallel_seconds", "optimizer_seconds", "ring_seconds",
+           "Sim", "simulate_layout", "step_time", "step_time_floor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +60,16 @@ class TimeBreakdown:
         return self.pipeline + self.exposed_comm + self.optimizer
 
 
-def ring_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float, factor: float = 1.0) -> float:
-    """Ring collective moving factor x (n-1)/n x nbytes per rank (all-reduce: factor 2)."""
+def ring_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float, factor: float = 1.0,
+                 calls: int = 1) -> float:
+    """Ring collective moving factor x (n-1)/n x nbytes per rank (all-reduce: factor 2), in `calls` pieces.
+
+    Each piece pays the ring's factor x (n-1) hops of latency, which is what makes many small
+    buckets over many ranks slow (ZeRO-3 at data 512 is latency-bound, not bandwidth-bound).
+    """
     if ranks <= 1:
         return 0.0
-    return factor * (ranks - 1) / ranks * nbytes / bandwidth + factor * (ranks - 1) * latency
+    return factor * (ranks - 1) / ranks * nbytes / bandwidth + calls * factor * (ranks - 1) * latency
 
 
 @lru_cache(maxsize=256)
@@ -133,9 +140,8 @@ def _extrapolated(layout: Layout, costs: dict) -> Sim:
     x = (m - m1) / (m2 - m1)
     line = lambda u, v: u + (v - u) * x  # noqa: E731
     busy = {r: line(a.busy[r], b.busy[r]) for r in a.busy}
-    makespan = line(a.makespan, b.makespan)
-    idle = layout.pipe * makespan - sum(busy.values())
-    bubble = max(0.0, idle / (layout.pipe * makespan))  # the line can cross 0 by rounding
+    makespan = max(line(a.makespan, b.makespan), *busy.values())  # no rank finishes before its own work
+    bubble = 1.0 - sum(busy.values()) / (layout.pipe * makespan)
     return Sim(makespan, busy, bubble, {r: line(a.live[r], b.live[r]) for r in a.live},
                b.last_backward)
 
@@ -169,19 +175,25 @@ def simulate_layout(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
 
 
 def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision: str,
-                          last_backward: float, compute: float) -> tuple[float, float]:
-    """(all traffic, exposed part) of one rank's data-parallel collectives per step."""
+                          last_backward: float, compute: float, buckets: int = 1) -> tuple[float, float]:
+    """(all traffic, exposed part) of one rank's data-parallel collectives per step, in `buckets` pieces each."""
     n = layout.data
     nbytes = params * bytes_per_element(precision)
     bw, lat = hw.link(layout.tensor * n)
     if layout.zero == 0:
-        reduce, gather = ring_seconds(nbytes, n, bw, lat, 2.0), 0.0
+        reduce, gather = ring_seconds(nbytes, n, bw, lat, 2.0, buckets), 0.0
     elif layout.zero < 3:
-        reduce, gather = ring_seconds(nbytes, n, bw, lat), ring_seconds(nbytes, n, bw, lat)
+        reduce = gather = ring_seconds(nbytes, n, bw, lat, 1.0, buckets)
     else:
-        total = layout.microbatches * 3 * ring_seconds(nbytes, n, bw, lat)
+        total = layout.microbatches * 3 * ring_seconds(nbytes, n, bw, lat, 1.0, buckets)
         return total, max(0.0, total - compute)
     return reduce + gather, max(0.0, reduce - last_backward) + gather
+
+
+def buckets(params: float, d_model: int) -> int:
+    """Collectives per phase: ZeRO's reduce_bucket_size "auto" is d_model x d_model elements
+    (zero/config.py), and the planner's ds_config writes that number."""
+    return max(1, math.ceil(params / (d_model * d_model)))
 
 
 def optimizer_seconds(params: float, layout: Layout, hw: Hardware, precision: str) -> float:
@@ -202,9 +214,34 @@ def step_time(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, pre
         layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
         params = sum(profile[i].params / (1 if profile[i].tied else layout.tensor) for i in layers)
         last = result.last_backward[rank]
-        comm, hidden_not = data_parallel_seconds(params, layout, hw, precision, last, result.busy[rank])
+        comm, hidden_not = data_parallel_seconds(params, layout, hw, precision, last, result.busy[rank],
+                                                 buckets(params, d_model))
         if hidden_not + optimizer_seconds(params, layout, hw, precision) > exposed + opt:
             data_comm, exposed, opt = comm, hidden_not, optimizer_seconds(params, layout, hw, precision)
     return (TimeBreakdown(compute=max(result.busy.values()), pipeline=result.makespan, tensor_comm=tensor_comm,
                           data_comm=data_comm, exposed_comm=exposed, optimizer=opt, bubble=result.bubble),
             result, held)
+
+
+def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str,
+                    d_model: int, seq_len: int) -> float:
+    """A lower bound of step_time(...).total, from the per-chunk costs alone (no simulation).
+
+    No schedule finishes before its busiest rank has run every action (makespan >= busy), and
+    none hides the parameter all-gather after the step or the optimizer; the floor is that
+    busiest rank's compute plus the largest such tail. plan() simulates layouts in the order of
+    their floors and stops once a floor exceeds the step time of the table's last row.
+    """
+    held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
+    busy: dict[int, float] = {}
+    for (rank, _), layers in held.items():
+        c, _ = _chunk_costs(profile, layers, layout, hw, precision, d_model, seq_len, 0.0)
+        busy[rank] = busy.get(rank, 0.0) + layout.microbatches * (c.forward + c.backward_input + c.backward_weight)
+    tail = 0.0
+    for rank in range(layout.pipe):
+        params = sum(profile[i].params / (1 if profile[i].tied else layout.tensor)
+                     for (r, _), rng in held.items() if r == rank for i in rng)
+        _, unhidden = data_parallel_seconds(params, layout, hw, precision, float("inf"), float("inf"),
+                                            buckets(params, d_model))
+        tail = max(tail, unhidden + optimizer_seconds(params, layout, hw, precision))
+    return max(busy.values()) + tail
