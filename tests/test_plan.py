@@ -79,8 +79,13 @@ def test_more_microbatches_shrink_the_bubble():
 
 
 def test_zero_stages_trade_memory_for_traffic():
-    mems = [predict(PROFILE, Layout(1, 8, 1, "1f1b", 1, 4, 1, z), HW, SMALL, "bf16").memory.total for z in range(4)]
+    mems = [predict(PROFILE, Layout(1, 8, 1, "1f1b", 1, 1, 4, z), HW, SMALL, "bf16").memory.total for z in range(4)]
     assert mems == sorted(mems, reverse=True) and mems[3] < mems[0]
+
+
+def test_stage_2_holds_whole_gradients_while_micro_batches_accumulate():
+    one, four = (predict(PROFILE, Layout(1, 8, 1, "1f1b", 1, m, 4 // m, 2), HW, SMALL, "bf16").memory for m in (1, 4))
+    assert four.grads == pytest.approx(one.grads * 9)  # G/8 shard + the whole G (zero/grad_sync.py holds it)
 
 
 def test_winner_ds_config_parses_and_layouts_that_do_not_fit_are_dropped():

@@ -110,8 +110,13 @@ def flops_profile(shape: ModelShape, flops_per_second: float) -> list[LayerProfi
 
 
 def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int = 2,
-                    repeats: int = 2, device: str = "cpu") -> list[LayerProfile]:
-    """Every layer timed on this machine: pipe.measure_layer_costs on one micro-batch, per token."""
+                    repeats: int = 2, device: str = "cpu", rounds: int = 5) -> list[LayerProfile]:
+    """Every layer timed on this machine: pipe.measure_layer_costs on one micro-batch, per token.
+
+    Each layer's time is the least of `rounds` measurements: on a machine shared with other
+    work a measurement only ever comes out slower than the layer's own cost, never faster
+    (the reason timeit reports the minimum), and the least is what repeats from run to run.
+    """
     import torch
 
     from pipezero.pipe import measure_layer_costs
@@ -124,8 +129,8 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
     tokens = torch.randint(0, shape.vocab, (microbatch, shape.seq_len), generator=gen).to(device)
     cfg = GPTConfig(n_layer=shape.layers, n_head=shape.heads, d_model=shape.d_model, seq_len=shape.seq_len,
                     vocab_size=shape.vocab)
-    ms = measure_layer_costs(gpt_specs(cfg), tokens, loss_fn=gpt_loss, targets=tokens,
-                             dtype=dtype, repeats=repeats)
+    ms = [min(t) for t in zip(*(measure_layer_costs(gpt_specs(cfg), tokens, loss_fn=gpt_loss, targets=tokens,
+                                                    dtype=dtype, repeats=repeats) for _ in range(rounds)))]
     per_token = microbatch * shape.seq_len
     return [replace(p, seconds=t / 1e3 / per_token) for p, t in zip(_layers(shape), ms)]
 
