@@ -72,56 +72,84 @@ def h200(nodes: int = 1, gpus_per_node: int = 8) -> Hardware:
 
 
 def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
-    """This machine as `processes` gloo ranks: FLOP/s and Adam time measured, links assumed (loopback)."""
+    """This machine as `processes` gloo ranks: FLOP/s, Adam, contention and gloo's all-reduce measured."""
     import torch
 
     cores = os.cpu_count() or 1
     if memory_gb is None:
         memory_gb = _ram_gb() / processes
+    slowdown, latency, bandwidth = _measure_ranks(processes) if processes > 1 else (1.0, 1e-4, 1e9)
     return Hardware(name=f"{processes} CPU processes on {cores} cores", gpus_per_node=processes,
                     memory_gb=memory_gb, peak_tflops=_matmul_tflops(torch), efficiency=1.0,
-                    intra_gbps=1.0, intra_latency_us=100.0, optimizer_ns_per_param=_adam_ns(torch),
-                    reserved_gb=CPU_RESERVED_GB, compute_slowdown=_contention(processes), host_offload=False,
-                    layer_overhead_us=0.0)
+                    intra_gbps=bandwidth / 1e9, intra_latency_us=latency * 1e6,
+                    optimizer_ns_per_param=_adam_ns(torch), reserved_gb=CPU_RESERVED_GB,
+                    compute_slowdown=slowdown, host_offload=False, layer_overhead_us=0.0)
 
 
-def _contention(processes: int, seconds: float = 1.5) -> float:
-    """How many times slower a one-thread matmul runs while `processes` copies run at once, now.
+def _measure_ranks(processes: int, seconds: float = 1.5) -> tuple[float, float, float]:
+    """(compute slowdown, collective latency s, bytes/s) of `processes` one-thread gloo ranks here, now.
 
     The layer times are the least of several runs in one process (plan_model.measure_profile);
     a training step runs `processes` ranks on this machine's cores beside whatever else runs
-    here. processes / cores would assume nothing else does; on a shared machine the measured
-    ratio (a copy's mean iteration, wall time over iterations done, over the lone minimum) is
-    what the ranks will see.
+    here. processes / cores would assume nothing else does; the slowdown is measured instead:
+    a copy's mean matmul iteration while all run at once (wall time over iterations done) over
+    the lone minimum. Then the same ranks time gloo all-reduces of 1 KB and 4 MB: on a few
+    shared cores a collective waits for every peer to be scheduled, milliseconds where a
+    loopback link alone would suggest microseconds, and that latency is what tensor- and
+    data-parallel layouts pay on every bucket and every block.
     """
     import multiprocessing as mp
+    import socket
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(processes + 1), ctx.Queue()
-    procs = [ctx.Process(target=_matmul_loop, args=(barrier, queue, seconds)) for _ in range(processes)]
+    procs = [ctx.Process(target=_rank_loop, args=(r, processes, port, barrier, queue, seconds))
+             for r in range(processes)]
     for p in procs:
         p.start()
     barrier.wait()
-    together = sorted(queue.get() for _ in procs)[processes // 2]
+    results = sorted(queue.get() for _ in procs)
     for p in procs:
         p.join()
     alone = min(_iteration_seconds() for _ in range(16))
-    return max(1.0, together / alone)
+    together, small, large = (sorted(r[i] for r in results)[processes // 2] for i in (0, 1, 2))
+    hops = 2 * (processes - 1)  # a ring all-reduce
+    latency = small / hops
+    bandwidth = hops / processes * 4 * 2**20 / max(large - small, 1e-6)
+    return max(1.0, together / alone), latency, bandwidth
 
 
-def _matmul_loop(barrier, queue, seconds: float) -> None:
-    """A child of _contention: one thread, wait for the others, report the mean iteration."""
+def _rank_loop(rank: int, world: int, port: int, barrier, queue, seconds: float) -> None:
+    """A child of _measure_ranks: matmuls while the others do, then timed gloo all-reduces."""
+    import statistics
+
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     _iteration_seconds()  # warm-up
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     barrier.wait()
-    start = time.perf_counter()
-    done = 0
+    start, done = time.perf_counter(), 0
     while time.perf_counter() < start + seconds:
         _iteration_seconds()
         done += 1
-    queue.put((time.perf_counter() - start) / done)
+    iteration = (time.perf_counter() - start) / done
+    times = {}
+    for numel, n in ((256, 20), (1 << 20, 5)):
+        t = torch.ones(numel)
+        dist.all_reduce(t)  # warm-up
+        laps = []
+        for _ in range(n):
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            laps.append(time.perf_counter() - start)
+        times[numel] = statistics.median(laps)
+    dist.destroy_process_group()
+    queue.put((iteration, times[256], times[1 << 20]))
 
 
 def _iteration_seconds() -> float:
