@@ -85,7 +85,7 @@ def test_zero_stages_trade_memory_for_traffic():
 
 def test_stage_2_holds_whole_gradients_while_micro_batches_accumulate():
     one, four = (predict(PROFILE, Layout(1, 8, 1, "1f1b", 1, m, 4 // m, 2), HW, SMALL, "bf16").memory for m in (1, 4))
-    assert four.grads == pytest.approx(one.grads * 9)  # G/8 shard + the whole G (zero/grad_sync.py holds it)
+    assert four.grads == pytest.approx(one.grads * 9)  # G/8 shard + the whole G (TransientShardSync holds it)
 
 
 def test_winner_ds_config_parses_and_layouts_that_do_not_fit_are_dropped():

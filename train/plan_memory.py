@@ -7,7 +7,7 @@
   (P, G, S) = (4, 4, 8) in fp32 and (2, 2, 12) in bf16/fp16 (fp32 masters and Adam moments).
   Offloading the optimizer moves S to the host. Stages 2-3 with several micro-batches also
   hold every parameter's whole .grad until the last micro-batch's backward reduces it
-  (zero/grad_sync.py: reduction is held for the pipeline's readiness protocol, unless
+  (zero/grad_strategies.py, TransientShardSync: reduction is held for the pipeline's readiness protocol, unless
   reduce_every_microbatch, which the planner's ds_config leaves off), so G is whole then.
 * activations: the simulator's peak live micro-batches of the rank (in whole-stage units)
   x the saved bytes of one micro-batch on it; with checkpointing only each layer's input
@@ -70,7 +70,7 @@ def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: fl
     params = _rank_params(profile, layers, layout.tensor)
     p, g, s = model_state_bytes(params, layout.zero, layout.data, precision, layout.offload)
     if layout.zero >= 2 and layout.microbatches > 1 and layout.data > 1:
-        g += STATE_BYTES[precision][1] * params  # whole .grad held until the last micro-batch (zero/grad_sync.py)
+        g += STATE_BYTES[precision][1] * params  # whole .grad held until the last micro-batch (TransientShardSync)
     per_layer = [profile[i].act_bytes(precision, layout.tensor) * tokens for i in layers]
     if layout.checkpoint:
         kept = len(layers) / layout.checkpoint * tokens * d_model * e
