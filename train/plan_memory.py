@@ -7,8 +7,9 @@
   (P, G, S) = (4, 4, 8) in fp32 and (2, 2, 12) in bf16/fp16 (fp32 masters and Adam moments).
   Offloading the optimizer moves S to the host. Stages 2-3 with several micro-batches also
   hold every parameter's whole .grad until the last micro-batch's backward reduces it
-  (zero/grad_strategies.py, TransientShardSync: reduction is held for the pipeline's readiness protocol, unless
-  reduce_every_microbatch, which the planner's ds_config leaves off), so G is whole then.
+  (zero/grad_strategies.py, TransientShardSync: reduction waits for the pipeline's
+  readiness protocol unless reduce_every_microbatch, which the planner's ds_config leaves
+  off), so a whole G sits beside the shard then.
 * activations: the simulator's peak live micro-batches of the rank (in whole-stage units)
   x the saved bytes of one micro-batch on it; with checkpointing only each layer's input
   stays, plus one layer's full activations while it is recomputed.
