@@ -5,9 +5,10 @@ tied and untied embeddings) trained on the whole batch with plain AdamW. Each gr
 the pipeline from the saved checkpoint directory (every stage reads only its own tensors,
 by name) and must give the same loss every step and the same final parameters under the
 model's own names; the exported directory must load with from_pretrained and give the
-pipeline's logits; with activation checkpointing each decoder layer must really run its
-forward twice and train the same; ZeRO-3 on the model itself (module=) must train the same and, under
-`gathered`, its own generate() must give one process's greedy tokens.
+pipeline's logits. With activation checkpointing each decoder layer must really run its
+forward again in backward, with tensor=2 its projections must really be split (torch's
+parallelize_module), and both must train the same. ZeRO-3 on the model itself (module=) must
+train the same and, under `gathered`, its own generate() must give one process's greedy tokens.
 """
 
 import functools
@@ -94,6 +95,8 @@ def _train_pipe(path: str, pipe: int, tensor: int, schedule: str, stage: int, ex
                            tensor_plan=hf_tensor_plan() if tensor > 1 else None)
     opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), stage=stage, group=grid.data_group)
     runner = PipelineRunner(model, make(), optimizer=opt)
+    if tensor > 1:
+        _check_sharded(model, tensor)
     calls = _count_decoder_forwards(model)
     losses = []
     for step in range(STEPS):
@@ -108,6 +111,18 @@ def _train_pipe(path: str, pipe: int, tensor: int, schedule: str, stage: int, ex
         logits = runner.eval_step(_batch(STEPS)[0][:4])
         export_hf(model, export_to)
     return losses, hf_state_dict(model), logits
+
+
+def _check_sharded(model: PipelineModule, tensor: int) -> None:
+    """Every projection of the local decoder layers holds 1/tensor of its weight (torch's parallelize_module)."""
+    from torch.distributed.tensor import DTensor
+
+    for layer in model.modules():
+        if isinstance(layer, HFDecoderLayer):
+            for name, m in layer.named_modules():
+                if isinstance(m, torch.nn.Linear):
+                    w = m.weight
+                    assert isinstance(w, DTensor) and w.to_local().numel() * tensor == w.numel(), name
 
 
 def _count_decoder_forwards(model: PipelineModule) -> dict[int, int]:
