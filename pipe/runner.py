@@ -81,7 +81,7 @@ class PipelineRunner:
         if self.model.loss_fn is None:
             raise ValueError("train_step needs PipelineModule(loss_fn=...) to compute the loss")
         self._start(inputs, targets, need_targets=True)
-        self._hold()
+        self._readiness.hold_grad_sync(list(self.model.parameters()))
         self._gathering[True].gather_tied()  # ZeRO-3: whole before the stand-ins view them
         self.model.detach_tied()
         try:
@@ -90,7 +90,9 @@ class PipelineRunner:
             self.model.reduce_tied_grads(reduce=False)  # put the weights back; no collective on failure
             raise
         tied = self.model.reduce_tied_grads()
-        self._release(tied)
+        if tied:  # their gradients are final only now
+            self._readiness.release_grad_sync(tied)
+            self._readiness.flush_grad_sync(tied)
         self._gathering[True].release_tied()
         return self._mean_loss()
 
@@ -155,13 +157,13 @@ class PipelineRunner:
                 self._p2p.post_early([(self.grid.rank_of(pipe=t.src), Message.of(t).stream)
                                       for t in steps[i + 1].recvs])
             release = last_use.get(i)
-            if release:
-                self._release(release, flush=False)
+            if release:  # gradients final after this step (pipe/readiness.py)
+                self._readiness.release_grad_sync(release)
             gathering.before(i)
             with self.timeline.span(str(step.action), "compute"), nvtx_range(step.action):
                 sends = self._do(step, train, with_loss)
             if release:
-                self._flush(release)
+                self._readiness.flush_grad_sync(release)
             gathering.after(i)
         if sends:
             self._exchange(sends, (), steps[-1])
@@ -269,19 +271,7 @@ class PipelineRunner:
         self._received[Message("gradient", s, mb)] = in_grads[0] if len(in_grads) == 1 else in_grads
         return []
 
-    # -- gradient readiness (pipe/readiness.py) and loss ------------------------------------
-    def _hold(self) -> None:
-        self._readiness.hold_grad_sync(list(self.model.parameters()))
-
-    def _release(self, params: list, flush: bool = True) -> None:
-        if params:
-            self._readiness.release_grad_sync(params)
-            if flush:
-                self._flush(params)
-
-    def _flush(self, params: list) -> None:
-        self._readiness.flush_grad_sync(params)
-
+    # -- the loss ---------------------------------------------------------------------------
     def _mean_loss(self) -> torch.Tensor:
         """Mean over microbatches (and data replicas), broadcast from the last stage over the pipe."""
         loss = torch.zeros((), dtype=torch.float32, device=self.model.device)
