@@ -53,6 +53,8 @@ class PipelineRunner:
     pipeline's cool-down. A ZeRO-3 optimizer (a ParamGathering) is told when each chunk's
     parameters must be whole (pipe/gathering.py); `reshard_after_forward` picks whether a
     chunk stays whole through the step (False) or is freed whenever another chunk runs.
+    Transfer metadata (shapes, dtypes) is sent again when the inputs' shapes change;
+    `variable_shapes=True` sends it every step (inner shapes that change on their own).
     """
 
     def __init__(self, model: PipelineModule, schedule: Any, optimizer: Any = None,

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Sequence
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.placement import virtual_stage
-from pipezero.pipe.validate import Transfer, channel_order, transfer_table, validate
+from pipezero.pipe.validate import Move, Transfer, channel_order, transfer_table, validate
 
 __all__ = ["Message", "Step", "StepPlan", "plan_steps"]
 
@@ -68,10 +68,11 @@ def plan_steps(schedule: Any, model: PipelineModule) -> StepPlan:
     if used != model.num_chunks:
         raise ValueError(f"{type(schedule).__name__}.actions uses chunks 0..{used - 1} but "
                          f"PipelineModule(num_chunks={model.num_chunks}); make them equal")
-    forward = {r: [a for a in acts if a.op is Op.FORWARD] for r, acts in table.items()}
-    rank = model.grid.pipe_rank
-    train = _rank_steps(table, model, rank)
-    return StepPlan(train, _rank_steps(forward, model, rank), _last_weight_use(train, model))
+    moves = transfer_table(table, model.placement)  # every message of the schedule, computed once
+    rows = {r: list(zip(table[r], moves[r])) for r in table}
+    forward = {r: [(a, move) for a, move in row if a.op is Op.FORWARD] for r, row in rows.items()}
+    train = _rank_steps(rows, model)
+    return StepPlan(train, _rank_steps(forward, model), _last_weight_use(train, model))
 
 
 def _check_schedule(schedule: Any, model: PipelineModule) -> None:
@@ -94,12 +95,13 @@ def _check_schedule(schedule: Any, model: PipelineModule) -> None:
                          f"PipelineModule(placement={model.placement!r}); make them equal")
 
 
-def _rank_steps(table: dict[int, list[Action]], model: PipelineModule, rank: int) -> list[Step]:
-    moves = transfer_table(table, model.placement, model.num_chunks)
-    sent, _ = channel_order(moves, "pair")
+def _rank_steps(rows: dict[int, list[tuple[Action, Move]]], model: PipelineModule) -> list[Step]:
+    """This rank's steps; `rows`: every rank's actions with their (receive, send)."""
+    rank = model.grid.pipe_rank
+    sent, _ = channel_order({r: [move for _, move in row] for r, row in rows.items()}, "pair")
     taken: dict[int, int] = {}  # sender -> how many of its messages to this rank are received
     steps = []
-    for action, (recv, send) in zip(table[rank], moves[rank]):
+    for action, (recv, send) in rows[rank]:
         stage = virtual_stage(rank, action.chunk, model.num_stages, model.placement)
         recvs = _receive_up_to(recv, [t for t, _ in sent.get((recv.src, rank), [])], taken) if recv else ()
         steps.append(Step(action, stage, send, recvs))

@@ -243,7 +243,8 @@ def transfers(rank: int, a: Action, num_stages: int, num_chunks: int,
     return recv, send
 
 
-Moves = dict[int, list[tuple[Transfer | None, Transfer | None]]]  # rank -> per step (receive, send)
+Move = tuple[Transfer | None, Transfer | None]  # what one action receives, what it sends
+Moves = dict[int, list[Move]]  # rank -> one Move per step
 Book = dict[tuple, list[tuple[Transfer, int]]]  # channel -> (message, step), in one side's order
 
 
