@@ -46,7 +46,8 @@ class ReplicatedSync(GradSync):
     each gradient first completes an all-reduce still writing the buffer it is about to add to.
     """
 
-    def __init__(self, buckets: list[Bucket], group, on_backward_done=None, overlap=True, sink=None):
+    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+                 overlap: bool = True, sink: GradSink | None = None):
         super().__init__(buckets, group, on_backward_done, overlap, sink)
         for b in buckets:
             self._state[b].grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
@@ -96,7 +97,8 @@ class PersistentShardSync(GradSync):
     reduced values first turns the owned average back into a sum.
     """
 
-    def __init__(self, buckets: list[Bucket], group, on_backward_done=None, overlap=True, sink=None):
+    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+                 overlap: bool = True, sink: GradSink | None = None):
         super().__init__(buckets, group, on_backward_done, overlap, sink)
         for b in buckets:
             self._state[b].grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
@@ -148,8 +150,8 @@ class TransientShardSync(GradSync):
 
     bounded = True
 
-    def __init__(self, buckets: list[Bucket], group, on_backward_done=None, overlap=True, sink=None,
-                 every_microbatch: bool = False):
+    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+                 overlap: bool = True, sink: GradSink | None = None, every_microbatch: bool = False):
         super().__init__(buckets, group, on_backward_done, overlap, sink)
         self.every_microbatch = every_microbatch
 
