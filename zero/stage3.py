@@ -162,15 +162,13 @@ class ParamGatherer:
         finally:
             self._needs = needs
 
-    def remove_hooks(self) -> None:
+    # -- driven by a caller (the pipeline runner) -------------------------------------------
+    def drive(self) -> None:
+        """From now on the caller gathers and releases (gather_params / release_params); the
+        module hooks are removed."""
         for h in self._handles:
             h.remove()
         self._handles = []
-
-    # -- driven by a caller (the pipeline runner) -------------------------------------------
-    def drive(self) -> None:
-        """From now on the caller gathers and releases (gather_params / release_params)."""
-        self.remove_hooks()
         self._driven = True
 
     def gather_params(self, params: Iterable[torch.Tensor], wait: bool = True) -> None:
