@@ -31,7 +31,7 @@ _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 _NEVER = object()
 _log = logging.getLogger("pipezero.config")
-_WARNED: set[str] = set()
+_WARNED: set[tuple] = set()
 
 
 class ConfigError(ValueError):
@@ -42,11 +42,19 @@ class ConfigTypeError(ConfigError, TypeError):
     """A ds_config value of the wrong JSON type."""
 
 
-def warn_once(message: str) -> None:
-    """Log a config warning the first time this process sees it."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        _log.warning(message)
+def warn_once(message: str, *args: object, logger: logging.Logger | None = None) -> bool:
+    """Log a warning the first time this (message, args) is seen in the process; True if logged.
+
+    pipezero's one warn-once helper (train/log.py exports it beside the rank-aware logger): it
+    lives in this module, the bottom layer, so that every package's config reader can use it.
+    Without `logger` it warns on the `pipezero.config` logger.
+    """
+    key = (message, args)
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    (logger or _log).warning(message, *args)
+    return True
 
 
 @dataclass(frozen=True)

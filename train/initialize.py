@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pipezero.train.build import Parts, build
 from pipezero.train.config import TrainConfig
 from pipezero.train.config_optim import OptimizerConfig, build_optimizer
-from pipezero.train.log import warn_once
+from pipezero.train.log import get_logger, warn_once
 
 __all__ = ["Engine", "initialize"]
 
@@ -85,7 +85,7 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         raise ValueError("initialize(config=None): pass a ds_config path or dict")
     if isinstance(model, DistributedDataParallel):
         warn_once("initialize(model=DistributedDataParallel(...)): training its .module; pipezero's optimizer "
-                  "chain averages gradients over the data group itself")
+                  "chain averages gradients over the data group itself", logger=get_logger())
         model = model.module
     if optimizer is None and model_parameters is not None:
         from pipezero.train.build import _config, model_width
