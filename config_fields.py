@@ -2,8 +2,9 @@
 
 Each package reads the DeepSpeed section it owns (precision/: fp16 and bf16, zero/:
 zero_optimization, train/: the rest) through this one reader, so it lives under the import
-root, below all of them. DeepSpeed reads its sections through pydantic in lax mode, and its
-users' files rely on that: "true"/"false" (and yes/no, on/off, 1/0) are booleans, 2e8 and "16"
+root, below all of them (the bottom layer of the import contract in pyproject.toml).
+DeepSpeed reads its sections through pydantic in lax mode, and its users' files rely on
+that: "true"/"false" (and yes/no, on/off, 1/0) are booleans, 2e8 and "16"
 are integers, numeric strings are numbers, and inside a section Hugging Face's placeholder
 "auto" is dropped so DeepSpeed's default applies. A section also sorts every key it does not
 read into one of three cases with its own message:

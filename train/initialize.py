@@ -5,7 +5,8 @@ A DeepSpeed user's loop is `engine, optimizer, _, scheduler = deepspeed.initiali
 things, where the engine is a thin view of the explicit parts (`engine.parts`): calling it runs
 the model, `backward` scales the loss through the optimizer chain, `step` steps the chain and
 the LR schedule and clears the gradients. Nothing else lives in it; for pipelines use
-`build(config, specs=...)` and the runner directly (examples/train_gpt.py).
+`build(config, specs=...)` and the runner directly, or compose the parts by hand as
+examples/train_gpt.py does.
 """
 
 from __future__ import annotations
