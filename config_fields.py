@@ -2,8 +2,9 @@
 
 Each package reads the DeepSpeed section it owns (precision/: fp16 and bf16, zero/:
 zero_optimization, train/: the rest) through this one reader, so it lives under the import
-root, below all of them. DeepSpeed reads its sections through pydantic in lax mode, and its
-users' files rely on that: "true"/"false" (and yes/no, on/off, 1/0) are booleans, 2e8 and "16"
+root, below all of them (the bottom layer of the import contract in pyproject.toml).
+DeepSpeed reads its sections through pydantic in lax mode, and its users' files rely on
+that: "true"/"false" (and yes/no, on/off, 1/0) are booleans, 2e8 and "16"
 are integers, numeric strings are numbers, and inside a section Hugging Face's placeholder
 "auto" is dropped so DeepSpeed's default applies. A section also sorts every key it does not
 read into one of three cases with its own message:
@@ -31,7 +32,7 @@ _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 _NEVER = object()
 _log = logging.getLogger("pipezero.config")
-_WARNED: set[str] = set()
+_WARNED: set[tuple] = set()
 
 
 class ConfigError(ValueError):
@@ -42,11 +43,19 @@ class ConfigTypeError(ConfigError, TypeError):
     """A ds_config value of the wrong JSON type."""
 
 
-def warn_once(message: str) -> None:
-    """Log a config warning the first time this process sees it."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        _log.warning(message)
+def warn_once(message: str, *args: object, logger: logging.Logger | None = None) -> bool:
+    """Log a warning the first time this (message, args) is seen in the process; True if logged.
+
+    pipezero's one warn-once helper (train/log.py exports it beside the rank-aware logger): it
+    lives in this module, the bottom layer, so that every package's config reader can use it.
+    Without `logger` it warns on the `pipezero.config` logger.
+    """
+    key = (message, args)
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    (logger or _log).warning(message, *args)
+    return True
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,19 @@
 
     python bench/hf.py                                   # CPU smoke: a tiny Llama, gloo, 2 processes
     python bench/hf.py --device cuda                     # every GPU, a ~1.1B Llama (TinyLlama's shape), bf16
+    python bench/hf.py --runs deepspeed-pipe deepspeed-1 deepspeed-3   # the DeepSpeed peers on CPU (gloo)
 
 The same transformers model (random weights, built from a config; nothing downloaded), the
 same tokens per step, one run after the other in the same processes:
   pipe-<Schedule>  pipezero's pipeline over all ranks (hf_layer_specs, one stage per rank,
                    `--microbatches` = accum x ranks micro-batches), Adam on fp32 masters
   pipezero-1/2/3   ZeroOptimizer on the model itself (module=), data parallel over all ranks
-  deepspeed-1/2/3  deepspeed.initialize on the same model (CUDA, when `import deepspeed` works)
+  deepspeed-pipe   DeepSpeed's PipelineModule (1F1B, ZeRO-1) over hf_layer_specs as its LayerSpecs, one
+                   stage per rank, the pipe-* runs' micro-batches (tests/test_hf_deepspeed.py: it trains
+                   exactly as pipezero's pipeline)
+  deepspeed-1/2/3  deepspeed.initialize on the same model
+                   (the deepspeed-* runs: when `import deepspeed` works; on CPU only when named in --runs,
+                   since DeepSpeed's CPU accelerator first compiles its shared-memory comm kernel, minutes, once)
   fsdp2            fully_shard on every decoder layer and the root, bf16 params, fp32 reduce
 Prints ms per step, tokens/s and (CUDA) peak allocated memory per rank. Precision on CUDA:
 a bf16 model with fp32 masters for pipezero and DeepSpeed, fp32 weights with bf16 compute for
@@ -33,7 +39,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import finish_rank, init_rank  # noqa: E402
 
-from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names  # noqa: E402
+from pipezero.pipe import PipelineModule, PipelineRunner, TiedLayerSpec, make_schedule, schedule_names  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
 from pipezero.precision import MasterWeights  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
@@ -83,6 +89,8 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
                           stage3_param_persistence_threshold=10 * cfg.hidden_size)
         opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), module=model, config=zero)
         return Run(lambda batches: _accumulate(model, opt, batches), masters)
+    if name == "deepspeed-pipe":
+        return _deepspeed_pipe(args, cfg, device, dtype, masters)
     if name.startswith("deepspeed-"):
         return _deepspeed(int(name[-1]), args, cfg, device, dtype, masters)
     return _fsdp2(cfg, device, low)
@@ -117,6 +125,7 @@ def _accumulate(model, opt, batches: list) -> None:
 def _deepspeed(stage, args, cfg, device, dtype, masters) -> Run:
     import deepspeed
 
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     model = _hf_model(cfg, device, torch.float32)
     ds = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum,
           "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
@@ -129,6 +138,38 @@ def _deepspeed(stage, args, cfg, device, dtype, masters) -> Run:
         for x, y in batches:
             engine.backward(causal_lm_loss(engine(x).logits, y))
             engine.step()
+    return Run(step, masters)
+
+
+def deepspeed_layer_specs(specs: list) -> list:
+    """pipezero's LayerSpec / TiedLayerSpec list as DeepSpeed's: same class, arguments, tie key and forward_fn."""
+    from deepspeed.pipe import LayerSpec as DSLayerSpec
+    from deepspeed.pipe import TiedLayerSpec as DSTiedLayerSpec
+
+    return [DSTiedLayerSpec(s.key, s.cls, *s.args, forward_fn=s.forward_fn, tied_weight_attr=list(s.tied_weight_attrs),
+                            **s.kwargs) if isinstance(s, TiedLayerSpec) else DSLayerSpec(s.cls, *s.args, **s.kwargs)
+            for s in specs]
+
+
+def _deepspeed_pipe(args, cfg, device, dtype, masters) -> Run:
+    """DeepSpeed's pipeline (1F1B, one stage per rank, ZeRO-1) over hf_layer_specs turned into its LayerSpecs."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule as DSPipelineModule
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+    world = dist.get_world_size()
+    with device:  # each stage builds its own layers on its device
+        model = DSPipelineModule(layers=deepspeed_layer_specs(hf_layer_specs(cfg)), num_stages=world,
+                                 loss_fn=causal_lm_loss, partition_method="parameters")
+    ds = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum * world,
+          "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0, "steps_per_print": 10**9,
+          "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}}
+    if dtype == torch.bfloat16:  # bf16 weights and activations, fp32 gradient accumulation and masters
+        ds.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+
+    def step(batches: list) -> None:  # the pipe-* runs' micro-batches: as many tokens as the data-parallel runs
+        engine.train_batch(data_iter=iter(batches * world))
     return Run(step, masters)
 
 
@@ -197,10 +238,12 @@ def measure(name: str, args, cfg, device: torch.device) -> tuple[float, float, s
 
 def _runs(args) -> list[str]:
     names = [f"pipe-{s}" for s in args.schedules] + ["pipezero-1", "pipezero-2", "pipezero-3", "fsdp2"]
-    try:  # DeepSpeed's CPU accelerator wants oneCCL: on gloo/CPU its initialize waits forever
+    try:  # on CPU only when named: DeepSpeed's CPU accelerator first compiles its shm comm op (minutes, once)
         import deepspeed  # noqa: F401
-        if args.device == "cuda":
-            names += ["deepspeed-1", "deepspeed-2", "deepspeed-3"]
+        # the pipeline last: its engine leaves its grid in deepspeed's globals, which a later
+        # deepspeed.initialize reads as model parallelism (and fails)
+        peers = ["deepspeed-1", "deepspeed-2", "deepspeed-3", "deepspeed-pipe"]
+        names += [n for n in peers if args.device == "cuda" or n in (args.runs or [])]
     except Exception:  # noqa: BLE001 - optional peer
         pass
     return [n for n in names if not args.runs or n in args.runs]

@@ -1,7 +1,6 @@
 """What the other packages share: p2p activations, bucketed collectives, traffic, the optimizer chain."""
 
-from pipezero.comm.buckets import (DEFAULT_BUCKET_BYTES, all_gather_coalesced, all_reduce_coalesced,
-                                   plan_buckets, reduce_scatter_coalesced)
+from pipezero.comm.buckets import DEFAULT_BUCKET_BYTES, all_reduce_coalesced, plan_buckets
 from pipezero.comm.chain import ChainLink, ChainWrapper, innermost, links
 from pipezero.comm.collectives import Handle, all_gather, all_reduce, group_size, reduce_scatter
 from pipezero.comm.nvtx import nvtx_range, profiling, profiling_enabled
@@ -12,7 +11,7 @@ from pipezero.comm.traffic import TRAFFIC, Traffic
 __all__ = [
     "P2P", "CommTimeout", "PeerLost", "is_peer_lost", "peer_lost", "Handle", "TRAFFIC", "Traffic", "DEFAULT_BUCKET_BYTES",
     "all_reduce", "reduce_scatter", "all_gather", "group_size",
-    "all_reduce_coalesced", "reduce_scatter_coalesced", "all_gather_coalesced", "plan_buckets",
+    "all_reduce_coalesced", "plan_buckets",
     "nvtx_range", "profiling", "profiling_enabled", "ChainLink", "ChainWrapper", "innermost", "links",
     "mark_replica", "is_replica",
 ]

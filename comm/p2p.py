@@ -8,7 +8,7 @@ once; later transfers of known streams go out as one batch of sends and receives
 then are new streams received, one by one in the sender's order: both sides agree on which
 channel carries a message, and each channel keeps the per-pair order that order-matching
 transports (nccl) need. Sends complete in the background; `drain()` waits for them (at the
-end of a pipeline step). `variable_shapes=True` sends every transfer as a new stream.
+end of a pipeline step). Shapes that change start new streams: a new P2P, or a new key.
 
 Receiving early: gloo moves a message only once its receive is posted (a receive posted late
 costs a round trip, ~0.2 ms here, on the critical path), so `post_early(recvs)` posts the
@@ -90,12 +90,11 @@ def decode_meta(meta: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, 
 class P2P:
     """Send and receive tuples of tensors between ranks, with per-stream metadata sent once."""
 
-    def __init__(self, group=None, side_group=None, variable_shapes: bool = False, timeout_s: float = 300.0,
+    def __init__(self, group=None, side_group=None, timeout_s: float = 300.0,
                  device: torch.device | str | None = None):
         self.group = group
         self.side = group if side_group is None else side_group
         self.tag = 1 if self.side is group else 0
-        self.variable_shapes = variable_shapes
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device(device) if device is not None else process_device(group)
         self.side_device = self.device if self.side is group else torch.device("cpu")
@@ -150,19 +149,12 @@ class P2P:
     def post_early(self, recvs: Sequence[Recv]) -> None:
         """Post these receives now, for the next exchange() to take (gloo, known streams only:
         all or none, so messages of one peer are still received in the order they were sent)."""
-        if self.stream_ordered or self.variable_shapes or not all(self._is_known_recv(p, k) for p, k in recvs):
+        if self.stream_ordered or not all(self._is_known_recv(p, k) for p, k in recvs):
             return
         for peer, key in recvs:
             bufs = self._buffers(peer, key, self.device)
             ops = [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
             self._early.append(((peer, key), bufs, dist.batch_isend_irecv(ops) if ops else []))
-
-    def send(self, peer: int, key: str, tensors) -> None:
-        """Post one send (completes in the background; see drain)."""
-        self.exchange(sends=[(peer, key, tensors)])
-
-    def recv(self, peer: int, key: str) -> tuple[torch.Tensor, ...]:
-        return self.exchange(recvs=[(peer, key)])[0]
 
     def drain(self) -> None:
         """Wait for every send still in flight (and, on nccl, check the receives); call it
@@ -183,12 +175,12 @@ class P2P:
 
     # -- streams ------------------------------------------------------------------------
     def _is_new_send(self, peer: int, key: str) -> bool:
-        new = self.variable_shapes or (peer, key) not in self._sent
+        new = (peer, key) not in self._sent
         self._sent.add((peer, key))
         return new
 
     def _is_known_recv(self, peer: int, key: str) -> bool:
-        return not self.variable_shapes and (peer, key) in self._meta
+        return (peer, key) in self._meta
 
     def _send_op(self, t: torch.Tensor, peer: int) -> dist.P2POp:
         return dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group)

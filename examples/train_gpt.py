@@ -6,10 +6,13 @@
     sbatch examples/slurm/train_gpt.sbatch                                    # Slurm, one agent per node
     tensorboard --logdir runs/gpt
 
-The corpus is the standard library's own source code (byte tokens, on every machine with
-Python), or --data-path. Everything the loop uses is an explicit part returned by
-pipezero.train.build; nothing hides behind an engine. Re-running with the same --out resumes
-from the latest checkpoint there (so does a torchrun --max-restarts restart after a crash);
+`main` builds the README's four parts by hand: a Grid, a PipelineModule of the GPT's layer
+specs, the optimizer chain ZeroOptimizer(LossScaler(AdamW)) and a PipelineRunner, and the loop
+talks to them directly; nothing hides behind an engine. Their settings come from one ds_config:
+the flags, on top of --config's file when given (pipezero.train.build makes the same parts from
+a config in one call). The corpus is the standard library's own source code (byte tokens, on
+every machine with Python), or --data-path. Re-running with the same --out resumes from the
+latest checkpoint there (so does a torchrun --max-restarts restart after a crash);
 --resume-from step_00000100 resumes from that one instead. A bad input ends with its cause in
 one line per failing rank (PIPEZERO_TRACEBACK=1 prints the traceback too).
 """
@@ -19,8 +22,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -31,25 +34,72 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan  # noqa: E402
 
 from pipezero.comm import TRAFFIC, is_peer_lost  # noqa: E402
-from pipezero.pipe import schedule_names, simulate, to_image, to_png, to_text  # noqa: E402
+from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names  # noqa: E402
+from pipezero.pipe import simulate, to_image, to_png, to_text  # noqa: E402
 from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
-from pipezero.precision import global_grad_norm  # noqa: E402
-from pipezero.train.build import build  # noqa: E402
+from pipezero.precision import LossScaler, global_grad_norm  # noqa: E402
+from pipezero.topology import Grid, process_device  # noqa: E402
+from pipezero.train import Parts, build_optimizer, build_scheduler, parse_config  # noqa: E402
 from pipezero.train.checkpoint import prune_checkpoints, step_dir_name  # noqa: E402
 from pipezero.train.cli import DefaultsHelp  # noqa: E402
-from pipezero.train.config import parse_config  # noqa: E402
-from pipezero.train.config_batch import keep_global_batch  # noqa: E402
+from pipezero.train.config import TrainConfig  # noqa: E402
+from pipezero.train.config_batch import BatchConfig, keep_global_batch  # noqa: E402
 from pipezero.train.data import ShardedBatches, TokenData  # noqa: E402
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once  # noqa: E402
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars  # noqa: E402
 from pipezero.train.state import export_model, load_state, resume_if_any, save_state, saved_batch  # noqa: E402
+from pipezero.zero import ZeroOptimizer  # noqa: E402
 
 PEAK_FLOPS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}  # H100/H200 SXM, dense
+log = logging.getLogger("pipezero.train_gpt")  # main's get_logger adds the rank prefix (rank 0 prints)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=DefaultsHelp)
+def main(argv: list[str] | None = None) -> float:
+    """The whole job: config, the four parts, data, resume, the loop, the export; returns the last loss."""
+    args = parse_args(argv)
+    get_logger("train_gpt")  # installs the rank-aware handler: rank 0 prints, "[rank 0]" in front
+    gpt = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
+    ckpt_dir = Path(args.out) / "checkpoints"
+    saved = saved_batch(ckpt_dir)  # resumed on another data degree (an elastic restart): keep its global batch
+    cfg = train_config(args, saved)
+
+    # -- the four parts, by hand: Grid, PipelineModule, ZeroOptimizer(LossScaler(AdamW)), PipelineRunner ---
+    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=args.tensor)  # starts the process group
+    device = process_device()  # the GPU this rank's LOCAL_RANK names (nccl), else the CPU
+    schedule = make_schedule(cfg.pipeline.schedule, cfg.batch.accumulation_steps, cfg.pipeline.chunks)
+    model = PipelineModule(gpt_specs(gpt), grid, loss_fn=gpt_loss, num_chunks=cfg.pipeline.chunks,
+                           placement=schedule.placement, partition_method=cfg.pipeline.partition_method,
+                           activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
+                           device=device, tensor_plan=gpt_tensor_plan()).to(cfg.compute_dtype)
+    adamw = build_optimizer(cfg.optimizer, model.parameters())     # torch AdamW: the config's lr, betas, decay
+    scaler = LossScaler.from_config(adamw, cfg.precision.scaler)   # fp16 loss scale, inf/nan skips, clipping
+    opt = ZeroOptimizer(scaler, group=grid.data_group, config=cfg.zero,
+                        module=model if cfg.zero.stage == 3 else None)  # stage 3 also partitions the weights
+    runner = PipelineRunner(model, schedule, optimizer=opt, timeout_s=cfg.pipeline.timeout,
+                            reshard_after_forward=cfg.pipeline.reshard_after_forward)
+    parts = Parts(config=cfg, grid=grid, module=model, optimizer=opt, scaler=scaler, inner=adamw,
+                  scheduler=build_scheduler(cfg.scheduler, adamw), schedule=schedule, runner=runner,
+                  dtype=cfg.compute_dtype, device=device)
+    check_layout(args, parts, saved)
+
+    # -- data, resume, train, export ------------------------------------------------------------------
+    train, val = token_batches(args, cfg.batch.per_rank_batch_size, grid)
+    start = resume_step(args, parts, ckpt_dir, train)
+    if start >= args.steps:
+        log.info("the run in %s is already complete (step %d of --steps %d): nothing to train; pass --steps "
+                 "above %d to train longer, or another --out to start afresh", args.out, start, args.steps, start)
+        return _summary_loss(args.out)
+    loss = train_loop(args, parts, gpt, train, val, start)
+    if grid.rank == 0 and (ckpt_dir / "latest").exists():
+        export(args, gpt, start, loss)
+    return loss
+
+
+# -- the command line and the ds_config it makes -------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; the parallel layout, precision and batch ones override --config's keys."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=DefaultsHelp)
     p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2)")
     p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
     p.add_argument("--tensor", type=int, default=1,
@@ -70,20 +120,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warm-up + cosine)")
     p.add_argument("--config", default=None, help="a ds_config.json; the flags above override its keys")
+    p.add_argument("--pipeline-timeout", type=float, default=None,
+                   help="seconds a rank waits for a pipeline peer (ds_config pipeline.timeout; default 300)")
+    _add_run_flags(p)
+    return p.parse_args(argv)
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Where the run reads and writes, how often it evaluates, saves and prints, and the GPU smoke."""
     p.add_argument("--data-path", default=None, help="your own text/.bin/.npy file (default: stdlib sources)")
     p.add_argument("--out", default="runs/gpt", help="TensorBoard logs, checkpoints and the exported model")
     p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to resume from")
     p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
                    help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012), not the latest")
-    p.add_argument("--pipeline-timeout", type=float, default=None,
-                   help="seconds a rank waits for a pipeline peer (ds_config pipeline.timeout; default 300)")
     p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
     p.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--steps-per-print", type=int, default=None,
                    help="steps between log lines (default: the config's, else 10)")
     p.add_argument("--expect-device", default=None, choices=["cuda", "cpu"],
                    help="check that every parameter and each stage's activations live on this device (GPU smoke)")
-    return p.parse_args(argv)
 
 
 def _positive(text: str) -> int:
@@ -138,139 +193,54 @@ def auto_values(args: argparse.Namespace) -> dict:
             "fp16.enabled": args.precision == "fp16", "bf16.enabled": args.precision == "bf16"}
 
 
-def main(argv=None) -> float:
-    args = parse_args(argv)
-    log = get_logger("train_gpt")
-    model_cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
-
-    # -- the config; resumed on another data degree (an elastic restart), it keeps the global batch --
-    ckpt_dir = Path(args.out) / "checkpoints"
-    saved = saved_batch(ckpt_dir)
+def train_config(args: argparse.Namespace, saved: BatchConfig | None) -> TrainConfig:
+    """The checked ds_config; resumed on another data degree, it keeps the checkpoint's global batch."""
     raw = ds_config(args)
     if "WORLD_SIZE" not in os.environ and raw["pipeline"]["stages"] > 1:
         raise ValueError(f"{raw['pipeline']['stages']} pipeline stages need as many processes at least, but this "
                          f"is one plain python process: launch torchrun --standalone --nproc-per-node 4 "
                          f"examples/train_gpt.py, or pass --pipe 1 to train in this process")
-    config = parse_config(raw, tensor=args.tensor, hidden_size=args.d_model, auto_values=auto_values(args))
-    config = dataclasses.replace(config, batch=keep_global_batch(config.batch, saved))
+    cfg = parse_config(raw, tensor=args.tensor, hidden_size=args.d_model, auto_values=auto_values(args))
+    return dataclasses.replace(cfg, batch=keep_global_batch(cfg.batch, saved))
 
-    # -- the parts: grid, pipeline module, optimizer chain, lr schedule, schedule, runner ----------
-    parts = build(config, specs=gpt_specs(model_cfg), loss_fn=gpt_loss, hidden_size=args.d_model,
-                  tensor=args.tensor, tensor_plan=gpt_tensor_plan())
-    grid, runner, opt, cfg = parts.grid, parts.runner, parts.optimizer, parts.config
+
+def check_layout(args: argparse.Namespace, parts: Parts, saved: BatchConfig | None) -> None:
+    """--data against the grid torchrun gave, the parts in the log, --expect-device, a changed data degree."""
+    grid, batch = parts.grid, parts.config.batch
     if args.data is not None and args.data != grid.data_size:
         raise ValueError(f"--data {args.data} but {grid.world_size} processes / (pipe {grid.pipe_size} x tensor "
                          f"{grid.tensor_size}) give {grid.data_size}: launch torchrun --nproc-per-node "
                          f"{grid.pipe_size * grid.tensor_size * args.data}")
-    log.info("grid %s, optimizer %s, schedule %s, %s on %s\n%s", grid, opt, parts.schedule,
+    log.info("grid %s, optimizer %s, schedule %s, %s on %s\n%s", grid, parts.optimizer, parts.schedule,
              str(parts.dtype).removeprefix("torch."), parts.device, parts.module.describe())
     if args.expect_device:
         _check_device(parts.module, args.expect_device, grid.rank)
     if saved is not None and saved.data_degree != grid.data_size:
         log.info("data degree %d, the checkpoint's %d: %d accumulation steps (it had %d) keep its global batch of %d",
-                 grid.data_size, saved.data_degree, cfg.batch.accumulation_steps, saved.accumulation_steps,
-                 cfg.batch.train_batch_size)
+                 grid.data_size, saved.data_degree, batch.accumulation_steps, saved.accumulation_steps,
+                 batch.train_batch_size)
 
-    # -- data: byte tokens, this data rank's share of every global batch ---------------------------
-    if args.data_path:
-        data = TokenData.from_file(args.data_path, args.seq_len)
-    else:
-        data = TokenData.stdlib(args.seq_len)
-    per_rank = cfg.batch.per_rank_batch_size
+
+def token_batches(args: argparse.Namespace, per_rank: int, grid: Grid) -> tuple[ShardedBatches, ShardedBatches]:
+    """Byte tokens of --data-path (else the stdlib sources): this data rank's share of every global batch."""
+    data = TokenData.from_file(args.data_path, args.seq_len) if args.data_path else TokenData.stdlib(args.seq_len)
     train = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="train")
     val = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="val", shuffle=False)
+    return train, val
 
-    # -- resume from the latest checkpoint under --out, if there is one -----------------------------
+
+# -- checkpoints ----------------------------------------------------------------------------------------
+
+def resume_step(args: argparse.Namespace, parts: Parts, ckpt_dir: Path, train: ShardedBatches) -> int:
+    """The step to start from: 0, or the resumed checkpoint's (its data position restored into `train`)."""
     meta = resume(parts, ckpt_dir, args.resume_from)
     if args.resume and meta is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; drop --resume to start fresh")
-    start = 0
-    if meta is not None:
-        train.load_state_dict(meta["data"])
-        start = meta["step"]
-        log.info("resumed from %s at step %d", meta["path"], start)
-    if start >= args.steps:
-        log.info("the run in %s is already complete (step %d of --steps %d): nothing to train; pass --steps "
-                 "above %d to train longer, or another --out to start afresh", args.out, start, args.steps, start)
-        return _summary_loss(args.out)
-
-    # -- logging --------------------------------------------------------------------------------------
-    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
-    timers = Timers(enabled=cfg.wall_clock_breakdown,
-                    sync=torch.cuda.synchronize if parts.device.type == "cuda" else None)
-    progress = Progress(args.steps, desc="train", start=start)
-    tokens_per_step = cfg.batch.train_batch_size * args.seq_len
-    peak = PEAK_FLOPS.get(parts.dtype) if parts.device.type == "cuda" else None
-    sim = simulate(parts.schedule, grid.pipe_size)
-    _picture(tb, "pipeline/simulated", sim, start, args.out)
-    log.info("schedule (simulated bubble %.3f):\n%s", sim.bubble, to_text(sim))
-
-    loss = torch.tensor(float("nan"))
-    for step in range(start, args.steps):
-        _lose_node_for_the_elastic_test(step)
-        TRAFFIC.reset()
-        t0 = time.perf_counter()
-
-        # forward + backward of every micro-batch, as the schedule orders them
-        x, y = train.next_batch()
-        loss = runner.train_step(x, y)
-        _time_actions(timers, runner.timeline.events)
-
-        # the optimizer chain: reduce (ZeRO), unscale/check/clip (LossScaler), AdamW, gather
-        with timers(Phase.OPTIMIZER):
-            stepped = opt.step()
-            grad_norm = parts.scaler.last_grad_norm if cfg.gradient_clipping else \
-                float(global_grad_norm([p for g in opt.param_groups for p in g["params"]]))
-            lr = opt.param_groups[0]["lr"]
-            if stepped:  # a step skipped for inf/nan does not advance the lr schedule (as DeepSpeed)
-                parts.scheduler.step()
-            opt.zero_grad()
-        traffic = traffic_scalars(TRAFFIC.snapshot())
-        timers.add(Phase.COMMUNICATION, sum(v for k, v in traffic.items() if k.startswith("seconds/")))
-        dt = time.perf_counter() - t0
-
-        # what the step shows
-        done = step + 1
-        tokens_s = tokens_per_step / dt
-        scalars = {"train/loss": loss.item(), "train/lr": lr, "train/loss_scale": parts.scaler.loss_scale,
-                   "train/skipped_steps": parts.scaler.skipped_steps, "train/grad_norm": grad_norm,
-                   "perf/tokens_per_s": tokens_s, "perf/step_s": dt,
-                   "memory/peak_bytes": peak_memory_bytes(parts.device),
-                   **{f"comm/{k}": v for k, v in traffic.items()}}
-        util = mfu(tokens_s, flops_per_token(model_cfg), grid.world_size, peak)
-        if util is not None:
-            scalars["perf/mfu"] = util
-        if done % cfg.steps_per_print == 0 or done == start + 1 or done == args.steps:
-            scalars["pipeline/measured_bubble"] = runner.measured_bubble()  # a collective: every rank
-            if done == start + 1 or done == args.steps:
-                _timeline_picture(tb, runner, grid, parts.module.num_chunks, args.out, done)
-            log.info("step %d/%d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.0f tok/s%s | bubble %.2f%s",
-                     done, args.steps, loss.item(), lr, parts.scaler.loss_scale, grad_norm, tokens_s,
-                     "" if util is None else f" | MFU {util:.1%}",
-                     scalars["pipeline/measured_bubble"], "" if stepped else " | SKIPPED (inf/nan)")
-            if cfg.wall_clock_breakdown:
-                log.info("time: %s", timers.format())
-        tb.scalars(scalars, done)
-        progress.update(loss=loss.item())
-
-        if done % args.eval_interval == 0 or done == args.steps:
-            val_loss = evaluate(runner, val, batches=4)
-            tb.scalar("val/loss", val_loss, done)
-            log.info("step %d | val loss %.4f", done, val_loss)
-        if done % args.save_interval == 0 or done == args.steps:
-            save_state(parts, ckpt_dir, done, train.state_dict())
-            log.info("step %d | saved checkpoint %s", done, ckpt_dir / step_dir_name(done))
-            if grid.rank == 0:
-                prune_checkpoints(ckpt_dir, keep=2)
-
-    if grid.rank == 0 and (ckpt_dir / "latest").exists():
-        path = export_model(ckpt_dir, Path(args.out) / "model.safetensors", gpt_specs(model_cfg),
-                            metadata={"gpt_config": json.dumps(dataclasses.asdict(model_cfg))})
-        log.info("exported %s (sample from it: python examples/generate.py --checkpoint %s)", path, args.out)
-        summary = {"steps": args.steps, "resumed_from": start, "final_loss": loss.item()}
-        (Path(args.out) / "summary.json").write_text(json.dumps(summary))
-    tb.close()
-    return loss.item()
+    if meta is None:
+        return 0
+    train.load_state_dict(meta["data"])
+    log.info("resumed from %s at step %d", meta["path"], meta["step"])
+    return meta["step"]
 
 
 def resume(parts, ckpt_dir: Path, resume_from: str | None) -> dict | None:
@@ -287,18 +257,130 @@ def resume(parts, ckpt_dir: Path, resume_from: str | None) -> dict | None:
     return load_state(parts, ckpt_dir, step=int(name[5:]))
 
 
+def save(args: argparse.Namespace, parts: Parts, step: int, train: ShardedBatches) -> None:
+    """A checkpoint of this step under --out/checkpoints; the two newest are kept."""
+    ckpt_dir = Path(args.out) / "checkpoints"
+    save_state(parts, ckpt_dir, step, train.state_dict())
+    log.info("step %d | saved checkpoint %s", step, ckpt_dir / step_dir_name(step))
+    if parts.grid.rank == 0:
+        prune_checkpoints(ckpt_dir, keep=2)
+
+
+def export(args: argparse.Namespace, gpt: GPTConfig, start: int, loss: float) -> None:
+    """model.safetensors (with its GPTConfig in the header) and summary.json, from the latest checkpoint."""
+    path = export_model(Path(args.out) / "checkpoints", Path(args.out) / "model.safetensors", gpt_specs(gpt),
+                        metadata={"gpt_config": json.dumps(dataclasses.asdict(gpt))})
+    log.info("exported %s (sample from it: python examples/generate.py --checkpoint %s)", path, args.out)
+    summary = {"steps": args.steps, "resumed_from": start, "final_loss": loss}
+    (Path(args.out) / "summary.json").write_text(json.dumps(summary))
+
+
 def _summary_loss(out: str) -> float:
     """The final loss a finished run recorded (NaN when it recorded none)."""
     path = Path(out) / "summary.json"
     return json.loads(path.read_text())["final_loss"] if path.is_file() else float("nan")
 
 
+# -- the loop ---------------------------------------------------------------------------------------------
+
+def train_loop(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, train: ShardedBatches,
+               val: ShardedBatches, start: int) -> float:
+    """Steps start+1 .. --steps: the schedule's forward and backward, the optimizer chain, logs, evals, saves."""
+    cfg, runner, opt = parts.config, parts.runner, parts.optimizer
+    logs = open_logs(args, parts, gpt, start)
+    loss = torch.tensor(float("nan"))
+    for step in range(start, args.steps):
+        TRAFFIC.reset()
+        t0 = time.perf_counter()
+
+        # forward + backward of every micro-batch, as the schedule orders them
+        x, y = train.next_batch()
+        loss = runner.train_step(x, y)
+        _time_actions(logs.timers, runner.timeline.events)
+
+        # the optimizer chain: reduce (ZeRO), unscale/check/clip (LossScaler), AdamW, gather
+        with logs.timers(Phase.OPTIMIZER):
+            stepped = opt.step()
+            grad_norm = parts.scaler.last_grad_norm if cfg.gradient_clipping else \
+                float(global_grad_norm([p for g in opt.param_groups for p in g["params"]]))
+            lr = opt.param_groups[0]["lr"]
+            if stepped:  # a step skipped for inf/nan does not advance the lr schedule (as DeepSpeed)
+                parts.scheduler.step()
+            opt.zero_grad()
+        logs.step(step + 1, loss.item(), lr, grad_norm, stepped, t0)
+
+        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
+            val_loss = evaluate(runner, val, batches=4)
+            logs.tb.scalar("val/loss", val_loss, step + 1)
+            log.info("step %d | val loss %.4f", step + 1, val_loss)
+        if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
+            save(args, parts, step + 1, train)
+    logs.tb.close()
+    return loss.item()
+
+
 @torch.no_grad()
-def evaluate(runner, val: ShardedBatches, batches: int) -> float:
+def evaluate(runner: PipelineRunner, val: ShardedBatches, batches: int) -> float:
     """Mean loss over the first `batches` validation batches (the same ones every time)."""
     val.load_state_dict({"epoch": 0, "step": 0})
     losses = [runner.eval_step(*val.next_batch()).item() for _ in range(min(batches, val.steps_per_epoch))]
     return sum(losses) / len(losses)
+
+
+# -- what each step shows: the log line, TensorBoard, the progress bar, timeline pictures ------------------
+
+@dataclasses.dataclass
+class Logs:
+    """Where each step's numbers go: the log line, TensorBoard, the progress bar, timeline pictures."""
+
+    args: argparse.Namespace
+    parts: Parts
+    gpt: GPTConfig
+    tb: TensorBoardWriter
+    timers: Timers
+    progress: Progress
+    start: int
+
+    def step(self, done: int, loss: float, lr: float, grad_norm: float, stepped: bool, t0: float) -> None:
+        """Log step `done` (1-based), which began at perf_counter() `t0`; every rank calls it."""
+        args, parts, scaler = self.args, self.parts, self.parts.scaler
+        traffic = traffic_scalars(TRAFFIC.snapshot())
+        self.timers.add(Phase.COMMUNICATION, sum(v for k, v in traffic.items() if k.startswith("seconds/")))
+        dt = time.perf_counter() - t0
+        tokens_s = parts.config.batch.train_batch_size * args.seq_len / dt
+        scalars = {"train/loss": loss, "train/lr": lr, "train/loss_scale": scaler.loss_scale,
+                   "train/skipped_steps": scaler.skipped_steps, "train/grad_norm": grad_norm,
+                   "perf/tokens_per_s": tokens_s, "perf/step_s": dt,
+                   "memory/peak_bytes": peak_memory_bytes(parts.device),
+                   **{f"comm/{k}": v for k, v in traffic.items()}}
+        peak = PEAK_FLOPS.get(parts.dtype) if parts.device.type == "cuda" else None
+        util = mfu(tokens_s, flops_per_token(self.gpt), parts.grid.world_size, peak)
+        if util is not None:
+            scalars["perf/mfu"] = util
+        edge = done in (self.start + 1, args.steps)  # the first and the last step draw their timeline
+        if done % parts.config.steps_per_print == 0 or edge:
+            scalars["pipeline/measured_bubble"] = parts.runner.measured_bubble()  # a collective: every rank
+            if edge:
+                _timeline_picture(self.tb, parts, args.out, done)
+            log.info("step %d/%d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.0f tok/s%s | bubble %.2f%s",
+                     done, args.steps, loss, lr, scaler.loss_scale, grad_norm, tokens_s,
+                     "" if util is None else f" | MFU {util:.1%}",
+                     scalars["pipeline/measured_bubble"], "" if stepped else " | SKIPPED (inf/nan)")
+            if parts.config.wall_clock_breakdown:
+                log.info("time: %s", self.timers.format())
+        self.tb.scalars(scalars, done)
+        self.progress.update(loss=loss)
+
+
+def open_logs(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, start: int) -> Logs:
+    """TensorBoard, timers and the progress bar; the schedule's simulated timeline drawn once up front."""
+    cfg, cuda = parts.config, parts.device.type == "cuda"
+    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
+    timers = Timers(enabled=cfg.wall_clock_breakdown, sync=torch.cuda.synchronize if cuda else None)
+    sim = simulate(parts.schedule, parts.grid.pipe_size)
+    _picture(tb, "pipeline/simulated", sim, start, args.out)
+    log.info("schedule (simulated bubble %.3f):\n%s", sim.bubble, to_text(sim))
+    return Logs(args, parts, gpt, tb, timers, Progress(args.steps, desc="train", start=start), start)
 
 
 def _time_actions(timers: Timers, events) -> None:
@@ -309,11 +391,12 @@ def _time_actions(timers: Timers, events) -> None:
             timers.add(phase, e.end - e.start)
 
 
-def _timeline_picture(tb: TensorBoardWriter, runner, grid, num_chunks: int, out: str, step: int) -> None:
+def _timeline_picture(tb: TensorBoardWriter, parts: Parts, out: str, step: int) -> None:
     """The measured timeline of this step: a TensorBoard image and a chrome trace (every pipe rank joins)."""
-    events = gather_events(runner.timeline.events, grid.pipe_group)
+    grid = parts.grid
+    events = gather_events(parts.runner.timeline.events, grid.pipe_group)
     if grid.data_rank == 0 and grid.rank == 0:
-        result = timeline_result(events, lambda r: grid.coords(r).pipe, grid.pipe_size, num_chunks)
+        result = timeline_result(events, lambda r: grid.coords(r).pipe, grid.pipe_size, parts.module.num_chunks)
         _picture(tb, "pipeline/measured", result, step, out)
         chrome_trace(events, os.path.join(out, f"timeline_step{step}.json"))
 
@@ -326,10 +409,10 @@ def _picture(tb: TensorBoardWriter, tag: str, result, step: int, out: str) -> No
     try:
         tb.image(tag, to_image(result), step)
     except ImportError:
-        warn_once("pillow is not installed: timeline images are PNG files in %s, not in TensorBoard", out)
+        warn_once("pillow is not installed: timeline images are PNG files in %s, not in TensorBoard", out, logger=log)
 
 
-def _check_device(module, expect: str, rank: int) -> None:
+def _check_device(module: PipelineModule, expect: str, rank: int) -> None:
     """--expect-device: every parameter now, and each chunk's first output (an activation), on `expect`.
 
     A smoke for GPU runs: a job that silently trains on the CPU still converges, only slowly.
@@ -357,20 +440,6 @@ def _check_device(module, expect: str, rank: int) -> None:
             handle.remove()
 
     handle = module.register_forward_hook(hook, with_kwargs=True)
-
-
-def _lose_node_for_the_elastic_test(step: int) -> None:
-    """Fault injection: PIPEZERO_STOP_AGENT_AT=step, set on one torchrun agent, stops that agent once.
-
-    Its local rank 0 sends the agent SIGTERM, as Slurm does to a preempted node: the agent stops
-    its workers and leaves the rendezvous open, so the other agents restart without it.
-    """
-    if (os.environ.get("PIPEZERO_STOP_AGENT_AT") == str(step) and os.environ.get("LOCAL_RANK") == "0"
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-        print(f"PIPEZERO_STOP_AGENT_AT: stopping this node's agent at step {step}", file=sys.stderr, flush=True)
-        os.kill(os.getppid(), signal.SIGTERM)
-        time.sleep(60)  # the agent stops this worker first
-        os._exit(17)
 
 
 def _brief(err: BaseException) -> None:

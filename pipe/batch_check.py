@@ -10,62 +10,112 @@ are refused with the values, instead of a stall until the pipeline timeout.
 
 from __future__ import annotations
 
+import time
 import zlib
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["ABSENT", "NO_TARGETS", "SIGNATURE", "batch_words", "raise_batch_errors"]
+from pipezero.comm import is_peer_lost, peer_lost
 
+__all__ = ["BatchView", "check_batch", "split_batch"]
 
-def _tensors(x: Any) -> tuple:
-    return (x,) if isinstance(x, torch.Tensor) else tuple(t for t in x if isinstance(t, torch.Tensor))
-
-
-ABSENT = object()  # this rank holds no first (or last) stage: it reports nothing about that batch
+_ABSENT = object()  # this rank holds no first (or last) stage: it reports nothing about that batch
 _NONE = -(1 << 62)  # a [max, -min] pair's value from ranks that report nothing
-(_W_NO_INPUTS, _W_INPUTS_RAGGED, _W_NO_TARGETS_NEEDED, _W_TARGETS_RAGGED, SIGNATURE, NO_TARGETS,
- _W_IN_MAX, _W_IN_NEG_MIN, _W_TGT_MAX, _W_TGT_NEG_MIN, _W_M_MAX, _W_M_NEG_MIN) = range(12)
 
 
-def batch_words(inputs: Any, targets: Any, m: int) -> list[int]:
-    """This rank's view of the step, as words whose MAX over the world answers every check."""
-    words = [0] * 12
-    words[_W_IN_MAX:_W_TGT_NEG_MIN + 1] = [_NONE] * 4
-    words[_W_M_MAX], words[_W_M_NEG_MIN] = m, -m
-    for batch, (missing, ragged, high) in ((inputs, (_W_NO_INPUTS, _W_INPUTS_RAGGED, _W_IN_MAX)),
-                                           (targets, (_W_NO_TARGETS_NEEDED, _W_TARGETS_RAGGED, _W_TGT_MAX))):
-        if batch is ABSENT:
+@dataclass
+class BatchView:
+    """One rank's view of the step; the MAX of each field over the world answers every check."""
+
+    no_inputs: int = 0          # the first stage got inputs=None
+    inputs_ragged: int = 0      # its tensors differ in dim 0
+    targets_missing: int = 0    # the last stage got targets=None where the step needs them
+    targets_ragged: int = 0
+    no_targets: int = 0         # the last stage got no targets (eval_step then returns outputs)
+    signature: int = 0          # of the inputs' shapes (pipe/runner.py starts new streams when it changes)
+    inputs_max: int = _NONE     # [max, -min] pairs: batch sizes and microbatch counts
+    inputs_neg_min: int = _NONE
+    targets_max: int = _NONE
+    targets_neg_min: int = _NONE
+    microbatches_max: int = 0
+    microbatches_neg_min: int = 0
+
+    def sizes(self, name: str) -> tuple[int, int]:
+        """(min, max) of `name` ("inputs", "targets", "microbatches") over the ranks combined."""
+        return -getattr(self, f"{name}_neg_min"), getattr(self, f"{name}_max")
+
+
+def check_batch(inputs: Any, targets: Any, m: int, need_targets: bool, *, first: bool, last: bool,
+                group: Any) -> BatchView:
+    """Combine every rank's view over `group` (on the CPU: no wait for the GPU's queued work)
+    and raise, on every rank alike, the first problem it shows; return the combined view.
+
+    `first` / `last`: whether this rank holds the first / the last virtual stage (only those
+    report on the inputs / the targets).
+    """
+    wants_targets = last and (need_targets or targets is not None)
+    mine = _view(inputs if first else _ABSENT, targets if wants_targets else _ABSENT, m)
+    mine.no_targets = int(last and targets is None)
+    words = torch.tensor(astuple(mine), dtype=torch.int64)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(words, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as e:
+        if is_peer_lost(e):
+            raise peer_lost(e, "the step-start batch check", start) from e
+        raise
+    combined = BatchView(*words.tolist())
+    _raise_errors(combined, mine, m, need_targets)
+    return combined
+
+
+def split_batch(batch: Any, m: int, device: torch.device) -> list:
+    """`batch` (a tensor or a tuple) as m microbatches along dim 0; non-tensors are repeated."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.to(device).chunk(m))
+    parts = [t.to(device).chunk(m) if isinstance(t, torch.Tensor) else [t] * m for t in batch]
+    return [tuple(p[i] for p in parts) for i in range(m)]
+
+
+def _view(inputs: Any, targets: Any, m: int) -> BatchView:
+    """This rank's view; _ABSENT: a batch this rank does not report on."""
+    view = BatchView(microbatches_max=m, microbatches_neg_min=-m)
+    for name, batch in (("inputs", inputs), ("targets", targets)):
+        if batch is _ABSENT:
             continue
         if batch is None:
-            words[missing] = 1
+            setattr(view, "no_inputs" if name == "inputs" else "targets_missing", 1)
             continue
         sizes = {t.shape[0] for t in _tensors(batch)}
         if len(sizes) != 1:
-            words[ragged] = 1
+            setattr(view, f"{name}_ragged", 1)
             continue
         size = sizes.pop()
-        words[high], words[high + 1] = size, -size
-    if inputs is not ABSENT and not any(words[:2]):
-        words[SIGNATURE] = _signature(inputs)
-    return words
+        setattr(view, f"{name}_max", size)
+        setattr(view, f"{name}_neg_min", -size)
+    if inputs is not _ABSENT and not (view.no_inputs or view.inputs_ragged):
+        view.signature = _signature(inputs)
+    return view
 
 
-def raise_batch_errors(w: list[int], mine: list[int], m: int, need_targets: bool) -> None:
-    """Raise, on every rank alike, the first problem the combined words show."""
-    if -w[_W_M_NEG_MIN] != w[_W_M_MAX]:
-        raise ValueError(f"the pipeline ranks run schedules of different microbatch counts ({-w[_W_M_NEG_MIN]} to "
-                         f"{w[_W_M_MAX]}; this rank {m}): build every rank's schedule with the same "
-                         f"num_microbatches")
-    if w[_W_NO_INPUTS]:
+def _raise_errors(w: BatchView, mine: BatchView, m: int, need_targets: bool) -> None:
+    """Raise the first problem the combined view `w` shows."""
+    low, top = w.sizes("microbatches")
+    if low != top:
+        raise ValueError(f"the pipeline ranks run schedules of different microbatch counts ({low} to "
+                         f"{top}; this rank {m}): build every rank's schedule with the same num_microbatches")
+    if w.no_inputs:
         raise ValueError("train_step/eval_step: the first pipeline stage got inputs=None; pass the batch there")
-    if w[_W_NO_TARGETS_NEEDED] and need_targets:
+    if w.targets_missing and need_targets:
         raise ValueError("train_step: the last pipeline stage got targets=None; pass the targets there")
-    for name, ragged, high in (("inputs", _W_INPUTS_RAGGED, _W_IN_MAX), ("targets", _W_TARGETS_RAGGED, _W_TGT_MAX)):
-        if w[ragged]:
+    for name in ("inputs", "targets"):
+        if getattr(w, f"{name}_ragged"):
             raise ValueError(f"the {name}' tensors differ in their batch dimension (dim 0) on some rank; "
                              f"every tensor of one batch needs the same number of samples")
-        low, top, here = -w[high + 1], w[high], mine[high]
+        (low, top), here = w.sizes(name), getattr(mine, f"{name}_max")
         if top == _NONE:
             continue
         if low != top:
@@ -75,9 +125,13 @@ def raise_batch_errors(w: list[int], mine: list[int], m: int, need_targets: bool
         if top % m:
             raise ValueError(f"the {name}' batch dimension ({top}) does not split into num_microbatches={m} "
                              f"equal microbatches; use a batch that is a multiple of {m}")
-    if w[_W_TGT_MAX] != _NONE and w[_W_IN_MAX] != _NONE and w[_W_TGT_MAX] != w[_W_IN_MAX]:
-        raise ValueError(f"the inputs hold {w[_W_IN_MAX]} samples but the targets {w[_W_TGT_MAX]}: pass the "
+    if w.targets_max != _NONE and w.inputs_max != _NONE and w.targets_max != w.inputs_max:
+        raise ValueError(f"the inputs hold {w.inputs_max} samples but the targets {w.targets_max}: pass the "
                          f"targets of the same samples to the last stage")
+
+
+def _tensors(x: Any) -> tuple:
+    return (x,) if isinstance(x, torch.Tensor) else tuple(t for t in x if isinstance(t, torch.Tensor))
 
 
 def _signature(batch: Any) -> int:

@@ -36,7 +36,7 @@ from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.render import to_text
 
 __all__ = ["ScheduleError", "validate", "check_static", "execute", "raise_deadlock", "Transfer",
-           "transfers", "dependencies", "normalize", "resolve_placement"]
+           "transfers", "transfer_table", "channel_order", "dependencies", "normalize", "resolve_placement"]
 
 _BACKWARDS = (Op.BACKWARD, Op.BACKWARD_INPUT)
 Key = tuple[int, Action]  # (rank, action): one action of the whole schedule
@@ -243,22 +243,42 @@ def transfers(rank: int, a: Action, num_stages: int, num_chunks: int,
     return recv, send
 
 
+Move = tuple[Transfer | None, Transfer | None]  # what one action receives, what it sends
+Moves = dict[int, list[Move]]  # rank -> one Move per step
+Book = dict[tuple, list[tuple[Transfer, int]]]  # channel -> (message, step), in one side's order
+
+
+def transfer_table(table: Mapping[int, Sequence[Action]], placement: str,
+                   num_chunks: int | None = None) -> Moves:
+    """Every action's (receive, send), per rank in list order: all messages of the schedule.
+
+    `num_chunks` defaults to the chunks the actions use.
+    """
+    p, v = len(table), _num_chunks(table) if num_chunks is None else num_chunks
+    return {r: [transfers(r, a, p, v, placement) for a in acts] for r, acts in table.items()}
+
+
+def channel_order(moves: Moves, channels: str) -> tuple[Book, Book]:
+    """(sent, taken): per channel, the messages with their step, in the sender's and in the
+    receiver's order. A channel is (src, dst, kind) for channels="kind", (src, dst) for "pair"."""
+    sent: Book = {}
+    taken: Book = {}
+    for row in moves.values():
+        for step, (recv, send) in enumerate(row):
+            for t, book in ((send, sent), (recv, taken)):
+                if t is not None:
+                    key = (t.src, t.dst) if channels == "pair" else (t.src, t.dst, t.kind)
+                    book.setdefault(key, []).append((t, step))
+    return sent, taken
+
+
 def _check_channels(table: dict[int, list[Action]], placement: str, channels: str) -> None:
     """On every channel the receiver takes the messages in the order the sender sends them.
 
     channels="kind": one ordered channel per (sender, receiver, activation|gradient);
     channels="pair": one per (sender, receiver) for both kinds (a single untagged channel).
     """
-    p, v = len(table), _num_chunks(table)
-    sent: dict[tuple, list[tuple[Transfer, int]]] = {}
-    taken: dict[tuple, list[tuple[Transfer, int]]] = {}
-    for r, acts in table.items():
-        for step, a in enumerate(acts):
-            recv, send = transfers(r, a, p, v, placement)
-            for t, book in ((send, sent), (recv, taken)):
-                if t is not None:
-                    key = (t.src, t.dst) if channels == "pair" else (t.src, t.dst, t.kind)
-                    book.setdefault(key, []).append((t, step))
+    sent, taken = channel_order(transfer_table(table, placement), channels)
     for key in sorted(set(sent) | set(taken)):
         for k, ((x, sx), (y, sy)) in enumerate(zip(sent.get(key, []), taken.get(key, []))):
             if x != y:
@@ -358,9 +378,9 @@ def _waits(table: dict[int, list[Action]], placement: str, blocking_sends: bool
              for r, acts in table.items() for k, a in enumerate(acts)}
     if blocking_sends:
         step_of = {(r, a): k for r, acts in table.items() for k, a in enumerate(acts)}
-        for r, acts in table.items():
-            for k in range(1, len(acts)):
-                _, send = transfers(r, acts[k - 1], p, v, placement)
+        for r, row in transfer_table(table, placement, v).items():
+            for k in range(1, len(row)):
+                send = row[k - 1][1]
                 if send is None:
                     continue
                 c = owner(send.dst_stage, p, placement)[1]

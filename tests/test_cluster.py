@@ -73,8 +73,8 @@ def _main(out: str, stop_at: int | None = None) -> None:
         ShardedBatches.next_batch = real
 
 
-def _agents(out: Path, nnodes: str, rdzv_conf: list[str], env: list[dict],
-            restarts: int = 0) -> list[tuple[int, str]]:
+def _agents(out: Path, nnodes: str, rdzv_conf: list[str], env: list[dict], restarts: int = 0,
+            script: Path = ROOT / "examples" / "train_gpt.py") -> list[tuple[int, str]]:
     """Start one torchrun agent per entry of `env` on one rendezvous; (exit code, log) of each."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -83,7 +83,7 @@ def _agents(out: Path, nnodes: str, rdzv_conf: list[str], env: list[dict],
     for conf, extra, log in zip(rdzv_conf, env, logs):
         cmd = [sys.executable, "-m", "torch.distributed.run",
                *launch_flags(nnodes, f"127.0.0.1:{port}", "pipezero-test"), f"--max-restarts={restarts}",
-               *(["--rdzv-conf", conf] if conf else []), str(ROOT / "examples" / "train_gpt.py"),
+               *(["--rdzv-conf", conf] if conf else []), str(script),
                "--out", str(out), *ARGS]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", **extra}
         with open(log, "w") as f:
@@ -157,9 +157,11 @@ def _check_resumed_on_half(out: Path, straight: Path) -> None:
 
 def test_elastic_restart_on_fewer_nodes_keeps_the_global_batch(straight_4, tmp_path):
     out = tmp_path / "elastic"
-    # agent 0 hosts the rendezvous store and survives; agent 1 stops itself at step K
+    # agent 0 hosts the rendezvous store and survives; agent 1 stops itself at step K (the fault is
+    # injected by tests/faults/crash_train_gpt.py, which runs the example)
     (code0, log0), (code1, log1) = _agents(out, "1:2", [f"is_host=1,{FAST_RDZV}", f"is_host=0,{FAST_RDZV}"],
-                                           [{}, {"PIPEZERO_STOP_AGENT_AT": str(K)}], restarts=1)
+                                           [{}, {"PIPEZERO_STOP_AGENT_AT": str(K)}], restarts=1,
+                                           script=ROOT / "tests" / "faults" / "crash_train_gpt.py")
     assert code0 == 0, log0[-4000:]
     assert code1 != 0 and "PIPEZERO_STOP_AGENT_AT: stopping this node's agent at step 4" in log1
     rounds = _rendezvous(log0)

@@ -1,4 +1,4 @@
-"""comm/: p2p bit-exactness, paired 1F1B-like exchanges, bucketed collectives vs per-tensor ones."""
+"""comm/: p2p bit-exactness, paired 1F1B-like exchanges, bucketed all-reduce vs per-tensor ones."""
 
 import warnings
 
@@ -7,33 +7,32 @@ import torch
 import torch.distributed as dist
 
 from harness import run
-from pipezero.comm import (P2P, TRAFFIC, CommTimeout, all_gather, all_gather_coalesced, all_reduce,
-                           all_reduce_coalesced, plan_buckets, reduce_scatter, reduce_scatter_coalesced)
+from pipezero.comm import (P2P, TRAFFIC, CommTimeout, all_gather, all_reduce, all_reduce_coalesced, plan_buckets,
+                           reduce_scatter)
 
 
-def _payload(step, src, shapes=((3, 5), (7,), (2, 2, 2))):
+def _payload(step, src):
     g = torch.Generator().manual_seed(1000 * step + src)
-    a = torch.randn(*shapes[0], generator=g)
-    b = torch.randint(-50, 50, shapes[1], generator=g)
-    c = torch.randn(*shapes[2], generator=g).to(torch.bfloat16)
+    a = torch.randn(3, 5, generator=g)
+    b = torch.randint(-50, 50, (7,), generator=g)
+    c = torch.randn(2, 2, 2, generator=g).to(torch.bfloat16)
     d = torch.rand(4, generator=g) > 0.5
     return a.requires_grad_(), b, c, d
 
 
-def _ring(steps, variable, early=False):
+def _ring(steps, early=False):
     """Each rank sends to the next and receives from the previous; with early=True each
     step's receive is posted during the step before (post_early), once the stream is known."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    p2p = P2P(variable_shapes=variable)
+    p2p = P2P()
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     posted = []
     for step in range(steps):
-        shapes = ((3, 5 + step), (7 + step,), (2, step + 1, 2)) if variable else ((3, 5), (7,), (2, 2, 2))
-        got = p2p.exchange(sends=[(nxt, "ring", _payload(step, rank, shapes))], recvs=[(prv, "ring")])[0]
+        got = p2p.exchange(sends=[(nxt, "ring", _payload(step, rank))], recvs=[(prv, "ring")])[0]
         if early and step + 1 < steps:
             p2p.post_early([(prv, "ring")])
             posted.append(len(p2p._early))
-        want = _payload(step, prv, shapes)
+        want = _payload(step, prv)
         assert [t.dtype for t in got] == [t.dtype for t in want]
         assert got[0].requires_grad and not got[1].requires_grad
         for g, w in zip(got, want):
@@ -44,13 +43,13 @@ def _ring(steps, variable, early=False):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tuples_of_mixed_dtypes_bit_exact(world):
-    assert all(run(_ring, world, 3, False))
+    assert all(run(_ring, world, 3))
 
 
 def test_receives_posted_early_arrive_in_order_bit_exact():
     """gloo: receives of known streams post one step ahead and the exchange takes them (the
     first step's stream is new, so from then on one receive waits posted each step)."""
-    assert run(_ring, 2, 4, False, True) == [[1, 1, 1]] * 2
+    assert run(_ring, 2, 4, True) == [[1, 1, 1]] * 2
 
 
 def _early_mismatch():
@@ -69,10 +68,6 @@ def test_an_exchange_that_skips_early_receives_is_an_error():
     assert run(_early_mismatch, 2) == [[2.0, 2.0]] * 2
 
 
-def test_variable_shapes_mode():
-    assert all(run(_ring, 2, 3, True))
-
-
 def _one_f_one_b(m):
     """Activations flow down, gradients up, with paired send/recv as in 1F1B's steady state."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -85,7 +80,7 @@ def _one_f_one_b(m):
 
     def forward():
         nonlocal fwd_i
-        x = torch.full((2,), float(fwd_i)) if first else p2p.recv(prv, "act")[0]
+        x = torch.full((2,), float(fwd_i)) if first else p2p.exchange(recvs=[(prv, "act")])[0][0]
         acts.append(x + 1)
         fwd_i += 1
         return x + 1
@@ -93,7 +88,7 @@ def _one_f_one_b(m):
     for _ in range(warmup):
         y = forward()
         if not last:
-            p2p.send(nxt, "act", (y,))
+            p2p.exchange(sends=[(nxt, "act", (y,))])
     for _ in range(m - warmup):
         y = forward()
         if last:
@@ -102,13 +97,13 @@ def _one_f_one_b(m):
             grad = p2p.exchange(sends=[(nxt, "act", (y,))], recvs=[(nxt, "grad")])[0][0]
         seen.append(grad[0].item())
         if not first:
-            p2p.send(prv, "grad", (grad,))
+            p2p.exchange(sends=[(prv, "grad", (grad,))])
         bwd_i += 1
     while bwd_i < m:
-        grad = y * 0 + bwd_i if last else p2p.recv(nxt, "grad")[0]
+        grad = y * 0 + bwd_i if last else p2p.exchange(recvs=[(nxt, "grad")])[0][0]
         seen.append(grad[0].item())
         if not first:
-            p2p.send(prv, "grad", (grad,))
+            p2p.exchange(sends=[(prv, "grad", (grad,))])
         bwd_i += 1
     p2p.drain()
     return seen
@@ -122,7 +117,7 @@ def test_paired_exchange_under_1f1b_pattern():
 def _silent_peer():
     if dist.get_rank() == 0:
         try:
-            P2P(timeout_s=1).recv(1, "act3")
+            P2P(timeout_s=1).exchange(recvs=[(1, "act3")])
         except CommTimeout as e:
             return str(e)
     return None  # rank 1 never sends
@@ -162,40 +157,11 @@ def _coalesced_vs_plain(bucket_bytes):
         all_reduce_coalesced(averaged, bucket_bytes=bucket_bytes, average=True).wait()
         for a, r in zip(averaged, reference):
             torch.testing.assert_close(a, r / world)
-
-        # reduce-scatter: the owned region of each bucket equals the plain all-reduce there
-        scattered = [t.clone() for t in mine]
-        reduce_scatter_coalesced(scattered, bucket_bytes=bucket_bytes).wait()
-        for bucket in plan_buckets(mine, bucket_bytes):
-            flat_s = torch.cat([scattered[i].reshape(-1) for i in bucket])
-            flat_r = torch.cat([reference[i].reshape(-1) for i in bucket])
-            flat_m = torch.cat([mine[i].reshape(-1) for i in bucket])
-            shard = -(-flat_r.numel() // world)
-            lo, hi = rank * shard, min((rank + 1) * shard, flat_r.numel())
-            assert torch.equal(flat_s[lo:hi], flat_r[lo:hi])
-            assert torch.equal(torch.cat([flat_s[:lo], flat_s[hi:]]), torch.cat([flat_m[:lo], flat_m[hi:]]))
-
-        # all-gather: every rank contributes its region of its own tensors
-        full = _tensors(99)
-        partial = [torch.zeros_like(t) for t in full]
-        for bucket in plan_buckets(full, bucket_bytes):
-            flat = torch.cat([full[i].reshape(-1) for i in bucket])
-            shard = -(-flat.numel() // world)
-            offset = 0
-            for i in bucket:
-                n = partial[i].numel()
-                lo, hi = max(rank * shard, offset), min((rank + 1) * shard, offset + n)
-                if lo < hi:
-                    partial[i].view(-1)[lo - offset:hi - offset] = full[i].view(-1)[lo - offset:hi - offset]
-                offset += n
-        all_gather_coalesced(partial, bucket_bytes=bucket_bytes).wait()
-        for p, f in zip(partial, full):
-            assert torch.equal(p, f)
     return True
 
 
 @pytest.mark.parametrize("world, bucket_bytes", [(1, 256), (2, 64), (3, 10**6), (4, 256)])
-def test_bucketed_equal_plain_collectives(world, bucket_bytes):
+def test_bucketed_all_reduce_equals_plain(world, bucket_bytes):
     assert all(run(_coalesced_vs_plain, world, bucket_bytes))
 
 
@@ -204,11 +170,13 @@ def _flat_collectives():
     TRAFFIC.reset()
     x = torch.arange(12, dtype=torch.float32) + rank
     out = torch.empty(12 // world)
-    reduce_scatter(out, x, average=True)
-    expected = (torch.arange(12, dtype=torch.float32) * world + sum(range(world))) / world
-    torch.testing.assert_close(out, expected.chunk(world)[rank])
-    full = torch.empty(12)
-    all_gather(full, out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecation warnings in the user's face
+        reduce_scatter(out, x, average=True)
+        expected = (torch.arange(12, dtype=torch.float32) * world + sum(range(world))) / world
+        torch.testing.assert_close(out, expected.chunk(world)[rank])
+        full = torch.empty(12)
+        all_gather(full, out)
     torch.testing.assert_close(full, expected)
     return TRAFFIC.snapshot(), TRAFFIC.by_group()
 

@@ -5,8 +5,10 @@ tied and untied embeddings) trained on the whole batch with plain AdamW. Each gr
 the pipeline from the saved checkpoint directory (every stage reads only its own tensors,
 by name) and must give the same loss every step and the same final parameters under the
 model's own names; the exported directory must load with from_pretrained and give the
-pipeline's logits; ZeRO-3 on the model itself (module=) must train the same and, under
-`gathered`, its own generate() must give one process's greedy tokens.
+pipeline's logits. With activation checkpointing each decoder layer must really run its
+forward again in backward, with tensor=2 its projections must really be split (torch's
+parallelize_module), and both must train the same. ZeRO-3 on the model itself (module=) must
+train the same and, under `gathered`, its own generate() must give one process's greedy tokens.
 """
 
 import functools
@@ -18,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from harness import run  # noqa: E402
 from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
-from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict, hf_tensor_plan  # noqa: E402
+from pipezero.pipe.hf import HFDecoderLayer, causal_lm_loss, hf_layer_specs, hf_state_dict, hf_tensor_plan  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.train.hf_export import export_hf  # noqa: E402
 from pipezero.zero import ZeroOptimizer, gathered  # noqa: E402
@@ -93,17 +95,48 @@ def _train_pipe(path: str, pipe: int, tensor: int, schedule: str, stage: int, ex
                            tensor_plan=hf_tensor_plan() if tensor > 1 else None)
     opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), stage=stage, group=grid.data_group)
     runner = PipelineRunner(model, make(), optimizer=opt)
+    if tensor > 1:
+        _check_sharded(model, tensor)
+    calls = _count_decoder_forwards(model)
     losses = []
     for step in range(STEPS):
         ids, targets = _batch(step)
         losses.append(runner.train_step(_mine(ids, grid), _mine(targets, grid)).item())
         assert opt.step() is True
         opt.zero_grad()
+    passes = 2 if recompute else 1  # activation checkpointing runs each forward again in backward
+    assert all(n == passes * STEPS * make().num_microbatches for n in calls.values()), calls
     logits = None
     if export_to is not None:
         logits = runner.eval_step(_batch(STEPS)[0][:4])
         export_hf(model, export_to)
     return losses, hf_state_dict(model), logits
+
+
+def _check_sharded(model: PipelineModule, tensor: int) -> None:
+    """Every projection of the local decoder layers holds 1/tensor of its weight (torch's parallelize_module)."""
+    from torch.distributed.tensor import DTensor
+
+    for layer in model.modules():
+        if isinstance(layer, HFDecoderLayer):
+            for name, m in layer.named_modules():
+                if isinstance(m, torch.nn.Linear):
+                    w = m.weight
+                    assert isinstance(w, DTensor) and w.to_local().numel() * tensor == w.numel(), name
+
+
+def _count_decoder_forwards(model: PipelineModule) -> dict[int, int]:
+    """Forward calls of each local decoder layer, by index, counted from now on.
+
+    A pre-hook: torch's recomputation stops as soon as backward has the tensors it needs, so
+    a recomputed forward may never reach the forward hooks that run after it.
+    """
+    calls: dict[int, int] = {}
+    for layer in model.modules():
+        if isinstance(layer, HFDecoderLayer):
+            calls[layer.index] = 0
+            layer.register_forward_pre_hook(lambda m, args: calls.__setitem__(m.index, calls[m.index] + 1))
+    return calls
 
 
 def _check_training(family: str, results) -> None:

@@ -119,3 +119,9 @@ def test_progress_counts_on_from_a_resumed_step():
     bar = Progress(10, desc="train", enabled=True, stream=out, start=6)
     bar.update(loss=1.0)
     assert " 7/10 " in out.getvalue()
+
+
+def test_one_warn_once_for_the_config_readers_and_training():
+    from pipezero import config_fields
+
+    assert warn_once is config_fields.warn_once  # one record of what was warned, not one per package

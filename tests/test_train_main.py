@@ -98,7 +98,8 @@ def test_killed_rank_restarts_from_last_checkpoint(tmp_path, pipe):
     resumed = json.loads((tmp_path / "crashed" / "summary.json").read_text())
     assert straight["resumed_from"] == 0 and resumed["resumed_from"] == 2
     bars = [line.split("]")[1].split()[0] for line in crashed.stderr.splitlines() if line.startswith("train [")]
-    assert bars == ["1/6", "2/6", "3/6", "3/6", "4/6", "5/6", "6/6"]  # resumed at 2: counts on in global steps    assert resumed["final_loss"] == straight["final_loss"]
+    assert bars == ["1/6", "2/6", "3/6", "3/6", "4/6", "5/6", "6/6"]  # resumed at 2: counts on in global steps
+    assert resumed["final_loss"] == straight["final_loss"]
 
 
 def test_help_shows_every_default(capsys):

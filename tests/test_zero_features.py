@@ -72,7 +72,7 @@ def _reductions():
     return sum(snap.get(k, {}).get("calls", 0) for k in ("all_reduce", "reduce_scatter"))
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_readiness_protocol_reduces_before_step(stage):
     results = run(_readiness, 2, stage)
     want = reference("adamw2", 2, steps=3, accum=4)
@@ -100,6 +100,31 @@ def _overlap_plain_backward(stage):
 def test_buckets_reduce_during_backward(stage):
     for during, buckets in run(_overlap_plain_backward, 2, stage):
         assert buckets > 2 and during == buckets
+
+
+def _without_overlap(stage):
+    """overlap_comm=False: backward reduces nothing, step() reduces every bucket."""
+    world = dist.get_world_size()
+    model = make_model()
+    opt = ZeroOptimizer(make_opt(model, "adam"), module=model if stage == 3 else None, config=ZeroConfig(
+        stage=stage, overlap_comm=False, reduce_bucket_size=64, stage3_param_persistence_threshold=10))
+    during = []
+    for step in range(3):
+        x, y = local_batch(world, step)
+        opt.zero_grad()
+        TRAFFIC.reset()
+        opt.backward(nn.functional.mse_loss(model(x), y))
+        during.append(_reductions())
+        opt.step()
+    with opt.gathered_parameters():
+        return [p.detach().clone() for p in model.parameters()], during
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_without_overlap_step_reduces_everything(stage):
+    results = run(_without_overlap, 2, stage)
+    _assert_params([r[0] for r in results], reference("adam", 2, steps=3), f"stage {stage}")
+    assert all(during == [0, 0, 0] for _, during in results), results
 
 
 # -- frozen layers, tied weights -------------------------------------------------------------------

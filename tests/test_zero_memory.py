@@ -13,6 +13,8 @@ previous step: exactly the tensors that stay alive across steps, plus the gradie
 
 import gc
 
+import pytest
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -74,3 +76,35 @@ def test_model_state_bytes_match_zero_formulas():
                 wrong.append(f"stage {stage} {dtype} rank {rank}: {live} bytes live, ZeRO formula "
                              f"{want:.0f} ({live / want:.3f}x)")
     assert not wrong, "\n".join(wrong)
+
+
+def _saved_parameter_bytes(offload: bool) -> tuple[int, int]:
+    """Stage 3: storages of gathered parameters that autograd saved during forward, and the bytes
+    they still hold once forward is over (the units have been released)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), module=model,
+                        config=ZeroConfig(stage=3, stage3_param_persistence_threshold=0, offload_param=offload,
+                                          offload_optimizer=offload))
+    whole = opt.gatherer.partitioned
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        gathered = {b.flat.untyped_storage().data_ptr() for b in whole if b.flat is not None}
+        if t.untyped_storage().data_ptr() in gathered:
+            saved.append(t.untyped_storage())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(torch.randn(8, 3, 64)).square().mean()
+    held = sum(s.nbytes() for s in saved)
+    loss.backward()             # the backward gathers refill the storages those views read
+    opt.step()
+    return len(saved), held
+
+
+@pytest.mark.parametrize("world,offload", [(2, False), (1, True)])
+def test_saved_views_do_not_keep_gathered_parameters_alive(world, offload):
+    """A Linear saves weight.t(), a view of the gathered buffer: releasing the unit after its
+    forward must free that memory too, not only drop the parameter (ZeRO-3's whole point)."""
+    for count, held in run(_saved_parameter_bytes, world, offload):
+        assert count >= 3 and held == 0          # the first Linear saves no weight: its input needs no grad

@@ -114,13 +114,16 @@ class Grid:
         size = getattr(self, f"{axis}_size")
         return [self.rank_of(**{axis: i}) for i in range(size)]
 
-    # -- pipeline neighbours ----------------------------------------------------------
+    # -- pipeline ends ------------------------------------------------------------------
     @property
     def is_first_stage(self) -> bool:
+        """Pipe rank 0: it holds the first virtual stage under every placement (it takes the inputs)."""
         return self.pipe_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
+        """The last pipe rank. It holds the last virtual stage only when chunks are looped; under
+        a V placement that stage is on pipe rank 0 (PipelineModule.is_last(chunk) says per chunk)."""
         return self.pipe_rank == self.pipe_size - 1
 
     # -- display -------------------------------------------------------------------

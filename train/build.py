@@ -29,7 +29,7 @@ from pipezero.precision import LossScaler
 from pipezero.topology import Grid, init_distributed, process_device
 from pipezero.train.config import TrainConfig, parse_config
 from pipezero.train.config_optim import OptimizerConfig, build_optimizer, build_scheduler
-from pipezero.train.log import warn_once
+from pipezero.train.log import get_logger, warn_once
 from pipezero.zero import ZeroOptimizer
 
 __all__ = ["Parts", "build", "init_process_group", "model_width", "resolve_precision"]
@@ -61,7 +61,7 @@ def resolve_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:
         return dtype
     except RuntimeError:
         warn_once("fp16 is not supported by this CPU's torch build: computing in bf16 instead "
-                  '(set "bf16": {"enabled": true} to silence this)')
+                  '(set "bf16": {"enabled": true} to silence this)', logger=get_logger())
         return torch.bfloat16
 
 
@@ -158,7 +158,8 @@ def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, op
         raise ValueError(f'ds_config["pipeline"]["stages"] = {cfg.pipeline.stages} needs specs= (a list of '
                          "LayerSpec) to cut the model into stages; pass specs= or set stages to 1")
     if cfg.zero.offload_param and not torch.cuda.is_available():
-        warn_once("ZeRO-3 parameter offload on a CPU-only machine moves nothing: parameters already live there")
+        warn_once("ZeRO-3 parameter offload on a CPU-only machine moves nothing: parameters already live there",
+                  logger=get_logger())
 
 
 def _scaler(cfg: TrainConfig, inner: torch.optim.Optimizer, dtype: torch.dtype) -> LossScaler:

@@ -5,7 +5,8 @@ A DeepSpeed user's loop is `engine, optimizer, _, scheduler = deepspeed.initiali
 things, where the engine is a thin view of the explicit parts (`engine.parts`): calling it runs
 the model, `backward` scales the loss through the optimizer chain, `step` steps the chain and
 the LR schedule and clears the gradients. Nothing else lives in it; for pipelines use
-`build(config, specs=...)` and the runner directly (examples/train_gpt.py).
+`build(config, specs=...)` and the runner directly, or compose the parts by hand as
+examples/train_gpt.py does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pipezero.train.build import Parts, build
 from pipezero.train.config import TrainConfig
 from pipezero.train.config_optim import OptimizerConfig, build_optimizer
-from pipezero.train.log import warn_once
+from pipezero.train.log import get_logger, warn_once
 
 __all__ = ["Engine", "initialize"]
 
@@ -85,7 +86,7 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         raise ValueError("initialize(config=None): pass a ds_config path or dict")
     if isinstance(model, DistributedDataParallel):
         warn_once("initialize(model=DistributedDataParallel(...)): training its .module; pipezero's optimizer "
-                  "chain averages gradients over the data group itself")
+                  "chain averages gradients over the data group itself", logger=get_logger())
         model = model.module
     if optimizer is None and model_parameters is not None:
         from pipezero.train.build import _config, model_width

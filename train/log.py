@@ -2,8 +2,10 @@
 
 Every rank of a job runs the same code, so unfiltered logging prints each line N times.
 Here the `pipezero` logger has one handler that prefixes the rank and, by default, lets only
-rank 0 through; `set_log_ranks(None)` shows every rank. The TensorBoard writer exists on one
-rank and is a no-op elsewhere, so call sites need no `if rank == 0`.
+rank 0 through; `set_log_ranks(None)` shows every rank. `warn_once` is pipezero's one
+warn-once helper (it lives in pipezero.config_fields, the bottom layer, for the config readers);
+`warn_once(msg, logger=get_logger())` goes through that handler. The TensorBoard writer exists
+on one rank and is a no-op elsewhere, so call sites need no `if rank == 0`.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
 
 import torch
 
+from pipezero.config_fields import warn_once
+
 __all__ = ["Phase", "Progress", "TensorBoardWriter", "Timers", "current_rank", "get_logger",
            "set_log_ranks", "warn_once"]
 
 _ROOT = "pipezero"
 _FORMAT = "[rank %(rank)s] %(levelname)s %(name)s: %(message)s"
-_WARNED: set[tuple] = set()
 
 
 def current_rank() -> int:
@@ -74,16 +77,6 @@ def get_logger(name: str = "") -> logging.Logger:
 def set_log_ranks(ranks: Iterable[int] | None = (0,)) -> None:
     """Which global ranks print (default rank 0 only); None lets every rank print."""
     _FILTER.ranks = None if ranks is None else frozenset(ranks)
-
-
-def warn_once(message: str, *args: object, logger: logging.Logger | None = None) -> bool:
-    """Log a warning the first time this (message, args) is seen in the process; True if logged."""
-    key = (message, args)
-    if key in _WARNED:
-        return False
-    _WARNED.add(key)
-    (logger or get_logger()).warning(message, *args)
-    return True
 
 
 class TensorBoardWriter:

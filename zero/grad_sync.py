@@ -1,44 +1,35 @@
 """Gradient reduction: post-accumulate-grad hooks, buckets in flight, the readiness protocol.
 
 A parameter's gradient is "pushed" into its bucket's flat gradient buffer when it becomes
-ready (a post-accumulate-grad hook), unless reduction is held for it (`hold_grad_sync`, the
-pipeline runner's readiness protocol) or suspended (`no_sync`, gradient accumulation); a
-bucket whose parameters are all pushed is reduced asynchronously while backward goes on.
-`finish()` (called by step) pushes and reduces whatever is left, so correctness never
-depends on the hooks, only overlap does.
+ready (a post-accumulate-grad hook), unless reduction is held for it (`hold`, the pipeline
+runner's readiness protocol) or suspended (`no_sync`, gradient accumulation); a bucket whose
+parameters are all pushed is reduced asynchronously while backward goes on. `finish()`
+(called by step) pushes and reduces whatever is left, so correctness never depends on the
+hooks, only overlap does.
 
-Per stage (ZeRO, Rajbhandari et al. 2020), reduced values stay in the model dtype until
-step() hands them to the fp32 masters (so between backward and step the model state takes the
-paper's 2+2+12 bytes per parameter, split as the stage says):
-  0: all-reduce (average) in place in a persistent full buffer; .grad are views of it (DDP);
-  1: persistent full buffer, reduce-scatter; the owned region keeps the reduced values;
-  2, 3: the full buffer lives only from a bucket's first push until its reduce-scatter is
-     done; parameters keep no gradient, a shard-sized buffer keeps the reduced values.
-     Inside no_sync / hold, whole .grad accumulate until the final micro-batch, unless
-     `every_microbatch`: then every backward's gradients are pushed and reduce-scattered
-     into the shard (accumulating there, model dtype) as if nothing were held, as DeepSpeed's
-     ZeRO-2 does. Gradients whose hooks never fire during the backward (the pipeline runner's
-     tied weights, summed over their tie group first) are still reduced when released.
+GradSync is that shared machinery. What a bucket's buffer is, how a gradient enters it and
+where the reduced values stay until step() hands them to the fp32 masters is one strategy
+per ZeRO stage (Rajbhandari et al. 2020), in grad_strategies.py: replicated (stage 0),
+persistent shards (stage 1), transient shards (stages 2-3). `make_grad_sync` picks it.
 """
 
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
 
-from pipezero.comm import Handle, all_reduce, group_size, reduce_scatter
+from pipezero.comm import Handle, all_reduce, reduce_scatter
 from pipezero.zero.partition import Bucket, local_tensor
 
 __all__ = ["GradSink", "GradSync"]
 
-_MAX_IN_FLIGHT = 2  # stage 2/3: buckets whose full buffer may be alive while reducing
+_MAX_IN_FLIGHT = 2  # bounded strategies: buckets whose reduction may be under way at once
 
 
 @dataclass(eq=False)
@@ -50,11 +41,10 @@ class _Pending:
     seen: set[int] | None = None         # parameter indices whose grad arrived this backward
     handle: Handle | None = None
     out: torch.Tensor | None = None      # where the reduction writes the owned values
-    shard: torch.Tensor | None = None    # stage 2/3: the reduced owned values so far
     reduced: bool = False                # reduced at least once since the last step
-    rescale: bool = False                # stage 1: the owned region holds an average, not a sum
-    dirty: bool = False                  # stage 1: local gradients added since the last launch
-    fresh: bool = False                  # stage 2/3: `grad` is uninitialised where nothing was pushed yet
+    dirty: bool = False                  # local gradients added into `grad` since the last launch
+    shard: torch.Tensor | None = None    # transient shards: the reduced owned values so far
+    rescale: bool = False                # persistent shards: the owned region holds an average, not a sum
 
     def __post_init__(self) -> None:
         self.pushed, self.seen = set(), set()
@@ -75,7 +65,8 @@ class GradSink(Protocol):
 
 
 def _weak(method: Callable) -> Callable:
-    """A function calling `method` while its object lives (a no-op after)."""
+    """A function calling `method` while its object lives (a no-op after): a hook holding it
+    never keeps a dropped optimizer alive."""
     ref = weakref.WeakMethod(method)
 
     def call(*args):
@@ -84,39 +75,39 @@ def _weak(method: Callable) -> Callable:
     return call
 
 
-class GradSync:
-    """Reduces the gradients of bucketed parameters over `group` as they become ready."""
+class GradSync(ABC):
+    """Reduces the gradients of bucketed parameters over `group` as they become ready.
 
-    def __init__(self, buckets: list[Bucket], stage: int, group,
-                 on_backward_done: Callable[[Bucket], None] | None = None, overlap: bool = True,
-                 every_microbatch: bool = False, sink: GradSink | None = None):
-        self.buckets, self.stage, self.group, self.overlap, self.sink = buckets, stage, group, overlap, sink
-        self.replicated = stage == 0 or group_size(group) == 1   # all-reduce or nothing at all
-        self.keep_grads = stage <= 1      # a persistent full gradient buffer per bucket
-        self.views = stage == 0           # parameters' .grad are views of that buffer
-        self.every_microbatch = every_microbatch and not self.keep_grads
+    A subclass (a strategy, grad_strategies.py) says what the buffer holds: `_push` moves a
+    gradient in, `_keep` keeps a finished reduction, `_reduced` is what the master gets, `_reset`
+    forgets; the other underscored methods have defaults it may refine. `on_backward_done(b)`
+    is called when all of b's gradients arrived in a backward (stage 3 frees b's parameters);
+    `sink` receives the reduced values instead of the masters' .grad (CPU offload). The hooks
+    are never removed: they hold the GradSync weakly, so a dropped optimizer leaves no-ops.
+    """
+
+    # at most _MAX_IN_FLIGHT reductions under way (completing one frees its full buffer); with a
+    # sink always (completing one starts its copy to the host)
+    bounded = False
+
+    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+                 overlap: bool = True, sink: GradSink | None = None):
+        self.buckets, self.group, self.overlap, self.sink = buckets, group, overlap, sink
         self.on_backward_done = on_backward_done
         self._state = {b: _Pending() for b in buckets}
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         self._held: set[int] = set()
         self._suspended = 0
         self._in_flight: deque[Bucket] = deque()
-        if self.keep_grads:
-            for b in buckets:
-                self._state[b].grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-                if self.views:
-                    self._point_grads(b)
-        # hooks hold the GradSync weakly: parameters must not keep a dropped optimizer alive
         on_grad = _weak(self._on_grad)
-        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for b in buckets for p in b.params]
-        if self.views:  # autograd is about to add into a view that may still be under all-reduce
-            settle = _weak(self._settle)
-            self._hooks += [p.register_hook(lambda grad, b=b: settle(b)) for b in buckets for p in b.params]
+        for b in buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(on_grad)
 
     # -- the readiness protocol ----------------------------------------------------------
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate .grad locally; no reduction."""
+        """Backward passes inside accumulate gradients locally; no reduction."""
         self._suspended += 1
         try:
             yield
@@ -148,20 +139,14 @@ class GradSync:
 
     def collect(self, params: Iterable[torch.Tensor]) -> None:
         """Gradients of these params were set without hooks (a split weight backward assigns
-        .grad): with every_microbatch, push them now as their hooks would have."""
-        if not self.every_microbatch:
-            return
-        for p in params:
-            if id(p) in self._where and p.grad is not None:
-                self._on_grad(p)
+        .grad): a strategy that reduces every micro-batch pushes them now; else a no-op."""
 
     # -- step -------------------------------------------------------------------------------
     def finish(self) -> None:
         """Reduce everything not yet reduced and wait: every master shard has its .grad."""
         for b in self.buckets:
             st = self._state[b]
-            late = not self.views and any(p.grad is not None for p in b.params)
-            if st.handle is None and (not st.reduced or late or st.pushed or st.dirty):
+            if st.handle is None and (not st.reduced or self._late(b) or st.pushed or st.dirty):
                 for i in range(len(b.params)):
                     if i not in st.pushed:
                         self._push(b, i)
@@ -193,43 +178,56 @@ class GradSync:
             st.pushed.clear()
             st.seen.clear()
             st.reduced, st.rescale, st.dirty, st.out, st.shard = False, False, False, None, None
-            if self.keep_grads:
-                st.grad.zero_()
-            else:
-                st.grad = None
-            if self.views:
-                self._point_grads(b)
-            else:
-                for p in b.params:
-                    p.grad = None
+            self._reset(b)
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+    # -- what each strategy says ---------------------------------------------------------------
+    @abstractmethod
+    def _push(self, b: Bucket, i: int) -> None:
+        """Move parameter i's local gradient into the bucket's flat buffer (marks i pushed)."""
+
+    @abstractmethod
+    def _keep(self, b: Bucket) -> None:
+        """b's reduction finished (into `out`): keep the owned reduced values, or give them to the sink."""
+
+    @abstractmethod
+    def _reduced(self, b: Bucket) -> torch.Tensor | None:
+        """The reduced owned values for b's master (model dtype), None if nothing was reduced."""
+
+    @abstractmethod
+    def _reset(self, b: Bucket) -> None:
+        """zero_grad: forget b's buffer and its parameters' .grad."""
+
+    def _reduces_now(self, p: torch.Tensor) -> bool:
+        """A hook fired for p: push it now (with overlap, unless suspended or held)."""
+        return self.overlap and not self._suspended and id(p) not in self._held
+
+    def _keep_local(self, b: Bucket, i: int) -> None:
+        """A gradient not pushed yet waits in its parameter's .grad."""
+
+    def _late(self, b: Bucket) -> bool:
+        """Some parameter of b holds a gradient that was never pushed (its hook did not fire)."""
+        return any(p.grad is not None for p in b.params)
+
+    def _nothing_new(self, b: Bucket) -> bool:
+        """flush: pushing b would only reduce what was reduced already."""
+        return False
 
     # -- internals ------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
         st = self._state[b]
-        if self.every_microbatch or (self.overlap and not self._suspended and id(p) not in self._held):
+        if self._reduces_now(p):
             self._settle(b)                # a second synced backward before step: fold in
             self._push(b, i)
             if len(st.pushed) == len(b.params):
                 self._launch(b)
-        elif self.keep_grads and not self.views:   # stage 1: accumulate locally in the buffer
-            self._settle(b)
-            self._add_local(b, i)
+        else:
+            self._keep_local(b, i)
         st.seen.add(i)
         if len(st.seen) == len(b.params):
             st.seen.clear()
             if self.on_backward_done is not None:
                 self.on_backward_done(b)
-
-    def _nothing_new(self, b: Bucket) -> bool:
-        """Stage 2/3: b was reduced and no gradient arrived since (pushing would reduce zeros)."""
-        st = self._state[b]
-        return not self.keep_grads and st.reduced and not st.pushed and all(p.grad is None for p in b.params)
 
     def _settle(self, b: Bucket) -> None:
         """Complete bucket b's reduction if it is still under way."""
@@ -237,100 +235,46 @@ class GradSync:
             self._in_flight.remove(b)
             self._complete(b)
 
-    def _point_grads(self, b: Bucket) -> None:
-        grad = self._state[b].grad
-        for i, p in enumerate(b.params):
-            _set_grad(p, b.slot(grad, i))
-
-    def _push(self, b: Bucket, i: int) -> None:
-        """Move parameter i's local gradient into the bucket's flat buffer."""
-        st, p = self._state[b], b.params[i]
-        if st.grad is None:  # stage 2/3: a fresh buffer per round; each slot is written before launch
-            st.grad = torch.empty(b.padded, dtype=b.dtype, device=b.device)
-            st.grad[b.numel:].zero_()
-            st.fresh = True
-        view = b.slot(st.grad, i)
-        if st.fresh and i not in st.pushed:  # first write of this slot: a copy, not zeros plus an add
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(local_tensor(p.grad))
-            p.grad = None
-            st.pushed.add(i)
-            return
-        if self.views:
-            if p.grad is None:
-                view.zero_()
-            elif local_tensor(p.grad).data_ptr() != view.data_ptr():
-                view.copy_(local_tensor(p.grad))
-            _set_grad(p, view)
-        else:
-            self._add_local(b, i)
-        st.pushed.add(i)
-
     def _add_local(self, b: Bucket, i: int) -> None:
         """Add parameter i's .grad into the bucket buffer (not yet reduced) and drop it."""
         st, p = self._state[b], b.params[i]
-        if st.rescale:        # a new round on top of reduced values: make them a sum again
-            b.owned(st.grad).mul_(b.parts)
-            st.rescale = False
         if p.grad is not None:
             b.slot(st.grad, i).add_(local_tensor(p.grad))
             p.grad = None
             st.dirty = True
 
     def _launch(self, b: Bucket) -> None:
+        """Start b's reduction: average in place when b is replicated (stage 0 or a group of one),
+        else reduce-scatter into a new shard-sized `out`."""
         st = self._state[b]
-        if self.replicated:
+        if b.parts == 1:
             st.out = st.grad
             st.handle = all_reduce(st.grad, group=self.group, average=True, async_op=True)
         else:
             st.out = torch.empty(b.shard_numel, dtype=b.dtype, device=b.device)
             st.handle = reduce_scatter(st.out, st.grad, group=self.group, average=True, async_op=True)
         self._in_flight.append(b)
-        # stage 2/3 free the full buffer; with a sink, stage 0/1 too start the copy to the host
-        while (not self.keep_grads or self.sink is not None) and len(self._in_flight) > _MAX_IN_FLIGHT:
+        while (self.bounded or self.sink is not None) and len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
 
     def _complete(self, b: Bucket) -> None:
         """Wait for bucket b's reduction and keep the owned reduced values (model dtype)."""
         st = self._state[b]
         st.handle.wait()
-        if self.keep_grads and not self.replicated:          # stage 1: owned region = average, rest 0
-            owned = b.owned(st.grad)
-            owned.copy_(st.out)
-            st.grad[:b.part * b.shard_numel].zero_()
-            st.grad[(b.part + 1) * b.shard_numel:].zero_()
-            st.rescale = True
-        elif not self.keep_grads:                             # stage 2/3: accumulate the shard
-            if self.sink is not None:                          # on the host (CPU offload)
-                self.sink.reduced(b, st.out, accumulate=True)
-            else:
-                st.shard = st.out if st.shard is None else st.shard.add_(st.out)
-            st.grad, st.fresh = None, False
-        if self.keep_grads and self.sink is not None:
-            self.sink.reduced(b, b.owned(st.grad), accumulate=False)
+        self._keep(b)
         st.handle, st.out, st.reduced, st.dirty = None, None, True, False
         st.pushed.clear()
 
     def _hand_over(self, b: Bucket) -> None:
         """Give the reduced owned values to the master as its .grad (fp32, on its device)."""
-        st, master = self._state[b], b.master
+        master = b.master
         if self.sink is not None:
             g = self.sink.hand_over(b)
             if g is not None:
                 master.grad = g
             return
-        g = b.owned(st.grad) if self.keep_grads else st.shard
+        g = self._reduced(b)
         if g is None:
             return
         master.grad = g if g.dtype == master.dtype and g.device == master.device \
             else g.to(master.device, master.dtype)
-
-
-def _set_grad(p: torch.Tensor, view: torch.Tensor) -> None:
-    """Make `view` p's gradient (wrapped like p when p is a DTensor, still sharing view's storage)."""
-    if isinstance(p, DTensor):
-        view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
-    p.grad = view

@@ -6,8 +6,9 @@ the GPU or the CPU does anyway (Ren et al., "ZeRO-Offload: Democratizing Billion
 Training", USENIX ATC 2021, section 4):
 
 * a bucket's reduced gradient shard is copied into a pinned, reused host buffer on a side
-  stream as soon as its reduction completes, while backward still runs (`reduced`); step()
-  then only waits for the copies still in flight (`hand_over`);
+  stream as soon as its reduction completes, while backward still runs, and a host thread
+  (the lane) folds each landed copy into the bucket's fp32 sum at once (`reduced`); step()
+  then only waits for the folds still under way (`hand_over`);
 * the optimizer steps one bucket at a time and each stepped master is uploaded (a non-blocking
   copy on a side stream) while the next bucket steps (`stepping`);
 * the step runs on every host core this process may use (torchrun sets OMP_NUM_THREADS=1;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -87,8 +89,8 @@ class HostOffload:
         self._landing: dict[Bucket, torch.Tensor] = {}   # pinned, model dtype: the D2H copies land here
         self._grads: dict[tuple, torch.Tensor] = {}      # host fp32: sums, and what the master steps with
         self._flip = 0   # delayed: which of two sum buffers this step fills; the update in flight reads the other
-        self._window: dict[Bucket, tuple[torch.Tensor, Any]] = {}  # the latest copy not yet summed, its event
-        self._summed: set[Bucket] = set()                # buckets whose _grads hold a partial sum
+        self._ready: dict[Bucket, Any] = {}              # this step's gradient so far: a tensor, or its fold
+        self._lane: ThreadPoolExecutor | None = None      # folds landed copies into the sums (GPU only)
         self._uploads: dict[Bucket, Any] = {}
         self._order: list[Bucket] = []                   # buckets in the order their gradients landed
         self._thread: threading.Thread | None = None
@@ -97,37 +99,42 @@ class HostOffload:
     # -- gradients: device -> host (GradSync's GradSink) -----------------------------------
     def reduced(self, b: Bucket, values: torch.Tensor, accumulate: bool) -> None:
         """Start copying b's reduced owned gradient to the host: to be added to what this step
-        already brought (accumulate) or to replace it. The device copy of `values` may be freed."""
+        already brought (accumulate) or to replace it. The device copy of `values` may be freed.
+
+        From a GPU the copy lands in a pinned buffer and the host lane folds it into b's fp32 sum
+        as soon as it has landed, while backward goes on; step() then finds the sums made.
+        """
         if b not in self._order:
             self._order.append(b)
-        if accumulate and b in self._window:
-            self._add_up(b)
-        elif not accumulate:
-            self._summed.discard(b)
-        self._window[b] = self._copy_down(b, values)
+        adding = accumulate and b in self._ready
+        running = _result(self._ready.pop(b, None))    # b's landing buffer is free again
+        source, done = self._copy_down(b, values)
+        if done is None and not adding and not self.delayed and source.dtype == torch.float32:
+            self._ready[b] = source    # already fp32 on the host: the master steps with it as it is
+        elif done is None:
+            self._ready[b] = _fold(running if adding else self._sum_buffer(b), source, None, adding)
+        else:
+            self._ready[b] = self._host_lane().submit(_fold, self._sum_buffer(b), source, done, adding)
 
     def hand_over(self, b: Bucket) -> torch.Tensor | None:
         """At step: the host fp32 gradient for b's master (None if nothing was reduced).
 
         Delayed, it is always a buffer of our own: the update in flight reads the previous one.
         """
-        if b not in self._window:
-            return None
-        if b in self._summed:
-            self._add_up(b)
-            self._summed.discard(b)
-            return self._sum_buffer(b)
-        source, done = self._window.pop(b)
-        if done is not None:
-            done.synchronize()
-        if not self.delayed and source.dtype == torch.float32 and source.device.type == "cpu":
-            return source
-        return self._sum_buffer(b).copy_(source)
+        return _result(self._ready.pop(b, None))
 
     def discard(self) -> None:
         """Forget the gradients of this step (zero_grad without a step)."""
-        self._window.clear()
-        self._summed.clear()
+        for pending in self._ready.values():
+            _result(pending)
+        self._ready.clear()
+
+    def _host_lane(self) -> ThreadPoolExecutor:
+        """One host thread that folds landed gradients (on every host core of this process)."""
+        if self._lane is None:
+            self._lane = ThreadPoolExecutor(1, "pipezero-offload", initializer=torch.set_num_threads,
+                                            initargs=(self.threads,))
+        return self._lane
 
     def _copy_down(self, b: Bucket, values: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """A non-blocking copy into b's pinned landing buffer on the side stream, and its event."""
@@ -143,18 +150,6 @@ class HostOffload:
             done.record(self._down)
         values.record_stream(self._down)   # the caller may free it; the copy still reads it
         return landing, done
-
-    def _add_up(self, b: Bucket) -> None:
-        """Fold the copy in flight into b's host fp32 sum (a micro-batch later it has landed)."""
-        source, done = self._window.pop(b)
-        if done is not None:
-            done.synchronize()
-        total = self._sum_buffer(b)
-        if b in self._summed:
-            total.add_(source)
-        else:
-            total.copy_(source)
-            self._summed.add(b)
 
     def _sum_buffer(self, b: Bucket) -> torch.Tensor:
         grad = self._grads.get((b, self._flip))
@@ -256,6 +251,18 @@ class HostOffload:
         for done in self._uploads.values():
             done.synchronize()
         self._uploads.clear()
+
+
+def _fold(total: torch.Tensor, source: torch.Tensor, done: Any, adding: bool) -> torch.Tensor:
+    """total = source (or total + source) once the copy into source has landed (`done`)."""
+    if done is not None:
+        done.synchronize()
+    return total.add_(source) if adding else total.copy_(source)
+
+
+def _result(pending: Any) -> Any:
+    """A fold's tensor: waited for when it is still running on the host lane."""
+    return pending.result() if isinstance(pending, Future) else pending
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from pipezero.comm import all_gather, group_size, is_replica, mark_replica, nvtx
 from pipezero.comm.chain import ChainWrapper, describe, innermost
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
-from pipezero.zero.grad_sync import GradSync
+from pipezero.zero.grad_strategies import make_grad_sync
 from pipezero.zero.offload import HostOffload, host_copy
 from pipezero.zero.partition import Bucket, plan_groups
 from pipezero.zero.stage3 import ParamGatherer
@@ -126,9 +126,9 @@ class ZeroOptimizer(ChainWrapper):
         done = self._gatherer.backward_done if self._gatherer else None
         self._offload = HostOffload(self.buckets, innermost(self.inner), delayed=cfg.delayed_param_update) \
             if offload else None
-        self._sync = GradSync(self.buckets, self.stage, self.group, on_backward_done=done,
-                              overlap=self.config.overlap_comm,
-                              every_microbatch=self.config.reduce_every_microbatch, sink=self._offload)
+        self._sync = make_grad_sync(self.buckets, self.stage, self.group, on_backward_done=done,
+                                    overlap=self.config.overlap_comm,
+                                    every_microbatch=self.config.reduce_every_microbatch, sink=self._offload)
 
     @classmethod
     def from_config(cls, inner: Any, cfg: Mapping[str, Any], group=None, module: nn.Module | None = None,

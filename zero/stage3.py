@@ -62,14 +62,30 @@ class ParamGatherer:
         self._where = {id(p): b for b in self.partitioned for p in b.params}
         self._driven = False
         self._upload = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
+        self._full: dict[Bucket, torch.Tensor] = {}   # see _full_buffer
 
     # -- gather / release ------------------------------------------------------------
     def _launch(self, buckets: list[Bucket]) -> None:
         """Start the all-gathers of the buckets that are neither whole nor on their way."""
         for b in buckets:
             if b.flat is None:
-                b.flat = torch.empty(b.padded, dtype=b.dtype, device=self.device)
+                b.flat = self._full_buffer(b)
                 self._pending[b] = self._fetch(b)
+
+    def _full_buffer(self, b: Bucket) -> torch.Tensor:
+        """b's full buffer on the compute device, its memory allocated (again).
+
+        One tensor per bucket for the whole run, whose storage is freed between uses rather than
+        the tensor dropped: autograd may save a view of a parameter (a Linear saves weight.t()),
+        which would keep a dropped buffer alive from forward to backward; gathering for backward
+        refills the very storage those views read.
+        """
+        full = self._full.get(b)
+        if full is None:
+            full = self._full[b] = torch.empty(b.padded, dtype=b.dtype, device=self.device)
+        else:
+            full.untyped_storage().resize_(b.padded * full.element_size())
+        return full
 
     def _fetch(self, b: Bucket) -> Handle:
         """Fill b.flat: upload an offloaded slice (the whole bucket in a group of one), all-gather."""
@@ -108,7 +124,10 @@ class ParamGatherer:
         if handle is not None:
             handle.wait()
         if not b.persistent and b.flat is not None:
+            full = b.flat
             b.release()
+            if full is self._full.get(b):
+                full.untyped_storage().resize_(0)
 
     def backward_done(self, b: Bucket) -> None:
         """All of b's gradients arrived: free b, unless a caller drives gathering (it frees b)."""
@@ -143,15 +162,13 @@ class ParamGatherer:
         finally:
             self._needs = needs
 
-    def remove_hooks(self) -> None:
+    # -- driven by a caller (the pipeline runner) -------------------------------------------
+    def drive(self) -> None:
+        """From now on the caller gathers and releases (gather_params / release_params); the
+        module hooks are removed."""
         for h in self._handles:
             h.remove()
         self._handles = []
-
-    # -- driven by a caller (the pipeline runner) -------------------------------------------
-    def drive(self) -> None:
-        """From now on the caller gathers and releases (gather_params / release_params)."""
-        self.remove_hooks()
         self._driven = True
 
     def gather_params(self, params: Iterable[torch.Tensor], wait: bool = True) -> None:

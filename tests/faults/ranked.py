@@ -98,6 +98,19 @@ def schedule_chunks_differ_from_module():
     PipelineRunner(model, OneFOneB(num_microbatches=2))
 
 
+@case(("actions uses chunks 0..0", "num_chunks=2"))
+def schedule_actions_skip_a_chunk():
+    """A schedule that says it runs 2 chunks but whose actions run only chunk 0."""
+    from types import SimpleNamespace
+
+    from pipezero.pipe import LayerSpec, OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.topology import Grid
+    model = PipelineModule([LayerSpec(nn.Linear, 4, 4)] * 4, Grid(pipe=2), loss_fn=F.mse_loss, num_chunks=2)
+    sched = SimpleNamespace(num_microbatches=2, num_chunks=2, placement="looped",
+                            actions=OneFOneB(num_microbatches=2).actions)
+    PipelineRunner(model, sched)
+
+
 @case(("3 layers cannot fill 2 pipeline stages x 2 chunks",))
 def more_stages_than_layers():
     from pipezero.train.build import build

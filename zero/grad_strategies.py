@@ -1,0 +1,211 @@
+"""One GradSync strategy per ZeRO stage: what a bucket's gradient buffer holds, and for how long.
+
+Reduced values stay in the model dtype until step() hands them to the fp32 masters, so
+between backward and step the model state takes the paper's 2+2+12 bytes per parameter,
+split as the stage says (ZeRO, Rajbhandari et al. 2020, section 5):
+
+  0  ReplicatedSync       all-reduce (average) in place in a persistent full buffer;
+                          .grad are views of it (as DDP's gradient buckets);
+  1  PersistentShardSync  persistent full buffer, reduce-scatter; the owned region keeps
+                          the reduced values across accumulation;
+  2, 3 TransientShardSync the full buffer lives only from a bucket's first push until its
+                          reduce-scatter is done; a shard-sized buffer keeps the reduced values.
+
+`make_grad_sync` chooses one when the ZeroOptimizer is built; the shared machinery (hooks,
+readiness protocol, buckets in flight) is GradSync in grad_sync.py.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from pipezero.zero.grad_sync import GradSink, GradSync, _weak
+from pipezero.zero.partition import Bucket, local_tensor
+
+__all__ = ["PersistentShardSync", "ReplicatedSync", "TransientShardSync", "make_grad_sync"]
+
+
+def make_grad_sync(buckets: list[Bucket], stage: int, group,
+                   on_backward_done: Callable[[Bucket], None] | None = None, overlap: bool = True,
+                   every_microbatch: bool = False, sink: GradSink | None = None) -> GradSync:
+    """The GradSync of a ZeRO stage (every_microbatch: stages 2-3 only, see TransientShardSync)."""
+    if stage == 0:
+        return ReplicatedSync(buckets, group, on_backward_done, overlap, sink)
+    if stage == 1:
+        return PersistentShardSync(buckets, group, on_backward_done, overlap, sink)
+    return TransientShardSync(buckets, group, on_backward_done, overlap, sink, every_microbatch)
+
+
+class ReplicatedSync(GradSync):
+    """Stage 0: every rank keeps the whole averaged gradient; parameters' .grad view the buffer.
+
+    Autograd accumulates straight into the buffer, so accumulation needs no copy; a hook on
+    each gradient first completes an all-reduce still writing the buffer it is about to add to.
+    """
+
+    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+                 overlap: bool = True, sink: GradSink | None = None):
+        super().__init__(buckets, group, on_backward_done, overlap, sink)
+        for b in buckets:
+            self._state[b].grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            self._point_grads(b)
+        settle = _weak(self._settle)
+        for b in buckets:
+            for p in b.params:
+                p.register_hook(lambda grad, b=b: settle(b))
+
+    def _push(self, b: Bucket, i: int) -> None:
+        st, p = self._state[b], b.params[i]
+        view = b.slot(st.grad, i)
+        if p.grad is None:
+            view.zero_()
+        elif local_tensor(p.grad).data_ptr() != view.data_ptr():
+            view.copy_(local_tensor(p.grad))
+        _set_grad(p, view)
+        st.pushed.add(i)
+
+    def _late(self, b: Bucket) -> bool:
+        """Never: .grad are views of the buffer, pushed or not."""
+        return False
+
+    def _keep(self, b: Bucket) -> None:
+        if self.sink is not None:
+            self.sink.reduced(b, b.owned(self._state[b].grad), accumulate=False)
+
+    def _reduced(self, b: Bucket) -> torch.Tensor:
+        return b.owned(self._state[b].grad)
+
+    def _reset(self, b: Bucket) -> None:
+        self._state[b].grad.zero_()
+        self._point_grads(b)
+
+    def _point_grads(self, b: Bucket) -> None:
+        grad = self._state[b].grad
+        for i, p in enumerate(b.params):
+            _set_grad(p, b.slot(grad, i))
+
+
+class PersistentShardSync(GradSync):
+    """Stage 1: a full buffer per bucket for the whole step; after a reduce-scatter only the
+    owned region is kept (the average), the rest is zeroed.
+
+    Gradients not reduced yet (no_sync, hold) are added into the buffer at once and dropped
+    from .grad, so accumulation never holds a second whole copy. A new round on top of
+    reduced values first turns the owned average back into a sum.
+    """
+
+    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+                 overlap: bool = True, sink: GradSink | None = None):
+        super().__init__(buckets, group, on_backward_done, overlap, sink)
+        for b in buckets:
+            self._state[b].grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+
+    def _push(self, b: Bucket, i: int) -> None:
+        self._add_local(b, i)
+        self._state[b].pushed.add(i)
+
+    def _keep_local(self, b: Bucket, i: int) -> None:
+        self._settle(b)
+        self._add_local(b, i)
+
+    def _add_local(self, b: Bucket, i: int) -> None:
+        st = self._state[b]
+        if st.rescale:        # a new round on top of reduced values: make them a sum again
+            b.owned(st.grad).mul_(b.parts)
+            st.rescale = False
+        super()._add_local(b, i)
+
+    def _keep(self, b: Bucket) -> None:
+        st = self._state[b]
+        if b.parts > 1:       # a group of one reduced in place: the buffer already is the result
+            b.owned(st.grad).copy_(st.out)
+            st.grad[:b.part * b.shard_numel].zero_()
+            st.grad[(b.part + 1) * b.shard_numel:].zero_()
+            st.rescale = True
+        if self.sink is not None:
+            self.sink.reduced(b, b.owned(st.grad), accumulate=False)
+
+    def _reduced(self, b: Bucket) -> torch.Tensor:
+        return b.owned(self._state[b].grad)
+
+    def _reset(self, b: Bucket) -> None:
+        self._state[b].grad.zero_()
+        for p in b.params:
+            p.grad = None
+
+
+class TransientShardSync(GradSync):
+    """Stages 2-3: a full buffer only while a bucket is being filled and reduced; the owned
+    reduced values accumulate in a shard-sized buffer (or on the host, with a sink).
+
+    Inside no_sync / hold, whole .grad accumulate until the final micro-batch, unless
+    `every_microbatch`: then every backward's gradients are pushed and reduce-scattered into
+    the shard as if nothing were held, as DeepSpeed's ZeRO-2 does. Gradients whose hooks never
+    fire during the backward (the pipeline runner's tied weights, summed over their tie group
+    first) are still reduced when released.
+    """
+
+    bounded = True
+
+    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+                 overlap: bool = True, sink: GradSink | None = None, every_microbatch: bool = False):
+        super().__init__(buckets, group, on_backward_done, overlap, sink)
+        self.every_microbatch = every_microbatch
+
+    def collect(self, params: Iterable[torch.Tensor]) -> None:
+        if not self.every_microbatch:
+            return
+        for p in params:
+            if id(p) in self._where and p.grad is not None:
+                self._on_grad(p)
+
+    def _reduces_now(self, p: torch.Tensor) -> bool:
+        return self.every_microbatch or super()._reduces_now(p)
+
+    def _nothing_new(self, b: Bucket) -> bool:
+        """b was reduced and no gradient arrived since (pushing would reduce zeros)."""
+        st = self._state[b]
+        return st.reduced and not st.pushed and all(p.grad is None for p in b.params)
+
+    def _push(self, b: Bucket, i: int) -> None:
+        st, p = self._state[b], b.params[i]
+        if st.grad is None:   # a fresh buffer per round; each slot is written before launch
+            st.grad = torch.empty(b.padded, dtype=b.dtype, device=b.device)
+            st.grad[b.numel:].zero_()
+        if i in st.pushed:    # a second gradient before the bucket was reduced: add it
+            self._add_local(b, i)
+            return
+        view = b.slot(st.grad, i)   # the slot's first write: a copy, not zeros plus an add
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(local_tensor(p.grad))
+        p.grad = None
+        st.pushed.add(i)
+
+    def _keep(self, b: Bucket) -> None:
+        st = self._state[b]
+        if self.sink is not None:                              # on the host (CPU offload)
+            self.sink.reduced(b, st.out, accumulate=True)
+        else:
+            st.shard = st.out if st.shard is None else st.shard.add_(st.out)
+        st.grad = None
+
+    def _reduced(self, b: Bucket) -> torch.Tensor | None:
+        return self._state[b].shard
+
+    def _reset(self, b: Bucket) -> None:
+        self._state[b].grad = None
+        for p in b.params:
+            p.grad = None
+
+
+def _set_grad(p: torch.Tensor, view: torch.Tensor) -> None:
+    """Make `view` p's gradient (wrapped like p when p is a DTensor, still sharing view's storage)."""
+    if isinstance(p, DTensor):
+        view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    p.grad = view
