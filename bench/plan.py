@@ -43,7 +43,7 @@ GPU2_LAYOUTS = [
     (2, 1, 1, "1f1b", 1, 8, 1, 0), (2, 1, 1, "zbv", 2, 8, 1, 0), (2, 1, 1, "gpipe", 1, 8, 1, 0),
     (1, 2, 1, "1f1b", 1, 4, 2, 0), (1, 2, 1, "1f1b", 1, 4, 2, 1), (1, 2, 1, "1f1b", 1, 4, 2, 2),
     (1, 1, 2, "1f1b", 1, 8, 1, 0)]
-GPU1_LAYOUTS = [  # one GPU, 16 sequences per step: micro-batch size, checkpointing, ZeRO-Offload (+ offload, checkpoint)
+GPU1_LAYOUTS = [  # one GPU, 16 sequences per step: micro-batch size, checkpointing, ZeRO-Offload
     (1, 1, 1, "1f1b", 1, 16, 1, 0), (1, 1, 1, "1f1b", 1, 8, 2, 0), (1, 1, 1, "1f1b", 1, 4, 4, 0),
     (1, 1, 1, "1f1b", 1, 2, 8, 0), (1, 1, 1, "1f1b", 1, 16, 1, 0, False, 1), (1, 1, 1, "1f1b", 1, 4, 4, 0, False, 1),
     (1, 1, 1, "1f1b", 1, 4, 4, 1, True, 0), (1, 1, 1, "1f1b", 1, 4, 4, 2, True, 1)]
