@@ -98,7 +98,10 @@ def test_winner_ds_config_parses_and_layouts_that_do_not_fit_are_dropped():
         plan(SMALL, PROFILE, replace(HW, memory_gb=0.001), 32, "bf16")
 
 
-def test_cli_plan_prints_the_table_and_writes_the_config(tmp_path, capsys):
+def test_cli_plan_prints_the_table_and_writes_the_config(tmp_path, capsys, monkeypatch):
+    from pipezero.train import plan_hardware
+
+    monkeypatch.setattr(plan_hardware, "_measure_ranks", lambda processes: (2.0, 1e-3, 1e9))  # spawns: own test
     path = tmp_path / "ds.json"
     assert main(["plan", "--layers", "2", "--d-model", "64", "--heads", "2", "--seq-len", "32",
                  "--global-batch", "8", "--top", "3", "--write-config", str(path)]) == 0
@@ -142,3 +145,10 @@ def test_an_extrapolated_schedule_never_ends_before_its_busiest_rank():
     profile = flops_profile(shape, HW.peak_tflops * 1e12 * HW.efficiency)
     pred = predict(profile, Layout(2, 4, 1, "interleaved_1f1b", 2, 64, 2, 2), HW, shape, "bf16")
     assert pred.time.pipeline >= pred.time.compute and pred.time.bubble >= 0
+
+
+def test_local_cpu_measures_contention_and_gloo_with_spawned_ranks():
+    from pipezero.train.plan_hardware import _measure_ranks
+
+    slowdown, latency, bandwidth = _measure_ranks(2, seconds=0.2)
+    assert slowdown >= 1.0 and 0 < latency < 1.0 and bandwidth > 1e6, (slowdown, latency, bandwidth)
