@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, cfg: dict, shape: ModelShape, tensor: int, st
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    base = _reset_peak_rss()
+    base = 0.0 if cuda else _reset_peak_rss()
     gcfg = GPTConfig(n_layer=shape.layers, n_head=shape.heads, d_model=shape.d_model, seq_len=shape.seq_len,
                      vocab_size=shape.vocab)
     parts = build(cfg, specs=gpt_specs(gcfg), loss_fn=gpt_loss, hidden_size=shape.d_model, tensor=tensor,
