@@ -16,7 +16,6 @@ import gc
 import pytest
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from harness import run
