@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gaps import device_kernels, gap_report  # noqa: E402
+from bench.launch import init_rank  # noqa: E402
 from examples.gpt import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
 from pipezero.pipe import (Action, Costs, DualPipeV, GPipe, Interleaved1F1B, LayerSpec, OneFOneB,  # noqa: E402
                            PipelineModule, PipelineRunner, ZeroBubbleV, measure_layer_costs, simulate)
@@ -259,14 +260,9 @@ def _max_over_ranks(values: list[float], device) -> list[float]:
 
 
 def worker(rank, world, args, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    else:
+    if args.device == "cpu":
         torch.set_num_threads(max(1, args.threads))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=600))
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    device = init_rank(rank, world, port, args.device, timeout_s=600)
     grid = Grid(pipe=world)
     costs = layer_costs(args, device) if args.partition == "measured" else None
     rows = [(name, *compare(name, args, grid, device, costs)) for name in args.schedules]

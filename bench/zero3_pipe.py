@@ -18,7 +18,6 @@ whole (gathered) parameters of our ZeRO-3 buckets (what the knob changes).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import socket
 import statistics
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.pipe import SCHEDULES, _autocast, _batch, _cfg, _max_over_ranks, _specs, _sync  # noqa: E402
 from bench.pipe import setup_torch as torch_pipeline  # noqa: E402
+from bench.launch import init_rank  # noqa: E402
 from examples.gpt import gpt_loss  # noqa: E402
 from pipezero.pipe import PipelineModule, PipelineRunner  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
@@ -102,14 +102,9 @@ def _timed(step, device, steps: int, take_peak=None) -> tuple[float, float]:
 
 
 def worker(rank, world, args, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    else:
+    if args.device == "cpu":
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=600))
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    device = init_rank(rank, world, port, args.device, timeout_s=600)
     grid = Grid(pipe=2)
     rows = []
     for name in args.schedules:
