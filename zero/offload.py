@@ -6,9 +6,11 @@ the GPU or the CPU does anyway (Ren et al., "ZeRO-Offload: Democratizing Billion
 Training", USENIX ATC 2021, section 4):
 
 * a bucket's reduced gradient shard is copied into a pinned, reused host buffer on a side
-  stream as soon as its reduction completes, while backward still runs, and a host thread
-  (the lane) folds each landed copy into the bucket's fp32 sum at once (`reduced`); step()
-  then only waits for the folds still under way (`hand_over`);
+  stream as soon as its reduction completes, while backward still runs (`reduced`). Stages 0-1
+  copy once per step and land in fp32 (the GPU converts: the host has nothing to do); stages
+  2-3 copy every micro-batch in the model dtype and a host thread (the lane) adds each landed
+  copy into the bucket's fp32 sum at once. step() only waits for what is still under way
+  (`hand_over`);
 * the optimizer steps one bucket at a time and each stepped master is uploaded (a non-blocking
   copy on a side stream) while the next bucket steps (`stepping`);
 * the step runs on every host core this process may use (torchrun sets OMP_NUM_THREADS=1;
@@ -33,7 +35,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -86,7 +88,7 @@ class HostOffload:
         device = cuda[0].device if cuda else None
         self._down = torch.cuda.Stream(device) if device is not None else None
         self._up = torch.cuda.Stream(device) if device is not None else None
-        self._landing: dict[Bucket, torch.Tensor] = {}   # pinned, model dtype: the D2H copies land here
+        self._landing: dict[Bucket, torch.Tensor] = {}   # pinned: the D2H copies land here
         self._grads: dict[tuple, torch.Tensor] = {}      # host fp32: sums, and what the master steps with
         self._flip = 0   # delayed: which of two sum buffers this step fills; the update in flight reads the other
         self._ready: dict[Bucket, Any] = {}              # this step's gradient so far: a tensor, or its fold
@@ -108,8 +110,12 @@ class HostOffload:
             self._order.append(b)
         adding = accumulate and b in self._ready
         running = _result(self._ready.pop(b, None))    # b's landing buffer is free again
-        source, done = self._copy_down(b, values)
-        if done is None and not adding and not self.delayed and source.dtype == torch.float32:
+        # a copy that replaces (stages 0-1, once per step) lands in fp32 and needs no host work;
+        # one that adds (stages 2-3, every micro-batch) moves half the bytes and is folded
+        source, done = self._copy_down(b, values, values.dtype if accumulate else torch.float32)
+        if done is not None and not accumulate and not self.delayed:
+            self._ready[b] = _Landing(source, done)   # the master steps with it once it has landed
+        elif done is None and not adding and not self.delayed and source.dtype == torch.float32:
             self._ready[b] = source    # already fp32 on the host: the master steps with it as it is
         elif done is None:
             self._ready[b] = _fold(running if adding else self._sum_buffer(b), source, None, adding)
@@ -136,13 +142,14 @@ class HostOffload:
                                             initargs=(self.threads,))
         return self._lane
 
-    def _copy_down(self, b: Bucket, values: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """A non-blocking copy into b's pinned landing buffer on the side stream, and its event."""
+    def _copy_down(self, b: Bucket, values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        """A non-blocking copy into b's pinned landing buffer (of `dtype`: the GPU converts) on the
+        side stream, and its event."""
         if self._down is None or values.device.type != "cuda":
             return values, None
         landing = self._landing.get(b)
         if landing is None:
-            landing = self._landing[b] = torch.empty(values.numel(), dtype=values.dtype, pin_memory=True)
+            landing = self._landing[b] = torch.empty(values.numel(), dtype=dtype, pin_memory=True)
         self._down.wait_stream(torch.cuda.current_stream(values.device))
         with torch.cuda.stream(self._down):
             landing.copy_(values, non_blocking=True)
@@ -260,8 +267,17 @@ def _fold(total: torch.Tensor, source: torch.Tensor, done: Any, adding: bool) ->
     return total.add_(source) if adding else total.copy_(source)
 
 
+class _Landing(NamedTuple):
+    """A copy to the host that needs no folding: the tensor, to be used once `done` has happened."""
+    tensor: torch.Tensor
+    done: Any
+
+
 def _result(pending: Any) -> Any:
-    """A fold's tensor: waited for when it is still running on the host lane."""
+    """This step's gradient so far: waited for while its copy or its fold is under way."""
+    if isinstance(pending, _Landing):
+        pending.done.synchronize()
+        return pending.tensor
     return pending.result() if isinstance(pending, Future) else pending
 
 
