@@ -11,6 +11,8 @@ dependency; on CPU its TorchBackend would first compile a shared-memory all-redu
 that stop afterwards (DeepSpeed's pipeline also leaves its grid as a global for later engines).
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -29,14 +31,17 @@ def _losses_and_params(engine_step, module) -> tuple[list[float], dict[str, torc
 
 
 def _deepspeed(path: str):
-    import deepspeed.comm.torch as ds_torch
     from deepspeed.pipe import PipelineModule as DSPipelineModule
 
     from bench.hf import deepspeed_layer_specs
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
 
-    ds_torch.build_shm_op = lambda: None  # gloo on CPU: no shared-memory kernel to compile
+    # gloo on CPU: no shared-memory kernel to compile. Patched in sys.modules: the attribute
+    # deepspeed.comm.torch is the torch package itself (deepspeed.comm re-exports it), so
+    # `import deepspeed.comm.torch as m` would patch torch and DeepSpeed would still compile.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    assert sys.modules["deepspeed.comm.comm"].cdb.shm_comm_op is None, "DeepSpeed built its shm kernel"
     model = DSPipelineModule(layers=deepspeed_layer_specs(hf_layer_specs(path)), num_stages=2,
                              loss_fn=causal_lm_loss, partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": BATCH // 4, "gradient_accumulation_steps": 4,
