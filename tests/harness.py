@@ -6,6 +6,14 @@ initialised gloo process group and runs the functions it is sent.  A test that f
 rank re-raises here with that rank and its traceback; a test that times out, or whose ranks
 do not all answer, kills its pool (no process left behind) and the next test starts afresh.
 
+Workers are forked from multiprocessing's fork server, which imports torch's heavy modules
+(and transformers') once per session, _PRELOAD: a fresh worker then costs a fork and ~0.1 s of
+pipezero imports, not the ~4.5 s of CPU that a spawned interpreter spends importing torch (36
+workers for world sizes 1..8, and every pool that a timeout or discard=True replaces).  The
+server only imports: it runs no torch op, starts no thread and never asks for CUDA, so the
+forks inherit a clean process; pipezero and the test modules are imported by each worker.
+Workers see the environment of the server's start (the first pool's), with OMP/MKL at 1 thread.
+
     results = run(fn, world_size, *args, timeout=120)   # fn(*args) on every rank
 """
 
@@ -22,7 +30,10 @@ import threading
 import time
 import traceback
 
-_CTX = mp.get_context("spawn")
+_CTX = mp.get_context("forkserver")
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.pipelining",
+            "transformers", "transformers.modeling_utils"]  # the last two: the Hugging Face tests
+_CTX.set_forkserver_preload(_PRELOAD)
 _POOLS: dict[int, "_Pool"] = {}
 _GRACE_S = 3.0  # after one rank fails, how long the others get to answer
 
@@ -78,7 +89,7 @@ class _Pool:
         try:
             self.procs = [
                 _CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
-                                                   list(sys.path), os.getpid()), daemon=True)
+                                                   list(sys.path)), daemon=True)
                 for r in range(world_size)]
             for p in self.procs:
                 p.start()
@@ -148,16 +159,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        time.sleep(1.0)
+def _watch_parent() -> None:
+    """Exit once the test process is gone (its pipe to this worker closes).
+
+    Not os.getppid(): a worker's parent is the fork server, which outlives the test process
+    for as long as any of its forks lives.
+    """
+    _CTX.parent_process().join()
+    os._exit(1)
 
 
-def _worker(rank, world_size, port, tasks, results, path, parent_pid):
+def _worker(rank, world_size, port, tasks, results, path):
     sys.path[:] = path
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_parent, daemon=True).start()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
