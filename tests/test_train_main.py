@@ -5,10 +5,13 @@ pool cannot play torchrun's agent): pipe 2 x data 2 for a few steps with the Ten
 scalars read back; and 2 processes where rank 1 dies at step 3 on the first attempt only,
 torchrun restarts the job, it resumes from the step-2 checkpoint and ends with exactly the
 final loss of an uninterrupted run (the crash is injected by tests/faults/crash_train_gpt.py).
+Runs that need no agent (the uninterrupted run, the seed's config) call the same main() in
+the harness's workers: a torchrun launch costs every process a fresh import of torch.
 """
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,7 +20,10 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+from harness import run
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "2",
         "--micro-batches", "2", "--eval-interval", "2", "--steps-per-print", "2"]
 
@@ -30,6 +36,29 @@ def _torchrun(nproc: int, out: Path, *args: str, restarts: int = 0, env: dict | 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=full_env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+class _Lines(logging.Handler):
+    """Keeps the messages of pipezero's log records (what rank 0 prints), whichever rank logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _main(argv: list[str]) -> tuple[float, list[str]]:
+    """examples/train_gpt.py's main() in a harness worker: its final loss and its log messages."""
+    import train_gpt
+
+    lines = _Lines()
+    logging.getLogger("pipezero").addHandler(lines)
+    try:
+        return train_gpt.main(argv), lines.lines
+    finally:
+        logging.getLogger("pipezero").removeHandler(lines)
 
 
 def test_main_job_pipe2_data2_writes_tensorboard_and_checkpoint(tmp_path):
@@ -56,16 +85,13 @@ def test_main_job_pipe2_data2_writes_tensorboard_and_checkpoint(tmp_path):
 
 def test_main_job_runs_the_seed_config_unchanged(tmp_path):
     """The seed's ds_config (ZeRO-3, optimizer and parameters offloaded, fp16) on pipe 2 x data 2,
-    its batch keys as written; the loss falls."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(ROOT / "examples" / "train_gpt.py"), "--config", str(ROOT / "examples" / "configs" /
-                                                                   "seed_ds_config.json"),
-           "--out", str(tmp_path), "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16",
-           "--steps", "8", "--steps-per-print", "1", "--eval-interval", "100", "--save-interval", "100"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "Grid(pipe=2, data=2, tensor=1), optimizer ZeroOptimizer(stage=3" in done.stderr, done.stderr[-2000:]
+    its batch keys as written; the loss falls. main() on 4 harness workers (the launch is
+    test_main_job_pipe2_data2's)."""
+    argv = ["--config", str(ROOT / "examples" / "configs" / "seed_ds_config.json"), "--out", str(tmp_path),
+            "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--steps", "8",
+            "--steps-per-print", "1", "--eval-interval", "100", "--save-interval", "100"]
+    _, log = run(_main, 4, argv, timeout=400)[0]
+    assert any("Grid(pipe=2, data=2, tensor=1), optimizer ZeroOptimizer(stage=3" in line for line in log), log[:3]
     acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     losses = [e.value for e in acc.Scalars("train/loss")]
@@ -74,7 +100,6 @@ def test_main_job_runs_the_seed_config_unchanged(tmp_path):
 
 def _sample_from_the_export(out: Path) -> None:
     """The exported file rebuilds its GPT from the config in its header; the sampling command runs."""
-    sys.path.insert(0, str(ROOT / "examples"))
     import generate
     from gpt import GPT, GPTConfig
     from safetensors import safe_open
@@ -90,7 +115,7 @@ def _sample_from_the_export(out: Path) -> None:
 @pytest.mark.parametrize("pipe", [2])
 def test_killed_rank_restarts_from_last_checkpoint(tmp_path, pipe):
     steps = ["--pipe", str(pipe), "--steps", "6", "--save-interval", "2", "--zero-stage", "0"]
-    _torchrun(2, tmp_path / "straight", *steps)
+    run(_main, 2, ["--out", str(tmp_path / "straight"), *TINY, *steps], timeout=240)  # uninterrupted
     crashed = _torchrun(2, tmp_path / "crashed", *steps, restarts=1, env={"PIPEZERO_CRASH_AT": "3:1"},
                         script=ROOT / "tests" / "faults" / "crash_train_gpt.py")
     assert "PIPEZERO_CRASH_AT: exiting at step 3" in crashed.stderr
@@ -103,7 +128,6 @@ def test_killed_rank_restarts_from_last_checkpoint(tmp_path, pipe):
 
 
 def test_help_shows_every_default(capsys):
-    sys.path.insert(0, str(ROOT / "examples"))
     import train_gpt
 
     with pytest.raises(SystemExit):
