@@ -13,6 +13,8 @@ workers for world sizes 1..8, and every pool that a timeout or discard=True repl
 server only imports: it runs no torch op, starts no thread and never asks for CUDA, so the
 forks inherit a clean process; pipezero and the test modules are imported by each worker.
 Workers see the environment of the server's start (the first pool's), with OMP/MKL at 1 thread.
+Each worker freezes what it inherited (gc.freeze): the ~300k objects of those imports would
+otherwise make every gc.collect() and gc.get_objects() of a memory test cost ~0.5 s.
 
     results = run(fn, world_size, *args, timeout=120)   # fn(*args) on every rank
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -180,6 +183,7 @@ def _worker(rank, world_size, port, tasks, results, path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=300))
+    gc.freeze()  # the server's imports live for good: collections (and gc.get_objects) skip them
     while True:
         fn, args, kwargs = tasks.get()
         try:
