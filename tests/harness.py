@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing import forkserver
 
 _CTX = mp.get_context("forkserver")
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.pipelining",
@@ -67,6 +68,23 @@ def run(fn, world_size: int, *args, timeout: float = 120.0, discard: bool = Fals
             _POOLS.pop(world_size, None)
 
 
+def start_server() -> None:
+    """Start the fork server now (a no-op while it runs), with OMP/MKL at one thread per worker.
+
+    conftest.py calls it before collection, so that its imports run beside pytest's own.
+    """
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def shutdown() -> None:
     """Stop every worker pool."""
     for pool in list(_POOLS.values()):
@@ -87,21 +105,13 @@ class _Pool:
         self.results = _CTX.Queue()
         self.tasks = [_CTX.Queue() for _ in range(world_size)]
         port = _free_port()
-        saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-        os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        try:
-            self.procs = [
-                _CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
-                                                   list(sys.path)), daemon=True)
-                for r in range(world_size)]
-            for p in self.procs:
-                p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        start_server()  # the workers' environment is the server's
+        self.procs = [
+            _CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
+                                               list(sys.path)), daemon=True)
+            for r in range(world_size)]
+        for p in self.procs:
+            p.start()
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
