@@ -42,6 +42,8 @@ class Hardware:
     reserved_gb: float = 2.0           # runtime context, communication buffers, allocator slack
     compute_slowdown: float = 1.0      # measured time x this (processes sharing fewer cores)
     layer_overhead_us: float = 30.0    # fixed cost of one layer's F, I or W (kernel launches; 0 when measured)
+    optimizer_temp_bytes: float = 4.0  # per parameter the optimizer step allocates for a moment (torch's foreach
+                                       # Adam on a GPU: one fp32 temporary of the whole shard; a CPU steps each tensor alone)
     host_offload: bool = True          # whether offloading to a host makes sense (not on a CPU device)
 
     def __post_init__(self) -> None:
@@ -83,7 +85,8 @@ def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
                     memory_gb=memory_gb, peak_tflops=_matmul_tflops(torch), efficiency=1.0,
                     intra_gbps=bandwidth / 1e9, intra_latency_us=latency * 1e6,
                     optimizer_ns_per_param=_adam_ns(torch), reserved_gb=CPU_RESERVED_GB,
-                    compute_slowdown=slowdown, host_offload=False, layer_overhead_us=0.0)
+                    compute_slowdown=slowdown, host_offload=False, layer_overhead_us=0.0,
+                    optimizer_temp_bytes=0.0)
 
 
 def _measure_ranks(processes: int, seconds: float = 1.5) -> tuple[float, float, float]:

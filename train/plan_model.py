@@ -16,7 +16,11 @@ Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 section 4) without dropout masks and with a fused attention that stores no score matrix:
 a block keeps 4d replicated elements (two LayerNorm inputs and outputs) and 12d elements
 that tensor parallelism shards (q, k, v, attention output, MLP hidden before and after
-GELU). tests/test_plan.py checks the count against autograd's saved tensors.
+GELU). tests/test_plan.py checks the count against autograd's saved tensors. The head's loss
+(cross-entropy of the logits cast to fp32) keeps log-softmax's fp32 output, 4 x vocab bytes
+per token, and while its backward runs two more such tensors (the gradients of that output and
+of its input): 8 x vocab bytes per token of the one micro-batch being differentiated (on the
+1.3B GPT, vocabulary 50,304, 0.4 of the 2.2 MB per token alive at the peak).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-__all__ = ["LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "measure_profile", "total_params"]
+__all__ = ["LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_params", "measure_profile",
+           "total_params"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -62,7 +67,9 @@ class LayerProfile:
     `tied`: replicated over tensor ranks (pipezero's tensor_plan leaves tied layers whole);
     `act_shared` / `act_sharded`: saved elements per token replicated / split by tensor
     parallelism; `act_extra_bytes`: saved bytes per token that do not scale with the dtype
-    (token ids, fp32 loss terms).
+    (token ids, LayerNorm statistics); `loss_bytes`: saved bytes per token of the loss this layer
+    feeds, outside any activation checkpoint; `backward_bytes`: bytes per token alive only
+    while this layer's backward runs, on top of what it saved (the loss's fp32 gradients).
     """
 
     kind: str
@@ -71,13 +78,15 @@ class LayerProfile:
     act_shared: float
     act_sharded: float
     act_extra_bytes: float = 0.0
+    loss_bytes: float = 0.0
+    backward_bytes: float = 0.0
     seconds: float = 0.0          # forward + backward per token on the target device
     tied: bool = False
 
     def act_bytes(self, precision: str, tensor: int = 1) -> float:
         """Saved bytes per token on one tensor rank."""
         sharded = self.act_sharded if self.tied else self.act_sharded / tensor
-        return (self.act_shared + sharded) * _BYTES[precision] + self.act_extra_bytes
+        return (self.act_shared + sharded) * _BYTES[precision] + self.act_extra_bytes + self.loss_bytes
 
 
 def bytes_per_element(precision: str) -> int:
@@ -98,7 +107,7 @@ def _layers(shape: ModelShape) -> list[LayerProfile]:
     norm = LayerProfile(kind="FinalNorm", params=2 * d, flops=0.0, act_shared=float(d), act_sharded=0.0,
                         act_extra_bytes=8.0)
     head = LayerProfile(kind="Head", params=v * d, flops=6.0 * v * d, act_shared=float(d), act_sharded=0.0,
-                        act_extra_bytes=4.0 * v, tied=True)
+                        loss_bytes=4.0 * v, backward_bytes=8.0 * v, tied=True)
     return [embed, *([block] * shape.layers), norm, head]
 
 
@@ -138,6 +147,17 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
 def total_params(profile: Sequence[LayerProfile]) -> int:
     """Unique parameters: the tied head's weight is the embedding's."""
     return sum(p.params for p in profile if p.kind != "Head")
+
+
+def held_params(profile: Sequence[LayerProfile], layers: Sequence[int], tensor: int = 1) -> float:
+    """Parameters one rank holds for `layers`, per tensor rank (tied layers whole).
+
+    The head's weight is the embedding's: a rank holding both holds it once (a rank with only
+    one of them keeps its own copy, which the tied-gradient all-reduce keeps equal).
+    """
+    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"}
+    return sum(profile[i].params / (1 if profile[i].tied else tensor) for i in layers
+               if not (both and profile[i].kind == "Head"))
 
 
 def _examples_path() -> None:

@@ -36,7 +36,7 @@ from pipezero.pipe.registry import make_schedule, schedule_entry
 from pipezero.pipe.simulate import Costs, SimResult, simulate
 from pipezero.train.plan_hardware import Hardware
 from pipezero.train.plan_layout import Layout
-from pipezero.train.plan_model import LayerProfile, bytes_per_element
+from pipezero.train.plan_model import LayerProfile, bytes_per_element, held_params
 
 __all__ = ["TimeBreakdown", "buckets", "chunk_layers", "data_parallel_seconds", "optimizer_seconds", "ring_seconds",
            "Sim", "simulate_layout", "step_time", "step_time_floor"]
@@ -212,7 +212,7 @@ def step_time(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, pre
     data_comm = exposed = opt = 0.0
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
-        params = sum(profile[i].params / (1 if profile[i].tied else layout.tensor) for i in layers)
+        params = held_params(profile, layers, layout.tensor)
         last = result.last_backward[rank]
         comm, hidden_not = data_parallel_seconds(params, layout, hw, precision, last, result.busy[rank],
                                                  buckets(params, d_model))
@@ -239,8 +239,7 @@ def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
         busy[rank] = busy.get(rank, 0.0) + layout.microbatches * (c.forward + c.backward_input + c.backward_weight)
     tail = 0.0
     for rank in range(layout.pipe):
-        params = sum(profile[i].params / (1 if profile[i].tied else layout.tensor)
-                     for (r, _), rng in held.items() if r == rank for i in rng)
+        params = held_params(profile, [i for (r, _), rng in held.items() if r == rank for i in rng], layout.tensor)
         _, unhidden = data_parallel_seconds(params, layout, hw, precision, float("inf"), float("inf"),
                                             buckets(params, d_model))
         tail = max(tail, unhidden + optimizer_seconds(params, layout, hw, precision))
