@@ -30,7 +30,8 @@ def measure_layer_costs(layers: Sequence[Any], sample: Any, *, loss_fn: Callable
     The last layer's backward starts from loss_fn(output, targets) when loss_fn is given, so
     the head carries its loss; the others start from the sum of their outputs. Built layers
     are cast to `dtype` if given. With torch.distributed initialised the result is the
-    maximum over `group` (default: the world), so every rank gets the same partition.
+    maximum over `group` (default: the world), so every rank gets the same partition. On a GPU
+    a time is the larger of the kernels' and the launches' (_time_cuda_ms), as a step pays it.
     """
     if repeats < 1:
         raise ValueError(f"measure_layer_costs: repeats={repeats}, expected >= 1")

@@ -14,7 +14,12 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["CPU_RESERVED_GB", "Hardware", "h200", "local_cpu"]
+__all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "h200", "local_cpu"]
+
+# Bytes one optimizer step moves per parameter in bf16 with fp32 masters, ZeRO 0-2 (pass by
+# pass: plan_time's module docstring), on a GPU at two thirds of its memory bandwidth: one H200
+# stepped the 1.32B GPT in 40-42 ms (bench/RESULTS.md, planner, first GPU run), 3.2 TB/s of 4.8.
+H200_STEP_BYTES = 98.0
 
 # A gloo rank's anonymous memory beyond its tensors (gloo buffers, autograd's threads, malloc
 # arenas, Python objects made while building): 4.3-7.9 MB over every layout of bench/plan.py
@@ -70,7 +75,7 @@ class Hardware:
 def h200(nodes: int = 1, gpus_per_node: int = 8) -> Hardware:
     """NVIDIA H200 SXM nodes (see the module docstring for where each number comes from)."""
     return Hardware(name=f"{nodes * gpus_per_node}x H200", gpus_per_node=gpus_per_node, nodes=nodes,
-                    memory_gb=141.0, peak_tflops=989.0, optimizer_ns_per_param=36 / 4.8e3)
+                    memory_gb=141.0, peak_tflops=989.0, optimizer_ns_per_param=H200_STEP_BYTES / (0.66 * 4.8e3))
 
 
 def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
