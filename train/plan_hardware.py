@@ -47,8 +47,8 @@ class Hardware:
     reserved_gb: float = 2.0           # runtime context, communication buffers, allocator slack
     compute_slowdown: float = 1.0      # measured time x this (processes sharing fewer cores)
     layer_overhead_us: float = 30.0    # fixed cost of one layer's F, I or W (kernel launches; 0 when measured)
-    optimizer_temp_bytes: float = 4.0  # per parameter the optimizer step allocates for a moment (torch's foreach
-                                       # Adam on a GPU: one fp32 temporary of the whole shard; a CPU steps each tensor alone)
+    optimizer_temp_bytes: float = 4.0  # per parameter, alive for a moment in the optimizer step (torch's foreach
+                                       # Adam on a GPU: one fp32 temporary of the shard; a CPU steps tensor by tensor)
     host_offload: bool = True          # whether offloading to a host makes sense (not on a CPU device)
 
     def __post_init__(self) -> None:
