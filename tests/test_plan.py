@@ -289,3 +289,17 @@ def test_cuda_layer_time_is_the_slower_of_gpu_and_launches_without_the_harness(m
     layer = lambda: (time.sleep(cpu_ms / 1e3), gpu.enqueue(gpu_ms))  # noqa: E731
     ms = costs._time_ms(layer, torch.device("cuda", 0), 3, floor_ms)
     assert expected * 0.9 <= ms <= expected + 3.0, ms
+
+
+def test_checkpointing_adds_the_measured_recompute_to_the_backward():
+    """At micro-batch 1 on one H200 checkpointing cost 2.2x the step, not the 4/3 of one more forward."""
+    layout, plain = Layout(1, 1, 1, "1f1b", 1, 4, 2, 0, False, 1), Layout(1, 1, 1, "1f1b", 1, 4, 2, 0)
+    tokens = layout.microbatches * layout.microbatch_size * SMALL.seq_len
+    blocks = [i for i, p in enumerate(PROFILE) if p.kind == "Block"]
+    third = sum(PROFILE[i].seconds for i in range(len(PROFILE))) / 3 * tokens
+    for recompute, added in ((None, third), (1e-6, len(blocks) * 1e-6 * tokens
+                                             + sum(p.seconds for p in PROFILE if p.kind != "Block") / 3 * tokens)):
+        profile = [replace(p, recompute_seconds=recompute) if p.kind == "Block" else p for p in PROFILE]
+        hw = replace(HW, layer_overhead_us=0.0)
+        ck = predict(profile, layout, hw, SMALL, "bf16").time.pipeline
+        assert ck - predict(profile, plain, hw, SMALL, "bf16").time.pipeline == pytest.approx(added, rel=1e-6)

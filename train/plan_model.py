@@ -82,6 +82,8 @@ class LayerProfile:
     backward_bytes: float = 0.0
     seconds: float = 0.0          # forward + backward per token on the target device
     tied: bool = False
+    recompute_seconds: float | None = None  # per token, what checkpointing adds to the backward; None: a third
+                                            # of `seconds` (one more forward)
 
     def act_bytes(self, precision: str, tensor: int = 1) -> float:
         """Saved bytes per token on one tensor rank."""
@@ -141,12 +143,26 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
     tokens = torch.randint(0, shape.vocab, (microbatch, shape.seq_len), generator=gen).to(device)
     cfg = GPTConfig(n_layer=1, n_head=shape.heads, d_model=shape.d_model, seq_len=shape.seq_len,
                     vocab_size=shape.vocab)  # the blocks are alike: one is timed, none other is built
-    embed, block, norm, head = (min(t) for t in zip(*(
+    with torch.device(device):
+        checkpointed = _checkpointed(gpt_specs(cfg)[1].build().to(dtype))
+        hidden = torch.randn(microbatch, shape.seq_len, shape.d_model, dtype=dtype)
+    embed, block, norm, head, again = (min(t) for t in zip(*(
         measure_layer_costs(gpt_specs(cfg), tokens, loss_fn=gpt_loss, targets=tokens, dtype=dtype, repeats=repeats)
-        for _ in range(rounds))))
+        + measure_layer_costs([checkpointed], hidden, repeats=repeats) for _ in range(rounds))))
     ms = [embed, *([block] * shape.layers), norm, head]
     per_token = microbatch * shape.seq_len
-    return [replace(p, seconds=t / 1e3 / per_token) for p, t in zip(_layers(shape), ms)]
+    recompute = max(0.0, again - block) / 1e3 / per_token
+    return [replace(p, seconds=t / 1e3 / per_token, recompute_seconds=recompute if p.kind == "Block" else None)
+            for p, t in zip(_layers(shape), ms)]
+
+
+def _checkpointed(block):
+    """The block as PipelineModule runs it with activation_checkpoint_interval=1: the recompute
+    in backward and torch.utils.checkpoint's own work, which on a GPU at small micro-batches
+    costs more launches than the one forward the arithmetic adds."""
+    from torch.utils.checkpoint import checkpoint
+
+    return lambda h: checkpoint(block, h, use_reentrant=False)
 
 
 def total_params(profile: Sequence[LayerProfile]) -> int:

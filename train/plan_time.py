@@ -5,7 +5,9 @@
   gradients), divided by the tensor degree except for tied layers, which stay whole, plus a
   fixed launch overhead per layer and action (Hardware.layer_overhead_us), which is what
   makes small micro-batches slower on a GPU;
-  checkpointing adds one forward to the backward (recompute);
+  checkpointing adds the recompute to the backward: one forward, or what measure_profile
+  timed a checkpointed block to add (on a GPU at small micro-batches the recompute's launches
+  and torch.utils.checkpoint's own work cost more than the forward's kernels);
 * tensor parallel: Megatron's two all-reduces of the block's output in forward and two in
   backward, ring time 2(t-1)/t x bytes / bandwidth, not overlapped;
 * p2p: one activation (tokens x d_model) per hop, latency + bytes / bandwidth of the link
@@ -101,7 +103,11 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
     bw, lat = hw.link(t)
     one = ring_seconds(tokens * d_model * bytes_per_element(precision), t, bw, lat, factor=2.0)
     fwd, tp = third + 2 * blocks * one, 4 * blocks * one
-    back = third + 2 * blocks * one + (fwd if layout.checkpoint else 0.0)
+    back = third + 2 * blocks * one
+    if layout.checkpoint:  # the recompute: measured, or one more forward
+        again = sum((profile[i].seconds / 3 if profile[i].recompute_seconds is None else profile[i].recompute_seconds)
+                    / (1 if profile[i].tied else t) for i in layers) * tokens * hw.compute_slowdown
+        back += again + len(layers) * hw.layer_overhead_us * 1e-6 + 2 * blocks * one
     return Costs(forward=fwd, backward_input=back, backward_weight=third, p2p=p2p), tp * layout.microbatches
 
 
