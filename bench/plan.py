@@ -40,7 +40,7 @@ from pipezero.train.plan_model import ModelShape, measure_profile  # noqa: E402
 CPU_LAYOUTS = [  # (pipe, data, tensor, schedule, chunks, microbatches, size, zero)
     (1, 4, 1, "1f1b", 1, 2, 1, 0), (1, 4, 1, "1f1b", 1, 2, 1, 2), (2, 2, 1, "1f1b", 1, 4, 1, 1),
     (2, 2, 1, "zbv", 2, 4, 1, 0), (4, 1, 1, "1f1b", 1, 8, 1, 0), (4, 1, 1, "gpipe", 1, 8, 1, 0),
-    (2, 1, 2, "1f1b", 1, 8, 1, 0)]
+    (2, 1, 2, "1f1b", 1, 8, 1, 0), (4, 1, 1, "1f1b", 1, 8, 1, 0, False, 1)]
 GPU2_LAYOUTS = [
     (2, 1, 1, "1f1b", 1, 8, 1, 0), (2, 1, 1, "zbv", 2, 8, 1, 0), (2, 1, 1, "gpipe", 1, 8, 1, 0),
     (1, 2, 1, "1f1b", 1, 4, 2, 0), (1, 2, 1, "1f1b", 1, 4, 2, 1), (1, 2, 1, "1f1b", 1, 4, 2, 2),
