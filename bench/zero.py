@@ -14,7 +14,8 @@ Same model, same data, same Adam for every run, one run after the other in the s
   CPU offload (asked for by name): pipezero-S-offload / deepspeed-S-offload offload the optimizer
   (stage S) and, at stage 3, the parameters; pipezero-S-offload-dpu adds the delayed parameter
   update. The offloaded Adam steps on the host (--adam fused: torch's fused CPU kernel); DeepSpeed
-  steps with torch's Adam too (torch_adam, its client-optimizer path).
+  steps with torch's Adam too: its `torch_adam` path by default, and with --adam fused the same
+  fused Adam as pipezero's runs, given to deepspeed.initialize as the client optimizer.
 Prints ms per step, the ratio to the peer (> 1: pipezero is faster) and per-rank memory:
 on CPU the bytes of model state (live tensor storages after backward: parameters, gradients,
 optimizer state), on CUDA the peak allocated memory (model state + activations) and the peak
@@ -180,7 +181,13 @@ def _deepspeed(model, stage, offload, args, low) -> Run:
             config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if low:
         config["bf16"] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    client = None
+    if ADAM.get("fused"):  # the same fused torch Adam as pipezero's runs, as DeepSpeed's client optimizer
+        del config["optimizer"]
+        config["zero_force_ds_cpu_optimizer"] = False
+        client = _adam(model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=client,
+                                      config=config)
     return Run(engine, engine.step, _NullContext, lambda: None, "bf16 model, fp32 masters" if low else "fp32")
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from harness import run
 from pipezero.precision import LossScaler
 from pipezero.zero import ZeroConfig, ZeroOptimizer
-from pipezero.zero.offload import host_threads
+from pipezero.zero.offload import HostOffload, host_threads
 from test_zero_parity import data, local_batch, make_model, make_opt
 
 STEPS = 6
@@ -238,3 +238,57 @@ def test_cuda_parameters_live_on_the_host_between_uses():
         peaks.append(torch.cuda.memory_allocated() - baseline)
     assert all(b.local.is_pinned() and b.master.is_pinned() for b in opt._gatherer.partitioned)
     assert max(peaks) < whole / 4, (peaks, whole)   # less than one layer's weights stays on the GPU
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward keeps the GPU busy (~25 ms): the gradients after it land late."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(50_000_000)
+        return grad
+
+
+class _Slow(nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+@cuda
+@pytest.mark.parametrize("stage,link", [(1, False), (1, True), (3, False)])
+def test_cuda_streamed_step_waits_for_each_gradient(stage, link, monkeypatch):
+    """Over torch's optimizer directly, step() hands the gradients over while their copies (and,
+    at stage 3, their host folds) are still under way and steps each bucket once its own has
+    finished; under a loss scaler (a link that reads the gradients first) it waits for all of
+    them. The GPU is held back before the first layer's gradients, so a bucket stepped without
+    waiting would read a buffer not yet written and the parameters would differ from the device
+    step."""
+    streamed = []
+    original = HostOffload.hand_over
+    monkeypatch.setattr(HostOffload, "hand_over", lambda self, b: (streamed.append(self._streaming),
+                                                                   original(self, b))[1])
+
+    def train(offload):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(512, 512), _Slow(), *[nn.Linear(512, 512) for _ in range(3)]).cuda()
+        inner = make_opt(model, "adamw2")
+        inner = LossScaler(inner, init_scale=1.0, dynamic=False) if link else inner
+        cfg = _config(stage, offload_optimizer=offload, offload_param=offload and stage == 3)
+        opt = ZeroOptimizer(inner, module=model, config=cfg)
+        for step in range(3):
+            opt.zero_grad()
+            for i in range(2):
+                with opt.no_sync() if i == 0 else _null():
+                    opt.backward(model(torch.randn(8, 512, device="cuda")).square().mean())
+            opt.step()
+        with opt.gathered_parameters():
+            return [p.detach().cpu() for p in model.parameters()]
+
+    plain = train(False)
+    for a, b in zip(plain, train(True), strict=True):   # the host's Adam rounds apart from the GPU's
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert streamed and all(s is not link for s in streamed), streamed

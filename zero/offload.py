@@ -6,11 +6,18 @@ the GPU or the CPU does anyway (Ren et al., "ZeRO-Offload: Democratizing Billion
 Training", USENIX ATC 2021, section 4):
 
 * a bucket's reduced gradient shard is copied into a pinned, reused host buffer on a side
-  stream as soon as its reduction completes, while backward still runs, and a host thread
-  (the lane) folds each landed copy into the bucket's fp32 sum at once (`reduced`); step()
-  then only waits for the folds still under way (`hand_over`);
-* the optimizer steps one bucket at a time and each stepped master is uploaded (a non-blocking
-  copy on a side stream) while the next bucket steps (`stepping`);
+  stream as soon as its reduction completes, while backward still runs (`reduced`). Stages 0-1
+  copy once per step and land in fp32 (the GPU converts: the host has nothing to do); stages
+  2-3 copy every micro-batch in the model dtype and a host thread (the lane) adds each landed
+  copy into the bucket's fp32 sum at once. step() only waits for what is still under way
+  (`hand_over`);
+* the optimizer steps one bucket at a time, in the order the gradients landed, and each stepped
+  master is uploaded (a non-blocking copy on a side stream) while the next bucket steps
+  (`stepping`). When nothing between the hand-over and the core optimizer reads the gradients
+  (ZeroOptimizer.step() directly over torch's optimizer: no loss scaler, no clipping link),
+  the hand-over does not wait for the copies (`streaming`): each bucket steps as soon as its own
+  gradient has landed (and, at stages 2-3, been folded), while the GPU still runs the end of
+  backward;
 * the step runs on every host core this process may use (torchrun sets OMP_NUM_THREADS=1;
   the cores are split over the local processes). Build Adam/AdamW with `fused=True`: torch's
   fused CPU kernel is one vectorised pass, 5.3x the foreach step measured on CPU (it is not
@@ -33,7 +40,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -86,13 +93,15 @@ class HostOffload:
         device = cuda[0].device if cuda else None
         self._down = torch.cuda.Stream(device) if device is not None else None
         self._up = torch.cuda.Stream(device) if device is not None else None
-        self._landing: dict[Bucket, torch.Tensor] = {}   # pinned, model dtype: the D2H copies land here
+        self._landing: dict[Bucket, torch.Tensor] = {}   # pinned: the D2H copies land here
         self._grads: dict[tuple, torch.Tensor] = {}      # host fp32: sums, and what the master steps with
         self._flip = 0   # delayed: which of two sum buffers this step fills; the update in flight reads the other
-        self._ready: dict[Bucket, Any] = {}              # this step's gradient so far: a tensor, or its fold
+        self._ready: dict[Bucket, Any] = {}              # this step's gradient so far: a tensor or a _Landing
         self._lane: ThreadPoolExecutor | None = None      # folds landed copies into the sums (GPU only)
         self._uploads: dict[Bucket, Any] = {}
         self._order: list[Bucket] = []                   # buckets in the order their gradients landed
+        self._streaming = False                          # hand_over gives copies still landing (see streaming)
+        self._unlanded: dict[Bucket, Any] = {}           # their copies or folds: a bucket steps once its own is done
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -108,26 +117,55 @@ class HostOffload:
             self._order.append(b)
         adding = accumulate and b in self._ready
         running = _result(self._ready.pop(b, None))    # b's landing buffer is free again
-        source, done = self._copy_down(b, values)
-        if done is None and not adding and not self.delayed and source.dtype == torch.float32:
+        # a copy that replaces (stages 0-1, once per step) lands in fp32 and needs no host work;
+        # one that adds (stages 2-3, every micro-batch) moves half the bytes and is folded
+        source, done = self._copy_down(b, values, values.dtype if accumulate else torch.float32)
+        if done is not None and not accumulate and not self.delayed:
+            self._ready[b] = _Landing(source, done)   # the master steps with it once it has landed
+        elif done is None and not adding and not self.delayed and source.dtype == torch.float32:
             self._ready[b] = source    # already fp32 on the host: the master steps with it as it is
         elif done is None:
             self._ready[b] = _fold(running if adding else self._sum_buffer(b), source, None, adding)
         else:
-            self._ready[b] = self._host_lane().submit(_fold, self._sum_buffer(b), source, done, adding)
+            total = running if adding else self._sum_buffer(b)
+            self._ready[b] = _Landing(total, self._host_lane().submit(_fold, total, source, done, adding))
 
     def hand_over(self, b: Bucket) -> torch.Tensor | None:
         """At step: the host fp32 gradient for b's master (None if nothing was reduced).
 
         Delayed, it is always a buffer of our own: the update in flight reads the previous one.
+        Streaming, a gradient still landing (or being folded) is given as it is and b's step
+        waits for it.
         """
-        return _result(self._ready.pop(b, None))
+        pending = self._ready.pop(b, None)
+        if self._streaming and isinstance(pending, _Landing):
+            self._unlanded[b] = pending.done
+            return pending.tensor
+        return _result(pending)
+
+    @contextmanager
+    def streaming(self) -> Iterator[None]:
+        """Inside, hand_over does not wait for gradients still landing or folding: only the core
+        optimizer's per-bucket step may read the gradients it hands over (`stepping` waits for
+        each bucket's copy first, and for all of them when it ends)."""
+        self._streaming = True
+        try:
+            yield
+        finally:
+            self._streaming = False
 
     def discard(self) -> None:
         """Forget the gradients of this step (zero_grad without a step)."""
         for pending in self._ready.values():
             _result(pending)
         self._ready.clear()
+        self._land_all()
+
+    def _land_all(self) -> None:
+        """Wait for every gradient handed over while still landing or folding."""
+        for done in self._unlanded.values():
+            _wait(done)
+        self._unlanded.clear()
 
     def _host_lane(self) -> ThreadPoolExecutor:
         """One host thread that folds landed gradients (on every host core of this process)."""
@@ -136,13 +174,14 @@ class HostOffload:
                                             initargs=(self.threads,))
         return self._lane
 
-    def _copy_down(self, b: Bucket, values: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """A non-blocking copy into b's pinned landing buffer on the side stream, and its event."""
+    def _copy_down(self, b: Bucket, values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        """A non-blocking copy into b's pinned landing buffer (of `dtype`: the GPU converts) on the
+        side stream, and its event."""
         if self._down is None or values.device.type != "cuda":
             return values, None
         landing = self._landing.get(b)
         if landing is None:
-            landing = self._landing[b] = torch.empty(values.numel(), dtype=values.dtype, pin_memory=True)
+            landing = self._landing[b] = torch.empty(values.numel(), dtype=dtype, pin_memory=True)
         self._down.wait_stream(torch.cuda.current_stream(values.device))
         with torch.cuda.stream(self._down):
             landing.copy_(values, non_blocking=True)
@@ -178,6 +217,7 @@ class HostOffload:
         try:
             yield
         finally:
+            self._land_all()
             if saved is None:
                 del self.core.step
             else:
@@ -233,6 +273,9 @@ class HostOffload:
         try:
             with _num_threads(self.threads):
                 for b in order:
+                    landed = self._unlanded.pop(b, None)
+                    if landed is not None:
+                        _wait(landed)
                     self.core.param_groups = [dict(g, params=[b.master] if i == b.group_index else [])
                                               for i, g in enumerate(groups)]
                     step()
@@ -260,9 +303,24 @@ def _fold(total: torch.Tensor, source: torch.Tensor, done: Any, adding: bool) ->
     return total.add_(source) if adding else total.copy_(source)
 
 
+class _Landing(NamedTuple):
+    """A host gradient still being written: the tensor, to be read once `done` (the copy's CUDA
+    event, or the lane's fold) has finished."""
+    tensor: torch.Tensor
+    done: Any
+
+
+def _wait(done: Any) -> None:
+    """Block until a copy's event has fired or a fold has run (re-raising its error)."""
+    done.result() if isinstance(done, Future) else done.synchronize()
+
+
 def _result(pending: Any) -> Any:
-    """A fold's tensor: waited for when it is still running on the host lane."""
-    return pending.result() if isinstance(pending, Future) else pending
+    """This step's gradient so far: waited for while its copy or its fold is under way."""
+    if isinstance(pending, _Landing):
+        _wait(pending.done)
+        return pending.tensor
+    return pending
 
 
 @contextmanager

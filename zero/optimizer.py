@@ -158,7 +158,8 @@ class ZeroOptimizer(ChainWrapper):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step(closure=...) is not supported: run forward/backward first")
         if not self._grads_ready:
-            self.prepare_grads()
+            with self._streaming():
+                self.prepare_grads()
         with nvtx_range("optimizer.step"), self._offload.stepping(self._offload.start_upload) \
                 if self._offload else nullcontext():
             stepped = self.inner.step() is not False
@@ -168,6 +169,13 @@ class ZeroOptimizer(ChainWrapper):
         if stepped and not self.config.delayed_param_update:
             self._publish()
         return stepped
+
+    def _streaming(self):
+        """Offloaded, with torch's optimizer right inside: nothing reads the gradients before it
+        steps them, so each bucket may step as soon as its own gradient has reached the host."""
+        if self._offload is None or self.inner is not innermost(self.inner):
+            return nullcontext()
+        return self._offload.streaming()
 
     def apply_delayed_update(self) -> None:
         """With delayed_param_update: wait for the update still being computed and publish it now.
