@@ -91,9 +91,10 @@ def _time_cuda_ms(fn: Callable[[], None], device: torch.device, repeats: int, fl
     """Milliseconds per call as a training step pays them: the larger of the GPU's time and the CPU's.
 
     A step launches kernels ahead of the GPU, so it runs at the slower of the two. Timing one
-    layer between synchronisations instead adds the launches' latency to a small layer's
-    kernels (micro-batch 1 of the 1.3B GPT: +41%). The CPU's part is the launches less
-    `floor_ms`, this harness's own (_launch_floor_ms).
+    layer between synchronisations instead adds the launches' latency, and this harness's own
+    launches, to a small layer's kernels (the likely cause of the 1.3B GPT's micro-batch-1
+    layers timing 41% over its run). The CPU's part is the launches less `floor_ms`, the
+    harness's share (_launch_floor_ms).
     """
     gpu_ms, launch_ms = _cuda_times(fn, device, repeats)
     return max(gpu_ms, launch_ms - floor_ms)
