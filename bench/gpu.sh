@@ -60,7 +60,7 @@ for w in $what; do
                  --steps 5 --precision bf16 --partition measured ;;
     tensor) run tensor 270 python3 bench/tensor.py --device cuda "${gpt[@]}" --batch 32 --microbatches 8 ;;
     comm) run comm 120 python3 bench/comm.py --device cuda ;;
-    plan) run plan 290 python3 bench/plan.py --device cuda --steps 3 ;;  # planner: predicted vs measured (1 GPU: 8 layouts, ~4 min)
+    plan) run plan 420 python3 bench/plan.py --device cuda --steps 3 ;;  # planner: predicted vs measured (1 GPU: 8 layouts, ~6 min)
     precision) run precision 120 python3 bench/precision.py --device cuda ;;
     train) run train 300 python3 bench/train.py --device cuda --world 2 ;;
     hybrid) run hybrid 300 python3 bench/hybrid.py --device cuda ;;

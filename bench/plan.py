@@ -9,7 +9,9 @@ Predictions come from pipezero.train.plan with this machine's measured layer tim
 pipezero.train.build(its ds_config) in fresh processes: one warm-up step, then --steps
 timed steps (the median, the slowest rank). Peak memory: on CUDA max_memory_allocated; on
 CPU the rise of the process's peak anonymous RSS over the same once the process group is up
-(it counts allocator slack and Python objects too; see _reset_peak_rss). Prints one row per layout.
+(it counts allocator slack and Python objects too; see _reset_peak_rss). Prints one row per layout
+(on CUDA also each micro-batch size's measured layer times, pipe.measure_layer_costs: the larger
+of a layer's kernels and its launches).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pipezero.train.plan_model import ModelShape, measure_profile  # noqa: E402
 CPU_LAYOUTS = [  # (pipe, data, tensor, schedule, chunks, microbatches, size, zero)
     (1, 4, 1, "1f1b", 1, 2, 1, 0), (1, 4, 1, "1f1b", 1, 2, 1, 2), (2, 2, 1, "1f1b", 1, 4, 1, 1),
     (2, 2, 1, "zbv", 2, 4, 1, 0), (4, 1, 1, "1f1b", 1, 8, 1, 0), (4, 1, 1, "gpipe", 1, 8, 1, 0),
-    (2, 1, 2, "1f1b", 1, 8, 1, 0)]
+    (2, 1, 2, "1f1b", 1, 8, 1, 0), (4, 1, 1, "1f1b", 1, 8, 1, 0, False, 1)]
 GPU2_LAYOUTS = [
     (2, 1, 1, "1f1b", 1, 8, 1, 0), (2, 1, 1, "zbv", 2, 8, 1, 0), (2, 1, 1, "gpipe", 1, 8, 1, 0),
     (1, 2, 1, "1f1b", 1, 4, 2, 0), (1, 2, 1, "1f1b", 1, 4, 2, 1), (1, 2, 1, "1f1b", 1, 4, 2, 2),
@@ -62,8 +64,9 @@ def _worker(rank: int, world: int, cfg: dict, shape: ModelShape, tensor: int, st
             out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     cuda = device == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
@@ -143,6 +146,12 @@ def _setup(device: str):
     return world, shape, "fp32", local_cpu(world), CPU_LAYOUTS
 
 
+def _profile_line(profile: list, tokens: int) -> str:
+    """Each distinct layer's measured forward + backward milliseconds for one micro-batch."""
+    kinds = {p.kind: p.seconds * tokens * 1e3 for p in profile}
+    return f"  profile at {tokens} tokens: " + ", ".join(f"{k} {ms:.3f} ms" for k, ms in kinds.items())
+
+
 def main(argv=None) -> None:
     """Predict, run, compare; on CPU the layer costs and Adam are re-measured before every layout.
 
@@ -155,7 +164,8 @@ def main(argv=None) -> None:
     """
     args = parse_args(argv)
     world, shape, precision, hw, layouts = _setup(args.device)
-    torch.set_num_threads(1)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     print(f"{shape.label}, {precision}, on {hw.name}; median of {args.steps} steps per layout, {args.rounds} round(s)")
     print(f"{'layout':<34} {'pred s':>7} {'meas s':>7} {'err':>5} | {'pipe':>6} {'meas':>6} | {'step':>6} {'meas':>6} "
           f"| {'pred MB':>7} {'meas MB':>7} {'err':>5} | load")
@@ -169,10 +179,11 @@ def main(argv=None) -> None:
             if args.device == "cpu" or layout.microbatch_size not in profiles:  # a GPU has no neighbours
                 hw = local_cpu(world) if args.device == "cpu" else hw
                 profiles[layout.microbatch_size] = measure_profile(shape, precision, layout.microbatch_size,
-                                                                   rounds=2 if args.device == "cuda" else 5,
+                                                                   rounds=1 if args.device == "cuda" else 5,
                                                                    device=args.device)
                 if args.device == "cuda":
                     torch.cuda.empty_cache()  # the ranks get the whole GPU
+                    print(_profile_line(profiles[layout.microbatch_size], layout.microbatch_size * shape.seq_len))
             profile = profiles[layout.microbatch_size]
             pred = predict(profile, layout, hw, shape, precision)
             (pipe, step), peak = measure(ds_config(pred), shape, layout.tensor, world, args.steps, args.device)

@@ -30,11 +30,13 @@ def measure_layer_costs(layers: Sequence[Any], sample: Any, *, loss_fn: Callable
     The last layer's backward starts from loss_fn(output, targets) when loss_fn is given, so
     the head carries its loss; the others start from the sum of their outputs. Built layers
     are cast to `dtype` if given. With torch.distributed initialised the result is the
-    maximum over `group` (default: the world), so every rank gets the same partition.
+    maximum over `group` (default: the world), so every rank gets the same partition. On a GPU
+    a time is the larger of the kernels' and the launches' (_time_cuda_ms), as a step pays it.
     """
     if repeats < 1:
         raise ValueError(f"measure_layer_costs: repeats={repeats}, expected >= 1")
     device = _device_of(sample)
+    floor = _launch_floor_ms(device, repeats) if device.type == "cuda" else 0.0
     timed: dict[tuple, float] = {}
     costs, x = [], sample
     for i, layer in enumerate(layers):
@@ -43,7 +45,7 @@ def measure_layer_costs(layers: Sequence[Any], sample: Any, *, loss_fn: Callable
         key = (layer_name(layer), _shapes(x), last)
         if key not in timed:
             timed[key] = _time_ms(lambda: _forward_backward(call, x, loss_fn if last else None, targets),
-                                  device, repeats)
+                                  device, repeats, floor)
         costs.append(timed[key])
         with torch.no_grad():
             x = call(x)
@@ -75,14 +77,79 @@ def _forward_backward(call: Callable, x: Any, loss_fn: Callable | None, targets:
     loss.backward()
 
 
-def _time_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+def _time_ms(fn: Callable[[], None], device: torch.device, repeats: int, floor_ms: float = 0.0) -> float:
+    if device.type == "cuda":
+        return _time_cuda_ms(fn, device, repeats, floor_ms)
     fn()  # warm-up: kernels chosen, memory allocated
-    _sync(device)
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
-    _sync(device)
     return (time.perf_counter() - start) * 1e3 / repeats
+
+
+def _time_cuda_ms(fn: Callable[[], None], device: torch.device, repeats: int, floor_ms: float) -> float:
+    """Milliseconds per call as a training step pays them: the larger of the GPU's time and the CPU's.
+
+    A step launches kernels ahead of the GPU, so it runs at the slower of the two. Timing one
+    layer between synchronisations instead adds the launches' latency, and this harness's own
+    launches, to a small layer's kernels (the likely cause of the 1.3B GPT's micro-batch-1
+    layers timing 41% over its run). The CPU's part is the launches less `floor_ms`, the
+    harness's share (_launch_floor_ms).
+    """
+    gpu_ms, launch_ms = _cuda_times(fn, device, repeats)
+    return max(gpu_ms, launch_ms - floor_ms)
+
+
+def _cuda_times(fn: Callable[[], None], device: torch.device, repeats: int) -> tuple[float, float]:
+    """(GPU, CPU launch) milliseconds per call: the stream is held by a sleep kernel while the
+    calls are launched, so the events around them time the GPU alone and the wall clock the
+    launches alone. A sleep that ended before the launches did is doubled and tried again."""
+    fn()  # warm-up: kernels chosen, memory allocated
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    hold_ms = 2e3 * repeats * (time.perf_counter() - start) + 1.0
+    cycles = _cycles_per_ms(device)
+    for _ in range(4):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(hold_ms * cycles))
+        begin.record()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        launch_ms = (time.perf_counter() - start) * 1e3 / repeats
+        held = not begin.query()  # the sleep outlasted the launches
+        end.record()
+        end.synchronize()
+        if held:
+            break
+        hold_ms *= 2
+    return begin.elapsed_time(end) / repeats, launch_ms
+
+
+_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def _cycles_per_ms(device: torch.device) -> float:
+    """torch.cuda._sleep's clock cycles per millisecond on `device`, timed once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CYCLES_PER_MS:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1 << 20)  # warm-up
+        begin.record()
+        torch.cuda._sleep(1 << 24)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS[index] = (1 << 24) / max(begin.elapsed_time(end), 1e-3)
+    return _CYCLES_PER_MS[index]
+
+
+def _launch_floor_ms(device: torch.device, repeats: int) -> float:
+    """CPU milliseconds this harness spends per call around a layer that does nothing (its loss,
+    the backward call): what a training step, one backward per micro-batch, does not pay per layer."""
+    leaf = torch.ones(8, device=device)
+    return _cuda_times(lambda: _forward_backward(lambda t: t.view_as(t), leaf, None, None), device, repeats)[1]
 
 
 def _agreed(costs: list[float], group: Any) -> list[float]:
@@ -115,8 +182,3 @@ def _device_of(x: Any) -> torch.device:
     if not tensors:
         raise TypeError(f"measure_layer_costs: sample must be a tensor or a tuple holding tensors, got {type(x)}")
     return tensors[0].device
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -129,7 +129,14 @@ class PipelineModule(nn.Module):
             except Exception as err:  # noqa: BLE001 - layer_error keeps what it does not describe
                 name = layer_name(self._specs[index])
                 fed = index == self.chunk_range(chunk)[0] and not self.is_first(chunk)
-                raise layer_error(err, f"layer {index} ({name})", x, fed) from err
+                wrapped = layer_error(err, f"layer {index} ({name})", x, fed)
+                if wrapped is not err:
+                    raise wrapped from err
+                # not ours (torch.utils.checkpoint stops a recompute by raising through here): re-raised
+                # holding no reference, since `raise err from err` ties err to itself and its traceback's
+                # frames keep every recomputed tensor alive until the garbage collector runs
+                del wrapped
+                raise
         return x
 
     # -- building ---------------------------------------------------------------------

@@ -160,8 +160,8 @@ def explain(p: Prediction) -> str:
         f"+ optimizer {t.optimizer:.3g} s",
         f"  {p.tokens_per_second:,.0f} tokens/s, MFU {p.mfu:.1%} of {p.hardware.peak_tflops:g} TFLOP/s per device",
         f"  memory {m.total / gb:.3g} GB of {p.hardware.memory_gb:g}: params {m.params / gb:.3g}, "
-        f"grads {m.grads / gb:.3g}, optimizer {m.optimizer / gb:.3g}, activations {m.activations / gb:.3g}, "
-        f"buffers {m.buffers / gb:.3g}"])
+        f"grads {m.grads / gb:.3g}, optimizer {m.optimizer / gb:.3g}, the larger of activations "
+        f"{m.activations / gb:.3g} and the optimizer step's transient {m.step / gb:.3g}, buffers {m.buffers / gb:.3g}"])
 
 
 def ds_config(p: Prediction) -> dict[str, Any]:

@@ -14,7 +14,12 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["CPU_RESERVED_GB", "Hardware", "h200", "local_cpu"]
+__all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "h200", "local_cpu"]
+
+# Bytes one optimizer step moves per parameter in bf16 with fp32 masters, ZeRO 0-2 (pass by
+# pass: plan_time's module docstring), on a GPU at two thirds of its memory bandwidth: one H200
+# stepped the 1.32B GPT in 40-42 ms (bench/RESULTS.md, planner, first GPU run), 3.2 TB/s of 4.8.
+H200_STEP_BYTES = 98.0
 
 # A gloo rank's anonymous memory beyond its tensors (gloo buffers, autograd's threads, malloc
 # arenas, Python objects made while building): 4.3-7.9 MB over every layout of bench/plan.py
@@ -42,6 +47,8 @@ class Hardware:
     reserved_gb: float = 2.0           # runtime context, communication buffers, allocator slack
     compute_slowdown: float = 1.0      # measured time x this (processes sharing fewer cores)
     layer_overhead_us: float = 30.0    # fixed cost of one layer's F, I or W (kernel launches; 0 when measured)
+    optimizer_temp_bytes: float = 4.0  # per parameter, alive for a moment in the optimizer step (torch's foreach
+                                       # Adam on a GPU: one fp32 temporary of the shard; a CPU steps tensor by tensor)
     host_offload: bool = True          # whether offloading to a host makes sense (not on a CPU device)
 
     def __post_init__(self) -> None:
@@ -68,7 +75,7 @@ class Hardware:
 def h200(nodes: int = 1, gpus_per_node: int = 8) -> Hardware:
     """NVIDIA H200 SXM nodes (see the module docstring for where each number comes from)."""
     return Hardware(name=f"{nodes * gpus_per_node}x H200", gpus_per_node=gpus_per_node, nodes=nodes,
-                    memory_gb=141.0, peak_tflops=989.0, optimizer_ns_per_param=36 / 4.8e3)
+                    memory_gb=141.0, peak_tflops=989.0, optimizer_ns_per_param=H200_STEP_BYTES / (0.66 * 4.8e3))
 
 
 def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
@@ -83,7 +90,8 @@ def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
                     memory_gb=memory_gb, peak_tflops=_matmul_tflops(torch), efficiency=1.0,
                     intra_gbps=bandwidth / 1e9, intra_latency_us=latency * 1e6,
                     optimizer_ns_per_param=_adam_ns(torch), reserved_gb=CPU_RESERVED_GB,
-                    compute_slowdown=slowdown, host_offload=False, layer_overhead_us=0.0)
+                    compute_slowdown=slowdown, host_offload=False, layer_overhead_us=0.0,
+                    optimizer_temp_bytes=0.0)
 
 
 def _measure_ranks(processes: int, seconds: float = 1.5) -> tuple[float, float, float]:

@@ -10,9 +10,19 @@
   (zero/grad_strategies.py, TransientShardSync: reduction waits for the pipeline's
   readiness protocol unless reduce_every_microbatch, which the planner's ds_config leaves
   off), so a whole G sits beside the shard then.
+* the optimizer step (beside the model state, when no activation is alive): in bf16/fp16 the
+  fp32 copies of the shard's reduced gradients that the masters step on (4 bytes per
+  parameter; zero/grad_sync.py hands them over), plus Adam's temporary
+  (Hardware.optimizer_temp_bytes: torch's foreach Adam, the default on a GPU, takes the
+  square root of the whole shard's second moments at once). Nothing of it on the device
+  when the optimizer is offloaded. On one GPU at small micro-batches this step, 24 bytes per
+  parameter in bf16, is the peak, not the activations.
 * activations: the simulator's peak live micro-batches of the rank (in whole-stage units)
-  x the saved bytes of one micro-batch on it; with checkpointing only each layer's input
-  stays, plus one layer's full activations while it is recomputed.
+  x the saved bytes of one micro-batch on it, plus the loss's backward transient of the one
+  micro-batch being differentiated (LayerProfile.backward_bytes); with checkpointing every
+  live micro-batch keeps each checkpointed run's input and the loss's saved output, and then
+  either the loss's backward transient or the run being recomputed with its full activations
+  (the loss's backward is over before the first recompute starts).
 * buffers: the p2p send/receive buffers, two reduce buckets in flight (ZeRO 0-2) or two
   gathered layers (ZeRO 3), the runtime's reserve.
 """
@@ -24,9 +34,9 @@ from typing import Sequence
 
 from pipezero.train.plan_hardware import Hardware
 from pipezero.train.plan_layout import Layout
-from pipezero.train.plan_model import LayerProfile, bytes_per_element
+from pipezero.train.plan_model import LayerProfile, bytes_per_element, held_params
 
-__all__ = ["MemoryBreakdown", "STATE_BYTES", "model_state_bytes", "rank_memory"]
+__all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "model_state_bytes", "rank_memory", "step_bytes"]
 
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 
@@ -40,11 +50,12 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     buffers: float
+    step: float = 0.0      # the optimizer step's transient (alive when the activations are not)
 
     @property
     def total(self) -> float:
-        """Everything."""
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        """The peak: the model state and buffers, plus the larger of the activations and the step."""
+        return self.params + self.grads + self.optimizer + max(self.activations, self.step) + self.buffers
 
 
 def model_state_bytes(params: float, stage: int, data: int, precision: str = "bf16",
@@ -59,8 +70,29 @@ def model_state_bytes(params: float, stage: int, data: int, precision: str = "bf
     return p * params / (n if stage == 3 else 1), grads, opt
 
 
-def _rank_params(profile: Sequence[LayerProfile], layers: Sequence[int], tensor: int) -> float:
-    return sum(profile[i].params / (1 if profile[i].tied else tensor) for i in layers)
+def step_bytes(params: float, layout: Layout, hw: Hardware, precision: str) -> float:
+    """Bytes the optimizer step allocates on the device for a moment (see the module docstring)."""
+    if layout.offload:
+        return 0.0
+    shard = params / (layout.data if layout.zero >= 1 else 1)
+    master_grads = 4.0 if bytes_per_element(precision) < 4 else 0.0
+    return shard * (master_grads + hw.optimizer_temp_bytes)
+
+
+def activation_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
+                     precision: str, d_model: int, seq_len: int) -> float:
+    """Activations at the rank's peak: `live` micro-batches' saved tensors, one backward's transient."""
+    tokens = layout.microbatch_size * seq_len
+    transient = max(profile[i].backward_bytes for i in layers) * tokens
+    saved = [profile[i].act_bytes(precision, layout.tensor) * tokens for i in layers]
+    if not layout.checkpoint:
+        return live * sum(saved) + transient
+    k = layout.checkpoint
+    runs = [range(j, min(j + k, len(layers))) for j in range(0, len(layers), k)]
+    loss = [profile[i].loss_bytes * tokens for i in layers]  # outside the checkpoint: kept
+    kept = len(runs) * tokens * d_model * bytes_per_element(precision) + sum(loss)
+    recomputed = max(sum(saved[j] - loss[j] for j in run) for run in runs)
+    return live * kept + max(recomputed, transient)  # the loss's backward ends before the first recompute
 
 
 def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
@@ -68,20 +100,16 @@ def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: fl
     """Memory of a pipeline rank holding `layers` with `live` whole-stage micro-batches at its peak."""
     e = bytes_per_element(precision)
     tokens = layout.microbatch_size * seq_len
-    params = _rank_params(profile, layers, layout.tensor)
+    params = held_params(profile, layers, layout.tensor)
     p, g, s = model_state_bytes(params, layout.zero, layout.data, precision, layout.offload)
     if layout.zero >= 2 and layout.microbatches > 1 and layout.data > 1:
         g += STATE_BYTES[precision][1] * params  # whole .grad held until the last micro-batch (TransientShardSync)
-    per_layer = [profile[i].act_bytes(precision, layout.tensor) * tokens for i in layers]
-    if layout.checkpoint:
-        kept = len(layers) / layout.checkpoint * tokens * d_model * e
-        act = live * kept + max(per_layer) * layout.checkpoint
-    else:
-        act = live * sum(per_layer)
+    act = activation_bytes(profile, layers, live, layout, precision, d_model, seq_len)
     p2p = 4 * tokens * d_model * e * layout.chunks if layout.pipe > 1 else 0.0
     if layout.zero == 3:
         largest = max(profile[i].params / (1 if profile[i].tied else layout.tensor) for i in layers)
         working = 2 * largest * STATE_BYTES[precision][0]
     else:
         working = 2 * d_model * d_model * STATE_BYTES[precision][1] if layout.zero >= 2 else 0.0
-    return MemoryBreakdown(p, g, s, act, p2p + working + hw.reserved_gb * 1e9)
+    return MemoryBreakdown(p, g, s, act, p2p + working + hw.reserved_gb * 1e9,
+                           step_bytes(params, layout, hw, precision))

@@ -16,7 +16,11 @@ Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 section 4) without dropout masks and with a fused attention that stores no score matrix:
 a block keeps 4d replicated elements (two LayerNorm inputs and outputs) and 12d elements
 that tensor parallelism shards (q, k, v, attention output, MLP hidden before and after
-GELU). tests/test_plan.py checks the count against autograd's saved tensors.
+GELU). tests/test_plan.py checks the count against autograd's saved tensors. The head's loss
+(cross-entropy of the logits cast to fp32) keeps log-softmax's fp32 output, 4 x vocab bytes
+per token, and while its backward runs two more such tensors (the gradients of that output and
+of its input): 8 x vocab bytes per token of the one micro-batch being differentiated (on the
+1.3B GPT, vocabulary 50,304, 0.4 of the 2.2 MB per token alive at the peak).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-__all__ = ["LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "measure_profile", "total_params"]
+__all__ = ["LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_params", "measure_profile",
+           "total_params"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -62,7 +67,9 @@ class LayerProfile:
     `tied`: replicated over tensor ranks (pipezero's tensor_plan leaves tied layers whole);
     `act_shared` / `act_sharded`: saved elements per token replicated / split by tensor
     parallelism; `act_extra_bytes`: saved bytes per token that do not scale with the dtype
-    (token ids, fp32 loss terms).
+    (token ids, LayerNorm statistics); `loss_bytes`: saved bytes per token of the loss this layer
+    feeds, outside any activation checkpoint; `backward_bytes`: bytes per token alive only
+    while this layer's backward runs, on top of what it saved (the loss's fp32 gradients).
     """
 
     kind: str
@@ -71,13 +78,17 @@ class LayerProfile:
     act_shared: float
     act_sharded: float
     act_extra_bytes: float = 0.0
+    loss_bytes: float = 0.0
+    backward_bytes: float = 0.0
     seconds: float = 0.0          # forward + backward per token on the target device
     tied: bool = False
+    recompute_seconds: float | None = None  # per token, what checkpointing adds to the backward; None: a third
+                                            # of `seconds` (one more forward)
 
     def act_bytes(self, precision: str, tensor: int = 1) -> float:
         """Saved bytes per token on one tensor rank."""
         sharded = self.act_sharded if self.tied else self.act_sharded / tensor
-        return (self.act_shared + sharded) * _BYTES[precision] + self.act_extra_bytes
+        return (self.act_shared + sharded) * _BYTES[precision] + self.act_extra_bytes + self.loss_bytes
 
 
 def bytes_per_element(precision: str) -> int:
@@ -98,7 +109,7 @@ def _layers(shape: ModelShape) -> list[LayerProfile]:
     norm = LayerProfile(kind="FinalNorm", params=2 * d, flops=0.0, act_shared=float(d), act_sharded=0.0,
                         act_extra_bytes=8.0)
     head = LayerProfile(kind="Head", params=v * d, flops=6.0 * v * d, act_shared=float(d), act_sharded=0.0,
-                        act_extra_bytes=4.0 * v, tied=True)
+                        loss_bytes=4.0 * v, backward_bytes=8.0 * v, tied=True)
     return [embed, *([block] * shape.layers), norm, head]
 
 
@@ -116,6 +127,9 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
     Each layer's time is the least of `rounds` measurements: on a machine shared with other
     work a measurement only ever comes out slower than the layer's own cost, never faster
     (the reason timeit reports the minimum), and the least is what repeats from run to run.
+    The blocks are alike, so a one-block model is timed: measure_layer_costs times one block
+    and reuses it anyway, and building the others only cost their initialisation (on the CPU
+    generator: 1.2B numbers, about 10 s per round for the 1.3B GPT).
     """
     import torch
 
@@ -127,17 +141,44 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, shape.vocab, (microbatch, shape.seq_len), generator=gen).to(device)
-    cfg = GPTConfig(n_layer=shape.layers, n_head=shape.heads, d_model=shape.d_model, seq_len=shape.seq_len,
-                    vocab_size=shape.vocab)
-    ms = [min(t) for t in zip(*(measure_layer_costs(gpt_specs(cfg), tokens, loss_fn=gpt_loss, targets=tokens,
-                                                    dtype=dtype, repeats=repeats) for _ in range(rounds)))]
+    cfg = GPTConfig(n_layer=1, n_head=shape.heads, d_model=shape.d_model, seq_len=shape.seq_len,
+                    vocab_size=shape.vocab)  # the blocks are alike: one is timed, none other is built
+    with torch.device(device):
+        checkpointed = _checkpointed(gpt_specs(cfg)[1].build().to(dtype))
+        hidden = torch.randn(microbatch, shape.seq_len, shape.d_model, dtype=dtype)
+    embed, block, norm, head, again = (min(t) for t in zip(*(
+        measure_layer_costs(gpt_specs(cfg), tokens, loss_fn=gpt_loss, targets=tokens, dtype=dtype, repeats=repeats)
+        + measure_layer_costs([checkpointed], hidden, repeats=repeats) for _ in range(rounds))))
+    ms = [embed, *([block] * shape.layers), norm, head]
     per_token = microbatch * shape.seq_len
-    return [replace(p, seconds=t / 1e3 / per_token) for p, t in zip(_layers(shape), ms)]
+    recompute = max(0.0, again - block) / 1e3 / per_token
+    return [replace(p, seconds=t / 1e3 / per_token, recompute_seconds=recompute if p.kind == "Block" else None)
+            for p, t in zip(_layers(shape), ms)]
+
+
+def _checkpointed(block):
+    """The block as PipelineModule runs it with activation_checkpoint_interval=1: the recompute
+    in backward and torch.utils.checkpoint's own work, which on a GPU at small micro-batches
+    costs more launches than the one forward the arithmetic adds."""
+    from torch.utils.checkpoint import checkpoint
+
+    return lambda h: checkpoint(block, h, use_reentrant=False)
 
 
 def total_params(profile: Sequence[LayerProfile]) -> int:
     """Unique parameters: the tied head's weight is the embedding's."""
     return sum(p.params for p in profile if p.kind != "Head")
+
+
+def held_params(profile: Sequence[LayerProfile], layers: Sequence[int], tensor: int = 1) -> float:
+    """Parameters one rank holds for `layers`, per tensor rank (tied layers whole).
+
+    The head's weight is the embedding's: a rank holding both holds it once (a rank with only
+    one of them keeps its own copy, which the tied-gradient all-reduce keeps equal).
+    """
+    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"}
+    return sum(profile[i].params / (1 if profile[i].tied else tensor) for i in layers
+               if not (both and profile[i].kind == "Head"))
 
 
 def _examples_path() -> None:

@@ -5,7 +5,9 @@
   gradients), divided by the tensor degree except for tied layers, which stay whole, plus a
   fixed launch overhead per layer and action (Hardware.layer_overhead_us), which is what
   makes small micro-batches slower on a GPU;
-  checkpointing adds one forward to the backward (recompute);
+  checkpointing adds the recompute to the backward: one forward, or what measure_profile
+  timed a checkpointed block to add (on a GPU at small micro-batches the recompute's launches
+  and torch.utils.checkpoint's own work cost more than the forward's kernels);
 * tensor parallel: Megatron's two all-reduces of the block's output in forward and two in
   backward, ring time 2(t-1)/t x bytes / bandwidth, not overlapped;
 * p2p: one activation (tokens x d_model) per hop, latency + bytes / bandwidth of the link
@@ -19,7 +21,12 @@
   (prefetch); the parameter all-gather after the step is exposed; every collective runs in
   buckets of d_model^2 elements (reduce_bucket_size "auto"), each paying the ring's latency;
 * optimizer: Adam over the rank's shard on the device, or on the host plus the PCIe
-  round trip when offloaded.
+  round trip when offloaded. On a GPU the step is memory-bound: per parameter in bf16 the
+  fp32 copy of the reduced gradient (read 2, write 4 bytes), the clipping norm (4) and scale
+  (8), torch's foreach AdamW (lerp of m 12, v x beta2 8, v + g^2 12, sqrt(v) 8, / bias
+  correction 8, + eps 8, the update 16: 72), the master copied into the bf16 parameter (6),
+  the gradient buffer zeroed (2): 98 bytes (plan_hardware.H200_STEP_BYTES), four times the
+  36 of one fused pass, which is what the GPU measured (41 ms for 1.32B parameters).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from pipezero.pipe.registry import make_schedule, schedule_entry
 from pipezero.pipe.simulate import Costs, SimResult, simulate
 from pipezero.train.plan_hardware import Hardware
 from pipezero.train.plan_layout import Layout
-from pipezero.train.plan_model import LayerProfile, bytes_per_element
+from pipezero.train.plan_model import LayerProfile, bytes_per_element, held_params
 
 __all__ = ["TimeBreakdown", "buckets", "chunk_layers", "data_parallel_seconds", "optimizer_seconds", "ring_seconds",
            "Sim", "simulate_layout", "step_time", "step_time_floor"]
@@ -96,7 +103,11 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
     bw, lat = hw.link(t)
     one = ring_seconds(tokens * d_model * bytes_per_element(precision), t, bw, lat, factor=2.0)
     fwd, tp = third + 2 * blocks * one, 4 * blocks * one
-    back = third + 2 * blocks * one + (fwd if layout.checkpoint else 0.0)
+    back = third + 2 * blocks * one
+    if layout.checkpoint:  # the recompute: measured, or one more forward
+        again = sum((profile[i].seconds / 3 if profile[i].recompute_seconds is None else profile[i].recompute_seconds)
+                    / (1 if profile[i].tied else t) for i in layers) * tokens * hw.compute_slowdown
+        back += again + len(layers) * hw.layer_overhead_us * 1e-6 + 2 * blocks * one
     return Costs(forward=fwd, backward_input=back, backward_weight=third, p2p=p2p), tp * layout.microbatches
 
 
@@ -212,7 +223,7 @@ def step_time(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, pre
     data_comm = exposed = opt = 0.0
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
-        params = sum(profile[i].params / (1 if profile[i].tied else layout.tensor) for i in layers)
+        params = held_params(profile, layers, layout.tensor)
         last = result.last_backward[rank]
         comm, hidden_not = data_parallel_seconds(params, layout, hw, precision, last, result.busy[rank],
                                                  buckets(params, d_model))
@@ -239,8 +250,7 @@ def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
         busy[rank] = busy.get(rank, 0.0) + layout.microbatches * (c.forward + c.backward_input + c.backward_weight)
     tail = 0.0
     for rank in range(layout.pipe):
-        params = sum(profile[i].params / (1 if profile[i].tied else layout.tensor)
-                     for (r, _), rng in held.items() if r == rank for i in rng)
+        params = held_params(profile, [i for (r, _), rng in held.items() if r == rank for i in rng], layout.tensor)
         _, unhidden = data_parallel_seconds(params, layout, hw, precision, float("inf"), float("inf"),
                                             buckets(params, d_model))
         tail = max(tail, unhidden + optimizer_seconds(params, layout, hw, precision))

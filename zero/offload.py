@@ -16,7 +16,8 @@ Training", USENIX ATC 2021, section 4):
   (`stepping`). When nothing between the hand-over and the core optimizer reads the gradients
   (ZeroOptimizer.step() directly over torch's optimizer: no loss scaler, no clipping link),
   the hand-over does not wait for the copies (`streaming`): each bucket steps as soon as its own
-  gradient has landed, while the GPU still runs the end of backward;
+  gradient has landed (and, at stages 2-3, been folded), while the GPU still runs the end of
+  backward;
 * the step runs on every host core this process may use (torchrun sets OMP_NUM_THREADS=1;
   the cores are split over the local processes). Build Adam/AdamW with `fused=True`: torch's
   fused CPU kernel is one vectorised pass, 5.3x the foreach step measured on CPU (it is not
@@ -95,12 +96,12 @@ class HostOffload:
         self._landing: dict[Bucket, torch.Tensor] = {}   # pinned: the D2H copies land here
         self._grads: dict[tuple, torch.Tensor] = {}      # host fp32: sums, and what the master steps with
         self._flip = 0   # delayed: which of two sum buffers this step fills; the update in flight reads the other
-        self._ready: dict[Bucket, Any] = {}              # this step's gradient so far: a tensor, or its fold
+        self._ready: dict[Bucket, Any] = {}              # this step's gradient so far: a tensor or a _Landing
         self._lane: ThreadPoolExecutor | None = None      # folds landed copies into the sums (GPU only)
         self._uploads: dict[Bucket, Any] = {}
         self._order: list[Bucket] = []                   # buckets in the order their gradients landed
         self._streaming = False                          # hand_over gives copies still landing (see streaming)
-        self._unlanded: dict[Bucket, Any] = {}           # their events: a bucket steps once its own has fired
+        self._unlanded: dict[Bucket, Any] = {}           # their copies or folds: a bucket steps once its own is done
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -126,13 +127,15 @@ class HostOffload:
         elif done is None:
             self._ready[b] = _fold(running if adding else self._sum_buffer(b), source, None, adding)
         else:
-            self._ready[b] = self._host_lane().submit(_fold, self._sum_buffer(b), source, done, adding)
+            total = running if adding else self._sum_buffer(b)
+            self._ready[b] = _Landing(total, self._host_lane().submit(_fold, total, source, done, adding))
 
     def hand_over(self, b: Bucket) -> torch.Tensor | None:
         """At step: the host fp32 gradient for b's master (None if nothing was reduced).
 
         Delayed, it is always a buffer of our own: the update in flight reads the previous one.
-        Streaming, a copy still landing is given as it is and b's step waits for it.
+        Streaming, a gradient still landing (or being folded) is given as it is and b's step
+        waits for it.
         """
         pending = self._ready.pop(b, None)
         if self._streaming and isinstance(pending, _Landing):
@@ -142,7 +145,7 @@ class HostOffload:
 
     @contextmanager
     def streaming(self) -> Iterator[None]:
-        """Inside, hand_over does not wait for gradient copies still landing: only the core
+        """Inside, hand_over does not wait for gradients still landing or folding: only the core
         optimizer's per-bucket step may read the gradients it hands over (`stepping` waits for
         each bucket's copy first, and for all of them when it ends)."""
         self._streaming = True
@@ -159,9 +162,9 @@ class HostOffload:
         self._land_all()
 
     def _land_all(self) -> None:
-        """Wait for every gradient copy handed over while still landing."""
+        """Wait for every gradient handed over while still landing or folding."""
         for done in self._unlanded.values():
-            done.synchronize()
+            _wait(done)
         self._unlanded.clear()
 
     def _host_lane(self) -> ThreadPoolExecutor:
@@ -272,7 +275,7 @@ class HostOffload:
                 for b in order:
                     landed = self._unlanded.pop(b, None)
                     if landed is not None:
-                        landed.synchronize()
+                        _wait(landed)
                     self.core.param_groups = [dict(g, params=[b.master] if i == b.group_index else [])
                                               for i, g in enumerate(groups)]
                     step()
@@ -301,17 +304,23 @@ def _fold(total: torch.Tensor, source: torch.Tensor, done: Any, adding: bool) ->
 
 
 class _Landing(NamedTuple):
-    """A copy to the host that needs no folding: the tensor, to be used once `done` has happened."""
+    """A host gradient still being written: the tensor, to be read once `done` (the copy's CUDA
+    event, or the lane's fold) has finished."""
     tensor: torch.Tensor
     done: Any
+
+
+def _wait(done: Any) -> None:
+    """Block until a copy's event has fired or a fold has run (re-raising its error)."""
+    done.result() if isinstance(done, Future) else done.synchronize()
 
 
 def _result(pending: Any) -> Any:
     """This step's gradient so far: waited for while its copy or its fold is under way."""
     if isinstance(pending, _Landing):
-        pending.done.synchronize()
+        _wait(pending.done)
         return pending.tensor
-    return pending.result() if isinstance(pending, Future) else pending
+    return pending
 
 
 @contextmanager
