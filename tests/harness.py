@@ -12,7 +12,8 @@ pipezero imports, not the ~4.5 s of CPU that a spawned interpreter spends import
 workers for world sizes 1..8, and every pool that a timeout or discard=True replaces).  The
 server only imports: it runs no torch op, starts no thread and never asks for CUDA, so the
 forks inherit a clean process; pipezero and the test modules are imported by each worker.
-Workers see the environment of the server's start (the first pool's), with OMP/MKL at 1 thread.
+Workers see the environment of the server's start (start_server: conftest calls it before
+collection), with OMP/MKL at 1 thread.
 Each worker freezes what it inherited (gc.freeze): the ~300k objects of those imports would
 otherwise make every gc.collect() and gc.get_objects() of a memory test cost ~0.5 s.
 
