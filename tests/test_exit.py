@@ -3,7 +3,9 @@
 tests/jobs/exit_job.py runs each case as two real processes that train three steps and then
 leave as a script does; every rank must exit 0 with no abort on stderr. ZeRO-3 with both
 offloads and fp16 (the seed's configuration) runs ten times: its abort at exit ("terminate
-called without an active exception", exit -6) was intermittent.
+called without an active exception", exit -6) was intermittent, and on a quiet machine the
+runs pass even without the fix, so the last two tests check the fix's two parts directly
+(each fails without its part).
 """
 
 import subprocess
@@ -36,3 +38,35 @@ def _pythonpath() -> dict:
     import os
 
     return {k: os.environ[k] for k in ("PYTHONPATH", "HOME") if k in os.environ}
+
+
+def test_the_process_group_is_gone_before_the_interpreter_finalises():
+    """The mechanism behind the exit codes, checked every time rather than by chance: a handler
+    registered before init_distributed runs after pipezero's (atexit is last-in, first-out), so
+    it sees whether the default group was destroyed while the interpreter was still whole."""
+    code = ("import atexit, torch.distributed as dist\n"
+            "from pipezero.topology.env import init_distributed\n"
+            "atexit.register(lambda: print('initialised at exit:', dist.is_initialized(), flush=True))\n"
+            "init_distributed()\n"
+            "assert dist.is_initialized()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_pythonpath()})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "initialised at exit: False" in done.stdout, (done.stdout, done.stderr[-3000:])
+
+
+def test_a_waited_handle_keeps_no_work_alive():
+    """A finished collective's Work (and through it its tensors) is dropped at wait(): held past
+    the step, gloo's threads could still own it at interpreter exit."""
+    import torch
+
+    from pipezero.comm.collectives import Handle
+
+    class Work:
+        def wait(self):
+            return True
+
+    handle = Handle("", [Work(), torch.futures.Future()])
+    handle._works[1].set_result(None)
+    handle.wait()
+    assert handle._works == [] and handle.is_completed()
