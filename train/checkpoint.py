@@ -341,7 +341,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{file}: format_version {version!r}, this pipezero reads {FORMAT_VERSION}; "
                               f"load it with the pipezero that wrote it, or start afresh in another "
-                              f"directory (--out)")
+                              f"directory")
     for key in ("step", "world", "meta", "files", "sha256"):
         if key not in manifest:
             raise CheckpointError(f"{file}: lacks the key {key!r}; the manifest is corrupted")
