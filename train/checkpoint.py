@@ -340,8 +340,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{file}: format_version {version!r}, this pipezero reads {FORMAT_VERSION}; "
-                              f"load it with the pipezero that wrote it, or start afresh in another "
-                              f"directory")
+                              "load it with the pipezero that wrote it, or start afresh in another directory")
     for key in ("step", "world", "meta", "files", "sha256"):
         if key not in manifest:
             raise CheckpointError(f"{file}: lacks the key {key!r}; the manifest is corrupted")
