@@ -110,8 +110,9 @@ class HostOffload:
         """Start copying b's reduced owned gradient to the host: to be added to what this step
         already brought (accumulate) or to replace it. The device copy of `values` may be freed.
 
-        From a GPU the copy lands in a pinned buffer and the host lane folds it into b's fp32 sum
-        as soon as it has landed, while backward goes on; step() then finds the sums made.
+        From a GPU the copy lands in a pinned buffer while backward goes on: in fp32, ready as it
+        is, when it replaces; in the model dtype when it adds, and the host lane folds it into b's
+        fp32 sum as soon as it has landed. step() then finds the gradients made or under way.
         """
         if b not in self._order:
             self._order.append(b)
