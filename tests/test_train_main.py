@@ -123,7 +123,8 @@ def test_killed_rank_restarts_from_last_checkpoint(tmp_path, pipe):
     resumed = json.loads((tmp_path / "crashed" / "summary.json").read_text())
     assert straight["resumed_from"] == 0 and resumed["resumed_from"] == 2
     bars = [line.split("]")[1].split()[0] for line in crashed.stderr.splitlines() if line.startswith("train [")]
-    assert bars == ["1/6", "2/6", "3/6", "3/6", "4/6", "5/6", "6/6"]  # resumed at 2: counts on in global steps
+    # torchrun may stop rank 0 before it draws step 3's bar; the restart resumes at 2 and counts on in global steps
+    assert bars[:-4] in (["1/6", "2/6"], ["1/6", "2/6", "3/6"]) and bars[-4:] == ["3/6", "4/6", "5/6", "6/6"], bars
     assert resumed["final_loss"] == straight["final_loss"]
 
 
