@@ -10,7 +10,9 @@ activation early and keep it): so any schedule that is valid with buffered sends
 deadlock, including ZeroBubbleV and DualPipeV. Activations of adjacent virtual stages on the
 same rank (the tip of a V) pass locally. An output sent to another rank keeps only its graph
 once sent, when no backward node saved its values (Megatron's output deallocation;
-`freed_bytes` counts them per step). Zero-bubble's I and W: pipe/split_backward.py.
+`freed_bytes` counts them per step). Zero-bubble's I and W: pipe/split_backward.py; under a
+schedule that splits backward the chunks' nn.Linear layers defer their weight GEMMs to W
+(pipe/deferred_linear.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pipezero.comm import P2P, CommTimeout, PeerLost, nvtx_range
 from pipezero.pipe.actions import Op
 from pipezero.pipe.batch_check import check_batch, split_batch
 from pipezero.pipe.dealloc import free, freeable, saved_storages
+from pipezero.pipe.deferred_linear import WeightSink, collecting, defer_linear_weights
 from pipezero.pipe.gathering import chunk_gatherings
 from pipezero.pipe.groups import cpu_world_group, side_group
 from pipezero.pipe.module import PipelineModule
@@ -76,6 +79,7 @@ class PipelineRunner:
         self._signature: int | None = None
         self._gathering = chunk_gatherings(optimizer, model, {True: [s.action.chunk for s in self.steps],
                                            False: [s.action.chunk for s in self.forward_steps]}, reshard_after_forward)
+        self._defer = any(s.action.op is Op.BACKWARD_INPUT for s in self.steps) and defer_linear_weights(model) > 0
 
     # -- public --------------------------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
@@ -129,7 +133,7 @@ class PipelineRunner:
         self._inputs = split_batch(inputs, m, model.device) if first else None
         self._targets = split_batch(targets, m, model.device) if last and targets is not None else None
         self._received: dict[Message, Any] = {}                   # arrived (or handed over locally)
-        self._saved: dict[tuple[int, int], tuple[Any, Any]] = {}  # (chunk, microbatch) -> F's (input, output)
+        self._saved: dict[tuple[int, int], tuple] = {}            # (chunk, microbatch) -> F's input, output, sink
         self._deferred: dict[tuple[int, int], WeightGrad] = {}    # (chunk, microbatch) -> W's work, kept by I
         self._losses: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, Any] = {}
@@ -207,9 +211,7 @@ class PipelineRunner:
         if op is Op.FORWARD:
             return self._forward(step, train, with_loss)
         if op is Op.BACKWARD_WEIGHT:
-            deferred = self._deferred.pop(step.action[1:])
-            deferred.run()
-            if deferred.split:  # assigned .grad without autograd hooks: tell the optimizer
+            if self._deferred.pop(step.action[1:]).run():  # assigned .grad without hooks: tell the optimizer
                 self._readiness.collect_grad_sync(self.model.chunk_parameters(step.action.chunk))
             return []
         return self._backward(step, keep_graph=op is Op.BACKWARD_INPUT)
@@ -218,7 +220,8 @@ class PipelineRunner:
         _, chunk, mb = step.action
         model, s = self.model, step.stage
         x = self._inputs[mb] if model.is_first(chunk) else self._received.pop(Message("activation", s - 1, mb))
-        with saved_storages(train and step.send is not None) as saved, self._where(step):
+        sink = WeightSink() if train and self._defer else None
+        with saved_storages(train and step.send is not None) as saved, self._where(step), collecting(sink):
             out = model(x, chunk=chunk)
         if model.is_last(chunk):
             if with_loss:
@@ -229,7 +232,7 @@ class PipelineRunner:
             else:
                 self._outputs[mb] = out
         if train:
-            self._saved[(chunk, mb)] = (x, out)
+            self._saved[(chunk, mb)] = (x, out, sink)
         if step.send:
             self._sent_outputs += [t for t in _tensors(out) if freeable(t, saved)]
             return [(step.send, out)]
@@ -250,7 +253,7 @@ class PipelineRunner:
     def _backward(self, step: Step, keep_graph: bool) -> list:
         _, chunk, mb = step.action
         model, s = self.model, step.stage
-        x, out = self._saved.pop((chunk, mb))
+        x, out, sink = self._saved.pop((chunk, mb))
         if model.is_last(chunk):
             outs, grads = [self._scale(out / self.num_microbatches)], [None]
         else:
@@ -261,9 +264,12 @@ class PipelineRunner:
         leaves = [t for t in _tensors(x) if t.requires_grad]
         if keep_graph:
             weights = [p for p in model.chunk_parameters(chunk) if p.requires_grad]
-            in_grads, self._deferred[(chunk, mb)] = backward_input(outs, grads, leaves, weights)
+            in_grads, self._deferred[(chunk, mb)] = backward_input(outs, grads, leaves, weights, sink)
         else:
-            torch.autograd.backward(outs, grads)
+            with collecting(sink):
+                torch.autograd.backward(outs, grads)
+            if sink is not None and sink.apply():  # a B after a deferring forward (DualPipeV)
+                self._readiness.collect_grad_sync(model.chunk_parameters(chunk))
             in_grads = [t.grad for t in leaves]
         in_grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, in_grads))
         if model.is_first(chunk):

@@ -1,11 +1,20 @@
 """Zero-bubble's split backward: I (the input gradient) now, W (the weight gradients) later.
 
 Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split B into I
-and W. I uses torch's pipelining helper stage_backward_input, which keeps the gradients at the
-weight-using nodes; W then computes only the weight gradients from them
-(stage_backward_weight). On the first stage (its inputs need no gradient) I is empty and W is
-the whole backward. Without those helpers (a private torch module) W re-runs the retained
-graph's backward: exact, at one more backward-input.
+and W. Two ways, picked per (chunk, microbatch):
+
+* deferred (pipe/deferred_linear.py), when the chunk's forward ran Linear layers that kept
+  their weight GEMMs for later: I is the ordinary backward without those GEMMs, W runs them.
+  It costs what B costs, plus the GEMMs' bookkeeping.
+* graph split, for chunks without such layers (tensor-parallel DTensor weights, custom
+  layers): I uses torch's pipelining helper stage_backward_input, which keeps the gradients at
+  the weight-using nodes; W then computes only the weight gradients from them
+  (stage_backward_weight). Exact for any layer, but it walks the graph in Python and makes an
+  autograd call per parameter group every microbatch (twice B's time when the host is the
+  bottleneck). Without those helpers (a private torch module) W re-runs the retained graph's
+  backward: exact, at one more backward-input.
+
+On the first stage (its inputs need no gradient) I is empty and W is the whole backward.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from pipezero.pipe.deferred_linear import WeightSink, collecting
 
 __all__ = ["WeightGrad", "backward_input"]
 
@@ -26,29 +37,41 @@ except ImportError:  # pragma: no cover
 
 @dataclass(frozen=True)
 class WeightGrad:
-    """What W needs, kept by I. `split`: W computes only the weight gradients and assigns
-    .grad without autograd hooks (so the caller tells the optimizer); else W is a backward."""
+    """What W needs, kept by I: torch's parameter groups (`groups`), a backward still to run
+    (`backward`: outputs and their gradients), and the deferred Linear GEMMs (`sink`)."""
 
-    split: bool
-    saved: tuple  # split: (weights, intermediate gradient groups); else (outputs, their gradients)
+    groups: tuple | None = None     # (weights, intermediate gradient groups) for stage_backward_weight
+    backward: tuple | None = None   # (outputs, their gradients)
+    sink: WeightSink | None = None
 
-    def run(self) -> None:
-        if self.split:
-            weights, groups = self.saved
+    def run(self) -> bool:
+        """Compute the weight gradients; True when some .grad was assigned without autograd hooks
+        (the caller then tells the optimizer: GradReadiness.collect_grad_sync)."""
+        if self.groups is not None:
+            weights, groups = self.groups
             _stage_backward_weight(iter(weights), groups)
-        else:
-            torch.autograd.backward(*self.saved)
+        if self.backward is not None:
+            with collecting(self.sink):  # a checkpointed layer's forward re-runs as it first ran
+                torch.autograd.backward(*self.backward)
+        deferred = self.sink.apply() if self.sink is not None else False
+        return self.groups is not None or deferred
 
 
-def backward_input(outs: list, grads: list, leaves: list, weights: list) -> tuple[Sequence, WeightGrad]:
+def backward_input(outs: list, grads: list, leaves: list, weights: list,
+                   sink: WeightSink | None = None) -> tuple[Sequence, WeightGrad]:
     """I: the gradients of `leaves` (the chunk's inputs) now, and what W needs later.
 
-    `weights` are the chunk's parameters that need gradients; `grads` is [None] for a loss.
+    `weights` are the chunk's parameters that need gradients; `grads` is [None] for a loss;
+    `sink` collected the chunk's deferring Linear layers during its forward (or None).
     """
     if not leaves:
-        return (), WeightGrad(False, (outs, grads))
+        return (), WeightGrad(backward=(outs, grads), sink=sink)
+    if sink:  # Linear weight GEMMs wait in the sink; everything else runs now
+        with collecting(sink):
+            torch.autograd.backward(outs, grads)
+        return tuple(t.grad for t in leaves), WeightGrad(sink=sink)
     if _stage_backward_input is not None:
         in_grads, groups = _stage_backward_input(outs, None if grads == [None] else grads, leaves, iter(weights))
-        return in_grads, WeightGrad(True, (weights, groups))
+        return in_grads, WeightGrad(groups=(weights, groups))
     in_grads = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
-    return in_grads, WeightGrad(False, (outs, grads))
+    return in_grads, WeightGrad(backward=(outs, grads))
