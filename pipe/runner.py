@@ -79,7 +79,9 @@ class PipelineRunner:
         self._signature: int | None = None
         self._gathering = chunk_gatherings(optimizer, model, {True: [s.action.chunk for s in self.steps],
                                            False: [s.action.chunk for s in self.forward_steps]}, reshard_after_forward)
-        self._defer = any(s.action.op is Op.BACKWARD_INPUT for s in self.steps) and defer_linear_weights(model) > 0
+        # (chunk, microbatch) whose backward is split: their forwards defer Linear weight GEMMs to W
+        split = {s.action[1:] for s in self.steps if s.action.op is Op.BACKWARD_INPUT}
+        self._split = split if split and defer_linear_weights(model) else set()
 
     # -- public --------------------------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
@@ -220,7 +222,7 @@ class PipelineRunner:
         _, chunk, mb = step.action
         model, s = self.model, step.stage
         x = self._inputs[mb] if model.is_first(chunk) else self._received.pop(Message("activation", s - 1, mb))
-        sink = WeightSink() if train and self._defer else None
+        sink = WeightSink() if train and (chunk, mb) in self._split else None
         with saved_storages(train and step.send is not None) as saved, self._where(step), collecting(sink):
             out = model(x, chunk=chunk)
         if model.is_last(chunk):
@@ -266,10 +268,7 @@ class PipelineRunner:
             weights = [p for p in model.chunk_parameters(chunk) if p.requires_grad]
             in_grads, self._deferred[(chunk, mb)] = backward_input(outs, grads, leaves, weights, sink)
         else:
-            with collecting(sink):
-                torch.autograd.backward(outs, grads)
-            if sink is not None and sink.apply():  # a B after a deferring forward (DualPipeV)
-                self._readiness.collect_grad_sync(model.chunk_parameters(chunk))
+            torch.autograd.backward(outs, grads)
             in_grads = [t.grad for t in leaves]
         in_grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, in_grads))
         if model.is_first(chunk):

@@ -4,17 +4,17 @@ Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split
 and W. Two ways, picked per (chunk, microbatch):
 
 * deferred (pipe/deferred_linear.py), when the chunk's forward ran Linear layers that kept
-  their weight GEMMs for later: I is the ordinary backward without those GEMMs, W runs them.
-  It costs what B costs, plus the GEMMs' bookkeeping.
+  their weight GEMMs for later: I is the ordinary backward without those GEMMs (every other
+  gradient, with its hooks, lands in I; on the first stage too), W runs them. It costs what B
+  costs, plus the GEMMs' bookkeeping.
 * graph split, for chunks without such layers (tensor-parallel DTensor weights, custom
   layers): I uses torch's pipelining helper stage_backward_input, which keeps the gradients at
   the weight-using nodes; W then computes only the weight gradients from them
   (stage_backward_weight). Exact for any layer, but it walks the graph in Python and makes an
   autograd call per parameter group every microbatch (twice B's time when the host is the
   bottleneck). Without those helpers (a private torch module) W re-runs the retained graph's
-  backward: exact, at one more backward-input.
-
-On the first stage (its inputs need no gradient) I is empty and W is the whole backward.
+  backward: exact, at one more backward-input. On the first stage (its inputs need no
+  gradient) I is empty and W is the whole backward.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover
 @dataclass(frozen=True)
 class WeightGrad:
     """What W needs, kept by I: torch's parameter groups (`groups`), a backward still to run
-    (`backward`: outputs and their gradients), and the deferred Linear GEMMs (`sink`)."""
+    (`backward`: outputs and their gradients), or the deferred Linear GEMMs (`sink`)."""
 
     groups: tuple | None = None     # (weights, intermediate gradient groups) for stage_backward_weight
     backward: tuple | None = None   # (outputs, their gradients)
@@ -51,8 +51,7 @@ class WeightGrad:
             weights, groups = self.groups
             _stage_backward_weight(iter(weights), groups)
         if self.backward is not None:
-            with collecting(self.sink):  # a checkpointed layer's forward re-runs as it first ran
-                torch.autograd.backward(*self.backward)
+            torch.autograd.backward(*self.backward)
         deferred = self.sink.apply() if self.sink is not None else False
         return self.groups is not None or deferred
 
@@ -64,12 +63,12 @@ def backward_input(outs: list, grads: list, leaves: list, weights: list,
     `weights` are the chunk's parameters that need gradients; `grads` is [None] for a loss;
     `sink` collected the chunk's deferring Linear layers during its forward (or None).
     """
-    if not leaves:
-        return (), WeightGrad(backward=(outs, grads), sink=sink)
-    if sink:  # Linear weight GEMMs wait in the sink; everything else runs now
-        with collecting(sink):
+    if sink:  # Linear weight GEMMs wait in the sink; everything else runs now, hooks included
+        with collecting(sink):  # a checkpointed layer's forward re-runs as it first ran
             torch.autograd.backward(outs, grads)
         return tuple(t.grad for t in leaves), WeightGrad(sink=sink)
+    if not leaves:
+        return (), WeightGrad(backward=(outs, grads))
     if _stage_backward_input is not None:
         in_grads, groups = _stage_backward_input(outs, None if grads == [None] else grads, leaves, iter(weights))
         return in_grads, WeightGrad(groups=(weights, groups))
