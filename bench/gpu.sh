@@ -2,7 +2,7 @@
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
-#                      profile|trace|smoke|offload|offload-big|offload-test ...]
+#                      profile|trace|smoke|offload|offload-big|offload-test|split-backward ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   offload-test: the offload tests that need CUDA (streams, pinned buffers, parameters off the GPU).
@@ -56,6 +56,8 @@ for w in $what; do
                 run zero3-pipe 480 python3 bench/zero3_pipe.py --device cuda "${gpt[@]}" --batch 32 --microbatches 8 ;;
     pipe) run pipe 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 --steps 5 \
             --partition measured --trace "$out/trace" ;;
+    split-backward) run split-backward 120 python3 bench/split_backward.py --device cuda --layers 6 --d-model 2048 \
+                      --heads 16 --seq 2048 --microbatch 1 2 4 ;;  # zero-bubble's I + W vs B on one chunk
     pipe-bf16) run pipe-bf16 420 python3 bench/pipe.py --device cuda --world 2 "${gpt[@]}" --batch 32 --microbatches 8 \
                  --steps 5 --precision bf16 --partition measured ;;
     tensor) run tensor 270 python3 bench/tensor.py --device cuda "${gpt[@]}" --batch 32 --microbatches 8 ;;
