@@ -84,6 +84,8 @@ class LayerProfile:
     tied: bool = False
     recompute_seconds: float | None = None  # per token, what checkpointing adds to the backward; None: a third
                                             # of `seconds` (one more forward)
+    split_seconds: float | None = None      # per token, forward + backward split into I and W as zero-bubble
+                                            # schedules run it; None: `seconds`
 
     def act_bytes(self, precision: str, tensor: int = 1) -> float:
         """Saved bytes per token on one tensor rank."""
@@ -146,13 +148,15 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
     with torch.device(device):
         checkpointed = _checkpointed(gpt_specs(cfg)[1].build().to(dtype))
         hidden = torch.randn(microbatch, shape.seq_len, shape.d_model, dtype=dtype)
-    embed, block, norm, head, again = (min(t) for t in zip(*(
+        split = _split(gpt_specs(cfg)[1].build().to(dtype))
+    embed, block, norm, head, again, halves = (min(t) for t in zip(*(
         measure_layer_costs(gpt_specs(cfg), tokens, loss_fn=gpt_loss, targets=tokens, dtype=dtype, repeats=repeats)
-        + measure_layer_costs([checkpointed], hidden, repeats=repeats) for _ in range(rounds))))
+        + measure_layer_costs([checkpointed, split], hidden, repeats=repeats) for _ in range(rounds))))
     ms = [embed, *([block] * shape.layers), norm, head]
     per_token = microbatch * shape.seq_len
     recompute = max(0.0, again - block) / 1e3 / per_token
-    return [replace(p, seconds=t / 1e3 / per_token, recompute_seconds=recompute if p.kind == "Block" else None)
+    blocks = dict(recompute_seconds=recompute, split_seconds=halves / 1e3 / per_token)
+    return [replace(p, seconds=t / 1e3 / per_token, **(blocks if p.kind == "Block" else {}))
             for p, t in zip(_layers(shape), ms)]
 
 
@@ -163,6 +167,29 @@ def _checkpointed(block):
     from torch.utils.checkpoint import checkpoint
 
     return lambda h: checkpoint(block, h, use_reentrant=False)
+
+
+def _split(block):
+    """The block as a zero-bubble schedule runs it: forward, then I and W as the pipeline runner
+    splits the backward (pipe/split_backward.py; its Linear layers keep their weight GEMMs for W).
+    Returns a detached output, so measure_layer_costs adds no backward of its own."""
+    import torch
+
+    from pipezero.pipe.deferred_linear import WeightSink, collecting, defer_linear_weights
+    from pipezero.pipe.split_backward import backward_input
+
+    defer_linear_weights(block)
+    weights = [p for p in block.parameters() if p.requires_grad]
+
+    def split_block(h):  # its own name: measure_layer_costs reuses times by name and shapes
+        with torch.enable_grad():
+            h, sink = h.detach().requires_grad_(), WeightSink()
+            with collecting(sink):
+                out = block(h)
+            _, weight_grads = backward_input([out], [torch.ones_like(out)], [h], weights, sink)
+            weight_grads.run()
+        return out.detach()
+    return split_block
 
 
 def total_params(profile: Sequence[LayerProfile]) -> int:

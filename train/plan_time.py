@@ -2,7 +2,9 @@
 
 * compute: each layer's forward + backward seconds per token x the micro-batch's tokens,
   split F : I : W = 1 : 1 : 1 (backward = two matmuls per forward one: input and weight
-  gradients), divided by the tensor degree except for tied layers, which stay whole, plus a
+  gradients; under a schedule that splits backward, I + W is what measure_profile timed the
+  runner's split to cost, which on a GPU at small micro-batches is more than B), divided by
+  the tensor degree except for tied layers, which stay whole, plus a
   fixed launch overhead per layer and action (Hardware.layer_overhead_us), which is what
   makes small micro-batches slower on a GPU;
   checkpointing adds the recompute to the backward: one forward, or what measure_profile
@@ -97,18 +99,23 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
                  precision: str, d_model: int, seq_len: int, p2p: float) -> tuple[Costs, float]:
     tokens = layout.microbatch_size * seq_len
     t = layout.tensor
-    sec = sum(profile[i].seconds / (1 if profile[i].tied else t) for i in layers) * tokens * hw.compute_slowdown
-    third = sec / 3 + len(layers) * hw.layer_overhead_us * 1e-6
+
+    def seconds(per_token) -> float:  # the chunk's layers, tensor-parallel ones split t ways
+        each = sum(per_token(profile[i]) / (1 if profile[i].tied else t) for i in layers)
+        return each * tokens * hw.compute_slowdown
+    sec = seconds(lambda p: p.seconds)
+    split = schedule_entry(layout.schedule).cls.split_backward  # I and W as the runner splits them, measured
+    backward = (seconds(lambda p: p.seconds if p.split_seconds is None else p.split_seconds) if split else sec) - sec / 3
+    launches = len(layers) * hw.layer_overhead_us * 1e-6
     blocks = sum(1 for i in layers if not profile[i].tied and profile[i].flops > 0)
     bw, lat = hw.link(t)
     one = ring_seconds(tokens * d_model * bytes_per_element(precision), t, bw, lat, factor=2.0)
-    fwd, tp = third + 2 * blocks * one, 4 * blocks * one
-    back = third + 2 * blocks * one
+    fwd, tp = sec / 3 + launches + 2 * blocks * one, 4 * blocks * one
+    back, weight = backward / 2 + launches + 2 * blocks * one, backward / 2 + launches
     if layout.checkpoint:  # the recompute: measured, or one more forward
-        again = sum((profile[i].seconds / 3 if profile[i].recompute_seconds is None else profile[i].recompute_seconds)
-                    / (1 if profile[i].tied else t) for i in layers) * tokens * hw.compute_slowdown
-        back += again + len(layers) * hw.layer_overhead_us * 1e-6 + 2 * blocks * one
-    return Costs(forward=fwd, backward_input=back, backward_weight=third, p2p=p2p), tp * layout.microbatches
+        back += seconds(lambda p: p.seconds / 3 if p.recompute_seconds is None else p.recompute_seconds)
+        back += launches + 2 * blocks * one
+    return Costs(forward=fwd, backward_input=back, backward_weight=weight, p2p=p2p), tp * layout.microbatches
 
 
 class Sim(NamedTuple):
