@@ -86,6 +86,8 @@ class LayerProfile:
                                             # of `seconds` (one more forward)
     split_seconds: float | None = None      # per token, forward + backward split into I and W as zero-bubble
                                             # schedules run it; None: `seconds`
+    tensor_overhead: float = 0.0            # seconds per micro-batch (not per token) that tensor parallelism's
+                                            # DTensor dispatch adds to the layer's forward + backward
 
     def act_bytes(self, precision: str, tensor: int = 1) -> float:
         """Saved bytes per token on one tensor rank."""
@@ -155,7 +157,8 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
     ms = [embed, *([block] * shape.layers), norm, head]
     per_token = microbatch * shape.seq_len
     recompute = max(0.0, again - block) / 1e3 / per_token
-    blocks = dict(recompute_seconds=recompute, split_seconds=halves / 1e3 / per_token)
+    blocks = dict(recompute_seconds=recompute, split_seconds=halves / 1e3 / per_token,
+                  tensor_overhead=_tensor_overhead_ms(cfg, dtype, hidden, repeats, rounds) / 1e3)
     return [replace(p, seconds=t / 1e3 / per_token, **(blocks if p.kind == "Block" else {}))
             for p, t in zip(_layers(shape), ms)]
 
@@ -190,6 +193,39 @@ def _split(block):
             weight_grads.run()
         return out.detach()
     return split_block
+
+
+def _tensor_overhead_ms(cfg, dtype, hidden, repeats: int, rounds: int) -> float:
+    """Milliseconds DTensor adds to one block's forward + backward: the block split by its tensor
+    plan over a one-rank mesh (every operator dispatched as under tensor parallelism, each
+    collective over one rank) less the same block whole. On a GPU at small micro-batches this
+    host work, not the kernels, sets a tensor-parallel step's pace (bench/RESULTS.md, plan on 2 x
+    H200). Measured only when this process has no process group of its own (0 otherwise: a
+    one-rank group cannot be made without the other ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    from pipezero.pipe import measure_layer_costs
+
+    if dist.is_initialized():
+        return 0.0
+    from gpt import gpt_specs, gpt_tensor_plan
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    device = hidden.device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1, device_id=device if device.type == "cuda" else None)
+    try:
+        with torch.device(device):
+            whole, split = (gpt_specs(cfg)[1].build().to(dtype) for _ in range(2))
+        parallelize_module(split, DeviceMesh(device.type, [0]), dict(gpt_tensor_plan()(split)))
+        times = [(measure_layer_costs([whole], hidden, repeats=repeats)[0],  # apart: one call would reuse
+                  measure_layer_costs([split], hidden, repeats=repeats)[0]) for _ in range(rounds)]  # a Block's time
+        plain, sharded = (min(t) for t in zip(*times))
+    finally:
+        dist.destroy_process_group()
+    return max(0.0, sharded - plain)
 
 
 def total_params(profile: Sequence[LayerProfile]) -> int:
