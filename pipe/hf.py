@@ -44,7 +44,12 @@ TIED_KEY = "embed"  # TiedLayerSpec key of a tied embedding and LM head
 
 # -- where the weights come from ------------------------------------------------------------
 class _Shards:
-    """Tensors of a checkpoint directory read one at a time by name (model.safetensors or its index)."""
+    """Tensors of a checkpoint directory read one at a time by name (model.safetensors or its index).
+
+    A checkpoint may name a tensor otherwise than the model does (GPT-NeoX's embed_out is its
+    lm_head, old norms' gamma/beta): `adopt_names` renames them as from_pretrained does, with
+    transformers' own renaming rules for the model.
+    """
 
     def __init__(self, directory: Path):
         index = directory / "model.safetensors.index.json"
@@ -59,6 +64,16 @@ class _Shards:
         else:
             raise ValueError(f"{directory} holds no model.safetensors nor model.safetensors.index.json; "
                              "save the model with save_pretrained(dir) (safetensors is its default)")
+        self.stored = {name: name for name in self.files}  # the model's name -> the checkpoint's
+
+    def adopt_names(self, meta: nn.Module) -> None:
+        """Key the tensors by the model's names, renamed by transformers' rules for this model."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+        renamings = [t for t in get_model_conversion_mapping(meta) if isinstance(t, WeightRenaming)]
+        self.stored = {apply_renamings(name, renamings): name for name in self.files}
+        self.files = {name: self.files[stored] for name, stored in self.stored.items()}
 
     def get(self, name: str) -> torch.Tensor | None:
         from safetensors import safe_open
@@ -66,7 +81,7 @@ class _Shards:
         if name not in self.files:
             return None
         with safe_open(str(self.files[name]), "pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(self.stored[name])
 
 
 class _Tensors:
@@ -94,6 +109,9 @@ class _Model:
         parts = _base_parts(self.meta, self.embed, self.config)
         self.layers, self.norm, self.positions, self.rotary, self.drop = parts
         _check_structure(self)
+        if isinstance(weights, _Shards):
+            weights.adopt_names(self.meta)
+            _check_names(self.meta, weights)
         self.embed_scale = getattr(self.embed, "scalar_embed_scale", None)
         self.embed_multiplier = getattr(self.config, "embedding_multiplier", None)
         self.layer_nones = _layer_nones(self)
@@ -159,7 +177,7 @@ def _base_parts(meta: nn.Module, embed: nn.Module, config: Any) -> tuple:
         elif "RotaryEmbedding" in type(child).__name__:
             rotary = child
         elif "Norm" in type(child).__name__:  # OLMo's final LayerNorm has no parameters
-            norms.append(child)
+            norms.append((name, child))
         else:
             other.append(f"{name} ({type(child).__name__})")
     if len(layers) != 1 or len(norms) != 1 or other:
@@ -167,9 +185,10 @@ def _base_parts(meta: nn.Module, embed: nn.Module, config: Any) -> tuple:
             f"hf_layer_specs: {type(meta).__name__} is not the decoder structure it reads: expected the module "
             f"holding its token embedding ({type(base).__name__}) to hold one ModuleList of num_hidden_layers="
             f"{config.num_hidden_layers} decoder layers, one final norm, optionally learned positions (a plain "
-            f"nn.Embedding), dropout and a rotary embedding; found {len(layers)} layer lists, {len(norms)} norms"
+            f"nn.Embedding), dropout and a rotary embedding; found {len(layers)} layer lists, norms "
+            f"{[name for name, _ in norms]}"
             + (f" and unrecognised {other}" if other else ""))
-    return layers[0], norms[0], positions, rotary, drop
+    return layers[0], norms[0][1], positions, rotary, drop
 
 
 def _check_structure(model: _Model) -> None:
@@ -188,6 +207,17 @@ def _check_structure(model: _Model) -> None:
     if model.head is None or type(model.head) is not nn.Linear:
         raise ValueError(f"hf_layer_specs: {name}'s output embedding is {type(model.head).__name__}; expected an "
                          "nn.Linear lm_head (is this a causal LM?)")
+
+
+def _check_names(meta: nn.Module, shards: _Shards) -> None:
+    """Every parameter's name is in the checkpoint, checked before any layer is built (no rank can hang)."""
+    missing = [name for name, _ in meta.named_parameters() if name not in shards.files]
+    if missing:
+        extra = sorted(set(shards.files) - set(meta.state_dict()))
+        raise ValueError(f"hf_layer_specs: the checkpoint lacks {len(missing)} tensors of {type(meta).__name__}, e.g. "
+                         f"{missing[:2]}, and holds others, e.g. {extra[:2]}: transformers stores some families' "
+                         "weights under other names (MoE experts one per expert) and converts them in "
+                         "from_pretrained; pass the model loaded with from_pretrained instead of the directory")
 
 
 def _layer_nones(model: _Model) -> dict[str, None]:
