@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipezero.comm import is_replica
+from pipezero.pipe.hf_weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 from pipezero.pipe.tensor_parallel import ColwiseHeads, TensorPlan
 
@@ -42,62 +42,11 @@ __all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions
 TIED_KEY = "embed"  # TiedLayerSpec key of a tied embedding and LM head
 
 
-# -- where the weights come from ------------------------------------------------------------
-class _Shards:
-    """Tensors of a checkpoint directory read one at a time by name (model.safetensors or its index).
-
-    A checkpoint may name a tensor otherwise than the model does (GPT-NeoX's embed_out is its
-    lm_head, old norms' gamma/beta): `adopt_names` renames them as from_pretrained does, with
-    transformers' own renaming rules for the model.
-    """
-
-    def __init__(self, directory: Path):
-        index = directory / "model.safetensors.index.json"
-        if index.exists():
-            files = json.loads(index.read_text())["weight_map"]
-            self.files = {name: directory / f for name, f in files.items()}
-        elif (directory / "model.safetensors").exists():
-            from safetensors import safe_open
-
-            with safe_open(str(directory / "model.safetensors"), "pt") as f:
-                self.files = {name: directory / "model.safetensors" for name in f.keys()}
-        else:
-            raise ValueError(f"{directory} holds no model.safetensors nor model.safetensors.index.json; "
-                             "save the model with save_pretrained(dir) (safetensors is its default)")
-        self.stored = {name: name for name in self.files}  # the model's name -> the checkpoint's
-
-    def adopt_names(self, meta: nn.Module) -> None:
-        """Key the tensors by the model's names, renamed by transformers' rules for this model."""
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, apply_renamings
-
-        renamings = [t for t in get_model_conversion_mapping(meta) if isinstance(t, WeightRenaming)]
-        self.stored = {apply_renamings(name, renamings): name for name in self.files}
-        self.files = {name: self.files[stored] for name, stored in self.stored.items()}
-
-    def get(self, name: str) -> torch.Tensor | None:
-        from safetensors import safe_open
-
-        if name not in self.files:
-            return None
-        with safe_open(str(self.files[name]), "pt") as f:
-            return f.get_tensor(self.stored[name])
-
-
-class _Tensors:
-    """Tensors of a model already in memory, by name."""
-
-    def __init__(self, model: nn.Module):
-        self.state = model.state_dict()
-
-    def get(self, name: str) -> torch.Tensor | None:
-        return self.state.get(name)
-
-
+# -- the structure ---------------------------------------------------------------------------
 class _Model:
     """What the specs share: the config, a meta copy of the whole model, the names, the weights."""
 
-    def __init__(self, config: Any, weights: _Shards | _Tensors | None):
+    def __init__(self, config: Any, weights: CheckpointTensors | ModelTensors | None):
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
@@ -109,7 +58,7 @@ class _Model:
         parts = _base_parts(self.meta, self.embed, self.config)
         self.layers, self.norm, self.positions, self.rotary, self.drop = parts
         _check_structure(self)
-        if isinstance(weights, _Shards):
+        if isinstance(weights, CheckpointTensors):
             weights.adopt_names(self.meta)
             _check_names(self.meta, weights)
         self.embed_scale = getattr(self.embed, "scalar_embed_scale", None)
@@ -209,15 +158,16 @@ def _check_structure(model: _Model) -> None:
                          "nn.Linear lm_head (is this a causal LM?)")
 
 
-def _check_names(meta: nn.Module, shards: _Shards) -> None:
+def _check_names(meta: nn.Module, shards: CheckpointTensors) -> None:
     """Every parameter's name is in the checkpoint, checked before any layer is built (no rank can hang)."""
-    missing = [name for name, _ in meta.named_parameters() if name not in shards.files]
+    held = shards.names()
+    missing = [name for name, _ in meta.named_parameters() if name not in held]
     if missing:
-        extra = sorted(set(shards.files) - set(meta.state_dict()))
+        extra = sorted(held - set(meta.state_dict()))
         raise ValueError(f"hf_layer_specs: the checkpoint lacks {len(missing)} tensors of {type(meta).__name__}, e.g. "
-                         f"{missing[:2]}, and holds others, e.g. {extra[:2]}: transformers stores some families' "
-                         "weights under other names (MoE experts one per expert) and converts them in "
-                         "from_pretrained; pass the model loaded with from_pretrained instead of the directory")
+                         f"{missing[:2]}, and holds others, e.g. {extra[:2]}, that transformers' renaming rules for "
+                         "the model do not map onto them; expected a directory written by save_pretrained for this "
+                         "config (or pass the model loaded with from_pretrained)")
 
 
 def _layer_nones(model: _Model) -> dict[str, None]:
@@ -238,7 +188,7 @@ def _layer_nones(model: _Model) -> dict[str, None]:
     return nones
 
 
-def _source(source: Any) -> tuple[Any, _Shards | _Tensors | None]:
+def _source(source: Any) -> tuple[Any, CheckpointTensors | ModelTensors | None]:
     """(config, weights) of a directory, a PreTrainedModel or a config."""
     from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
@@ -247,9 +197,9 @@ def _source(source: Any) -> tuple[Any, _Shards | _Tensors | None]:
         if not (directory / "config.json").exists():
             raise ValueError(f"hf_layer_specs({str(source)!r}): no config.json there; pass a directory written by "
                              "save_pretrained, a PreTrainedModel or a PretrainedConfig")
-        return AutoConfig.from_pretrained(directory), _Shards(directory)
+        return AutoConfig.from_pretrained(directory), CheckpointTensors(directory)
     if isinstance(source, PreTrainedModel):
-        return source.config, _Tensors(source)
+        return source.config, ModelTensors(source)
     if isinstance(source, PretrainedConfig):
         return source, None
     raise TypeError(f"hf_layer_specs({source!r}): expected a checkpoint directory, a PreTrainedModel or a "

@@ -7,10 +7,10 @@ logit multipliers, Cohere's logit scale, Gemma 3 / OLMo 3's per-layer-kind rotar
 chunked attention mask, OLMo's norm without parameters, Falcon's alibi=None argument,
 Apertus' persistent buffers, Phi's LM-head bias beside a tied weight, MoE experts. The truth
 is transformers' model itself (tiny random config, every weight perturbed so no norm is one
-and no bias zero): the pipeline (pipe=1, built from the save_pretrained directory, or from the
-model where transformers renames the experts on save) must give its logits, with and without
-a padding mask, its loss and gradients for one step and its parameters after an AdamW step,
-under the model's own names (fp32, ~1e-5); the exported directory must load with
+and no bias zero): the pipeline (pipe=1, built from the save_pretrained directory, where
+transformers renames GPT-NeoX's head and stores MoE experts one by one) must give its logits,
+with and without a padding mask, its loss and gradients for one step and its parameters after
+an AdamW step, under the model's own names (fp32, ~1e-5); the exported directory must load with
 from_pretrained and give the pipeline's logits. Structures it does not read are a ValueError
 from hf_layer_specs itself, before any process group is touched.
 """
@@ -29,27 +29,27 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidde
                eos_token_id=2)
 _MIXED = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])  # window shorter than SEQ
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
-FAMILIES = {  # model_type: (config fields, tie_word_embeddings, whether save_pretrained renames the weights)
-    "gemma": ({}, True, False),                                        # embedding * sqrt(hidden)
-    "gemma2": (dict(sliding_window=4, final_logit_softcapping=3.0), True, False),
-    "gemma3_text": (dict(_MIXED, final_logit_softcapping=3.0), False, False),  # rotary per layer kind
+FAMILIES = {  # model_type: (config fields, tie_word_embeddings)
+    "gemma": ({}, True),                                     # embedding * sqrt(hidden)
+    "gemma2": (dict(sliding_window=4, final_logit_softcapping=3.0), True),
+    "gemma3_text": (dict(_MIXED, final_logit_softcapping=3.0), False),  # rotary per layer kind
     "granite": (dict(embedding_multiplier=3.0, logits_scaling=2.0, residual_multiplier=0.5,
-                     attention_multiplier=0.3), False, False),
-    "cohere": (dict(logit_scale=0.5), True, False),
-    "olmo": ({}, False, False),                                        # final LayerNorm without parameters
-    "olmo3": (_MIXED, False, False),
-    "falcon": (dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None), False, False),  # alibi=None
-    "llama4_text": (dict(_MOE, attention_chunk_size=4, intermediate_size_mlp=64), False, True),  # chunked mask
-    "apertus": ({}, False, False),                                     # xIELU's persistent buffers
-    "phi": (dict(partial_rotary_factor=0.5), True, False),            # lm_head.bias beside the tied weight
-    "qwen3": ({}, True, False),
-    "phi3": ({}, False, False),
-    "gpt_neox": (dict(rotary_pct=0.5), False, False),
-    "starcoder2": (dict(sliding_window=4), True, False),
-    "mixtral": (_MOE, False, True),
+                     attention_multiplier=0.3), False),
+    "cohere": (dict(logit_scale=0.5), True),
+    "olmo": ({}, False),                                     # final LayerNorm without parameters
+    "olmo3": (_MIXED, False),
+    "falcon": (dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None), False),  # alibi=None
+    "llama4_text": (dict(_MOE, attention_chunk_size=4, intermediate_size_mlp=64), False),  # chunked mask
+    "apertus": ({}, False),                                  # xIELU's persistent buffers
+    "phi": (dict(partial_rotary_factor=0.5), True),          # lm_head.bias beside the tied weight
+    "qwen3": ({}, True),
+    "phi3": ({}, False),
+    "gpt_neox": (dict(rotary_pct=0.5), False),
+    "starcoder2": (dict(sliding_window=4), True),
+    "mixtral": (_MOE, False),                                # experts stored one by one
     "deepseek_v3": (dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                         n_group=1, topk_group=1, num_key_value_heads=4, head_dim=None), False, True),
+                         n_group=1, topk_group=1, num_key_value_heads=4, head_dim=None), False),
 }
 
 
@@ -64,7 +64,7 @@ def _config(family: str, fields: dict, tie: bool):
 
 
 def _model(family: str):
-    fields, tie, _ = FAMILIES[family]
+    fields, tie = FAMILIES[family]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(family, fields, tie))
     with torch.no_grad():
@@ -91,8 +91,7 @@ def _pipeline(family: str, root: str):
 
     model = _model(family)
     model.save_pretrained(f"{root}/{family}")
-    source = model if FAMILIES[family][2] else f"{root}/{family}"
-    pipe = PipelineModule(hf_layer_specs(source), grid=Grid(pipe=1), loss_fn=causal_lm_loss)
+    pipe = PipelineModule(hf_layer_specs(f"{root}/{family}"), grid=Grid(pipe=1), loss_fn=causal_lm_loss)
     ids, mask, targets = _batch()
     with torch.no_grad():
         logits, masked = pipe(ids), pipe((ids, mask))
@@ -158,7 +157,9 @@ def test_unsupported_structure_is_named(family):
         hf_layer_specs(_config(family, fields, False))
 
 
-def test_checkpoint_with_renamed_experts_is_named(tmp_path):
-    _model("mixtral").save_pretrained(tmp_path)  # transformers writes each expert's weights apart
-    with pytest.raises(ValueError, match=r"lacks 4 tensors .*experts.gate_up_proj.*pass the model loaded with"):
+def test_checkpoint_without_the_models_tensors_is_named(tmp_path):
+    _model("mixtral").save_pretrained(tmp_path)
+    qwen3 = _config("qwen3", {}, False)  # a config whose model holds other tensors than the checkpoint
+    qwen3.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"lacks \d+ tensors .*q_norm.*do not map onto them; expected a directory"):
         hf_layer_specs(str(tmp_path))
