@@ -308,19 +308,23 @@ def test_adam_means_adamw_unless_adam_w_mode_false():
     assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (0.01, (0.8, 0.9), 1e-6, 0.5)
 
 
-def test_lr_schedules_match_their_formulas():
+def test_lr_schedules_run_step_s_at_iteration_s_minus_1():
+    """DeepSpeed's convention (test_config_deepspeed.py checks it against its classes): the first two
+    optimizer steps run at the start value, then the ramp; WarmupDecayLR decays to warmup_min_lr."""
     lin = SchedulerConfig(type=SchedulerType.WARMUP_LR, warmup_num_steps=4, warmup_type=WarmupType.LINEAR,
                           warmup_min_lr=0.0, warmup_max_lr=1.0)
-    assert [lr_at(lin, s, 9.0) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert [lr_at(lin, s, 9.0) for s in range(7)] == [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     log = SchedulerConfig(type=SchedulerType.WARMUP_LR, warmup_num_steps=8, warmup_max_lr=2.0)
-    assert lr_at(log, 3, 0.0) == pytest.approx(2.0 * math.log(4) / math.log(8))
+    assert lr_at(log, 4, 0.0) == pytest.approx(2.0 * math.log(4) / math.log(8))
     decay = SchedulerConfig(type=SchedulerType.WARMUP_DECAY_LR, warmup_num_steps=2, total_num_steps=6,
-                            warmup_type=WarmupType.LINEAR, warmup_max_lr=1.0)
-    assert [lr_at(decay, s, 0.0) for s in range(8)] == [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+                            warmup_type=WarmupType.LINEAR, warmup_min_lr=0.2, warmup_max_lr=1.0)
+    assert [lr_at(decay, s, 0.0) for s in range(9)] == pytest.approx(
+        [0.2, 0.2, 0.6, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2])
     cos = SchedulerConfig(type=SchedulerType.WARMUP_COSINE_LR, warmup_num_steps=2, total_num_steps=6,
                           warmup_type=WarmupType.LINEAR, warmup_min_ratio=0.5, cos_min_ratio=0.1)
-    got = [lr_at(cos, s, 2.0) for s in (0, 1, 2, 4, 6, 9)]
-    assert got == pytest.approx([1.0, 1.5, 2.0, 2.0 * (0.1 + 0.9 * 0.5), 0.2, 0.2])
+    ratio = lambda progress: 0.1 + 0.9 * (1 + math.cos(math.pi * progress)) / 2  # noqa: E731
+    got = [lr_at(cos, s, 2.0) for s in (0, 1, 2, 3, 5, 7, 10)]
+    assert got == pytest.approx([0.0, 1.0, 1.5, 2.0 * ratio(0.25), 2.0 * ratio(0.75), 0.2, 0.2])
 
 
 def test_scheduler_drives_the_optimizer_and_resumes():

@@ -139,3 +139,43 @@ def test_corpus_config_resolves_as_deepspeed(path):
         assert "is not supported by pipezero" in str(err), f"{path.name}: DeepSpeed accepts it, pipezero: {err}"
         return
     assert ours == _theirs(ds)
+
+
+SCHEDULES = [
+    {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 5}},
+    {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 4, "warmup_type": "linear"}},
+    {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 3,
+                                         "total_num_steps": 9, "warmup_type": "linear"}},
+    {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 4, "total_num_steps": 8}},
+    {"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.1, "warmup_num_steps": 3, "total_num_steps": 9,
+                                          "cos_min_ratio": 0.05, "warmup_type": "linear"}},
+    {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 4, "total_num_steps": 10}},
+]
+
+
+def _lrs(scheduler, optimizer, steps: int) -> list[float]:
+    """The lr each optimizer step runs at, the scheduler stepped after each (as DeepSpeed's engine does)."""
+    seen = []
+    for _ in range(steps):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return seen
+
+
+@pytest.mark.parametrize("section", SCHEDULES, ids=lambda s: f"{s['type']}-{'-'.join(map(str, s['params'].values()))}")
+def test_lr_schedules_equal_deepspeeds_own(section):
+    """Each optimizer step's lr, from pipezero's scheduler and from DeepSpeed's class of that name
+    built as its engine builds it (the section's params as keyword arguments)."""
+    from deepspeed.runtime import lr_schedules
+
+    from pipezero.train.config_optim import build_optimizer, build_scheduler
+
+    def optimizer():
+        return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.03)
+    cfg = parse_config({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.03}},
+                        "scheduler": section})
+    ours = build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(1))])
+    theirs = optimizer()
+    expected = _lrs(getattr(lr_schedules, section["type"])(theirs, **section["params"]), theirs, 12)
+    assert _lrs(build_scheduler(cfg.scheduler, ours), ours, 12) == pytest.approx(expected, abs=1e-12)

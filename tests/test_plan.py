@@ -303,3 +303,44 @@ def test_checkpointing_adds_the_measured_recompute_to_the_backward():
         hw = replace(HW, layer_overhead_us=0.0)
         ck = predict(profile, layout, hw, SMALL, "bf16").time.pipeline
         assert ck - predict(profile, plain, hw, SMALL, "bf16").time.pipeline == pytest.approx(added, rel=1e-6)
+
+
+def test_a_split_schedule_pays_what_the_runners_split_measured():
+    """ZB-V at micro-batch 1 on 2 H200s ran at twice 1F1B while the planner assumed I + W = B:
+    under a split schedule I and W take measure_profile's split time, other schedules B's."""
+    from pipezero.train.plan_time import simulate_layout
+
+    zbv, one_f_one_b = Layout(2, 1, 1, "zbv", 2, 8, 1, 0), Layout(2, 1, 1, "1f1b", 1, 8, 1, 0)
+    hw = replace(HW, layer_overhead_us=0.0)
+    extra = sum(p.seconds for p in PROFILE if p.kind == "Block") * 8 * SMALL.seq_len  # twice F + B: one more
+
+    def busy(layout, factor):
+        profile = [replace(p, split_seconds=factor * p.seconds) if p.kind == "Block" else p for p in PROFILE]
+        return sum(simulate_layout(profile, layout, hw, "bf16", SMALL.d_model, SMALL.seq_len)[0].busy.values())
+    assert busy(zbv, 2.0) - busy(zbv, 1.0) == pytest.approx(extra, rel=1e-6)
+    assert busy(one_f_one_b, 2.0) == busy(one_f_one_b, 1.0)
+
+
+def test_measured_profile_times_the_split_backward():
+    from pipezero.train.plan_model import measure_profile
+
+    profile = measure_profile(ModelShape(layers=2, d_model=32, heads=2, seq_len=16, vocab=64), microbatch=1, rounds=1)
+    assert all(p.split_seconds > 0 and p.tensor_overhead > 0 for p in profile if p.kind == "Block")
+    assert all(p.split_seconds is None and p.tensor_overhead == 0 for p in profile if p.kind != "Block")
+
+
+def test_tensor_parallel_layouts_pay_dtensor_dispatch_per_block_and_microbatch():
+    """Tensor 2 on 2 H200s ran 8x its prediction, CPU-bound on DTensor's dispatch (~30 operators
+    per block): a fixed cost per block and micro-batch that neither the micro-batch nor the
+    tensor degree shrinks."""
+    from pipezero.train.plan_time import simulate_layout
+
+    tp2, tp1 = Layout(1, 1, 2, "1f1b", 1, 8, 1, 0), Layout(1, 1, 1, "1f1b", 1, 8, 1, 0)
+    hw = replace(HW, layer_overhead_us=0.0)
+    blocks = sum(1 for p in PROFILE if p.kind == "Block")
+
+    def busy(layout, overhead):
+        profile = [replace(p, tensor_overhead=overhead) if p.kind == "Block" else p for p in PROFILE]
+        return sum(simulate_layout(profile, layout, hw, "bf16", SMALL.d_model, SMALL.seq_len)[0].busy.values())
+    assert busy(tp2, 1e-3) - busy(tp2, 0.0) == pytest.approx(8 * blocks * 1e-3, rel=1e-6)
+    assert busy(tp1, 1e-3) == busy(tp1, 0.0)

@@ -30,7 +30,7 @@ def _config(pipe: int, zero: int = 2, bf16: bool = False) -> dict:
     return {"bf16": {"enabled": bf16}, "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": MICRO,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 3e-3,
-                                                         "warmup_type": "linear"}},
+                                                         "warmup_min_lr": 3e-4, "warmup_type": "linear"}},
             "zero_optimization": {"stage": zero}, "pipeline": {"stages": pipe}}
 
 

@@ -2,11 +2,15 @@
 
 Facts kept from DeepSpeed so its users' configs mean the same here: optimizer "Adam" has
 `adam_w_mode` true by default, i.e. decoupled weight decay (AdamW) unless it is set false;
-WarmupLR ramps from warmup_min_lr to warmup_max_lr over warmup_num_steps ("log" ramp:
-log(step+1)/log(n), "linear": step/n) and then stays there; WarmupDecayLR then decays linearly
-to 0 at total_num_steps; WarmupCosineLR multiplies the optimizer's lr by a ratio that ramps
-from warmup_min_ratio to 1 and then follows a cosine down to cos_min_ratio at total_num_steps
-(Loshchilov & Hutter, SGDR, arXiv:1608.03983).
+WarmupLR ramps from warmup_min_lr to warmup_max_lr over warmup_num_steps iterations ("log"
+ramp: log(i+1)/log(n), "linear": i/n) and then stays there; WarmupDecayLR then decays linearly
+from warmup_min_lr + delta to warmup_min_lr at total_num_steps (gamma (total - i)/(total - n));
+WarmupCosineLR multiplies the optimizer's lr by a ratio that ramps from warmup_min_ratio to 1
+and then follows a cosine down to cos_min_ratio at total_num_steps (Loshchilov & Hutter, SGDR,
+arXiv:1608.03983). DeepSpeed's engine builds its scheduler at iteration -1 (warmup_min_lr, or
+ratio 0 for the cosine) and steps it after each optimizer step, so optimizer step s (from 0)
+runs at iteration s - 1: the first two steps both run at the start value. tests/test_config_
+deepspeed.py checks every schedule against DeepSpeed's own classes.
 """
 
 from __future__ import annotations
@@ -147,30 +151,32 @@ class SchedulerConfig:
         return cls(type=kind, **common, **extra)
 
 
-def _warmup_gamma(step: int, n: int, kind: WarmupType) -> float:
-    """Fraction of the warm-up done after `step` steps (1.0 once warm-up is over)."""
-    if step >= n:
+def _warmup_gamma(i: int, n: int, kind: WarmupType) -> float:
+    """Fraction of the warm-up done at iteration i (1.0 once warm-up is over)."""
+    if i >= n:
         return 1.0
     if kind is WarmupType.LOG:
-        return math.log(step + 1) / math.log(max(2, n))
-    return step / n
+        return math.log(i + 1) / math.log(max(2, n))
+    return i / n
 
 
 def lr_at(cfg: SchedulerConfig, step: int, base_lr: float) -> float:
-    """The learning rate at optimizer step `step` (0-based) for an optimizer whose lr is base_lr."""
-    gamma = _warmup_gamma(step, cfg.warmup_num_steps, cfg.warmup_type)
-    if cfg.type is SchedulerType.WARMUP_COSINE_LR:
-        if step < cfg.warmup_num_steps:
+    """The learning rate of optimizer step `step` (0-based) for an optimizer whose lr is base_lr,
+    as DeepSpeed's engine sets it: at scheduler iteration step - 1 (see the module docstring)."""
+    i, n = step - 1, cfg.warmup_num_steps
+    cosine = cfg.type is SchedulerType.WARMUP_COSINE_LR
+    if i < 0:  # the scheduler has not stepped yet
+        return 0.0 if cosine else cfg.warmup_min_lr
+    gamma = _warmup_gamma(i, n, cfg.warmup_type)
+    if cosine:
+        if i < n:
             return base_lr * (cfg.warmup_min_ratio + (1.0 - cfg.warmup_min_ratio) * gamma)
-        span = max(1, cfg.total_num_steps - cfg.warmup_num_steps)
-        progress = min(1.0, (step - cfg.warmup_num_steps) / span)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return base_lr * (cfg.cos_min_ratio + (1.0 - cfg.cos_min_ratio) * cosine)
-    lr = cfg.warmup_min_lr + (cfg.warmup_max_lr - cfg.warmup_min_lr) * gamma
-    if cfg.type is SchedulerType.WARMUP_DECAY_LR and step >= cfg.warmup_num_steps:
-        span = max(1, cfg.total_num_steps - cfg.warmup_num_steps)
-        lr *= max(0.0, (cfg.total_num_steps - step) / span)
-    return lr
+        progress = min(1.0, (i - n + 1) / max(1, cfg.total_num_steps - n))
+        cosine_ratio = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return base_lr * max(0.0, cfg.cos_min_ratio + (1.0 - cfg.cos_min_ratio) * cosine_ratio)
+    if cfg.type is SchedulerType.WARMUP_DECAY_LR and i >= n:
+        gamma = max(0.0, (cfg.total_num_steps - i) / max(1, cfg.total_num_steps - n))
+    return cfg.warmup_min_lr + (cfg.warmup_max_lr - cfg.warmup_min_lr) * gamma
 
 
 def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter] | Iterable[dict]

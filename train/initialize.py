@@ -1,10 +1,14 @@
 """A DeepSpeed-shaped entry point for migrating a loop: `initialize(model=..., config=...)`.
 
 A DeepSpeed user's loop is `engine, optimizer, _, scheduler = deepspeed.initialize(...)`, then
-`engine(x)`, `engine.backward(loss)`, `engine.step()`. Here `initialize` returns the same four
-things, where the engine is a thin view of the explicit parts (`engine.parts`): calling it runs
-the model, `backward` scales the loss through the optimizer chain, `step` steps the chain and
-the LR schedule and clears the gradients. Nothing else lives in it; for pipelines use
+`engine(x)`, `engine.backward(loss)`, `engine.step()` once per micro-batch. Here `initialize`
+returns the same four things, where the engine is a thin view of the explicit parts
+(`engine.parts`): calling it runs the model, `backward` scales the loss through the optimizer
+chain, `step` steps the chain and the LR schedule and clears the gradients. With
+gradient_accumulation_steps = k, as in DeepSpeed's engine, `backward` divides the loss by k and
+`step` steps only every k-th call (the accumulation boundary; the calls between only count);
+ZeRO stages 0-1 reduce the gradients once, at the boundary (no_sync before it), stages 2-3 on
+every backward, as DeepSpeed's do. Nothing else lives in it; for pipelines use
 `build(config, specs=...)` and the runner directly, or compose the parts by hand as
 examples/train_gpt.py does.
 """
@@ -12,6 +16,7 @@ examples/train_gpt.py does.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -27,25 +32,49 @@ __all__ = ["Engine", "initialize"]
 
 
 class Engine:
-    """`engine(x)` = `parts.module(x)`; `backward(loss)`; `step()` -> False when skipped (inf/nan)."""
+    """`engine(x)` = `parts.module(x)`; `backward(loss)` and `step()` once per micro-batch.
+
+    `micro_steps` counts step() calls, `global_steps` the optimizer steps taken (skipped ones included).
+    """
 
     def __init__(self, parts: Parts):
         self.parts = parts
         self.module, self.optimizer, self.lr_scheduler = parts.module, parts.optimizer, parts.scheduler
+        self.micro_steps = self.global_steps = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Scale the loss (fp16) and run backward; ZeRO reduces gradients as they become ready."""
-        self.optimizer.backward(loss)
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (ds_config's gradient_accumulation_steps)."""
+        return self.parts.config.batch.accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next step() steps the optimizer (the last micro-batch of an accumulation)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Divide the loss by the accumulation steps, scale it (fp16) and run backward; returns the
+        divided loss. Before the boundary, stages 0-1 keep the gradients local (reduced once, then)."""
+        steps = self.gradient_accumulation_steps()
+        if steps > 1:
+            loss = loss / steps
+        local = not self.is_gradient_accumulation_boundary() and self.parts.config.zero.stage <= 1
+        with self.optimizer.no_sync() if local else nullcontext():
+            self.optimizer.backward(loss)
+        return loss
 
     def step(self) -> bool:
-        """Step the optimizer chain and the LR schedule, then clear the gradients."""
-        stepped = self.optimizer.step()
-        if stepped and self.lr_scheduler is not None:  # a skipped step leaves the lr where it is
-            self.lr_scheduler.step()
-        self.optimizer.zero_grad()
+        """At the accumulation boundary step the optimizer chain and the LR schedule, then clear the
+        gradients; True when the optimizer stepped (False: not a boundary, or an inf/nan skip)."""
+        stepped = False
+        if self.is_gradient_accumulation_boundary():
+            stepped = self.optimizer.step()
+            if stepped and self.lr_scheduler is not None:  # a skipped step leaves the lr where it is
+                self.lr_scheduler.step()
+            self.optimizer.zero_grad()
+            self.global_steps += 1
+        self.micro_steps += 1
         return stepped
 
     def train(self, mode: bool = True) -> "Engine":

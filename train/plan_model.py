@@ -84,6 +84,10 @@ class LayerProfile:
     tied: bool = False
     recompute_seconds: float | None = None  # per token, what checkpointing adds to the backward; None: a third
                                             # of `seconds` (one more forward)
+    split_seconds: float | None = None      # per token, forward + backward split into I and W as zero-bubble
+                                            # schedules run it; None: `seconds`
+    tensor_overhead: float = 0.0            # seconds per micro-batch (not per token) that tensor parallelism's
+                                            # DTensor dispatch adds to the layer's forward + backward
 
     def act_bytes(self, precision: str, tensor: int = 1) -> float:
         """Saved bytes per token on one tensor rank."""
@@ -146,13 +150,16 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
     with torch.device(device):
         checkpointed = _checkpointed(gpt_specs(cfg)[1].build().to(dtype))
         hidden = torch.randn(microbatch, shape.seq_len, shape.d_model, dtype=dtype)
-    embed, block, norm, head, again = (min(t) for t in zip(*(
+        split = _split(gpt_specs(cfg)[1].build().to(dtype))
+    embed, block, norm, head, again, halves = (min(t) for t in zip(*(
         measure_layer_costs(gpt_specs(cfg), tokens, loss_fn=gpt_loss, targets=tokens, dtype=dtype, repeats=repeats)
-        + measure_layer_costs([checkpointed], hidden, repeats=repeats) for _ in range(rounds))))
+        + measure_layer_costs([checkpointed, split], hidden, repeats=repeats) for _ in range(rounds))))
     ms = [embed, *([block] * shape.layers), norm, head]
     per_token = microbatch * shape.seq_len
     recompute = max(0.0, again - block) / 1e3 / per_token
-    return [replace(p, seconds=t / 1e3 / per_token, recompute_seconds=recompute if p.kind == "Block" else None)
+    blocks = dict(recompute_seconds=recompute, split_seconds=halves / 1e3 / per_token,
+                  tensor_overhead=_tensor_overhead_ms(cfg, dtype, hidden, repeats, rounds) / 1e3)
+    return [replace(p, seconds=t / 1e3 / per_token, **(blocks if p.kind == "Block" else {}))
             for p, t in zip(_layers(shape), ms)]
 
 
@@ -163,6 +170,62 @@ def _checkpointed(block):
     from torch.utils.checkpoint import checkpoint
 
     return lambda h: checkpoint(block, h, use_reentrant=False)
+
+
+def _split(block):
+    """The block as a zero-bubble schedule runs it: forward, then I and W as the pipeline runner
+    splits the backward (pipe/split_backward.py; its Linear layers keep their weight GEMMs for W).
+    Returns a detached output, so measure_layer_costs adds no backward of its own."""
+    import torch
+
+    from pipezero.pipe.deferred_linear import WeightSink, collecting, defer_linear_weights
+    from pipezero.pipe.split_backward import backward_input
+
+    defer_linear_weights(block)
+    weights = [p for p in block.parameters() if p.requires_grad]
+
+    def split_block(h):  # its own name: measure_layer_costs reuses times by name and shapes
+        with torch.enable_grad():
+            h, sink = h.detach().requires_grad_(), WeightSink()
+            with collecting(sink):
+                out = block(h)
+            _, weight_grads = backward_input([out], [torch.ones_like(out)], [h], weights, sink)
+            weight_grads.run()
+        return out.detach()
+    return split_block
+
+
+def _tensor_overhead_ms(cfg, dtype, hidden, repeats: int, rounds: int) -> float:
+    """Milliseconds DTensor adds to one block's forward + backward: the block split by its tensor
+    plan over a one-rank mesh (every operator dispatched as under tensor parallelism, each
+    collective over one rank) less the same block whole. On a GPU at small micro-batches this
+    host work, not the kernels, sets a tensor-parallel step's pace (bench/RESULTS.md, plan on 2 x
+    H200). Measured only when this process has no process group of its own (0 otherwise: a
+    one-rank group cannot be made without the other ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    from pipezero.pipe import measure_layer_costs
+
+    if dist.is_initialized():
+        return 0.0
+    from gpt import gpt_specs, gpt_tensor_plan
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    device = hidden.device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1, device_id=device if device.type == "cuda" else None)
+    try:
+        with torch.device(device):
+            whole, split = (gpt_specs(cfg)[1].build().to(dtype) for _ in range(2))
+        parallelize_module(split, DeviceMesh(device.type, [0]), dict(gpt_tensor_plan()(split)))
+        times = [(measure_layer_costs([whole], hidden, repeats=repeats)[0],  # apart: one call would reuse
+                  measure_layer_costs([split], hidden, repeats=repeats)[0]) for _ in range(rounds)]  # a Block's time
+        plain, sharded = (min(t) for t in zip(*times))
+    finally:
+        dist.destroy_process_group()
+    return max(0.0, sharded - plain)
 
 
 def total_params(profile: Sequence[LayerProfile]) -> int:

@@ -2,14 +2,18 @@
 
 * compute: each layer's forward + backward seconds per token x the micro-batch's tokens,
   split F : I : W = 1 : 1 : 1 (backward = two matmuls per forward one: input and weight
-  gradients), divided by the tensor degree except for tied layers, which stay whole, plus a
+  gradients; under a schedule that splits backward, I + W is what measure_profile timed the
+  runner's split to cost, which on a GPU at small micro-batches is more than B), divided by
+  the tensor degree except for tied layers, which stay whole, plus a
   fixed launch overhead per layer and action (Hardware.layer_overhead_us), which is what
   makes small micro-batches slower on a GPU;
   checkpointing adds the recompute to the backward: one forward, or what measure_profile
   timed a checkpointed block to add (on a GPU at small micro-batches the recompute's launches
   and torch.utils.checkpoint's own work cost more than the forward's kernels);
 * tensor parallel: Megatron's two all-reduces of the block's output in forward and two in
-  backward, ring time 2(t-1)/t x bytes / bandwidth, not overlapped;
+  backward, ring time 2(t-1)/t x bytes / bandwidth, not overlapped; plus what DTensor's
+  dispatch adds to a block per micro-batch (measure_profile), which is host time that does not
+  shrink with the micro-batch or the tensor degree;
 * p2p: one activation (tokens x d_model) per hop, latency + bytes / bandwidth of the link
   between neighbouring stages (inter-node when a stage's tensor x data ranks fill a node);
 * pipe/simulate.py runs the schedule with those per-(rank, chunk) costs: makespan, bubble,
@@ -97,18 +101,25 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
                  precision: str, d_model: int, seq_len: int, p2p: float) -> tuple[Costs, float]:
     tokens = layout.microbatch_size * seq_len
     t = layout.tensor
-    sec = sum(profile[i].seconds / (1 if profile[i].tied else t) for i in layers) * tokens * hw.compute_slowdown
-    third = sec / 3 + len(layers) * hw.layer_overhead_us * 1e-6
+
+    def seconds(per_token) -> float:  # the chunk's layers, tensor-parallel ones split t ways
+        each = sum(per_token(profile[i]) / (1 if profile[i].tied else t) for i in layers)
+        return each * tokens * hw.compute_slowdown
+    sec = seconds(lambda p: p.seconds)
+    split = schedule_entry(layout.schedule).cls.split_backward  # I and W as the runner splits them, measured
+    backward = (seconds(lambda p: p.seconds if p.split_seconds is None else p.split_seconds) if split else sec) - sec / 3
+    launches = len(layers) * hw.layer_overhead_us * 1e-6
+    if t > 1:  # DTensor's dispatch, per layer and micro-batch whatever its size, a third per action
+        launches += sum(profile[i].tensor_overhead for i in layers if not profile[i].tied) * hw.compute_slowdown / 3
     blocks = sum(1 for i in layers if not profile[i].tied and profile[i].flops > 0)
     bw, lat = hw.link(t)
     one = ring_seconds(tokens * d_model * bytes_per_element(precision), t, bw, lat, factor=2.0)
-    fwd, tp = third + 2 * blocks * one, 4 * blocks * one
-    back = third + 2 * blocks * one
+    fwd, tp = sec / 3 + launches + 2 * blocks * one, 4 * blocks * one
+    back, weight = backward / 2 + launches + 2 * blocks * one, backward / 2 + launches
     if layout.checkpoint:  # the recompute: measured, or one more forward
-        again = sum((profile[i].seconds / 3 if profile[i].recompute_seconds is None else profile[i].recompute_seconds)
-                    / (1 if profile[i].tied else t) for i in layers) * tokens * hw.compute_slowdown
-        back += again + len(layers) * hw.layer_overhead_us * 1e-6 + 2 * blocks * one
-    return Costs(forward=fwd, backward_input=back, backward_weight=third, p2p=p2p), tp * layout.microbatches
+        back += seconds(lambda p: p.seconds / 3 if p.recompute_seconds is None else p.recompute_seconds)
+        back += launches + 2 * blocks * one
+    return Costs(forward=fwd, backward_input=back, backward_weight=weight, p2p=p2p), tp * layout.microbatches
 
 
 class Sim(NamedTuple):

@@ -1,0 +1,82 @@
+"""initialize()'s engine accumulates gradients as DeepSpeed's engine does, checked against DeepSpeed.
+
+A ds_config with gradient_accumulation_steps = 4 and the DeepSpeed loop, `engine.backward(loss);
+engine.step()` once per micro-batch: DeepSpeed divides each loss by 4 and steps the optimizer
+(and the LR schedule) on every 4th call only. The same loop, config, model and data run through
+deepspeed.initialize and through pipezero's initialize, 2 gloo ranks, fp32, ZeRO 0-2: the
+losses, the step counters and the final parameters must agree. DeepSpeed is a test-only
+dependency (its shared-memory kernel build is switched off, see test_hf_deepspeed.py).
+"""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+deepspeed = pytest.importorskip("deepspeed")
+
+from harness import run  # noqa: E402
+
+ACCUMULATION, MICRO_BATCHES = 4, 8
+
+
+def _config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUMULATION,
+            "zero_optimization": {"stage": stage}, "gradient_clipping": 0.5, "steps_per_print": 10**9,
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                         "warmup_num_steps": 3}}}
+
+
+def _mlp() -> nn.Module:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.3)
+    return model
+
+
+def _loop(engine, model) -> tuple:
+    """The DeepSpeed loop over this rank's micro-batches; per call: loss, micro and global steps."""
+    import torch.distributed as dist
+
+    rows = []
+    for i in range(MICRO_BATCHES):
+        g = torch.Generator().manual_seed(100 * i + dist.get_rank())
+        x, y = torch.randn(2, 8, generator=g), torch.randint(0, 4, (2,), generator=g)
+        loss = F.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        rows.append((loss.item(), engine.micro_steps, engine.global_steps))
+    return rows, [p.detach().clone() for p in model.parameters()]
+
+
+def _deepspeed(stage: int):
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo: no shm kernel to compile
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    model = _mlp()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                                      config=_config(stage))
+    return _loop(engine, model)
+
+
+def _pipezero(stage: int):
+    from pipezero.train import initialize
+
+    model = _mlp()
+    engine, *_ = initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                            config=_config(stage))
+    return _loop(engine, model)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_accumulation_steps_as_deepspeed(stage):
+    ours = run(_pipezero, 2, stage)
+    theirs = run(_deepspeed, 2, stage, timeout=300, discard=True)  # DeepSpeed's globals stay in its workers
+    for (rows, params), (ds_rows, ds_params) in zip(ours, theirs):
+        assert [r[1:] for r in rows] == [r[1:] for r in ds_rows]  # the same boundaries
+        torch.testing.assert_close(torch.tensor([r[0] for r in rows]), torch.tensor([r[0] for r in ds_rows]),
+                                   rtol=1e-5, atol=1e-6)
+        for p, q in zip(params, ds_params):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
