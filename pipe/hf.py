@@ -1,25 +1,28 @@
 """Hugging Face causal LMs as layer specs: embedding, each decoder layer, final norm, LM head.
 
-Users arrive with a Llama, Mistral, Qwen2 or GPT-2 checkpoint, not with LayerSpecs. Those
-families share one structure: a base model holding a token embedding, a ModuleList of
-decoder layers, a final norm (and, per family, learned positions or a rotary embedding),
-under a CausalLM with an `lm_head`. `hf_layer_specs` finds that structure on a copy of the
-model built on the meta device (no memory) and returns one spec per piece, so each
-pipeline stage builds only its own layers, from the config, and copies in only its own
+Users arrive with a Llama, Mistral, Qwen, Gemma, Phi, OLMo, Mixtral or GPT-2 checkpoint, not
+with LayerSpecs. Those families share one structure: a module holding a token embedding, a
+ModuleList of decoder layers, a final norm (and, per family, learned positions or a rotary
+embedding), under a CausalLM with an `lm_head`. `hf_layer_specs` finds that structure on a
+copy of the model built on the meta device (no memory) and returns one spec per piece, so
+each pipeline stage builds only its own layers, from the config, and copies in only its own
 weights, read by name from the checkpoint's safetensors shards. Nothing is written per
-family: a model whose structure differs gets an error naming what was expected.
+family: what a family's forward adds around its layers is read from the config (an
+embedding scale: Gemma's sqrt(hidden), Granite's embedding_multiplier; a logit scale:
+Cohere, Granite; a logit soft cap: Gemma 2/3), and a model whose structure differs gets an
+error naming what was expected.
 
 Between stages travels `(hidden, position_ids)` or `(hidden, position_ids, attention_mask)`
 (the 2-D padding mask, 1 = token). Each decoder layer computes its own rotary cos/sin and
-builds its causal (or sliding-window) mask with transformers' own mask functions, so the
-layer is called exactly as the model's forward calls it. transformers is imported here
-only: it is an optional extra (`pip install -e ".[hf]"`).
+builds its causal, sliding-window or chunked mask (config.layer_types) with transformers'
+own mask functions, so the layer is called exactly as the model's forward calls it.
+transformers is imported here only: it is an optional extra (`pip install -e ".[hf]"`).
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import inspect
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -29,56 +32,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipezero.comm import is_replica
+from pipezero.pipe.hf_weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 from pipezero.pipe.tensor_parallel import ColwiseHeads, TensorPlan
 
-__all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
+__all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
            "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_state_dict", "hf_tensor_plan"]
 
 TIED_KEY = "embed"  # TiedLayerSpec key of a tied embedding and LM head
 
 
-# -- where the weights come from ------------------------------------------------------------
-class _Shards:
-    """Tensors of a checkpoint directory read one at a time by name (model.safetensors or its index)."""
-
-    def __init__(self, directory: Path):
-        index = directory / "model.safetensors.index.json"
-        if index.exists():
-            files = json.loads(index.read_text())["weight_map"]
-            self.files = {name: directory / f for name, f in files.items()}
-        elif (directory / "model.safetensors").exists():
-            from safetensors import safe_open
-
-            with safe_open(str(directory / "model.safetensors"), "pt") as f:
-                self.files = {name: directory / "model.safetensors" for name in f.keys()}
-        else:
-            raise ValueError(f"{directory} holds no model.safetensors nor model.safetensors.index.json; "
-                             "save the model with save_pretrained(dir) (safetensors is its default)")
-
-    def get(self, name: str) -> torch.Tensor | None:
-        from safetensors import safe_open
-
-        if name not in self.files:
-            return None
-        with safe_open(str(self.files[name]), "pt") as f:
-            return f.get_tensor(name)
-
-
-class _Tensors:
-    """Tensors of a model already in memory, by name."""
-
-    def __init__(self, model: nn.Module):
-        self.state = model.state_dict()
-
-    def get(self, name: str) -> torch.Tensor | None:
-        return self.state.get(name)
-
-
+# -- the structure ---------------------------------------------------------------------------
 class _Model:
     """What the specs share: the config, a meta copy of the whole model, the names, the weights."""
 
-    def __init__(self, config: Any, weights: _Shards | _Tensors | None):
+    def __init__(self, config: Any, weights: CheckpointTensors | ModelTensors | None):
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
@@ -90,6 +58,13 @@ class _Model:
         parts = _base_parts(self.meta, self.embed, self.config)
         self.layers, self.norm, self.positions, self.rotary, self.drop = parts
         _check_structure(self)
+        if isinstance(weights, CheckpointTensors):
+            weights.adopt_names(self.meta)
+            _check_names(self.meta, weights)
+        self.embed_scale = getattr(self.embed, "scalar_embed_scale", None)
+        self.embed_multiplier = getattr(self.config, "embedding_multiplier", None)
+        self.layer_nones = _layer_nones(self)
+        self.head_bias = self.tied and self.head.bias is not None
 
     def path(self, module: nn.Module) -> str:
         """The module's name in the whole model, with a trailing dot ('model.layers.3.')."""
@@ -100,10 +75,10 @@ class _Model:
         if any(p.device.type == "meta" for p in module.parameters()):
             return
         with torch.no_grad():
-            for name, p in module.named_parameters():
+            for name, p in _persistent(module):
                 full = prefix + name.removeprefix("inner.")
                 value = self.weights.get(full) if self.weights is not None else None
-                if value is None and self.weights is not None:
+                if value is None and self.weights is not None and isinstance(p, nn.Parameter):
                     raise ValueError(f"the checkpoint has no tensor {full!r}; it does not match its config "
                                      f"({type(self.meta).__name__})")
                 if value is not None:
@@ -112,49 +87,108 @@ class _Model:
                 for sub in module.modules():
                     self.meta._init_weights(sub)
 
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the CausalLM's forward does to the head's output: Cohere's logit_scale, Granite's
+        logits_scaling, Gemma's final_logit_softcapping (tanh(x / cap) * cap)."""
+        scale = getattr(self.config, "logit_scale", None)
+        if scale is not None:
+            logits = logits * scale
+        divisor = getattr(self.config, "logits_scaling", None)
+        if divisor is not None:
+            logits = logits / divisor
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def __repr__(self) -> str:
         return f"<{type(self.meta).__name__}>"
 
 
+def _persistent(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers (Apertus' activation constants): what a checkpoint holds."""
+    yield from module.state_dict(keep_vars=True).items()
+
+
 def _base_parts(meta: nn.Module, embed: nn.Module, config: Any) -> tuple:
-    """(layers, norm, positions, rotary, dropout) among the base model's children."""
+    """(layers, norm, positions, rotary, dropout) among the children of the module holding the embedding."""
+    base = next(m for m in meta.modules() if any(child is embed for child in m.children()))
     layers, norms, positions, rotary, drop, other = [], [], None, None, None, []
-    for name, child in meta.base_model.named_children():
+    for name, child in base.named_children():
         if child is embed:
             continue
         if isinstance(child, nn.ModuleList) and len(child) == config.num_hidden_layers:
             layers.append(child)
-        elif isinstance(child, nn.Embedding):
+        elif isinstance(child, nn.Embedding) and type(child).forward is nn.Embedding.forward:
             positions = child
         elif isinstance(child, nn.Dropout):
             drop = child
         elif "RotaryEmbedding" in type(child).__name__:
             rotary = child
-        elif any(True for _ in child.parameters()) and "Norm" in type(child).__name__:
-            norms.append(child)
+        elif "Norm" in type(child).__name__:  # OLMo's final LayerNorm has no parameters
+            norms.append((name, child))
         else:
             other.append(f"{name} ({type(child).__name__})")
     if len(layers) != 1 or len(norms) != 1 or other:
         raise ValueError(
-            f"hf_layer_specs: {type(meta).__name__} is not the decoder structure it reads: expected its base model "
-            f"({type(meta.base_model).__name__}) to hold a token nn.Embedding, one ModuleList of num_hidden_layers="
-            f"{config.num_hidden_layers} decoder layers, one final norm, optionally learned positions (nn.Embedding), "
-            f"dropout and a rotary embedding; found {len(layers)} layer lists, {len(norms)} norms"
+            f"hf_layer_specs: {type(meta).__name__} is not the decoder structure it reads: expected the module "
+            f"holding its token embedding ({type(base).__name__}) to hold one ModuleList of num_hidden_layers="
+            f"{config.num_hidden_layers} decoder layers, one final norm, optionally learned positions (a plain "
+            f"nn.Embedding), dropout and a rotary embedding; found {len(layers)} layer lists, norms "
+            f"{[name for name, _ in norms]}"
             + (f" and unrecognised {other}" if other else ""))
-    return layers[0], norms[0], positions, rotary, drop
+    return layers[0], norms[0][1], positions, rotary, drop
 
 
 def _check_structure(model: _Model) -> None:
-    name = type(model.meta).__name__
-    if type(model.embed) is not nn.Embedding:
-        raise ValueError(f"hf_layer_specs: {name}'s input embedding is {type(model.embed).__name__}; expected a plain "
-                         "nn.Embedding (a scaled or factorised embedding is not the decoder structure it reads)")
+    name, embed = type(model.meta).__name__, model.embed
+    plain = type(embed).forward is nn.Embedding.forward
+    if not isinstance(embed, nn.Embedding) or not (plain or hasattr(embed, "scalar_embed_scale")):
+        raise ValueError(f"hf_layer_specs: {name}'s input embedding is {type(embed).__name__}; expected an "
+                         "nn.Embedding, plain or scaled by a constant `scalar_embed_scale` as Gemma's (a factorised "
+                         "or otherwise computed embedding is not the decoder structure it reads)")
+    odd = sorted(set(getattr(model.config, "layer_types", None) or ()) - set(_MASKS))
+    if odd:
+        raise ValueError(f"hf_layer_specs: {name}'s config.layer_types has {odd}; expected attention layers of the "
+                         f"kinds {sorted(_MASKS)} (a layer of another kind is not the decoder structure it reads)")
+    if getattr(model.config, "use_bidirectional_attention", False):
+        raise ValueError(f"hf_layer_specs: {name} has use_bidirectional_attention=True; expected a causal LM")
     if model.head is None or type(model.head) is not nn.Linear:
         raise ValueError(f"hf_layer_specs: {name}'s output embedding is {type(model.head).__name__}; expected an "
                          "nn.Linear lm_head (is this a causal LM?)")
 
 
-def _source(source: Any) -> tuple[Any, _Shards | _Tensors | None]:
+def _check_names(meta: nn.Module, shards: CheckpointTensors) -> None:
+    """Every parameter's name is in the checkpoint, checked before any layer is built (no rank can hang)."""
+    held = shards.names()
+    missing = [name for name, _ in meta.named_parameters() if name not in held]
+    if missing:
+        extra = sorted(held - set(meta.state_dict()))
+        raise ValueError(f"hf_layer_specs: the checkpoint lacks {len(missing)} tensors of {type(meta).__name__}, e.g. "
+                         f"{missing[:2]}, and holds others, e.g. {extra[:2]}, that transformers' renaming rules for "
+                         "the model do not map onto them; expected a directory written by save_pretrained for this "
+                         "config (or pass the model loaded with from_pretrained)")
+
+
+def _layer_nones(model: _Model) -> dict[str, None]:
+    """Arguments a decoder layer requires beyond those passed here, given as None where the config turns
+    their feature off (Falcon's `alibi` when config.alibi is False); any other is a ValueError."""
+    given = {"attention_mask", "position_ids", "position_embeddings"}
+    nones: dict[str, None] = {}
+    for cls in {type(layer) for layer in model.layers}:
+        for p in list(inspect.signature(cls.forward).parameters.values())[2:]:  # after self, hidden states
+            if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in given:
+                continue
+            if getattr(model.config, p.name, True) is not False:
+                raise ValueError(f"hf_layer_specs: {cls.__name__}.forward requires {p.name!r}, which the model's "
+                                 f"forward computes and this reader does not; expected a decoder layer called with "
+                                 f"hidden states, {sorted(given)} (config.{p.name}="
+                                 f"{getattr(model.config, p.name, 'absent')})")
+            nones[p.name] = None
+    return nones
+
+
+def _source(source: Any) -> tuple[Any, CheckpointTensors | ModelTensors | None]:
     """(config, weights) of a directory, a PreTrainedModel or a config."""
     from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
@@ -163,9 +197,9 @@ def _source(source: Any) -> tuple[Any, _Shards | _Tensors | None]:
         if not (directory / "config.json").exists():
             raise ValueError(f"hf_layer_specs({str(source)!r}): no config.json there; pass a directory written by "
                              "save_pretrained, a PreTrainedModel or a PretrainedConfig")
-        return AutoConfig.from_pretrained(directory), _Shards(directory)
+        return AutoConfig.from_pretrained(directory), CheckpointTensors(directory)
     if isinstance(source, PreTrainedModel):
-        return source.config, _Tensors(source)
+        return source.config, ModelTensors(source)
     if isinstance(source, PretrainedConfig):
         return source, None
     raise TypeError(f"hf_layer_specs({source!r}): expected a checkpoint directory, a PreTrainedModel or a "
@@ -184,12 +218,22 @@ class _HFLayer(nn.Module):
         for name, p in self.named_parameters():
             yield self.prefix + name.removeprefix("inner."), p
 
+    def hf_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, buffer) of each buffer the checkpoint holds (persistent ones)."""
+        params = {id(p) for p in self.parameters()}
+        for name, t in _persistent(self):
+            if id(t) not in params:
+                yield self.prefix + name.removeprefix("inner."), t
+
 
 class HFTokenEmbedding(_HFLayer):
     """input_ids, or (input_ids, attention_mask[, position_ids]) -> (hidden, position_ids[, mask]).
 
     Holds the token embedding as its own `weight`, so a tied LM head can share it
-    (TiedLayerSpec); positions default to 0..T-1, as the model's forward does.
+    (TiedLayerSpec); positions default to 0..T-1, as the model's forward does. The hidden
+    states are scaled as the model scales them: by the embedding's constant (Gemma's
+    sqrt(hidden), rounded to the weight's dtype as Gemma rounds it), then by
+    config.embedding_multiplier (Granite).
     """
 
     def __init__(self, model: _Model):
@@ -212,6 +256,10 @@ class HFTokenEmbedding(_HFLayer):
         else:
             positions = torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape).contiguous()
         hidden = F.embedding(ids, self.weight, self.padding_idx)
+        if self.model.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.model.embed_scale, device=hidden.device).to(hidden.dtype)
+        if self.model.embed_multiplier is not None:
+            hidden = hidden * self.model.embed_multiplier
         return (hidden, positions) if mask is None else (hidden, positions, mask)
 
 
@@ -237,7 +285,11 @@ class HFPositions(_HFLayer):
 
 
 class HFDecoderLayer(_HFLayer):
-    """Decoder layer `index`, called as the model's forward calls it (mask, position ids, rotary cos/sin)."""
+    """Decoder layer `index`, called as the model's forward calls it (mask, position ids, rotary cos/sin).
+
+    A rotary embedding whose forward takes a `layer_type` (Gemma 3, OLMo 3: other frequencies
+    for sliding-window layers) gets config.layer_types[index], as the model passes it.
+    """
 
     def __init__(self, model: _Model, index: int):
         super().__init__()
@@ -246,27 +298,35 @@ class HFDecoderLayer(_HFLayer):
         self.inner = type(model.layers[index])(model.config, layer_idx=index)
         self.rotary = type(model.rotary)(config=model.config) if model.rotary is not None else None
         self.make_mask = _mask_function(model.config, index)
+        takes_kind = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.rotary_args = (model.config.layer_types[index],) if takes_kind else ()
         model.fill(self, self.prefix)
 
     def forward(self, x: tuple) -> tuple:
         hidden, positions, *rest = x
         mask = self.make_mask(config=self.model.config, inputs_embeds=hidden,
                               attention_mask=rest[0] if rest else None, cache=None, position_ids=positions)
-        extra = {"position_embeddings": self.rotary(hidden, positions)} if self.rotary is not None else {}
+        extra = dict(self.model.layer_nones)
+        if self.rotary is not None:
+            extra["position_embeddings"] = self.rotary(hidden, positions, *self.rotary_args)
         out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
         return (out[0] if isinstance(out, tuple) else out, positions, *rest)
 
 
+_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
+          "chunked_attention": "create_chunked_causal_mask"}  # config.layer_types -> transformers.masking_utils
+
+
 def _mask_function(config: Any, index: int) -> Callable:
-    """transformers' causal or sliding-window mask builder for layer `index`, as the model picks it."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    """transformers' causal, sliding-window or chunked mask builder for layer `index`, as the model picks it."""
+    from transformers import masking_utils
 
     kinds = getattr(config, "layer_types", None)
     if kinds is not None:
-        sliding = kinds[index] == "sliding_attention"
+        kind = kinds[index]
     else:
-        sliding = getattr(config, "sliding_window", None) is not None
-    return create_sliding_window_causal_mask if sliding else create_causal_mask
+        kind = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+    return getattr(masking_utils, _MASKS[kind])
 
 
 class HFFinalNorm(_HFLayer):
@@ -283,7 +343,7 @@ class HFFinalNorm(_HFLayer):
 
 
 class HFHead(_HFLayer):
-    """An untied LM head: hidden -> logits."""
+    """An untied LM head: hidden -> logits (scaled or capped as the model's forward does)."""
 
     def __init__(self, model: _Model):
         super().__init__()
@@ -292,12 +352,33 @@ class HFHead(_HFLayer):
         model.fill(self, self.prefix)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.inner(hidden)
+        return self.model.finish_logits(self.inner(hidden))
+
+
+class HFHeadBias(_HFLayer):
+    """The bias of an LM head whose weight is tied to the embedding (Phi, GPT-J tied): logits + bias.
+
+    The tied head's weight lives in the embedding's module (TiedLayerSpec), its bias here,
+    so this layer follows the tied head and finishes the logits as the model's forward does.
+    """
+
+    def __init__(self, model: _Model):
+        super().__init__()
+        self.model, self.prefix = model, model.path(model.head)
+        head = _materialise(model.head)
+        if model.weights is None and head.bias.device.type != "meta":
+            model.meta._init_weights(head)
+        self.bias = head.bias
+        model.fill(self, self.prefix)
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.model.finish_logits(logits + self.bias)
 
 
 def _tied_logits(embedding: HFTokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
-    """The tied LM head: logits from the embedding's weight."""
-    return F.linear(hidden, embedding.weight)
+    """The tied LM head: logits from the embedding's weight (finished here unless a bias layer follows)."""
+    logits = F.linear(hidden, embedding.weight)
+    return logits if embedding.model.head_bias else embedding.model.finish_logits(logits)
 
 
 def _materialise(meta: nn.Module) -> nn.Module:
@@ -314,7 +395,8 @@ def hf_layer_specs(source: Any) -> list[LayerSpec]:
     PretrainedConfig (random weights, initialised as the model initialises them; PipelineModule
     seeds each layer, so every grid builds the same values). Layers: token embedding,
     [learned positions], num_hidden_layers decoder layers, final norm, LM head (a TiedLayerSpec
-    sharing the embedding when the model ties them). Train with loss_fn=causal_lm_loss.
+    sharing the embedding when the model ties them) [, the tied head's own bias]. Train with
+    loss_fn=causal_lm_loss.
     """
     config, weights = _source(source)
     model = _Model(config, weights)
@@ -327,6 +409,8 @@ def hf_layer_specs(source: Any) -> list[LayerSpec]:
     specs.append(LayerSpec(HFFinalNorm, model))
     specs.append(TiedLayerSpec(TIED_KEY, HFTokenEmbedding, model, forward_fn=_tied_logits) if model.tied
                  else LayerSpec(HFHead, model))
+    if model.head_bias:
+        specs.append(LayerSpec(HFHeadBias, model))
     return specs
 
 
@@ -369,10 +453,10 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
 
 
 def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's parameters under their Hugging Face names, whole (DTensor shards gathered).
+    """This rank's parameters (and persistent buffers) under their Hugging Face names, whole.
 
-    A collective over the tensor group when tensor-parallel; a tied weight appears only on
-    its first owner (the copies are marked with comm.mark_replica).
+    A collective over the tensor group when tensor-parallel (DTensor shards gathered); a
+    tied weight appears only on its first owner (the copies are marked with comm.mark_replica).
     """
     out = {}
     for layer in module.modules():
@@ -381,6 +465,7 @@ def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
                 whole = p.full_tensor() if hasattr(p, "full_tensor") else p
                 if not (is_replica(p) and not hasattr(p, "full_tensor")):
                     out[name] = whole.detach()
+            out.update((name, t.detach()) for name, t in layer.hf_buffers())
     return out
 
 

@@ -224,7 +224,7 @@ def test_zero3_module_and_generate_under_gathered(family):
 def test_unsupported_architecture_is_named():
     opt = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
                                  num_attention_heads=4, word_embed_proj_dim=32)
-    with pytest.raises(ValueError, match="expected its base model .*ModuleList of num_hidden_layers"):
+    with pytest.raises(ValueError, match="expected the module holding its token embedding .*ModuleList of num_hidden"):
         hf_layer_specs(opt)
     with pytest.raises(TypeError, match="checkpoint directory, a PreTrainedModel or a PretrainedConfig"):
         hf_layer_specs({"hidden_size": 32})

@@ -1,0 +1,165 @@
+"""Hugging Face families beyond test_hf.py's four, through hf_layer_specs, equal transformers' own model.
+
+Each family shares the decoder structure (embedding, decoder layers, final norm, LM head)
+but its forward adds something around the layers that the pipeline must reproduce:
+Gemma's sqrt(hidden) embedding scale, Gemma 2/3's logit soft cap, Granite's embedding and
+logit multipliers, Cohere's logit scale, Gemma 3 / OLMo 3's per-layer-kind rotary, Llama 4's
+chunked attention mask, OLMo's norm without parameters, Falcon's alibi=None argument,
+Apertus' persistent buffers, Phi's LM-head bias beside a tied weight, MoE experts. The truth
+is transformers' model itself (tiny random config, every weight perturbed so no norm is one
+and no bias zero): the pipeline (pipe=1, built from the save_pretrained directory, where
+transformers renames GPT-NeoX's head and stores MoE experts one by one) must give its logits,
+with and without a padding mask, its loss and gradients for one step and its parameters after
+an AdamW step, under the model's own names (fp32, ~1e-5); the exported directory must load with
+from_pretrained and give the pipeline's logits. Structures it does not read are a ValueError
+from hf_layer_specs itself, before any process group is touched.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from harness import run  # noqa: E402
+from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
+
+VOCAB, SEQ, BATCH, LR = 96, 8, 3, 1e-2
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2)
+_MIXED = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])  # window shorter than SEQ
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+FAMILIES = {  # model_type: (config fields, tie_word_embeddings)
+    "gemma": ({}, True),                                     # embedding * sqrt(hidden)
+    "gemma2": (dict(sliding_window=4, final_logit_softcapping=3.0), True),
+    "gemma3_text": (dict(_MIXED, final_logit_softcapping=3.0), False),  # rotary per layer kind
+    "granite": (dict(embedding_multiplier=3.0, logits_scaling=2.0, residual_multiplier=0.5,
+                     attention_multiplier=0.3), False),
+    "cohere": (dict(logit_scale=0.5), True),
+    "olmo": ({}, False),                                     # final LayerNorm without parameters
+    "olmo3": (_MIXED, False),
+    "falcon": (dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None), False),  # alibi=None
+    "llama4_text": (dict(_MOE, attention_chunk_size=4, intermediate_size_mlp=64), False),  # chunked mask
+    "apertus": ({}, False),                                  # xIELU's persistent buffers
+    "phi": (dict(partial_rotary_factor=0.5), True),          # lm_head.bias beside the tied weight
+    "qwen3": ({}, True),
+    "phi3": ({}, False),
+    "gpt_neox": (dict(rotary_pct=0.5), False),
+    "starcoder2": (dict(sliding_window=4), True),
+    "mixtral": (_MOE, False),                                # experts stored one by one
+    "deepseek_v3": (dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                         n_group=1, topk_group=1, num_key_value_heads=4, head_dim=None), False),
+}
+
+
+def _config(family: str, fields: dict, tie: bool):
+    kwargs = {k: v for k, v in {**_COMMON, **fields}.items() if v is not None}
+    config = transformers.AutoConfig.for_model(family, **kwargs)
+    for name, value in vars(config).items():
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+            setattr(config, name, 0.0)
+    config.tie_word_embeddings = tie
+    return config
+
+
+def _model(family: str):
+    fields, tie = FAMILIES[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family, fields, tie))
+    with torch.no_grad():
+        for p in model.parameters():  # no norm weight one, no bias zero
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[1, :1] = 0
+    return ids, mask, torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+
+
+def _pipeline(family: str, root: str):
+    """Logits (plain, masked), loss, gradients and stepped parameters by Hugging Face name; exported logits."""
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.hf import _HFLayer
+    from pipezero.topology import Grid
+    from pipezero.train.hf_export import export_hf
+
+    model = _model(family)
+    model.save_pretrained(f"{root}/{family}")
+    pipe = PipelineModule(hf_layer_specs(f"{root}/{family}"), grid=Grid(pipe=1), loss_fn=causal_lm_loss)
+    ids, mask, targets = _batch()
+    with torch.no_grad():
+        logits, masked = pipe(ids), pipe((ids, mask))
+    loss = pipe.loss(pipe(ids), targets)
+    loss.backward()
+    named = {n: p for layer in pipe.modules() if isinstance(layer, _HFLayer) for n, p in layer.hf_parameters()}
+    grads = {n: p.grad.clone() for n, p in named.items()}
+    torch.optim.AdamW(pipe.parameters(), lr=LR).step()
+    export_hf(pipe, f"{root}/{family}-export")
+    with torch.no_grad():
+        return logits, masked, loss.detach(), grads, {n: p.detach() for n, p in named.items()}, pipe(ids)
+
+
+def _truth(family: str):
+    """The same of transformers' model: logits, masked logits, loss, gradients, parameters after the step."""
+    model = _model(family)
+    ids, mask, targets = _batch()
+    with torch.no_grad():
+        logits, masked = model(ids).logits, model(ids, attention_mask=mask).logits
+    loss = causal_lm_loss(model(ids).logits, targets)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.optim.AdamW(model.parameters(), lr=LR).step()
+    return logits, masked, loss.detach(), grads, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _close(a, b, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_equals_transformers(family, tmp_path):
+    logits, masked, loss, grads, params, exported = run(_pipeline, 1, family, str(tmp_path))[0]
+    want_logits, want_masked, want_loss, want_grads, want_params = _truth(family)
+    keep = _batch()[1].bool()  # padded positions' outputs are not defined
+    _close(logits, want_logits, "logits")
+    _close(masked[keep], want_masked[keep], "logits under a padding mask")
+    _close(loss, want_loss, "loss")
+    assert set(grads) == set(want_grads), set(grads) ^ set(want_grads)
+    for name in want_grads:
+        _close(grads[name], want_grads[name], f"gradient of {name}")
+        _close(params[name], want_params[name], f"{name} after one AdamW step")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{family}-export"))
+    with torch.no_grad():
+        _close(loaded(_batch()[0]).logits, exported, "from_pretrained of the export")
+
+
+UNSUPPORTED = {  # model_type: (config fields, what the error must name)
+    "opt": (dict(ffn_dim=64, word_embed_proj_dim=32), r"OPTDecoder.*learned positions \(a plain nn.Embedding\).*"
+                                                      r"unrecognised .*OPTLearnedPositionalEmbedding"),
+    "bloom": (dict(n_layer=2, n_head=4), r"one final norm.*found 1 layer lists, norms "
+                                         r"\['word_embeddings_layernorm', 'ln_f'\]"),
+    "falcon": (dict(alibi=True, head_dim=None), r"FalconDecoderLayer.forward requires 'alibi'.*config.alibi=True"),
+    "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32), r"layer_types has \['linear_attention'\]; expected"),
+}
+
+
+@pytest.mark.parametrize("family", list(UNSUPPORTED))
+def test_unsupported_structure_is_named(family):
+    fields, pattern = UNSUPPORTED[family]
+    with pytest.raises(ValueError, match=pattern):
+        hf_layer_specs(_config(family, fields, False))
+
+
+def test_checkpoint_without_the_models_tensors_is_named(tmp_path):
+    _model("mixtral").save_pretrained(tmp_path)
+    qwen3 = _config("qwen3", {}, False)  # a config whose model holds other tensors than the checkpoint
+    qwen3.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"lacks \d+ tensors .*q_norm.*do not map onto them; expected a directory"):
+        hf_layer_specs(str(tmp_path))
