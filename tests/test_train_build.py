@@ -249,3 +249,47 @@ def test_model_width_reads_the_config_else_the_common_linear_input():
     block.config = SimpleNamespace(hidden_size=96)
     assert model_width(block) == 96
     assert model_width(nn.Sequential(nn.ReLU())) is None
+
+
+def _engine_stop_and_resume(directory: str, stage: int):
+    """DeepSpeed's save_checkpoint / load_checkpoint on the engine, mid-run under accumulation."""
+    import torch.distributed as dist
+
+    from pipezero.train import initialize
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                        "warmup_num_steps": 4}}}
+
+    def engine():
+        model = _seeded_mlp()
+        return initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), config=cfg)[0]
+
+    def train(e, micro_batches) -> list[float]:
+        losses = []
+        for i in micro_batches:
+            x, y = _batch(10 * i + dist.get_rank())
+            loss = nn.functional.cross_entropy(e(x[:2]), y[:2])
+            e.backward(loss)
+            e.step()
+            losses.append(loss.item())
+        return losses
+    straight = train(engine(), range(8))
+    first = engine()
+    losses = train(first, range(4))
+    with pytest.raises(ValueError, match="tag='best'"):
+        first.save_checkpoint(directory, tag="best")
+    with pytest.raises(TypeError, match="client_state"):
+        first.save_checkpoint(directory, client_state={"t": torch.ones(1)})
+    first.save_checkpoint(directory, client_state={"epoch": 3})
+    second = engine()
+    path, client = second.load_checkpoint(directory)
+    steps = (second.global_steps, second.micro_steps)
+    return straight, losses + train(second, range(4, 8)), client, steps, path
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_engine_checkpoint_resumes_as_if_never_stopped(tmp_path, stage):
+    for straight, resumed, client, steps, path in run(_engine_stop_and_resume, 2, str(tmp_path), stage):
+        assert resumed == straight and client == {"epoch": 3} and steps == (2, 4), (straight, resumed)
+        assert path.endswith("step_00000002")

@@ -15,8 +15,10 @@ examples/train_gpt.py does.
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -27,6 +29,7 @@ from pipezero.train.build import Parts, build
 from pipezero.train.config import TrainConfig
 from pipezero.train.config_optim import OptimizerConfig, build_optimizer
 from pipezero.train.log import get_logger, warn_once
+from pipezero.train.state import load_state, save_state
 
 __all__ = ["Engine", "initialize"]
 
@@ -77,6 +80,23 @@ class Engine:
         self.micro_steps += 1
         return stepped
 
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
+                        client_state: Mapping[str, Any] | None = None) -> Path:
+        """DeepSpeed's save_checkpoint on pipezero's checkpoints (train/state.py: every rank calls it;
+        it loads onto another grid). `tag`: None (this optimizer step), a step number or DeepSpeed's
+        "global_step<N>"; `client_state`: JSON values, returned by load_checkpoint."""
+        step = _step_of(tag, self.global_steps)
+        _check_json(client_state)
+        return save_state(self.parts, save_dir, step, {_CLIENT: dict(client_state or {})})
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None) -> tuple[str, dict[str, Any]]:
+        """DeepSpeed's load_checkpoint: (the checkpoint's path, its client_state); `tag` None follows
+        `latest`. Weights, optimizer state, loss scale, LR schedule and the step counters resume."""
+        meta = load_state(self.parts, load_dir, None if tag is None else _step_of(tag, None))
+        self.global_steps = meta["step"]
+        self.micro_steps = meta["step"] * self.gradient_accumulation_steps()
+        return meta["path"], dict(meta["data"].get(_CLIENT, {}))
+
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
         return self
@@ -93,6 +113,30 @@ class Engine:
     def local_rank(self) -> torch.device:
         """Where inputs go (`x.to(engine.local_rank)`, as DeepSpeed loops write it): this process's device."""
         return self.parts.device
+
+
+_CLIENT = "client_state"  # where save_checkpoint keeps DeepSpeed's client_state in the checkpoint's meta
+
+
+def _step_of(tag: Any, default: int | None) -> int:
+    """A checkpoint tag as pipezero's step number: None (the default), an int, or "global_step<N>"."""
+    if tag is None and default is not None:
+        return default
+    if isinstance(tag, int) and not isinstance(tag, bool) and tag >= 0:
+        return tag
+    if isinstance(tag, str) and tag.removeprefix("global_step").isdigit():
+        return int(tag.removeprefix("global_step"))
+    raise ValueError(f"checkpoint tag={tag!r}: pipezero names checkpoints by optimizer step; pass None, a step "
+                     f"number or DeepSpeed's default form 'global_step<N>'")
+
+
+def _check_json(client_state: Mapping[str, Any] | None) -> None:
+    """Refuse (on every rank, before any collective) a client_state the checkpoint's JSON meta cannot hold."""
+    try:
+        json.dumps(dict(client_state or {}))
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"save_checkpoint(client_state=...): {err}; pipezero keeps client_state as JSON "
+                        "(numbers, strings, lists, dicts): save tensors in the model or optimizer") from None
 
 
 def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
