@@ -13,11 +13,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 deepspeed = pytest.importorskip("deepspeed")
 
 from harness import run  # noqa: E402
+from test_train_build import _seeded_mlp as _mlp  # noqa: E402
 
 ACCUMULATION, MICRO_BATCHES = 4, 8
 
@@ -27,14 +27,6 @@ def _config(stage: int) -> dict:
             "zero_optimization": {"stage": stage}, "gradient_clipping": 0.5, "steps_per_print": 10**9,
             "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                                          "warmup_num_steps": 3}}}
-
-
-def _mlp() -> nn.Module:
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    torch.manual_seed(0)
-    for p in model.parameters():
-        nn.init.normal_(p, std=0.3)
-    return model
 
 
 def _loop(engine, model) -> tuple:
