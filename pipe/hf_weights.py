@@ -41,10 +41,14 @@ class CheckpointTensors:
         self.merged: dict[str, tuple] = {}  # the model's name -> (converter, {source pattern: checkpoint names})
 
     def adopt_names(self, meta: nn.Module) -> None:
-        """Key the tensors by `meta`'s names, renamed and merged by transformers' rules for that model."""
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
-                                                     rename_source_key)
+        """Key the tensors by `meta`'s names, renamed and merged by transformers' rules for that model
+        (transformers 5; an older one, without those rules, loads the names as stored)."""
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
+                                                         rename_source_key)
+        except ImportError:
+            return
 
         rules = get_model_conversion_mapping(meta)
         renamings = [t for t in rules if isinstance(t, WeightRenaming)]
