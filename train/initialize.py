@@ -37,16 +37,22 @@ __all__ = ["Engine", "initialize"]
 class Engine:
     """`engine(x)` = `parts.module(x)`; `backward(loss)` and `step()` once per micro-batch.
 
-    `micro_steps` counts step() calls, `global_steps` the optimizer steps taken (skipped ones included).
+    `micro_steps` counts step() calls; `global_steps`, the accumulation boundaries passed, the
+    optimizer steps taken (skipped ones included).
     """
 
     def __init__(self, parts: Parts):
         self.parts = parts
         self.module, self.optimizer, self.lr_scheduler = parts.module, parts.optimizer, parts.scheduler
-        self.micro_steps = self.global_steps = 0
+        self.micro_steps = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (DeepSpeed's counter; a skipped inf/nan step counts)."""
+        return self.micro_steps // self.gradient_accumulation_steps()
 
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step (ds_config's gradient_accumulation_steps)."""
@@ -76,7 +82,6 @@ class Engine:
             if stepped and self.lr_scheduler is not None:  # a skipped step leaves the lr where it is
                 self.lr_scheduler.step()
             self.optimizer.zero_grad()
-            self.global_steps += 1
         self.micro_steps += 1
         return stepped
 
@@ -93,7 +98,6 @@ class Engine:
         """DeepSpeed's load_checkpoint: (the checkpoint's path, its client_state); `tag` None follows
         `latest`. Weights, optimizer state, loss scale, LR schedule and the step counters resume."""
         meta = load_state(self.parts, load_dir, None if tag is None else _step_of(tag, None))
-        self.global_steps = meta["step"]
         self.micro_steps = meta["step"] * self.gradient_accumulation_steps()
         return meta["path"], dict(meta["data"].get(_CLIENT, {}))
 
