@@ -106,8 +106,9 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
         each = sum(per_token(profile[i]) / (1 if profile[i].tied else t) for i in layers)
         return each * tokens * hw.compute_slowdown
     sec = seconds(lambda p: p.seconds)
-    split = schedule_entry(layout.schedule).cls.split_backward  # I and W as the runner splits them, measured
-    backward = (seconds(lambda p: p.seconds if p.split_seconds is None else p.split_seconds) if split else sec) - sec / 3
+    backward = 2 * sec / 3
+    if schedule_entry(layout.schedule).cls.split_backward:  # I + W as the runner's own split measured
+        backward = seconds(lambda p: p.seconds if p.split_seconds is None else p.split_seconds) - sec / 3
     launches = len(layers) * hw.layer_overhead_us * 1e-6
     if t > 1:  # DTensor's dispatch, per layer and micro-batch whatever its size, a third per action
         launches += sum(profile[i].tensor_overhead for i in layers if not profile[i].tied) * hw.compute_slowdown / 3
