@@ -8,13 +8,18 @@ divided by it in fp32. In fp16 one data rank of the first stage sees infinite gr
 step SKIP: every rank must skip that step and halve the scale, as the truth skips it.
 
 Tolerance: the pipeline sums micro-batch gradients and reduces them in the model's dtype
-while the truth takes the whole batch at once, so the two round differently. The measure
-is the cost of the precision itself: the pipeline must be at most half as far from the
-recipe as the recipe is from fp32 training, in the losses and in the parameters (distance
-over all of a rank's parameters relative to how far training moved them). Measured here:
-at most 0.31 of that distance (losses 0.22); with ZeRO's masters in the model's dtype instead
-of fp32, bf16 lands at 1.4 and fp16 at nan; with the overflow agreed only per rank, the first
-stage skips alone and the run fails.
+while the truth takes the whole batch at once, so the two round differently. The yardstick
+is the recipe's own spread: the same recipe in one process with the batch split into the
+pipeline's 4 micro-batches (gradients accumulated in the model's dtype) lands some distance
+from the whole-batch recipe; the pipeline must stay within twice that distance of the
+whole-batch recipe, in the losses and in the parameters (distance over all of a rank's
+parameters relative to how far training moved them). A budget set from one machine's
+numbers failed on another CPU (its reductions round differently); the spread moves with the
+machine. Measured on an AMD EPYC: the pipeline at 1.5x the spread in bf16 (losses and
+parameters), 0.3x and 0.7x in fp16;
+with ZeRO's masters in the model's dtype instead of fp32, bf16 lands at 3.3x the parameter
+spread and fp16 at nan; with the overflow agreed only per rank, the first stage skips alone
+and the run fails.
 """
 
 import pytest
@@ -67,8 +72,12 @@ def _train_pipe(path: str, dtype: torch.dtype, stage: int):
     return losses, stepped, scaler.loss_scale, {n: t.float() for n, t in hf_state_dict(model).items()}
 
 
-def _recipe(family: str, dtype: torch.dtype):
-    """The recipe in plain PyTorch, one process: (losses, parameters under the model's names)."""
+def _recipe(family: str, dtype: torch.dtype, microbatches: int = 1):
+    """The recipe in plain PyTorch, one process: (losses, parameters under the model's names).
+
+    With microbatches > 1 the batch is split and the gradients accumulate in the model's
+    dtype, as the pipeline's do: the same arithmetic in another rounding order.
+    """
     model = _model(family).to(dtype)
     params = dict(model.named_parameters())
     masters = {n: p.detach().float().clone().requires_grad_() for n, p in params.items()}
@@ -77,13 +86,18 @@ def _recipe(family: str, dtype: torch.dtype):
     losses = []
     for step in range(STEPS):
         ids, targets = _batch(step)
-        loss = causal_lm_loss(model(ids).logits, targets)
-        losses.append(loss.item())
         model.zero_grad()
-        if dtype == torch.float16 and step == SKIP:  # the overflow: no update, the scale halves
+        overflow = dtype == torch.float16 and step == SKIP
+        parts = []
+        for part_ids, part_targets in zip(ids.chunk(microbatches), targets.chunk(microbatches)):
+            loss = causal_lm_loss(model(part_ids).logits, part_targets)
+            parts.append(loss.item())
+            if not overflow:
+                (loss * scale / microbatches).backward()
+        losses.append(sum(parts) / microbatches)
+        if overflow:  # no update, the scale halves
             scale /= 2
             continue
-        (loss * scale).backward()
         for n, m in masters.items():
             m.grad = params[n].grad.float() / scale
         opt.step()
@@ -91,22 +105,6 @@ def _recipe(family: str, dtype: torch.dtype):
             for n, m in masters.items():
                 params[n].copy_(m)
     return losses, {n: t.detach().float() for n, t in model.state_dict().items()}
-
-
-def _fp32_truth(family: str, skip: int | None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same steps in fp32 (the step the fp16 run skips skipped too): the yardstick."""
-    model = _model(family)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        loss = causal_lm_loss(model(ids).logits, targets)
-        losses.append(loss.item())
-        if step != skip:
-            loss.backward()
-            opt.step()
-        opt.zero_grad()
-    return losses, {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
 def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> float:
@@ -123,15 +121,15 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dic
 def test_pipe2_data2_mixed_precision_matches_one_process(family, dtype, stage, tmp_path_factory):
     skip = SKIP if dtype == torch.float16 else None
     start = {n: t.detach().clone() for n, t in _model(family).state_dict().items()}
-    fp32_losses, fp32_params = _fp32_truth(family, skip)
     losses, params = _recipe(family, dtype)
-    loss_budget = 0.5 * max(abs(a - b) for a, b in zip(losses, fp32_losses))
+    split_losses, split_params = _recipe(family, dtype, microbatches=4)
+    loss_budget = 2 * max(abs(a - b) for a, b in zip(losses, split_losses))
     path = _checkpoint(family, str(tmp_path_factory.getbasetemp()))
     for rank, (got, stepped, scale, state) in enumerate(run(_train_pipe, 4, path, dtype, stage, timeout=300)):
         assert stepped == [i != skip for i in range(STEPS)], f"rank {rank}: {stepped}"
         assert scale == (SCALE / 2 if dtype == torch.float16 else 1.0), f"rank {rank}: scale {scale}"
         loss_error = max(abs(a - b) for a, b in zip(got, losses))
         assert loss_error <= loss_budget, f"rank {rank}: losses {got}, recipe {losses}, budget {loss_budget:.2e}"
-        budget = 0.5 * _distance({n: params[n] for n in state}, fp32_params, start)
+        budget = 2 * _distance({n: split_params[n] for n in state}, params, start)
         error = _distance(state, params, start)
-        assert error <= budget, f"rank {rank}: {error:.3f} from the recipe, budget {budget:.3f}"
+        assert error <= budget, f"rank {rank}: {error:.4f} from the recipe, budget {budget:.4f}"
