@@ -106,7 +106,8 @@ def load_state(parts: Any, directory: str | os.PathLike, step: int | None = None
         if key.startswith(rank_prefix) or key.startswith("chain."):
             return True
         return "/" in key and key.split("/")[1] in local
-    expected = {_MODEL + n: p.shape for n, p in parts.module.named_parameters()}
+    shapes = parts.optimizer.full_shapes()  # stage 3's released parameters are empty tensors
+    expected = {_MODEL + n: shapes.get(id(p), p.shape) for n, p in parts.module.named_parameters()}
     try:  # the chain's state (loss scale...) is the same on every rank; its links validate it first
         ckpt = load_checkpoint(directory, step, names=wanted, expected=expected, strict=False)
         _load_chain(parts.optimizer, ckpt.tensors, ckpt.meta["chain"])

@@ -305,6 +305,10 @@ class ZeroOptimizer(ChainWrapper):
         self.apply_delayed_update()
         return _state.full_parameters(self)
 
+    def full_shapes(self) -> dict[int, torch.Size]:
+        """id(parameter) -> its whole shape for each owned parameter, also while stage 3 has released it."""
+        return _state.full_shapes(self)
+
     def load_full_parameters(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Set each owned parameter (model copy and master) to value_of(parameter), e.g. from a checkpoint by name."""
         _state.load_full_parameters(self, value_of)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_gather
 from pipezero.comm.chain import innermost
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from pipezero.zero.optimizer import ZeroOptimizer
 
 __all__ = ["layout", "check_layout", "restore_masters", "consolidated_state_dict",
-           "load_consolidated_state_dict", "full_parameters", "load_full_parameters", "per_parameter_state",
+           "load_consolidated_state_dict", "full_parameters", "full_shapes", "load_full_parameters", "per_parameter_state",
            "load_per_parameter_state"]
 
 
@@ -126,6 +127,15 @@ def full_parameters(opt: "ZeroOptimizer") -> list[tuple[torch.Tensor, torch.Tens
         full = _gather_flat(opt, b, b.master.detach().to(b.device)) if b.parts > 1 else b.master.detach()
         out += [(p, b.slot(full, i)) for i, p in enumerate(b.params)]
     return out
+
+
+def full_shapes(opt: "ZeroOptimizer") -> dict[int, torch.Size]:
+    """id(parameter) -> its whole shape, also while stage 3 has released it (an empty tensor then).
+
+    A tensor-parallel parameter (a DTensor, never released) keeps its global shape.
+    """
+    return {id(p): p.shape if isinstance(p, DTensor) else shape
+            for b in opt.buckets for p, shape in zip(b.params, b.shapes)}
 
 
 def load_full_parameters(opt: "ZeroOptimizer", value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
