@@ -114,6 +114,27 @@ def _frozen_pipe(directory: str) -> list:
     return [saved, loaded, exported]
 
 
+class WithSpare(nn.Module):
+    """An MLP with a layer its forward never uses (torch leaves its .grad None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.spare = _mlp(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _unused(stage: int) -> list:
+    """Item 12: AdamW with weight decay must not touch `spare`; a step() without backward touches nothing."""
+    engine = _engine(stage, WithSpare())
+    before = _whole(engine)
+    _steps(engine, 3)
+    trained = _whole(engine)
+    engine.step()  # no backward since the last step
+    return [before, trained, _whole(engine)]
+
+
 def _try(fn, *args):
     """fn's result, or its error as text: one failing case fails its own test, not the whole world's."""
     try:
@@ -129,6 +150,7 @@ def _world(directory: str) -> dict:
     out = {"zero3": _try(_zero3_same_job, str(root / "zero3")), "frozen_pipe": _try(_frozen_pipe, str(root / "pipe"))}
     for stage in range(4):
         out[f"frozen{stage}"] = _try(_frozen, str(root / f"frozen{stage}"), stage)
+        out[f"unused{stage}"] = _try(_unused, stage)
     return out
 
 
@@ -169,3 +191,13 @@ def test_frozen_pipeline_layers_are_saved_and_exported(world):
         _same(saved, fresh)
     exported = world[0]["frozen_pipe"][2]
     assert exported == sorted(f"layers.{i}.{n}" for i in range(4) for n in ("bias", "weight"))
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_unused_parameters_are_left_alone(world, stage):
+    for before, trained, idle in _result(world, f"unused{stage}"):
+        spare = {k: v for k, v in before.items() if k.startswith("spare.")}
+        _same(spare, {k: trained[k] for k in spare})  # torch: no decay without a gradient
+        assert not torch.equal(before["net.0.weight"], trained["net.0.weight"])
+        _same(trained, idle)  # torch and DeepSpeed stage 0: step() without backward changes nothing
+
