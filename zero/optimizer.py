@@ -89,7 +89,7 @@ class ZeroOptimizer(ChainWrapper):
             raise TypeError(f"ZeroOptimizer cannot shard {type(core).__name__}: its update may need whole tensors "
                             f"(per-tensor norms, as LAMB/LARS). Known element-wise optimizers: {names}. If its "
                             "update really is element-wise, pass elementwise=True")
-        if getattr(core, "state", None):
+        if _state.has_stepped(core):
             raise ValueError(f"{type(core).__name__} already has state: create the ZeroOptimizer before the "
                              "first step (load checkpoints with ZeroOptimizer.load_state_dict)")
 
@@ -119,6 +119,7 @@ class ZeroOptimizer(ChainWrapper):
                 mark_replica(b.master)
         for g, group in enumerate(self.param_groups):
             group["params"] = [b.master for b in self.buckets if b.group_index == g]
+        _state.adopt_initial_state(self)  # e.g. Adagrad's accumulators, made in its __init__
         self._gatherer = None
         if self.stage == 3:
             device = self.buckets[0].device if self.buckets else torch.device("cpu")

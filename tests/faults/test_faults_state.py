@@ -135,6 +135,30 @@ def _unused(stage: int) -> list:
     return [before, trained, _whole(engine)]
 
 
+def _adagrad(stage: int) -> list:
+    """Item 15: Adagrad (its state made in __init__) under ZeRO, against torch's Adagrad in one process."""
+    import copy
+
+    import torch.distributed as dist
+    from pipezero.zero import ZeroOptimizer
+
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    make = lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1, initial_accumulator_value=0.1)  # noqa: E731
+    opt, ref_opt = ZeroOptimizer(make(model), stage=stage, module=model), make(ref)
+    for i in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        mine = x.chunk(dist.get_world_size())[dist.get_rank()]
+        model(mine).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with opt.gathered_parameters():
+        return [{n: p.detach().clone() for n, p in model.named_parameters()}, dict(ref.named_parameters())]
+
+
 def _try(fn, *args):
     """fn's result, or its error as text: one failing case fails its own test, not the whole world's."""
     try:
@@ -151,6 +175,7 @@ def _world(directory: str) -> dict:
     for stage in range(4):
         out[f"frozen{stage}"] = _try(_frozen, str(root / f"frozen{stage}"), stage)
         out[f"unused{stage}"] = _try(_unused, stage)
+        out[f"adagrad{stage}"] = _try(_adagrad, stage)
     return out
 
 
@@ -201,3 +226,9 @@ def test_unused_parameters_are_left_alone(world, stage):
         assert not torch.equal(before["net.0.weight"], trained["net.0.weight"])
         _same(trained, idle)  # torch and DeepSpeed stage 0: step() without backward changes nothing
 
+
+@pytest.mark.parametrize("stage", range(4))
+def test_adagrad_is_sharded_like_torch(world, stage):
+    for mine, ref in _result(world, f"adagrad{stage}"):
+        for key in ref:
+            torch.testing.assert_close(mine[key], ref[key].detach(), rtol=1e-5, atol=1e-6, msg=key)
