@@ -2,7 +2,8 @@
 
 A checkpoint holds, under names that do not depend on the grid:
 
-    model/<param name>            fp32 weights (the ZeRO masters, gathered: exact for bf16/fp16 too)
+    model/<param name>            fp32 weights (the ZeRO masters, gathered: exact for bf16/fp16 too;
+                                  frozen parameters, which no optimizer holds, as the model has them)
     optim/<param name>/<key>      the torch optimizer's per-parameter state (exp_avg, exp_avg_sq, step)
     rng.<rank>.torch_cpu          each rank's torch RNG (restored when the world size is unchanged)
 
@@ -26,9 +27,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pipezero.comm.chain import links
-from pipezero.pipe.spec import TiedLayerSpec
+from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_consolidated, latest_step,
                                        load_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from pipezero.train.checkpoint_state import flatten_state, unflatten_state
@@ -55,6 +57,12 @@ def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int
         value = whole(p, master)  # tensor-parallel: every tensor rank takes part
         if writer:
             tensors[_MODEL + names[id(p)]] = value.float().cpu()
+    owned = zero.full_shapes()
+    for name, p in parts.module.named_parameters():  # frozen (not in the optimizer): whole on every data rank
+        if id(p) not in owned:
+            value = whole(p, p.to_local() if isinstance(p, DTensor) else p.detach())
+            if writer:
+                tensors[_MODEL + name] = value.float().cpu()
     for p, state in zero.per_parameter_state():
         for key, value in state.items():
             value = whole(p, torch.as_tensor(value))
@@ -106,7 +114,8 @@ def load_state(parts: Any, directory: str | os.PathLike, step: int | None = None
         if key.startswith(rank_prefix) or key.startswith("chain."):
             return True
         return "/" in key and key.split("/")[1] in local
-    expected = {_MODEL + n: p.shape for n, p in parts.module.named_parameters()}
+    shapes = parts.optimizer.full_shapes()  # stage 3's released parameters are empty tensors
+    expected = {_MODEL + n: shapes.get(id(p), p.shape) for n, p in parts.module.named_parameters()}
     try:  # the chain's state (loss scale...) is the same on every rank; its links validate it first
         ckpt = load_checkpoint(directory, step, names=wanted, expected=expected, strict=False)
         _load_chain(parts.optimizer, ckpt.tensors, ckpt.meta["chain"])
@@ -146,10 +155,11 @@ def _load_weights(parts: Any, t: Mapping[str, torch.Tensor], names: dict[int, st
         done.add(id(p))
         return local_slice(p, t[_MODEL + names[id(p)]])
     parts.optimizer.load_full_parameters(value_of)
-    with torch.no_grad():
+    with torch.no_grad():  # the parameters no optimizer owns (frozen ones)
         for p in parts.module.parameters():
             if id(p) not in done:
-                p.copy_(t[_MODEL + names[id(p)]].to(p.dtype))
+                local = p.to_local() if isinstance(p, DTensor) else p
+                local.copy_(local_slice(p, t[_MODEL + names[id(p)]]).to(p.dtype))
 
 
 def _load_chain(zero: Any, t: Mapping[str, torch.Tensor], skeletons: list[Any]) -> None:
@@ -222,5 +232,20 @@ def export_model(directory: str | os.PathLike, path: str | os.PathLike, specs: S
     for key, value in ckpt.tensors.items():
         for name in mapping(key[len(_MODEL):]):
             out[name] = value.to(dtype) if dtype is not None else value
+    missing = sorted(set(_spec_parameter_names(specs)) - set(out))
+    if missing:
+        raise CheckpointError(f"{ckpt.path}: lacks {len(missing)} parameter(s) of the model {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''}, so {path} would be incomplete; export a "
+                              "checkpoint of these specs that holds every parameter, frozen ones included")
     return export_consolidated(path, out, metadata={**dict(metadata or {}), "step": str(ckpt.step)})
+
+
+def _spec_parameter_names(specs: Sequence[Any]) -> list[str]:
+    """The single-process model's parameter names ("layers.<i>.<name>"), each layer built on the meta device."""
+    names = []
+    for i, spec in enumerate(specs):
+        if isinstance(spec, LayerSpec):
+            with torch.device("meta"):
+                names += [f"layers.{i}.{n}" for n, _ in spec.build().named_parameters()]
+    return names
 

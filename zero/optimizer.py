@@ -28,6 +28,7 @@ from pipezero.zero.grad_strategies import make_grad_sync
 from pipezero.zero.offload import HostOffload, host_copy
 from pipezero.zero.partition import Bucket, plan_groups
 from pipezero.zero.stage3 import ParamGatherer
+from pipezero.zero.unused import UnusedParams
 from pipezero.zero import state as _state
 
 __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
@@ -88,7 +89,7 @@ class ZeroOptimizer(ChainWrapper):
             raise TypeError(f"ZeroOptimizer cannot shard {type(core).__name__}: its update may need whole tensors "
                             f"(per-tensor norms, as LAMB/LARS). Known element-wise optimizers: {names}. If its "
                             "update really is element-wise, pass elementwise=True")
-        if getattr(core, "state", None):
+        if _state.has_stepped(core):
             raise ValueError(f"{type(core).__name__} already has state: create the ZeroOptimizer before the "
                              "first step (load checkpoints with ZeroOptimizer.load_state_dict)")
 
@@ -118,6 +119,7 @@ class ZeroOptimizer(ChainWrapper):
                 mark_replica(b.master)
         for g, group in enumerate(self.param_groups):
             group["params"] = [b.master for b in self.buckets if b.group_index == g]
+        _state.adopt_initial_state(self)  # e.g. Adagrad's accumulators, made in its __init__
         self._gatherer = None
         if self.stage == 3:
             device = self.buckets[0].device if self.buckets else torch.device("cpu")
@@ -129,6 +131,7 @@ class ZeroOptimizer(ChainWrapper):
         self._sync = make_grad_sync(self.buckets, self.stage, self.group, on_backward_done=done,
                                     overlap=self.config.overlap_comm,
                                     every_microbatch=self.config.reduce_every_microbatch, sink=self._offload)
+        self._unused = UnusedParams(self.buckets, self.group, self.world)
 
     @classmethod
     def from_config(cls, inner: Any, cfg: Mapping[str, Any], group=None, module: nn.Module | None = None,
@@ -148,7 +151,9 @@ class ZeroOptimizer(ChainWrapper):
         """
         self.apply_delayed_update()
         super().prepare_grads()
+        self._unused.find(late_grads=self.stage > 0)
         self._sync.finish()
+        self._unused.drop_grads()  # torch steps no parameter without a gradient
         if self._gatherer is not None:
             self._gatherer.release_all()
         self._grads_ready = True
@@ -162,13 +167,22 @@ class ZeroOptimizer(ChainWrapper):
                 self.prepare_grads()
         with nvtx_range("optimizer.step"), self._offload.stepping(self._offload.start_upload) \
                 if self._offload else nullcontext():
+            kept = self._unused.keep(innermost(self.inner)) if self._may_restore() else []
             stepped = self.inner.step() is not False
+            for b in self._unused.restore(innermost(self.inner), kept):
+                if self._offload is not None:  # it uploaded the stepped slice already
+                    self._offload.start_upload(b)
         self.last_step_skipped = not stepped
         self._grads_ready = False
+        self._unused.clear()
         self._sync.end_step()
         if stepped and not self.config.delayed_param_update:
             self._publish()
         return stepped
+
+    def _may_restore(self) -> bool:
+        """Unused elements of a partly used bucket can be put back unless the update runs in the background."""
+        return not (self._offload is not None and self.config.delayed_param_update)
 
     def _streaming(self):
         """Offloaded, with torch's optimizer right inside: nothing reads the gradients before it
@@ -207,6 +221,7 @@ class ZeroOptimizer(ChainWrapper):
         if self._offload is None or not self._offload.in_flight:  # a delayed update reads the masters' grads
             self.inner.zero_grad(set_to_none=True)
         self._sync.zero_grad()
+        self._unused.clear()
         self._grads_ready = False
 
     def add_param_group(self, param_group: dict) -> None:
@@ -234,11 +249,15 @@ class ZeroOptimizer(ChainWrapper):
 
     def flush_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
         """Reduce what of these params' gradients is not yet reduced (their last backward is done)."""
+        params = list(params)
+        self._unused.mark(params, always=self.stage == 0)  # stage 0's .grad views the buffer: cannot tell
         self._sync.flush(params)
 
     def collect_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
         """A micro-batch's gradients of these params were assigned without autograd hooks (torch's
         split weight backward): with reduce_every_microbatch, reduce them now; else a no-op."""
+        params = list(params)
+        self._unused.mark(params, always=self.stage == 0)
         self._sync.collect(params)
 
     def wait_grad_sync(self) -> None:
@@ -304,6 +323,10 @@ class ZeroOptimizer(ChainWrapper):
         """(model parameter, its whole fp32 master) for each parameter this optimizer owns; a collective."""
         self.apply_delayed_update()
         return _state.full_parameters(self)
+
+    def full_shapes(self) -> dict[int, torch.Size]:
+        """id(parameter) -> its whole shape for each owned parameter, also while stage 3 has released it."""
+        return _state.full_shapes(self)
 
     def load_full_parameters(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Set each owned parameter (model copy and master) to value_of(parameter), e.g. from a checkpoint by name."""

@@ -84,6 +84,13 @@ class Bucket:
         s = self.shard_numel
         return flat[self.part * s:(self.part + 1) * s]
 
+    def owned_span(self, i: int) -> tuple[int, int] | None:
+        """Where parameter i's elements lie in this rank's slice, as (start, end); None if it owns none."""
+        s = self.shard_numel
+        lo = max(self.offsets[i], self.part * s)
+        hi = min(self.offsets[i] + self.shapes[i].numel(), (self.part + 1) * s)
+        return (lo - self.part * s, hi - self.part * s) if lo < hi else None
+
     # -- building -------------------------------------------------------------------
     def build(self, master_device: torch.device | None, keep_full: bool) -> None:
         """Pack the parameters into the flat buffer and create the owned slice and master.

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_gather
 from pipezero.comm.chain import innermost
@@ -24,8 +25,8 @@ from pipezero.zero.partition import Bucket
 if TYPE_CHECKING:
     from pipezero.zero.optimizer import ZeroOptimizer
 
-__all__ = ["layout", "check_layout", "restore_masters", "consolidated_state_dict",
-           "load_consolidated_state_dict", "full_parameters", "load_full_parameters", "per_parameter_state",
+__all__ = ["adopt_initial_state", "has_stepped", "layout", "check_layout", "restore_masters", "consolidated_state_dict",
+           "load_consolidated_state_dict", "full_parameters", "full_shapes", "load_full_parameters", "per_parameter_state",
            "load_per_parameter_state"]
 
 
@@ -43,6 +44,29 @@ def check_layout(opt: "ZeroOptimizer", saved: dict[str, Any]) -> None:
                          f"rank={saved['rank']} (or another model); here stage={mine['stage']}, "
                          f"world={mine['world']}, rank={mine['rank']}. To change the data-parallel degree "
                          "save consolidated_state_dict(opt) and load that")
+
+
+def has_stepped(core: Any) -> bool:
+    """Whether a torch optimizer holds state from a step: any entry but an initial one (step 0, as
+    Adagrad's __init__ makes it) says so."""
+    for entry in (getattr(core, "state", None) or {}).values():
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if step is None or float(step) != 0:
+            return True
+    return False
+
+
+def adopt_initial_state(opt: "ZeroOptimizer") -> None:
+    """Move the per-parameter state an optimizer made before its first step onto the shards."""
+    core = innermost(opt.inner)
+    initial = {id(p): st for p, st in core.state.items()}
+    if not initial:
+        return
+    core.state.clear()
+    for b in opt.buckets:
+        per_param = [initial.get(id(p)) for p in b.params]
+        if all(st is not None for st in per_param):
+            core.state[b.master] = _shard_of(b, per_param)
 
 
 def restore_masters(opt: "ZeroOptimizer") -> None:
@@ -126,6 +150,15 @@ def full_parameters(opt: "ZeroOptimizer") -> list[tuple[torch.Tensor, torch.Tens
         full = _gather_flat(opt, b, b.master.detach().to(b.device)) if b.parts > 1 else b.master.detach()
         out += [(p, b.slot(full, i)) for i, p in enumerate(b.params)]
     return out
+
+
+def full_shapes(opt: "ZeroOptimizer") -> dict[int, torch.Size]:
+    """id(parameter) -> its whole shape, also while stage 3 has released it (an empty tensor then).
+
+    A tensor-parallel parameter (a DTensor, never released) keeps its global shape.
+    """
+    return {id(p): p.shape if isinstance(p, DTensor) else shape
+            for b in opt.buckets for p, shape in zip(b.params, b.shapes)}
 
 
 def load_full_parameters(opt: "ZeroOptimizer", value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
