@@ -71,16 +71,20 @@ def to_text(schedule: Any, mark: Iterable[tuple[int, int]] = ()) -> str:
 
 
 def _timed_cells(result: "SimResult") -> tuple[list[list[str]], list[str], int]:
+    """One row per time slot; an action of zero cost gets the row of its start, beside any other
+    action starting there on its rank ("0B0 0F1"), so every action of the timeline shows."""
     p = result.num_stages
+    starts = {e.start for e in result.timeline}
     times = {t for e in result.timeline for t in (e.start, e.end)}
     if all(float(t).is_integer() for t in times) and result.makespan <= 10_000:
         times |= set(range(int(result.makespan)))
-    times = sorted(t for t in times if t < result.makespan)
+    times = sorted(t for t in times if t < result.makespan or t in starts)
     row_of = {t: k for k, t in enumerate(times)}
     cells = [[""] * p for _ in times]
-    for e in result.timeline:
+    for e in sorted(result.timeline, key=lambda e: (e.start, e.rank, e.step)):
         first = row_of[e.start]
-        cells[first][e.rank] = str(e.action)
+        held = cells[first][e.rank]
+        cells[first][e.rank] = f"{held} {e.action}" if held and held != "." else str(e.action)
         for k in range(first + 1, len(times)):
             if times[k] >= e.end:
                 break

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import runpy
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["DefaultsHelp", "main", "examples_dir"]
+__all__ = ["DefaultsHelp", "cost", "examples_dir", "main", "positive_int"]
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -45,21 +46,42 @@ def examples_dir() -> Path:
 def _simulate(args: argparse.Namespace) -> int:
     from pipezero import pipe
 
+    png = Path(args.png or f"{args.schedule}_p{args.stages}_m{args.microbatches}.png")
     try:
         schedule = pipe.make_schedule(args.schedule, args.microbatches, args.chunks)
-    except ValueError as e:
+        costs = pipe.Costs(forward=args.forward, backward_input=args.backward_input,
+                           backward_weight=args.backward_weight)
+        result = pipe.simulate(schedule, args.stages, costs=costs)
+    except (ValueError, TypeError) as e:
         raise SystemExit(f"pipezero simulate: {e}") from None
-    costs = pipe.Costs(forward=args.forward, backward_input=args.backward_input, backward_weight=args.backward_weight)
-    result = pipe.simulate(schedule, args.stages, costs=costs)
     print(pipe.to_text(result))
     peak = ", ".join(f"rank {r}: {n:g}" for r, n in sorted(result.peak_stage_activations().items()))
     print(f"\n{schedule!r}: {args.stages} stages, {args.microbatches} microbatches, "
           f"makespan {result.makespan:g}, bubble {result.bubble:.3f}")
     print(f"peak live activations (whole-stage microbatches): {peak}")
-    png = Path(args.png or f"{args.schedule}_p{args.stages}_m{args.microbatches}.png")
-    pipe.to_png(result, png)
+    try:
+        pipe.to_png(result, png)
+    except OSError as e:
+        raise SystemExit(f"pipezero simulate: cannot write --png {str(png)!r}: {e.strerror or e}; "
+                         "pass --png in a folder that exists and is writable") from None
     print(f"wrote {png}")
     return 0
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (expected >= 1)")
+    return value
+
+
+def cost(text: str) -> float:
+    """argparse type: a finite number >= 0 (a cost in the simulator's time units)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
+    return value
 
 
 def _nproc(config: str, rest: list[str]) -> int:
@@ -98,13 +120,13 @@ def _parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="simulate a schedule: text grid, bubble, peak memory, PNG",
                          formatter_class=DefaultsHelp)
     sim.add_argument("--schedule", choices=schedule_names(), default="1f1b")
-    sim.add_argument("--stages", type=int, default=4)
-    sim.add_argument("--microbatches", type=int, default=8)
-    sim.add_argument("--chunks", type=int, default=None,
+    sim.add_argument("--stages", type=positive_int, default=4)
+    sim.add_argument("--microbatches", type=positive_int, default=8)
+    sim.add_argument("--chunks", type=positive_int, default=None,
                      help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
-    sim.add_argument("--forward", type=float, default=1.0, help="cost of F")
-    sim.add_argument("--backward-input", type=float, default=1.0, help="cost of I (B = I + W)")
-    sim.add_argument("--backward-weight", type=float, default=1.0, help="cost of W")
+    sim.add_argument("--forward", type=cost, default=1.0, help="cost of F")
+    sim.add_argument("--backward-input", type=cost, default=1.0, help="cost of I (B = I + W)")
+    sim.add_argument("--backward-weight", type=cost, default=1.0, help="cost of W")
     sim.add_argument("--png", default=None, help="where to write the picture")
     from pipezero.train.plan_cli import add_plan_parser
 

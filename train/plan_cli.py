@@ -9,34 +9,72 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import replace
+from pathlib import Path
 
 __all__ = ["add_plan_parser", "run_plan"]
 
 
 def add_plan_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
-    """Register `pipezero plan` and its flags."""
+    """Register `pipezero plan` and its flags (each checked as it is read: argparse's one-line error)."""
+    from pipezero.train.cli import positive_int
+
     p = sub.add_parser("plan", help="rank every parallel layout by predicted tokens/s; print the winner's config",
                        formatter_class=formatter)
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--d-model", type=int, default=128, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--vocab", type=int, default=256, help="vocabulary size")
-    p.add_argument("--global-batch", type=int, default=32, help="sequences per optimizer step")
+    p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=positive_int, default=128, help="model width")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+    p.add_argument("--vocab", type=positive_int, default=256, help="vocabulary size")
+    p.add_argument("--global-batch", type=positive_int, default=32, help="sequences per optimizer step")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--hardware", default="local", choices=["local", "h200"],
                    help="local: this machine, layer times measured; h200: modelled from FLOPs")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (local: processes; h200: 8)")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--memory-gb", type=float, default=None, help="usable memory per device (default: the preset's)")
-    p.add_argument("--efficiency", type=float, default=None, help="h200: achieved fraction of peak (default 0.55)")
-    p.add_argument("--intra-gbps", type=float, default=None, help="GB/s per direction within a node")
-    p.add_argument("--inter-gbps", type=float, default=None, help="GB/s per device between nodes")
-    p.add_argument("--top", type=int, default=10,
+    p.add_argument("--gpus-per-node", type=positive_int, default=None,
+                   help="devices per node (local: processes, default 4; h200: default 8)")
+    p.add_argument("--nodes", type=positive_int, default=None, help="h200: nodes (default 1; local is one machine)")
+    p.add_argument("--memory-gb", type=_positive, default=None, help="usable memory per device (default: the preset's)")
+    p.add_argument("--efficiency", type=_fraction, default=None,
+                   help="h200: achieved fraction of peak, in (0, 1] (default 0.55)")
+    p.add_argument("--intra-gbps", type=_positive, default=None, help="GB/s per direction within a node")
+    p.add_argument("--inter-gbps", type=_positive, default=None, help="GB/s per device between nodes")
+    p.add_argument("--top", type=positive_int, default=10,
                    help="rows of the table (layouts that cannot reach them are not simulated)")
     p.add_argument("--write-config", default=None, help="write the winner's ds_config.json here")
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number > 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction of peak in (0, 1] (e.g. 0.55)")
+    return value
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """What the hardware preset cannot use, refused before anything is measured."""
+    if args.hardware == "local":
+        given = [f"--{k.replace('_', '-')} {v}" for k, v in (("nodes", args.nodes), ("efficiency", args.efficiency),
+                                                              ("inter_gbps", args.inter_gbps)) if v is not None]
+        if given and given != ["--nodes 1"]:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise SystemExit(f"pipezero plan: {', '.join(given)} {verb} only to --hardware h200 (modelled); "
+                             "--hardware local plans this one machine from measured times: drop them, "
+                             "or add --hardware h200")
+    if args.write_config is not None:
+        folder = Path(args.write_config).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise SystemExit(f"pipezero plan: --write-config {args.write_config!r}: the folder {str(folder)!r} "
+                             f"{'is not writable' if folder.is_dir() else 'does not exist'}; create it first, "
+                             "or name a file in a writable folder")
 
 
 def _hardware(args: argparse.Namespace):
@@ -45,7 +83,7 @@ def _hardware(args: argparse.Namespace):
     if args.hardware == "local":
         hw = local_cpu(args.gpus_per_node or 4, args.memory_gb)
     else:
-        hw = h200(args.nodes, args.gpus_per_node or 8)
+        hw = h200(args.nodes or 1, args.gpus_per_node or 8)
     changes = {k: v for k, v in (("memory_gb", args.memory_gb), ("efficiency", args.efficiency),
                                  ("intra_gbps", args.intra_gbps), ("inter_gbps", args.inter_gbps)) if v is not None}
     if args.hardware == "local":
@@ -60,6 +98,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from pipezero.train.plan import ds_config, explain, format_table, plan, torchrun_command, write_config
     from pipezero.train.plan_model import ModelShape, flops_profile, measure_profile
 
+    _check_flags(args)
     start = time.perf_counter()
     try:
         shape = ModelShape(layers=args.layers, d_model=args.d_model, heads=args.heads, seq_len=args.seq_len,
@@ -83,8 +122,14 @@ def run_plan(args: argparse.Namespace) -> int:
     print("\nds_config.json:\n" + json.dumps(ds_config(preds[0])))
     path = args.write_config or "plan_ds_config.json"
     if args.write_config:
-        write_config(preds[0], path)
+        try:
+            write_config(preds[0], path)
+        except OSError as e:
+            raise SystemExit(f"pipezero plan: cannot write --write-config {path!r}: {e.strerror or e}") from None
         print(f"wrote {path}")
-    print("\n" + torchrun_command(preds[0], path))
+        print("\n" + torchrun_command(preds[0], path))
+    else:
+        print(f"\nto launch it, save the config above as {path} (or rerun with --write-config {path}), then:\n"
+              + torchrun_command(preds[0], path))
     print(f"\nplanned in {time.perf_counter() - start:.1f} s")
     return 0

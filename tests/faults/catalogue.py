@@ -295,3 +295,7 @@ CLI = [
 ]
 
 PURE = GRID + SCHEDULE + OPTIMIZER + SCALER + DATA + CONFIG + CLI
+
+from catalogue_cli import ALL as _COMMANDS  # noqa: E402 - the pipezero command's flags (they import Case)
+
+PURE += _COMMANDS

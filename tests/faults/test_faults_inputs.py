@@ -26,7 +26,12 @@ _CLEAR = (ValueError, TypeError, OSError)
 def test_pure_bad_input_is_refused_clearly(case, tmp_path, capsys):
     with pytest.raises((*_CLEAR, SystemExit)) as err:
         case.run(tmp_path) if inspect.signature(case.run).parameters else case.run()
-    text = capsys.readouterr().err if err.type is SystemExit else str(err.value)
+    if err.type is SystemExit:  # argparse printed its usage error; SystemExit("...") carries its line
+        code = err.value.code
+        assert code not in (0, None), f"exit {code}: not an error"
+        text = code if isinstance(code, str) else capsys.readouterr().err
+    else:
+        text = str(err.value)
     for word in case.words:
         assert word in text, f"{word!r} not in: {text}"
 
@@ -82,3 +87,18 @@ def _check(name: str, per_rank: list[dict[str, str]]) -> None:
         elif not text.startswith("ConnectionError"):
             for word in ranked.WORDS[name]:
                 assert word in text, f"rank {rank}: {word!r} not in: {text}"
+
+
+def test_simulate_shows_zero_cost_actions_and_plan_names_the_config_it_wrote(tmp_path, capsys, monkeypatch):
+    """Issue 28 items 14 and 19: zero backward costs (accepted) render instead of a KeyError; the
+    torchrun line of a plan without --write-config says the config is not written yet."""
+    from pipezero.train.cli import main
+    assert main(["simulate", "--stages", "2", "--microbatches", "3", "--backward-input", "0",
+                 "--backward-weight", "0", "--png", str(tmp_path / "s.png")]) == 0
+    text = capsys.readouterr().out
+    assert all(f"0B{m}" in text for m in range(3)) and "makespan 4" in text, text
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--hardware", "h200", "--layers", "2", "--top", "1"]) == 0
+    text = capsys.readouterr().out
+    assert not (tmp_path / "plan_ds_config.json").exists()
+    assert "--write-config plan_ds_config.json" in text.split("torchrun")[0], text

@@ -1,0 +1,97 @@
+"""The fault catalogue's bad command lines of the `pipezero` command: simulate and plan.
+
+Each case runs `pipezero.train.cli.main(argv)` and must end in the command's one-line error
+(argparse's usage error, or `pipezero <command>: ...`) before anything is simulated, measured
+or written: never a traceback, never a silent default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from catalogue import Case
+
+
+def _pz(*argv: str):
+    def run(tmp: Path):
+        from pipezero.train.cli import main
+        return main([a.replace("{tmp}", str(tmp)) for a in argv])
+    return run
+
+
+def _sim(name: str, argv: tuple[str, ...], words: tuple[str, ...]) -> Case:
+    return Case("simulate", name, _pz("simulate", *argv, *(() if "--png" in argv else ("--png", "{tmp}/s.png"))),
+                words)
+
+
+def _plan(name: str, argv: tuple[str, ...], words: tuple[str, ...]) -> Case:
+    return Case("plan", name, _pz("plan", *argv), words)
+
+
+SIMULATE = [
+    _sim("stages zero", ("--stages", "0"), ("--stages", "0 is not a positive integer")),
+    _sim("stages negative", ("--stages", "-2"), ("--stages", "-2")),
+    _sim("stages a word", ("--stages", "two"), ("--stages", "'two'")),
+    _sim("microbatches zero", ("--microbatches", "0"), ("--microbatches", "positive")),
+    _sim("microbatches negative", ("--microbatches", "-1"), ("--microbatches", "-1")),
+    _sim("microbatches fractional", ("--microbatches", "2.5"), ("--microbatches", "'2.5'")),
+    _sim("chunks zero", ("--chunks", "0"), ("--chunks", "positive")),
+    _sim("forward negative", ("--forward", "-1"), ("--forward", "-1", ">= 0")),
+    _sim("forward nan", ("--forward", "nan"), ("--forward", "finite")),
+    _sim("forward inf", ("--forward", "inf"), ("--forward", "finite")),
+    _sim("backward input negative", ("--backward-input", "-0.5"), ("--backward-input", "-0.5")),
+    _sim("backward weight a word", ("--backward-weight", "slow"), ("--backward-weight", "'slow'")),
+    _sim("unknown schedule", ("--schedule", "2f2b"), ("--schedule", "2f2b")),
+    _sim("dualpipev m below 2p", ("--schedule", "dualpipev", "--stages", "4", "--microbatches", "4"),
+         ("pipezero simulate", "num_microbatches >= 2 * num_stages = 8")),
+    _sim("interleaved m not a multiple", ("--schedule", "interleaved_1f1b", "--stages", "3", "--microbatches", "4"),
+         ("pipezero simulate", "multiple of num_stages")),
+    _sim("interleaved one chunk", ("--schedule", "interleaved_1f1b", "--chunks", "1"),
+         ("pipezero simulate", "chunks >= 2")),
+    _sim("1f1b with chunks", ("--schedule", "1f1b", "--chunks", "3"), ("pipezero simulate", "chunks=3")),
+    _sim("gpipe with chunks", ("--schedule", "gpipe", "--chunks", "2"), ("pipezero simulate", "chunks=2")),
+    _sim("png in a missing folder", ("--png", "{tmp}/no/such/dir/x.png"),
+         ("pipezero simulate", "--png", "no/such/dir/x.png")),
+    _sim("png a folder", ("--png", "{tmp}"), ("pipezero simulate", "--png")),
+    _sim("unknown argument", ("--stage", "2", "--extra"), ("unknown arguments", "--extra")),
+]
+
+
+PLAN = [
+    _plan("gpus per node zero", ("--gpus-per-node", "0"), ("--gpus-per-node", "0 is not a positive integer")),
+    _plan("gpus per node zero on h200", ("--hardware", "h200", "--gpus-per-node", "0"), ("--gpus-per-node", "0")),
+    _plan("gpus per node negative", ("--gpus-per-node", "-8"), ("--gpus-per-node", "-8")),
+    _plan("nodes zero", ("--hardware", "h200", "--nodes", "0"), ("--nodes", "0")),
+    _plan("nodes on local hardware", ("--nodes", "3"), ("--nodes 3", "--hardware h200")),
+    _plan("efficiency above one", ("--hardware", "h200", "--efficiency", "7"), ("--efficiency", "(0, 1]")),
+    _plan("efficiency zero", ("--hardware", "h200", "--efficiency", "0"), ("--efficiency", "0")),
+    _plan("efficiency negative", ("--hardware", "h200", "--efficiency", "-0.1"), ("--efficiency", "-0.1")),
+    _plan("efficiency nan", ("--hardware", "h200", "--efficiency", "nan"), ("--efficiency", "nan")),
+    _plan("efficiency on local hardware", ("--efficiency", "0.5"), ("--efficiency 0.5", "--hardware h200")),
+    _plan("inter-node bandwidth on local hardware", ("--inter-gbps", "100"), ("--inter-gbps 100", "--hardware h200")),
+    _plan("memory zero", ("--hardware", "h200", "--memory-gb", "0"), ("--memory-gb", "> 0")),
+    _plan("memory negative", ("--hardware", "h200", "--memory-gb", "-4"), ("--memory-gb", "-4")),
+    _plan("intra bandwidth zero", ("--hardware", "h200", "--intra-gbps", "0"), ("--intra-gbps", "0")),
+    _plan("inter bandwidth negative", ("--hardware", "h200", "--inter-gbps", "-5"), ("--inter-gbps", "-5")),
+    _plan("top zero", ("--hardware", "h200", "--top", "0"), ("--top", "0")),
+    _plan("layers zero", ("--hardware", "h200", "--layers", "0"), ("--layers", "0")),
+    _plan("d-model zero", ("--hardware", "h200", "--d-model", "0"), ("--d-model", "0")),
+    _plan("heads zero", ("--hardware", "h200", "--heads", "0"), ("--heads", "0")),
+    _plan("heads do not divide d-model", ("--hardware", "h200", "--heads", "3"),
+          ("pipezero plan", "d_model=128, heads=3", "multiple of heads")),
+    _plan("seq-len negative", ("--hardware", "h200", "--seq-len", "-1"), ("--seq-len", "-1")),
+    _plan("vocab zero", ("--hardware", "h200", "--vocab", "0"), ("--vocab", "0")),
+    _plan("global batch zero", ("--hardware", "h200", "--global-batch", "0"), ("--global-batch", "0")),
+    _plan("global batch a word", ("--hardware", "h200", "--global-batch", "lots"), ("--global-batch", "'lots'")),
+    _plan("precision fp8", ("--precision", "fp8"), ("--precision", "fp8")),
+    _plan("hardware tpu", ("--hardware", "tpu"), ("--hardware", "tpu")),
+    _plan("memory too small for any layout", ("--hardware", "h200", "--memory-gb", "0.000001"),
+          ("pipezero plan", "no layout", "1e-06 GB")),
+    _plan("write-config into a missing folder", ("--hardware", "h200", "--write-config", "{tmp}/no/dir/ds.json"),
+          ("--write-config", "no/dir", "does not exist")),
+    _plan("write-config into a file's folder", ("--hardware", "h200", "--write-config", __file__ + "/ds.json"),
+          ("--write-config", "does not exist")),
+    _plan("unknown argument", ("--hardware", "h200", "--gpu-count", "8"), ("unknown arguments", "--gpu-count")),
+]
+
+ALL = SIMULATE + PLAN
