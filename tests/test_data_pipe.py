@@ -140,11 +140,68 @@ def _schedules(packing: bool):
             for name, stage in (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 3))]
 
 
-def test_packed_rows_through_pipe2_data2_equal_each_document_alone():
+def _hf_model():
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=CFG.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def _hf_truth() -> list[float]:
+    """transformers' own model on every document alone."""
+    model = _hf_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    order = _batches(True, 1, 0, 1)
+    layout, corpus, losses = order.layout, order.corpus, []
+    for _ in range(STEPS):
+        total, count = 0.0, 0
+        for r in order.order.next_rows():
+            for s in range(layout.row_start[r], layout.row_start[r + 1]):
+                ids, mask = corpus.doc(int(layout.seg_doc[s]))
+                a, n = int(layout.seg_from[s]), int(layout.seg_len[s])
+                ids, mask = torch.as_tensor(ids[a:a + n]), torch.as_tensor(mask[a:a + n])
+                labels = torch.where(mask[1:] > 0, ids[1:], IGNORE)
+                logits = model(input_ids=ids[None, :-1]).logits[0]
+                total = total + F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+                count += int((labels != IGNORE).sum())
+        (total / count).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((total / count).item())
+    return losses
+
+
+def _hf_packed(path: str) -> list[float]:
+    """The same packed rows through pipe/hf.py's layers (transformers builds the block-diagonal
+    mask from position ids that restart), pipe 2 x data 2, 1F1B, ZeRO-1."""
+    from pipezero.pipe.hf import hf_layer_specs
+    grid = Grid(pipe=2)
+    sched = make_schedule("1f1b", 4)
+    model = PipelineModule(hf_layer_specs(path), grid=grid, loss_fn=token_mean_loss)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=LR), group=grid.data_group, stage=1)
+    runner = PipelineRunner(model, sched, optimizer=opt)
+    corpus = _corpus()
+    data = PackedBatches(pack(corpus, SEQ), corpus, PER_RANK * 2 // grid.data_size, 4, grid.data_rank,
+                         grid.data_size, seed=5, hf_inputs=True)
+    losses = []
+    for _ in range(STEPS):
+        losses.append(runner.train_step(*data.next_batch()).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def test_packed_rows_through_pipe2_data2_equal_each_document_alone(tmp_path):
     per_schedule = list(zip(*run(_schedules, 4, True, timeout=300)))
     for results in per_schedule:
         _check(results, packing=True)
     assert 0.5 < per_schedule[0][0][3] < 1.0  # packing efficiency reported
+    _hf_model().save_pretrained(tmp_path / "llama")
+    truth = _hf_truth()
+    for losses in run(_hf_packed, 4, str(tmp_path / "llama"), timeout=300):
+        torch.testing.assert_close(losses, truth, rtol=1e-5, atol=1e-5)
 
 
 def _variable_and_resume():
