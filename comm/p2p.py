@@ -8,7 +8,10 @@ once; later transfers of known streams go out as one batch of sends and receives
 then are new streams received, one by one in the sender's order: both sides agree on which
 channel carries a message, and each channel keeps the per-pair order that order-matching
 transports (nccl) need. Sends complete in the background; `drain()` waits for them (at the
-end of a pipeline step). Shapes that change start new streams: a new P2P, or a new key.
+end of a pipeline step). Shapes that change start new streams: a new P2P, or a new key; or,
+with `variable_shapes=True`, every later transfer of a stream is preceded by its dims alone
+(one small int64 message on the side channel, tag 2): micro-batches of different sequence
+lengths flow through one stream, with no new group and no metadata beyond the dims.
 
 Receiving early: gloo moves a message only once its receive is posted (a receive posted late
 costs a round trip, ~0.2 ms here, on the critical path), so `post_early(recvs)` posts the
@@ -37,6 +40,7 @@ from pipezero.topology.device import process_device
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
 _META_LEN = 512  # int64 words: room for a tuple of dozens of tensors
+_DIMS_TAG = 2    # variable shapes: a known stream's dims, before its data
 
 
 class CommTimeout(TimeoutError):
@@ -91,14 +95,15 @@ class P2P:
     """Send and receive tuples of tensors between ranks, with per-stream metadata sent once."""
 
     def __init__(self, group=None, side_group=None, timeout_s: float = 300.0,
-                 device: torch.device | str | None = None):
-        self.group = group
+                 device: torch.device | str | None = None, variable_shapes: bool = False):
+        self.group, self.variable_shapes = group, variable_shapes
         self.side = group if side_group is None else side_group
         self.tag = 1 if self.side is group else 0
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device(device) if device is not None else process_device(group)
         self.side_device = self.device if self.side is group else torch.device("cpu")
         self._sent: set[tuple[int, str]] = set()
+        self._sent_kinds: dict[tuple[int, str], list] = {}  # variable shapes: (dtype, ndim) per tensor
         self._meta: dict[tuple[int, str], list] = {}
         self._pending: list = []  # sends (and, on nccl, receives) not yet known to be complete
         self._early: list = []    # ((peer, key), buffers, works) posted by post_early, oldest first
@@ -112,8 +117,12 @@ class P2P:
         sends = [(peer, key, tuple(ts) if isinstance(ts, (tuple, list)) else (ts,)) for peer, key, ts in sends]
         new = [self._is_new_send(peer, key) for peer, key, _ in sends]
         self._send_new([s for s, is_new in zip(sends, new) if is_new])
+        if self.variable_shapes:
+            self._send_dims([s for s, is_new in zip(sends, new) if not is_new])
         early = self._take_early(recvs)  # posted already: nothing to post or pair below
         known = [not early and self._is_known_recv(peer, key) for peer, key in recvs]
+        if self.variable_shapes:
+            self._receive_dims([r for r, k in zip(recvs, known) if k])
         out = [bufs for bufs, _ in early] if early else \
             [self._buffers(peer, key, self.device) if k else None for (peer, key), k in zip(recvs, known)]
         paired_peers = {peer for (peer, _), k in zip(recvs, known) if k}
@@ -149,8 +158,8 @@ class P2P:
     def post_early(self, recvs: Sequence[Recv]) -> None:
         """Post these receives now, for the next exchange() to take (gloo, known streams only:
         all or none, so messages of one peer are still received in the order they were sent)."""
-        if self.stream_ordered or not all(self._is_known_recv(p, k) for p, k in recvs):
-            return
+        if self.stream_ordered or self.variable_shapes or not all(self._is_known_recv(p, k) for p, k in recvs):
+            return  # variable shapes: the buffers' sizes come with each transfer
         for peer, key in recvs:
             bufs = self._buffers(peer, key, self.device)
             ops = [dist.P2POp(dist.irecv, b, peer, self.group) for b in bufs]
@@ -187,11 +196,42 @@ class P2P:
 
     def _send_new(self, sends: list) -> None:
         ops = []
-        for peer, _, tensors in sends:
+        for peer, key, tensors in sends:
+            self._sent_kinds[(peer, key)] = [(t.dtype, t.dim()) for t in tensors]
             payload = [encode_meta(tensors), *(t.detach() for t in tensors)]
             ops += [dist.P2POp(dist.isend, t.to(self.side_device).contiguous(), peer, self.side, self.tag)
                     for t in payload]
         self._pending += dist.batch_isend_irecv(ops) if ops else []
+
+    def _send_dims(self, sends: list) -> None:
+        """Variable shapes: each known stream's dims before its data (tag 2 of the side channel)."""
+        ops = []
+        for peer, key, tensors in sends:
+            meta = [(t.dtype, t.dim()) for t in tensors]
+            if meta != self._sent_kinds.setdefault((peer, key), meta):
+                raise ValueError(f"p2p stream {key!r} to rank {peer}: its tensors changed count, dtype or number "
+                                 f"of dims ({self._sent_kinds[(peer, key)]} -> {meta}); only sizes may vary")
+            dims = [d for t in tensors for d in t.shape]
+            if dims:
+                header = torch.tensor(dims, dtype=torch.int64, device=self.side_device)
+                ops.append(dist.P2POp(dist.isend, header, peer, self.side, _DIMS_TAG))
+        self._pending += dist.batch_isend_irecv(ops) if ops else []
+
+    def _receive_dims(self, recvs: list) -> None:
+        """Variable shapes: the dims of each known stream's next transfer, into its metadata."""
+        for peer, key in recvs:
+            meta = self._meta[(peer, key)]
+            count = sum(len(shape) for _, _, shape in meta)
+            if not count:
+                continue
+            header = torch.empty(count, dtype=torch.int64, device=self.side_device)
+            self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, peer, self.side, _DIMS_TAG)]),
+                       [], [(peer, key)])
+            dims, at, fresh = header.tolist(), 0, []
+            for dtype, grad, shape in meta:
+                fresh.append((dtype, grad, tuple(dims[at:at + len(shape)])))
+                at += len(shape)
+            self._meta[(peer, key)] = fresh
 
     def _receive_new(self, peer: int, key: str) -> tuple[torch.Tensor, ...]:
         meta = torch.empty(_META_LEN, dtype=torch.int64, device=self.side_device)

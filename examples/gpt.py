@@ -90,8 +90,15 @@ class Embedding(nn.Module):
         self.seq_len = cfg.seq_len  # also known while ZeRO-3 has `pos` partitioned
         _fill(self, _seed(cfg, 0))
 
-    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        """pos [B, T]: position of each token (left-padded prompts start at 0); default 0..T-1."""
+    def forward(self, idx: Any, pos: torch.Tensor | None = None) -> Any:
+        """pos [B, T]: position of each token (left-padded prompts start at 0); default 0..T-1.
+
+        Packed rows (pipezero.train.data): idx = (ids, positions, segments) -> (hidden, segments),
+        the segment ids travelling with the hidden states so every Block keeps attention inside
+        each document."""
+        if isinstance(idx, (tuple, list)):
+            ids, positions, segments = idx
+            return self.forward(ids, positions), segments
         if pos is None:
             if idx.size(-1) > self.pos.size(0):
                 raise ValueError(f"sequence of {idx.size(-1)} tokens is longer than GPTConfig.seq_len="
@@ -118,12 +125,18 @@ class Block(nn.Module):
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         _fill(self, _seed(cfg, 1 + index))
 
-    def forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
+    def forward(self, h: Any, attn_mask: torch.Tensor | None = None, cache: Any = None) -> Any:
         """attn_mask [B, 1, T, keys] (True: attend) replaces the causal mask.
 
         cache (generate.py's LayerCache or StaticLayerCache): append(k, v) stores the new keys
-        and values and returns the ones to attend over.
+        and values and returns the ones to attend over. h = (hidden, segments [B, T]) (packed
+        rows): attention is causal within each segment only (a block-diagonal mask through SDPA).
         """
+        if isinstance(h, (tuple, list)):
+            hidden, segments = h
+            same = segments[:, None, :, None] == segments[:, None, None, :]
+            causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
+            return self.forward(hidden, same & causal), segments
         q, k, v = rearrange(self.qkv(self.ln1(h)), "b t (nh three hd) -> three b nh t hd",
                             three=3, hd=self.head_dim)  # nh: this tensor rank's heads
         if cache is not None:
@@ -144,8 +157,8 @@ class FinalNorm(nn.Module):
         self.ln = nn.LayerNorm(cfg.d_model)
         _fill(self, _seed(cfg, 1 + cfg.n_layer))
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ln(h)
+    def forward(self, h: Any) -> torch.Tensor:
+        return self.ln(h[0] if isinstance(h, (tuple, list)) else h)  # packed rows: drop the segment ids
 
 
 class Head(nn.Module):

@@ -36,6 +36,7 @@ class BatchView:
     targets_ragged: int = 0
     no_targets: int = 0         # the last stage got no targets (eval_step then returns outputs)
     signature: int = 0          # of the inputs' shapes (pipe/runner.py starts new streams when it changes)
+    listed: int = 0             # the inputs came as a list of microbatches (their shapes may differ)
     inputs_max: int = _NONE     # [max, -min] pairs: batch sizes and microbatch counts
     inputs_neg_min: int = _NONE
     targets_max: int = _NONE
@@ -73,7 +74,10 @@ def check_batch(inputs: Any, targets: Any, m: int, need_targets: bool, *, first:
 
 
 def split_batch(batch: Any, m: int, device: torch.device) -> list:
-    """`batch` (a tensor or a tuple) as m microbatches along dim 0; non-tensors are repeated."""
+    """`batch` (a tensor or a tuple) as m microbatches along dim 0; non-tensors are repeated.
+    A list holds the m microbatches themselves (shapes may differ between them)."""
+    if isinstance(batch, list):
+        return [split_batch(mb, 1, device)[0] for mb in batch]
     if isinstance(batch, torch.Tensor):
         return list(batch.to(device).chunk(m))
     parts = [t.to(device).chunk(m) if isinstance(t, torch.Tensor) else [t] * m for t in batch]
@@ -89,11 +93,13 @@ def _view(inputs: Any, targets: Any, m: int) -> BatchView:
         if batch is None:
             setattr(view, "no_inputs" if name == "inputs" else "targets_missing", 1)
             continue
-        sizes = {t.shape[0] for t in _tensors(batch)}
-        if len(sizes) != 1:
+        parts = batch if isinstance(batch, list) else [batch]  # a list: one entry per microbatch
+        sizes = [{t.shape[0] for t in _tensors(p)} for p in parts]
+        if any(len(s) != 1 for s in sizes) or len(parts) not in (1, m):
             setattr(view, f"{name}_ragged", 1)
             continue
-        size = sizes.pop()
+        size = sum(s.pop() for s in sizes)
+        view.listed = max(view.listed, int(isinstance(batch, list)))
         setattr(view, f"{name}_max", size)
         setattr(view, f"{name}_neg_min", -size)
     if inputs is not _ABSENT and not (view.no_inputs or view.inputs_ragged):
@@ -113,8 +119,9 @@ def _raise_errors(w: BatchView, mine: BatchView, m: int, need_targets: bool) -> 
         raise ValueError("train_step: the last pipeline stage got targets=None; pass the targets there")
     for name in ("inputs", "targets"):
         if getattr(w, f"{name}_ragged"):
-            raise ValueError(f"the {name}' tensors differ in their batch dimension (dim 0) on some rank; "
-                             f"every tensor of one batch needs the same number of samples")
+            raise ValueError(f"the {name}' tensors differ in their batch dimension (dim 0) on some rank, or a list "
+                             f"of microbatches is not num_microbatches={m} long; every tensor of one batch (or "
+                             f"microbatch) needs the same number of samples")
         (low, top), here = w.sizes(name), getattr(mine, f"{name}_max")
         if top == _NONE:
             continue

@@ -131,7 +131,7 @@ class PipelineRunner:
         first = any(model.is_first(c) for c in range(model.num_chunks))
         last = any(model.is_last(c) for c in range(model.num_chunks))
         view = check_batch(inputs, targets, m, need_targets, first=first, last=last, group=self._check_group)
-        self._new_p2p_if_shapes_changed(view.signature, need_targets)
+        self._new_p2p_if_shapes_changed(view.signature, need_targets, bool(view.listed))
         self._inputs = split_batch(inputs, m, model.device) if first else None
         self._targets = split_batch(targets, m, model.device) if last and targets is not None else None
         self._received: dict[Message, Any] = {}                   # arrived (or handed over locally)
@@ -144,13 +144,15 @@ class PipelineRunner:
         self.timeline.begin()
         return view.no_targets == 0
 
-    def _new_p2p_if_shapes_changed(self, signature: int, train: bool) -> None:
-        """Stream metadata is cached per shape signature and mode; new shapes start new streams."""
-        if signature != self._signature or self.variable_shapes:
+    def _new_p2p_if_shapes_changed(self, signature: int, train: bool, listed: bool = False) -> None:
+        """Stream metadata is cached per shape signature and mode; new shapes start new streams.
+        Variable shapes (or a batch given as a list of microbatches): each transfer carries its dims."""
+        variable = self.variable_shapes or listed
+        if signature != self._signature or variable:
             self._p2ps, self._signature = {}, signature
         if train not in self._p2ps:
             self._p2ps[train] = P2P(self.grid.pipe_group, side_group=self._side_group, timeout_s=self.timeout_s,
-                                     device=self.model.device)
+                                     device=self.model.device, variable_shapes=variable)
         self._p2p = self._p2ps[train]
 
     # -- the loop ---------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_user_files(tmp_path):
 
 
 @pytest.mark.parametrize("name, content, words", [
-    ("tok.bin", np.array([1, 300], dtype=np.uint16), ["tok.bin", "[1, 300]", "vocab_size"]),
+    ("tok.bin", np.array([1, 300], dtype=np.uint16), ["tok.bin", "[1, 300]", "vocabulary has"]),
     ("odd.bin", b"abc", ["odd.bin", "3 bytes"]),
     ("two.npy", np.zeros((2, 2), dtype=np.int64), ["two.npy", "1-D integer array"]),
     ("float.npy", np.zeros(4, dtype=np.float32), ["float.npy", "float32"]),

@@ -49,30 +49,50 @@ def stdlib_corpus() -> tuple[torch.Tensor, str]:
 
 
 def load_tokens(path: str | os.PathLike, vocab_size: int = 256) -> torch.Tensor:
-    """Tokens of a user file: .npy (integer array), .bin (raw uint16, nanoGPT's format) or text (bytes)."""
+    """Tokens of a user file: .npy (integer array), .bin (raw uint16, nanoGPT's format) or text (bytes).
+
+    An empty file, a file of fewer than two tokens (no next-token target), a .npy that numpy
+    cannot read as an array, and ids outside the vocabulary are refused with the file and the fix.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {str(path)!r} (--data-path) is not a file; pass a text, .bin or "
                                 f".npy file, or leave --data-path out for the built-in corpus")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} (--data-path) is empty: pass a file with text or token ids, or leave "
+                         f"--data-path out for the built-in corpus")
     if path.suffix == ".npy":
-        import numpy as np
-
-        array = np.load(path, allow_pickle=False)
-        if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise ValueError(f"{path}: expected a 1-D integer array of token ids, got {array.dtype} "
-                             f"of shape {array.shape}")
-        tokens = torch.from_numpy(array.astype(np.int64))
+        tokens = _npy_tokens(path)
     elif path.suffix == ".bin":
         raw = path.read_bytes()
         if len(raw) % 2:
-            raise ValueError(f"{path}: {len(raw)} bytes is not a whole number of uint16 tokens")
+            raise ValueError(f"{path}: {len(raw)} bytes is not a whole number of uint16 tokens (a .bin file "
+                             f"holds raw uint16 ids, nanoGPT's format); rename a text file to .txt")
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint16).to(torch.int64)
     else:
         tokens = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+    if tokens.numel() < 2:
+        raise ValueError(f"{path} (--data-path) holds {tokens.numel()} token: training needs at least 2 (an "
+                         f"input and its next-token target), in practice more than one window of --seq-len + 1")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
         raise ValueError(f"{path}: token ids span [{int(tokens.min())}, {int(tokens.max())}] but the "
-                         f"vocabulary has {vocab_size} entries; raise GPTConfig.vocab_size")
+                         f"vocabulary has {vocab_size} entries: pass ids below {vocab_size} (the built-in GPT reads bytes), or "
+                         f"fine-tune a model of that vocabulary: examples/train_hf.py --model DIR --data {path}")
     return tokens
+
+
+def _npy_tokens(path: Path) -> torch.Tensor:
+    import numpy as np
+
+    try:
+        array = np.load(path, allow_pickle=False, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as err:
+        raise ValueError(f"{path} (--data-path) is not a NumPy .npy file ({err}); write it with "
+                         f"numpy.save(path, ids) or pass raw uint16 ids as .bin / text as .txt") from err
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise ValueError(f"{path}: expected a 1-D integer array of token ids, got {array.dtype} "
+                         f"of shape {array.shape}; save numpy.asarray(ids, dtype=numpy.int32).ravel()")
+    return torch.from_numpy(np.ascontiguousarray(array).astype(np.int64))
 
 
 @dataclass(frozen=True)
@@ -101,8 +121,8 @@ class TokenData:
             raise ValueError(f"val_fraction={self.val_fraction}: expected a number in (0, 1)")
         if min(self.num_windows("train"), self.num_windows("val")) < 1:
             raise ValueError(f"{self.source or 'data'}: {self.tokens.numel()} tokens are too few for "
-                             f"one train and one validation window of seq_len={self.seq_len}; use more "
-                             f"text or a shorter seq_len")
+                             f"one train and one validation window of seq_len={self.seq_len} (the last "
+                             f"{self.val_fraction:g} is held out); use more text or a shorter --seq-len")
 
     def _split(self, split: str) -> torch.Tensor:
         if split not in ("train", "val"):

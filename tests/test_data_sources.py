@@ -1,0 +1,127 @@
+"""train/data: documents from files, tokenization and SFT masks as TRL's, the cache, packing."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from data_tokenizer import make_tokenizer
+from pipezero.train.data import (IGNORE, MemoryCorpus, encode, load_tokenizer, pack, read_documents,
+                                 tokenized_corpus)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_sources_read_every_format_in_order(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a.txt").write_text("the cat sat")
+    _jsonl(tmp_path / "b" / "c.jsonl", [{"prompt": "what is two plus four", "completion": "six"}] * 2)
+    pq.write_table(pa.table({"body": ["red sky", "blue sea"]}), tmp_path / "b" / "d.parquet")
+    docs = list(read_documents(tmp_path / "a.txt")) + list(read_documents(tmp_path / "b", text_field="body"))
+    assert [d.kind for d in docs] == ["text", "completion", "completion", "text", "text"]
+    assert docs[0].text == "the cat sat" and docs[2].origin.endswith("c.jsonl:2") and docs[4].text == "blue sea"
+    assert docs[4].origin.endswith("d.parquet:2")
+
+
+def test_sft_masks_equal_trl_semantics(tok_dir):
+    """prompt/completion: TRL's completion mask (tokens past the prompt's count, EOS appended);
+    chat: transformers' own assistant mask from the template's {% generation %} marks (what TRL's
+    assistant_only_loss trains on), computed here without those marks."""
+    tok = load_tokenizer(tok_dir)
+    doc = next(iter(read_documents(_jsonl(tok_dir / "pc.jsonl", [{"prompt": "what is two plus four ",
+                                                                   "completion": "six"}]))))
+    ids, mask = encode(tok, doc)
+    prompt = tok("what is two plus four ")["input_ids"]
+    full = tok("what is two plus four six")["input_ids"] + [tok.eos_token_id]
+    assert ids.tolist() == full and mask.tolist() == [0] * len(prompt) + [1] * (len(full) - len(prompt))
+    chat = [{"role": "system", "content": "good day"}, {"role": "user", "content": "what is two plus four"},
+            {"role": "assistant", "content": "six"}, {"role": "user", "content": "why"},
+            {"role": "assistant", "content": "because it was"}]
+    doc = next(iter(read_documents(_jsonl(tok_dir / "chat.jsonl", [{"messages": chat}]))))
+    ids, mask = encode(tok, doc)
+    ref = tok.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids.tolist() == list(ref["input_ids"]) and mask.tolist() == list(ref["assistant_masks"])
+    assert 0 < mask.sum() < len(mask)
+
+
+def test_cache_is_built_once_and_shared(tmp_path, tok_dir, monkeypatch):
+    data = _jsonl(tmp_path / "d.jsonl", [{"text": "the cat sat on the mat"}, {"text": "a dog ran far"}] * 3)
+    corpus = tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache", workers=2)
+    assert corpus.num_docs == 6 and corpus.meta["tokens"] == 6 * 0 + 3 * (7 + 5)
+    ids, mask = corpus.doc(1)
+    assert ids.tolist() == load_tokenizer(tok_dir)("a dog ran far")["input_ids"] + [2] and mask.all()
+    import pipezero.train.data.cache as cache
+
+    monkeypatch.setattr(cache, "encode_many", lambda *a, **k: pytest.fail("tokenized again"))
+    again = tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache")
+    assert again.folder == corpus.folder and np.array_equal(again.tokens, corpus.tokens)
+    corpus.check_vocab(100)
+    with pytest.raises(ValueError, match=r"d.jsonl:1: token id 16 is beyond the model's vocabulary of 5"):
+        corpus.check_vocab(5)
+
+
+def test_packing_rows_labels_positions_and_long_documents(caplog):
+    docs = MemoryCorpus([np.arange(10, 15), (np.arange(20, 24), [0, 0, 1, 1]), np.arange(30, 43)])
+    with caplog.at_level(logging.WARNING, logger="pipezero"):
+        layout = pack(docs, seq_len=8)
+    assert "1 of 3 documents are longer than seq_len=8" in caplog.text
+    rows = [layout.row(r, docs) for r in range(layout.num_rows)]
+    assert [r.ids.tolist() for r in rows] == [[10, 11, 12, 13, 14, 0, 0, 0], [20, 21, 22, 23, 0, 0, 0, 0],
+                                              [30, 31, 32, 33, 34, 35, 36, 37], [38, 39, 40, 41, 42, 0, 0, 0]]
+    assert rows[0].labels.tolist() == [11, 12, 13, 14, IGNORE, IGNORE, IGNORE, IGNORE]
+    assert rows[1].labels.tolist() == [IGNORE, 22, 23, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]  # SFT mask
+    assert rows[0].positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2] and rows[0].segments.tolist() == [0] * 5 + [1] * 3
+    assert layout.trained_tokens(docs).tolist() == [4, 2, 7, 4] and layout.efficiency() == 22 / 32
+    short = pack(MemoryCorpus([np.arange(3), np.arange(4)]), seq_len=8)
+    assert short.num_rows == 1 and short.row(0, None if False else MemoryCorpus([np.arange(3), np.arange(4)])) \
+        .segments.tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
+    cut = pack(docs, seq_len=8, long_docs="truncate", packing=False)
+    assert [cut.row_length(r) for r in range(cut.num_rows)] == [5, 4, 8]
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("x.jsonl", '{"text": "the cat"}\n{"body": "a dog"}\n', ["x.jsonl:2", "'text'", "--text-field"]),
+    ("e.jsonl", "", ["e.jsonl", "empty"]),
+    ("b.txt", b"\x00\x01\x02binary", ["b.txt", "binary"]),
+    ("j.jsonl", '{"text": "ok"}\n{oops\n', ["j.jsonl:2", "not valid JSON"]),
+    ("c.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n', ["c.jsonl:1", "no assistant turn"]),
+])
+def test_bad_documents_name_file_line_and_fix(tmp_path, name, content, words):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError) as err:
+        list(read_documents(path))
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_chat_without_template_and_one_token_documents_are_refused(tmp_path, tok_dir):
+    plain = make_tokenizer(tmp_path / "plain", chat=False)
+    chat = _jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                        {"role": "assistant", "content": "six"}]}])
+    with pytest.raises(ValueError, match=r"c.jsonl:1: a chat record, but the tokenizer has no chat template"):
+        tokenized_corpus(chat, plain, cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"raised while tokenizing"):  # a waiting rank: the same error, no hang
+        import os
+        os.environ["LOCAL_RANK"] = "1"
+        try:
+            tokenized_corpus(chat, plain, cache_dir=tmp_path / "cache", wait_s=5)
+        finally:
+            del os.environ["LOCAL_RANK"]
+    one = _jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}, {"text": "<eos>"}])
+    with pytest.raises(ValueError, match=r"one.jsonl:2: tokenizes to 1 token"):
+        tokenized_corpus(one, tok_dir, cache_dir=tmp_path / "cache")

@@ -1,0 +1,186 @@
+"""The tokenized corpus on disk: written once, memory-mapped by every later run and every rank.
+
+The cache folder is named by a key over the data files' names and bytes, the tokenizer's
+files and the reading options, so any change makes a new one and equal inputs share one.
+Layout: tokens.bin (uint32 ids, documents end to end), mask.bin (uint8 loss mask),
+offsets.npy (int64, document i is tokens[offsets[i]:offsets[i + 1]]), origins.txt (each
+document's file:line) and meta.json, written into a temporary folder and renamed whole.
+
+Who builds it: one process per machine (LOCAL_RANK 0, or the process that wins the lock
+file); the others wait for the folder, or for the builder's error file, and raise that same
+error: no collective is involved, so bad input fails on every rank alike instead of leaving
+peers in a barrier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from pipezero.train.data.sources import data_files, read_documents
+from pipezero.train.data.tokenize import encode_many, tokenizer_hash
+
+__all__ = ["TokenizedCorpus", "cache_key", "default_cache_dir", "tokenized_corpus"]
+
+_VERSION = "pipezero-tokens-1"
+
+
+def default_cache_dir() -> Path:
+    """$PIPEZERO_CACHE, else ~/.cache/pipezero/data."""
+    return Path(os.environ.get("PIPEZERO_CACHE", Path.home() / ".cache" / "pipezero" / "data"))
+
+
+def cache_key(data: str | os.PathLike, model_dir: str | os.PathLike, text_field: str = "text") -> str:
+    """sha256 over the data files (names relative to `data`, bytes), the tokenizer and the options."""
+    digest = hashlib.sha256(f"{_VERSION}\0{text_field}\0{tokenizer_hash(model_dir)}\0".encode())
+    root = Path(data)
+    for file in data_files(root):
+        name = file.name if root.is_file() else str(file.relative_to(root))
+        digest.update(name.encode() + b"\0")
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class TokenizedCorpus:
+    """Memory-mapped documents: ids and loss masks, read without tokenizing again."""
+
+    folder: Path
+    tokens: np.ndarray     # uint32 [n_tokens]
+    mask: np.ndarray       # uint8 [n_tokens]
+    offsets: np.ndarray    # int64 [n_docs + 1]
+    meta: dict
+
+    @classmethod
+    def open(cls, folder: str | os.PathLike) -> "TokenizedCorpus":
+        folder = Path(folder)
+        meta = json.loads((folder / "meta.json").read_text())
+        n = meta["tokens"]
+        tokens = np.memmap(folder / "tokens.bin", dtype=np.uint32, mode="r", shape=(n,)) if n else np.zeros(0, np.uint32)
+        mask = np.memmap(folder / "mask.bin", dtype=np.uint8, mode="r", shape=(n,)) if n else np.zeros(0, np.uint8)
+        return cls(folder, tokens, mask, np.load(folder / "offsets.npy"), meta)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def doc(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, loss mask) of document i (views of the memory map)."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.mask[a:b]
+
+    def origin(self, i: int) -> str:
+        with open(self.folder / "origins.txt") as f:
+            for j, line in enumerate(f):
+                if j == i:
+                    return line.rstrip("\n")
+        return f"document {i}"
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse ids the model cannot embed (a tokenizer that does not match the model)."""
+        top = self.meta["max_id"]
+        if top >= vocab_size:
+            doc = int(np.searchsorted(self.offsets, int(np.argmax(np.asarray(self.tokens) >= vocab_size)), "right")) - 1
+            raise ValueError(f"{self.origin(doc)}: token id {top} is beyond the model's vocabulary of {vocab_size} "
+                             f"(tokenizer {self.meta['tokenizer']} does not match the model): tokenize with the "
+                             f"model's own tokenizer (--model DIR holding both), or resize the embedding")
+
+
+def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text_field: str = "text",
+                     cache_dir: str | os.PathLike | None = None, workers: int = 0, progress: bool = False,
+                     wait_s: float = 7200.0) -> TokenizedCorpus:
+    """The corpus of `data` tokenized by `model_dir`'s tokenizer: from the cache, or built once."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    key = cache_key(data, model_dir, text_field)
+    folder, lock, error = root / key, root / f"{key}.lock", root / f"{key}.error"
+    if (folder / "meta.json").exists():
+        return TokenizedCorpus.open(folder)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and _take(lock):
+        try:
+            error.unlink(missing_ok=True)
+            _build(folder, data, model_dir, text_field, workers, progress)
+        except (ValueError, TypeError, OSError) as err:
+            error.write_text(f"{type(err).__name__}\n{err}")
+            raise
+        finally:
+            lock.unlink(missing_ok=True)
+        return TokenizedCorpus.open(folder)
+    return _wait(folder, lock, error, wait_s)
+
+
+def _take(lock: Path) -> bool:
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _wait(folder: Path, lock: Path, error: Path, wait_s: float) -> TokenizedCorpus:
+    start = time.monotonic()
+    while time.monotonic() - start < wait_s:
+        if (folder / "meta.json").exists():
+            return TokenizedCorpus.open(folder)
+        if error.exists() and not lock.exists():
+            kind, _, text = error.read_text().partition("\n")
+            raise {"TypeError": TypeError, "OSError": OSError}.get(kind, ValueError)(
+                f"{text} (raised while tokenizing on the local rank 0; delete {error} to try again)")
+        time.sleep(0.1)
+    raise TimeoutError(f"waited {wait_s:.0f}s for the tokenized corpus {folder} that another process builds "
+                       f"(lock {lock}); if no process is building it, delete the lock file")
+
+
+def _build(folder: Path, data, model_dir, text_field: str, workers: int, progress: bool) -> None:
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    docs = list(read_documents(data, text_field))  # every record checked before any token is made
+    offsets, top, count, trained = [0], 0, 0, 0
+    with open(tmp / "tokens.bin", "wb") as ft, open(tmp / "mask.bin", "wb") as fm, \
+            open(tmp / "origins.txt", "w") as fo:
+        for doc, (ids, mask) in zip(docs, _progress(encode_many(model_dir, docs, workers), len(docs), progress)):
+            if len(ids) < 2:
+                raise ValueError(f"{doc.origin}: tokenizes to {len(ids)} token, too short to train on (a token "
+                                 f"and its next one); drop the record or give it more text")
+            if ids.min() < 0 or ids.max() >= 2**32:
+                raise ValueError(f"{doc.origin}: token ids outside [0, 2**32); the tokenizer is broken")
+            ft.write(ids.astype(np.uint32).tobytes())
+            fm.write(mask.astype(np.uint8).tobytes())
+            fo.write(doc.origin.replace("\n", " ") + "\n")
+            count, trained = count + len(ids), trained + int(mask.sum())
+            offsets.append(count)
+            top = max(top, int(ids.max()))
+    np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+    meta = {"version": _VERSION, "data": str(data), "tokenizer": str(model_dir), "text_field": text_field,
+            "docs": len(docs), "tokens": count, "max_id": top,
+            "trained_tokens": trained, "kinds": sorted({d.kind for d in docs})}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another builder (another machine on a shared disk) was first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _progress(items: Iterable, total: int, show: bool) -> Iterable:
+    if not show:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, total=total, desc="tokenizing", unit="doc")
