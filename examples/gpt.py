@@ -180,6 +180,13 @@ def head_forward(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return h @ getattr(module, TIED_WEIGHT_ATTR).t()
 
 
+def _head_logits(module: nn.Module, h: torch.Tensor) -> Any:
+    """The Head of gpt_specs(fused_loss=True): HeadLogits, the logits not yet computed."""
+    from pipezero.pipe.fused_loss import HeadLogits
+
+    return HeadLogits(h, getattr(module, TIED_WEIGHT_ATTR))
+
+
 class LayerRecipe(NamedTuple):
     """One layer: its class, constructor arguments, and its tie key (None if untied)."""
 
@@ -196,8 +203,11 @@ def gpt_layers(cfg: GPTConfig) -> list[LayerRecipe]:
             LayerRecipe(Head, (cfg,), TIED_KEY)]
 
 
-def gpt_specs(cfg: GPTConfig) -> list:
-    """The layers as pipe LayerSpecs, Embedding and Head as TiedLayerSpecs of key TIED_KEY."""
+def gpt_specs(cfg: GPTConfig, fused_loss: bool = False) -> list:
+    """The layers as pipe LayerSpecs, Embedding and Head as TiedLayerSpecs of key TIED_KEY.
+
+    fused_loss: the Head returns HeadLogits and gpt_loss never makes the logits whole (pipe/fused_loss.py).
+    """
     from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 
     specs = []
@@ -205,7 +215,7 @@ def gpt_specs(cfg: GPTConfig) -> list:
         if r.tied_key is None:
             specs.append(LayerSpec(r.cls, *r.args))
         else:
-            fwd = head_forward if r.cls is Head else None
+            fwd = (_head_logits if fused_loss else head_forward) if r.cls is Head else None
             specs.append(TiedLayerSpec(r.tied_key, r.cls, *r.args, tied_weight_attr=TIED_WEIGHT_ATTR,
                                        forward_fn=fwd))
     return specs
@@ -232,9 +242,11 @@ def gpt_tensor_plan() -> Callable[[nn.Module], dict[str, Any] | None]:
     return plan
 
 
-def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+def gpt_loss(logits: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position (of logits, or of gpt_specs(fused_loss=True)'s HeadLogits)."""
+    from pipezero.pipe.fused_loss import fused_cross_entropy
+
+    return fused_cross_entropy(logits, targets)
 
 
 class GPT(nn.Module):

@@ -108,6 +108,7 @@ class _LinearKeepingWeightGrad(torch.autograd.Function):
 class DeferringLinear(nn.Linear):
     """nn.Linear whose weight gradient is deferred into the collecting WeightSink, if any."""
 
+    @torch.compiler.disable  # a compiled layer (pipe/compile.py) breaks its graph here: W still gets the GEMM
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sink = _collecting
         if (sink is None or not torch.is_grad_enabled() or not x.requires_grad or not self.weight.requires_grad

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipezero.comm import is_replica
+from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
 from pipezero.pipe.hf_weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 from pipezero.pipe.tensor_parallel import ColwiseHeads, TensorPlan
@@ -65,6 +66,7 @@ class _Model:
         self.embed_multiplier = getattr(self.config, "embedding_multiplier", None)
         self.layer_nones = _layer_nones(self)
         self.head_bias = self.tied and self.head.bias is not None
+        self.fused_loss = False  # the head returns HeadLogits (hf_layer_specs(fused_loss=True))
 
     def path(self, module: nn.Module) -> str:
         """The module's name in the whole model, with a trailing dot ('model.layers.3.')."""
@@ -351,7 +353,9 @@ class HFHead(_HFLayer):
         self.inner = _materialise(model.head)
         model.fill(self, self.prefix)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | HeadLogits:
+        if self.model.fused_loss:
+            return hf_head_logits(self.model.config, hidden, self.inner.weight, self.inner.bias)
         return self.model.finish_logits(self.inner(hidden))
 
 
@@ -371,12 +375,16 @@ class HFHeadBias(_HFLayer):
         self.bias = head.bias
         model.fill(self, self.prefix)
 
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor | HeadLogits) -> torch.Tensor | HeadLogits:
+        if isinstance(logits, HeadLogits):
+            return logits.with_bias(self.bias)
         return self.model.finish_logits(logits + self.bias)
 
 
 def _tied_logits(embedding: HFTokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     """The tied LM head: logits from the embedding's weight (finished here unless a bias layer follows)."""
+    if embedding.model.fused_loss:
+        return hf_head_logits(embedding.model.config, hidden, embedding.weight)
     logits = F.linear(hidden, embedding.weight)
     return logits if embedding.model.head_bias else embedding.model.finish_logits(logits)
 
@@ -387,7 +395,7 @@ def _materialise(meta: nn.Module) -> nn.Module:
 
 
 # -- public -------------------------------------------------------------------------------
-def hf_layer_specs(source: Any) -> list[LayerSpec]:
+def hf_layer_specs(source: Any, fused_loss: bool = False) -> list[LayerSpec]:
     """The LayerSpec / TiedLayerSpec list of a Hugging Face causal LM, for PipelineModule.
 
     source: a directory written by save_pretrained (each stage reads only its layers' tensors
@@ -396,10 +404,12 @@ def hf_layer_specs(source: Any) -> list[LayerSpec]:
     seeds each layer, so every grid builds the same values). Layers: token embedding,
     [learned positions], num_hidden_layers decoder layers, final norm, LM head (a TiedLayerSpec
     sharing the embedding when the model ties them) [, the tied head's own bias]. Train with
-    loss_fn=causal_lm_loss.
+    loss_fn=causal_lm_loss. fused_loss: the head returns HeadLogits, so that causal_lm_loss never
+    makes the logits whole (pipe/fused_loss.py).
     """
     config, weights = _source(source)
     model = _Model(config, weights)
+    model.fused_loss = fused_loss
     embed_spec = (TiedLayerSpec(TIED_KEY, HFTokenEmbedding, model) if model.tied
                   else LayerSpec(HFTokenEmbedding, model))
     specs = [embed_spec]
@@ -415,8 +425,9 @@ def hf_layer_specs(source: Any) -> list[LayerSpec]:
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; targets of -100 (Hugging Face's ignore index) are skipped."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-100)
+    """Mean next-token cross-entropy; targets of -100 (Hugging Face's ignore index) are skipped.
+    Takes the logits or hf_layer_specs(fused_loss=True)'s HeadLogits."""
+    return fused_cross_entropy(logits, targets, ignore_index=-100)
 
 
 def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:

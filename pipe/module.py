@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipezero.comm import all_reduce_coalesced, mark_replica
+from pipezero.pipe.compile import CompileConfig, compile_layers, repeated_classes
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec, layer_name
@@ -38,13 +39,14 @@ class PipelineModule(nn.Module):
     of k layers in backward (torch.utils.checkpoint, non-reentrant; Chen et al. 2016).
     `tensor_plan` ({layer class: plan} or a callable module -> plan or None) shards each built
     layer over grid.mesh["tensor"] (pipe/tensor_parallel.py); tied layers stay replicated.
+    `compile` (True or a CompileConfig) torch.compiles each repeated layer's forward (pipe/compile.py).
     """
 
     def __init__(self, layers: Sequence[Any], grid: Grid, loss_fn: Callable | None = None,
                  partition_method: str | Sequence[float] = "parameters", num_chunks: int = 1,
                  activation_checkpoint_interval: int = 0, placement: str = "looped",
                  seed: int = 0, device: torch.device | str | None = None,
-                 tensor_plan: PlanSource | None = None):
+                 tensor_plan: PlanSource | None = None, compile: CompileConfig | bool | None = None):
         super().__init__()
         _check_args(layers, num_chunks, activation_checkpoint_interval, placement)
         self.grid, self.loss_fn, self.placement = grid, loss_fn, placement
@@ -68,6 +70,9 @@ class PipelineModule(nn.Module):
         self._make_tie_groups()
         if grid.tensor_size > 1:
             mark_tensor_duplicates(self, grid.tensor_rank)
+        self.compile_config = CompileConfig.of(compile)
+        if self.compile_config is not None:
+            compile_layers(self.layers.values(), self.compile_config, repeated_classes(self._specs))
 
     # -- structure --------------------------------------------------------------------
     def chunk_range(self, chunk: int) -> tuple[int, int]:

@@ -87,7 +87,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
           specs: Sequence[Any] | None = None, model: nn.Module | None = None,
           loss_fn: Callable | None = None, hidden_size: int | None = None, seed: int = 0,
           device: torch.device | str | None = None, optimizer: torch.optim.Optimizer | None = None,
-          tensor: int = 1, tensor_plan: Any = None, auto_values: Mapping[str, Any] | None = None) -> Parts:
+          tensor: int = 1, tensor_plan: Any = None, auto_values: Mapping[str, Any] | None = None,
+          compile: Any = None) -> Parts:
     """Config + layer specs (a pipeline) or a model (no pipeline) -> Parts.
 
     `config` is a ds_config path, dict or an already parsed TrainConfig (for the world size
@@ -96,6 +97,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     `optimizer` (with model= only): your own torch optimizer over the model's parameters, used
     as the innermost link instead of the config's "optimizer" section. `tensor` > 1 (with specs=)
     shards each layer by `tensor_plan` (PipelineModule's) over the grid's tensor axis.
+    `compile` (True, False or a pipe.compile.CompileConfig; default: ds_config "compile") compiles
+    each repeated pipeline layer (PipelineModule(compile=)).
     """
     if hidden_size is None and isinstance(model, nn.Module):
         hidden_size = model_width(model)
@@ -114,7 +117,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
         module = PipelineModule(list(specs), grid, loss_fn=loss_fn, partition_method=cfg.pipeline.partition_method,
                                 num_chunks=cfg.pipeline.chunks, placement=schedule.placement,
                                 activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
-                                seed=seed, device=dev, tensor_plan=tensor_plan)
+                                seed=seed, device=dev, tensor_plan=tensor_plan,
+                                compile=cfg.compile if compile is None else compile)
     else:
         module = model.to(dev)
     module.to(dtype)

@@ -28,7 +28,9 @@ from pipezero.config_fields import ConfigError, ConfigTypeError, Ignored, Sectio
 from pipezero.pipe.registry import schedule_entry, schedule_names
 from pipezero.precision.config import Precision, read_precision
 from pipezero.train.config_auto import fill_auto
+from pipezero.pipe.compile import CompileConfig
 from pipezero.train.config_batch import BatchConfig, resolve_batch
+from pipezero.train.config_compile import read_compile
 from pipezero.train.config_keys import TOP_KEYS, TOP_RULES
 from pipezero.train.config_optim import OptimizerConfig, SchedulerConfig
 from pipezero.zero.config import ZeroConfig
@@ -139,6 +141,7 @@ class TrainConfig:
     gradient_clipping: float = 1.0   # max global grad norm (DeepSpeed's default 1.0); 0 disables clipping
     steps_per_print: int | None = None  # None: DeepSpeed's default, no periodic print
     wall_clock_breakdown: bool = False
+    compile: CompileConfig | None = None   # "compile": {"deepcompile": true} (config_compile.py)
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -173,7 +176,8 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         optimizer=OptimizerConfig.parse(top.section("optimizer")) if "optimizer" in filled else None,
         scheduler=SchedulerConfig.parse(top.section("scheduler")) if "scheduler" in filled else None,
         gradient_clipping=clip, steps_per_print=top.int("steps_per_print", None, lo=1),
-        wall_clock_breakdown=top.bool("wall_clock_breakdown", False), raw=raw)
+        wall_clock_breakdown=top.bool("wall_clock_breakdown", False), compile=read_compile(filled.get("compile")),
+        raw=raw)
 
 
 def _load(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ __all__ = ["TOP_KEYS", "TOP_RULES"]
 
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16",
-            "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline")
+            "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline", "compile")  # compile: config_compile.py
 
 
 def _off(value: Any) -> bool:
@@ -66,8 +66,6 @@ TOP_RULES = {
     "sequence_parallel_size": Unsupported("Ulysses sequence parallelism", "set it to 1", noop=1),
     "torch_autocast": Unsupported("torch.autocast around the forward pass", "use the fp16 or bf16 section",
                                   noop=_off),
-    "compile": Ignored("pipezero does not compile the model; call torch.compile on it yourself",
-                       noop=lambda v: v is None or v == {}),
     "tensor_parallel": Unsupported("AutoTP tensor parallelism", "shard layers with build(tensor=..., tensor_plan=...)",
                                    noop=lambda v: _off(v) or v.get("autotp_size", 1) in (0, 1)),
     "expert_parallel": Unsupported("mixture-of-experts parallelism", "remove the section", noop=_off),

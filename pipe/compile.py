@@ -1,0 +1,97 @@
+"""Regional compilation: each repeated layer of a stage (a transformer block) is torch.compile'd.
+
+Compiling the whole model would trace the pipeline's executor, ZeRO's gathers and the schedule
+into one graph; compiling each block instead (torchtitan's per-TransformerBlock compile, torch's
+"regional compilation" recipe) fuses what runs inside a block (norms, rotary, SwiGLU,
+attention's glue) and leaves everything between blocks eager: the p2p sends, the ZeRO hooks on
+parameters and modules (only the layer's `forward` is compiled, its module hooks run around
+it), tied weights (the tied embedding and head are not compiled), activation checkpointing
+(torch.utils.checkpoint re-runs the compiled forward) and zero-bubble's deferred weight GEMMs
+(DeferringLinear's forward is not traced: each Linear is a break between graphs, so its weight
+GEMM can still wait for W).
+
+Blocks of one class share their code object, so torch compiles the class's forward once and
+every later block reuses it (parameters are graph inputs, not constants); shapes are static
+(dynamic=False): every micro-batch of a step has the same shape, so nothing recompiles per
+micro-batch or per step (tests/test_compile.py counts the compilations).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["CompileConfig", "compile_layers", "repeated_classes"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CompileConfig:
+    """How to compile a pipeline's layers (PipelineModule(compile=...), build(compile=...))."""
+
+    backend: str | Callable = "inductor"   # torch.compile's backend ("aot_eager": tracing only, for tests)
+    mode: str | None = None                # torch.compile's mode ("max-autotune", "reduce-overhead", ...)
+    fullgraph: bool = False                # True: a graph break inside a layer is an error
+    dynamic: bool | None = False           # static shapes: micro-batches of a step share one shape
+    layers: str | None = None              # regex of layer class names; None: the classes used 2+ times
+    options: dict[str, Any] = field(default_factory=dict)  # torch.compile(options=...), the backend's
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.backend, str) or callable(self.backend)):
+            raise TypeError(f"CompileConfig(backend={self.backend!r}): expected a backend name "
+                            "(torch._dynamo.list_backends()) or a callable backend")
+        if self.layers is not None:
+            try:
+                re.compile(self.layers)
+            except re.error as err:
+                raise ValueError(f"CompileConfig(layers={self.layers!r}): not a regex ({err}); expected a "
+                                 "pattern of layer class names, e.g. 'Block|HFDecoderLayer'") from None
+
+    @classmethod
+    def of(cls, value: "CompileConfig | bool | None") -> "CompileConfig | None":
+        """True: the defaults; False or None: no compilation."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if not isinstance(value, cls):
+            raise TypeError(f"compile={value!r}: expected True, False, None or a CompileConfig")
+        return value
+
+
+def repeated_classes(specs: Iterable[Any]) -> set[type]:
+    """The layer classes of which the whole model (all stages) builds two or more: its blocks."""
+    seen: dict[type, int] = {}
+    for spec in specs:
+        cls = getattr(spec, "cls", None) if not isinstance(spec, nn.Module) else type(spec)
+        if isinstance(cls, type):
+            seen[cls] = seen.get(cls, 0) + 1
+    return {cls for cls, n in seen.items() if n >= 2}
+
+
+def compile_layers(layers: Iterable[nn.Module], config: CompileConfig,
+                   repeated: set[type] | Sequence[type] = ()) -> list[nn.Module]:
+    """Compile each layer's forward in place (its hooks stay eager); returns the layers compiled.
+
+    Which layers: those whose class name matches config.layers, else those of a `repeated`
+    class. A layer is compiled once: calling this again leaves it as it is.
+    """
+    done = []
+    for layer in layers:
+        if not _wanted(layer, config, repeated) or getattr(layer, "_pipezero_compiled", False):
+            continue
+        layer.forward = torch.compile(layer.forward, backend=config.backend, mode=config.mode,
+                                      fullgraph=config.fullgraph, dynamic=config.dynamic,
+                                      options=config.options or None)
+        layer._pipezero_compiled = True
+        done.append(layer)
+    return done
+
+
+def _wanted(layer: nn.Module, config: CompileConfig, repeated: set[type] | Sequence[type]) -> bool:
+    if config.layers is not None:
+        return re.fullmatch(config.layers, type(layer).__name__) is not None
+    return type(layer) in set(repeated)

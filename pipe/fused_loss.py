@@ -1,0 +1,167 @@
+"""The LM head and cross-entropy fused, in chunks of rows: the logits are never whole.
+
+An LM's last two steps, logits = hidden @ W^T and the mean cross-entropy over them, hold a
+[tokens, vocab] fp32 tensor (4 x 2048 x 32,000 x 4 bytes = 1 GiB per micro-batch), read and
+written several times by the softmax, its backward and the two GEMMs of the head's backward.
+Here the head's layer returns `HeadLogits` (its input and weights: the logits not yet
+computed), and the loss runs over chunks of rows: each chunk's logits, their log-sum-exp and
+loss, and at once their gradient (softmax - one-hot), which goes into the input's gradient
+and, accumulated in fp32, the weight's. So forward and backward together cost the unfused
+three GEMMs, and the largest temporary is one chunk's logits (`chunk_rows x vocab`). The
+gradients are kept from forward to backward and scaled there by the loss's incoming gradient
+(the approach of Liger Kernel's fused linear cross-entropy, Hsu et al. 2024; Wijmans et al.
+2024, "Cut Your Losses in Large-Vocabulary Language Models", make the same point).
+
+The logits are finished as the Hugging Face families finish them: times `scale` (Cohere's
+logit_scale, 1 / Granite's logits_scaling), then soft-capped, cap * tanh(x / cap) (Gemma 2/3's
+final_logit_softcapping). Targets equal to `ignore_index` add nothing, and the mean is over
+the other targets, as F.cross_entropy's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["HeadLogits", "fused_cross_entropy", "hf_head_logits", "linear_cross_entropy"]
+
+_CHUNK_ELEMENTS = 2**25  # logits per chunk: 128 MiB in fp32 (1,048 rows of a 32,000 vocabulary)
+
+
+class HeadLogits(NamedTuple):
+    """What an LM head returns instead of its logits: logits = (hidden @ weight^T + bias) * scale,
+    then soft-capped. fused_cross_entropy takes it where it takes logits; `.logits()` computes them."""
+
+    hidden: torch.Tensor            # [..., d]
+    weight: torch.Tensor            # [vocab, d]
+    bias: torch.Tensor | None = None
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def logits(self) -> torch.Tensor:
+        """The whole logits, as the unfused head computes them (for generation and evaluation)."""
+        out = F.linear(self.hidden, self.weight, self.bias)
+        if self.scale != 1.0:
+            out = out * self.scale
+        if self.softcap is not None:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def with_bias(self, bias: torch.Tensor) -> "HeadLogits":
+        """The same head with a bias (a tied head's own bias, Phi's)."""
+        return self._replace(bias=bias)
+
+
+def hf_head_logits(config: Any, hidden: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> HeadLogits:
+    """HeadLogits of a Hugging Face CausalLM's head, its scale and soft cap read from the config."""
+    scale = 1.0
+    if getattr(config, "logit_scale", None) is not None:
+        scale *= float(config.logit_scale)
+    if getattr(config, "logits_scaling", None) is not None:
+        scale /= float(config.logits_scaling)
+    cap = getattr(config, "final_logit_softcapping", None)
+    return HeadLogits(hidden, weight, bias, scale, float(cap) if cap is not None else None)
+
+
+def fused_cross_entropy(output: HeadLogits | torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                        chunk_rows: int | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits, or of HeadLogits without making the logits whole."""
+    if isinstance(output, HeadLogits):
+        return linear_cross_entropy(*output, targets=targets, ignore_index=ignore_index, chunk_rows=chunk_rows)
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"fused_cross_entropy: expected logits (a tensor) or HeadLogits, got {type(output).__name__}")
+    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         scale: float = 1.0, softcap: float | None = None, *, targets: torch.Tensor,
+                         ignore_index: int = -100, chunk_rows: int | None = None) -> torch.Tensor:
+    """mean CE(softcap(scale * (hidden @ weight^T + bias)), targets) over targets != ignore_index.
+
+    hidden [..., d] with targets [...]; chunk_rows rows at a time (default: 2^25 logits per chunk).
+    """
+    d = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"linear_cross_entropy: weight {tuple(weight.shape)} does not fit hidden {tuple(hidden.shape)}"
+                         f"; expected weight [vocab, {d}]")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"linear_cross_entropy: targets {tuple(targets.shape)} do not fit hidden "
+                         f"{tuple(hidden.shape)}; expected targets {tuple(hidden.shape[:-1])}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"linear_cross_entropy(softcap={softcap}): expected a positive cap or None")
+    rows = chunk_rows or max(1, _CHUNK_ELEMENTS // weight.shape[0])
+    if rows < 1:
+        raise ValueError(f"linear_cross_entropy(chunk_rows={chunk_rows}): expected a positive number of rows")
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return _LinearCrossEntropy.apply(hidden.reshape(-1, d), weight, bias, targets.reshape(-1), float(scale),
+                                     softcap, ignore_index, rows, grads)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Loss and gradients in one pass over row chunks; backward scales the kept gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, ignore_index, rows, grads):
+        valid = targets != ignore_index
+        count = valid.sum()
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        need = ctx.needs_input_grad if grads else (False, False, False)
+        g_hidden = torch.empty_like(hidden) if need[0] else None
+        g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need[1] else None
+        g_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need[2] else None
+        inv = 1.0 / count.clamp(min=1).float()
+        for lo in range(0, hidden.shape[0], rows):
+            h, t, ok = hidden[lo:lo + rows], targets[lo:lo + rows], valid[lo:lo + rows]
+            loss, g = _chunk(h, weight, bias, t, ok, scale, softcap, grads)
+            total += loss
+            if g is None:
+                continue
+            g = (g * inv).to(weight.dtype)  # the mean's 1/count; the GEMMs in the weights' dtype
+            if g_hidden is not None:
+                g_hidden[lo:lo + rows] = g @ weight
+            if g_weight is not None:
+                g_weight += (g.t() @ h).float()
+            if g_bias is not None:
+                g_bias += g.float().sum(0)
+        ctx.kept = (g_hidden, g_weight, g_bias)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        # F.cross_entropy's mean of nothing is nan (0 / 0)
+        return total / count.float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        g_hidden, g_weight, g_bias = ctx.kept
+        ctx.kept = None
+        w_dtype, b_dtype = ctx.dtypes
+        out_h = g_hidden * grad.to(g_hidden.dtype) if g_hidden is not None else None
+        out_w = (g_weight * grad).to(w_dtype) if g_weight is not None else None
+        out_b = (g_bias * grad).to(b_dtype) if g_bias is not None else None
+        return out_h, out_w, out_b, None, None, None, None, None, None
+
+
+def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+           valid: torch.Tensor, scale: float, softcap: float | None,
+           grads: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(summed loss of the chunk's valid rows, d loss_sum / d raw logits in fp32, or None)."""
+    z = F.linear(h, weight, bias).float()
+    if scale != 1.0:
+        z = z * scale
+    capped = torch.tanh(z / softcap) if softcap is not None else None
+    logits = capped * softcap if capped is not None else z
+    lse = torch.logsumexp(logits, dim=-1)
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    picked = logits.gather(1, safe[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+    if not grads:
+        return loss, None
+    g = torch.exp(logits.sub_(lse[:, None]))  # softmax, in the logits' memory
+    g[torch.arange(g.shape[0], device=g.device), safe] -= 1.0
+    g *= valid[:, None]
+    if capped is not None:
+        g *= 1.0 - capped * capped   # d cap*tanh(z/cap) / dz
+    if scale != 1.0:
+        g *= scale
+    return loss, g

@@ -1,0 +1,139 @@
+"""Compiled pipeline layers (pipe/compile.py) train as the eager ones and never recompile per step.
+
+Each case trains the same tiny model three optimizer steps through build() twice, eager and with
+PipelineModule(compile=...) under a counting backend (torch's aot_eager: traced, partitioned into
+forward and backward graphs, run eagerly; inductor only in the one real-compile case), and must
+give the same loss every step and the same final parameters (fp32, a few ulps: aot_eager runs
+the same ops). The backend counts each graph it is handed: some in the first step, none after
+(no recompilation per micro-batch or per step). Cases: 1F1B with ZeRO-1 (the GPT's tied
+embedding and head), ZB-V's split backward with its deferred weight GEMMs and ZeRO-2, ZeRO-3
+with activation checkpointing, and a Hugging Face Llama's decoder layers with the fused loss.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run
+from pipezero.pipe.compile import CompileConfig, repeated_classes
+from pipezero.train.config import ConfigError, parse_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+BATCH, SEQ, STEPS = 8, 16, 3
+
+
+class _Counting:
+    """A torch.compile backend: counts the graphs it compiles, then hands them to `inner`."""
+
+    def __init__(self, inner: str = "aot_eager"):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.inner, self.graphs = lookup_backend(inner), 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.inner(gm, example_inputs)
+
+
+def _specs(kind: str, fused: bool):
+    if kind == "gpt":
+        from gpt import GPTConfig, gpt_loss, gpt_specs
+
+        return gpt_specs(GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=SEQ), fused), gpt_loss, 64
+    import transformers
+
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                   pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return hf_layer_specs(cfg, fused_loss=fused), causal_lm_loss, 64
+
+
+def _train(kind: str, schedule: str, stage: int, recompute: int, backend, fused: bool = False):
+    from pipezero.train.build import build
+
+    torch._dynamo.reset()
+    specs, loss_fn, vocab = _specs(kind, fused)
+    config = {"train_batch_size": BATCH, "gradient_accumulation_steps": 4, "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
+              "pipeline": {"schedule": schedule, "activation_checkpoint_interval": recompute}}
+    parts = build(config, specs=specs, loss_fn=loss_fn, compile=CompileConfig(backend=backend) if backend else None)
+    g = torch.Generator().manual_seed(0)
+    losses, graphs = [], []
+    for _ in range(STEPS):
+        ids, targets = torch.randint(0, vocab, (2, BATCH, SEQ), generator=g)
+        losses.append(parts.runner.train_step(ids, targets).item())
+        parts.optimizer.step()
+        parts.optimizer.zero_grad()
+        graphs.append(getattr(backend, "graphs", 0))
+    with parts.optimizer.gathered_parameters():
+        params = {n: p.detach().clone() for n, p in parts.module.named_parameters()}
+    return losses, params, graphs
+
+
+CASES = {"1f1b-zero1-tied": ("gpt", "1f1b", 1, 0, False), "zbv-split-zero2": ("gpt", "zbv", 2, 0, False),
+         "zero3-checkpointing": ("gpt", "1f1b", 3, 1, False), "hf-llama-fused": ("hf", "1f1b", 1, 0, True)}
+
+
+def _cases(names):
+    out = {}
+    for name in names:
+        kind, schedule, stage, recompute, fused = CASES[name]
+        if kind == "hf":
+            pytest.importorskip("transformers")
+        eager = _train(kind, schedule, stage, recompute, None, fused)
+        compiled = _train(kind, schedule, stage, recompute, _Counting(), fused)
+        out[name] = eager, compiled
+    return out
+
+
+def test_compiled_equals_eager_without_recompiling():
+    for name, ((losses, params, _), (c_losses, c_params, graphs)) in run(_cases, 1, list(CASES),
+                                                                          timeout=290)[0].items():
+        assert graphs[0] > 0, f"{name}: nothing was compiled"
+        assert graphs[-1] == graphs[0], f"{name}: graphs compiled after step 1: {graphs}"
+        torch.testing.assert_close(c_losses, losses, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} losses: {m}")
+        assert c_params.keys() == params.keys()
+        for n in params:
+            torch.testing.assert_close(c_params[n], params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {n}: {m}")
+
+
+def _inductor_once():
+    torch._dynamo.reset()
+    counting = _Counting("inductor")
+    return _train("gpt", "1f1b", 1, 0, None), _train("gpt", "1f1b", 1, 0, counting), counting.graphs
+
+
+def test_inductor_compiled_gpt_trains_as_eager():
+    (losses, params, _), (c_losses, c_params, graphs), total = run(_inductor_once, 1, timeout=290)[0]
+    assert graphs[0] > 0 and graphs[-1] == graphs[0] == total
+    torch.testing.assert_close(c_losses, losses, rtol=1e-4, atol=1e-5)  # inductor fuses: other rounding
+
+
+def test_which_layers_are_compiled():
+    from gpt import Block, FinalNorm, GPTConfig, gpt_specs
+
+    specs = gpt_specs(GPTConfig(n_layer=3))
+    assert repeated_classes(specs) == {Block}
+    assert FinalNorm not in repeated_classes(specs)
+    with pytest.raises(ValueError, match="not a regex"):
+        CompileConfig(layers="(")
+    with pytest.raises(TypeError, match="expected True, False, None or a CompileConfig"):
+        CompileConfig.of("yes")
+
+
+def test_ds_config_compile_section():
+    base = {"train_batch_size": 8}
+    assert parse_config(base).compile is None
+    assert parse_config({**base, "compile": {}}).compile is None
+    assert parse_config({**base, "compile": {"deepcompile": False}}).compile is None
+    assert parse_config({**base, "compile": {"deepcompile": True}}).compile == CompileConfig()
+    legacy = parse_config({**base, "compile": {"enabled": True, "backend": "aot_eager", "kwargs": {"mode": None}}})
+    assert legacy.compile.backend == "aot_eager"
+    with pytest.raises(ConfigError, match="free_activation"):
+        parse_config({**base, "compile": {"deepcompile": True, "free_activation": True}})
+    with pytest.raises(ConfigError, match="kwargs"):
+        parse_config({**base, "compile": {"enabled": True, "kwargs": {"bogus": 1}}})

@@ -1,0 +1,171 @@
+"""The fused, chunked head + cross-entropy equals the unfused loss, and never makes the logits whole.
+
+Truth: F.cross_entropy over the whole logits (HeadLogits.logits(), the unfused head), in fp32;
+the fused loss must give the same value and the same gradients of the hidden states, the head's
+weight and bias, over ragged chunks, with ignored targets, a logit scale and a soft cap. The
+tolerance is a small multiple of the truth's own spread (the same loss in float64 vs fp32).
+Memory: a dispatch mode records every tensor any op makes; the largest must stay below one
+[tokens, vocab] logits tensor for the fused loss (and reach it for the unfused one, so the check
+can fail). Then the GPT's and a Hugging Face Llama's pipeline layers (tied and untied heads)
+give the same loss and gradients with fused_loss=True as without.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from harness import run
+from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
+
+N_BATCH, SEQ, D, VOCAB = 3, 7, 16, 50
+
+
+def _inputs(bias: bool, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N_BATCH, SEQ, D, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(VOCAB, D, generator=g).mul_(0.5).to(dtype).requires_grad_()
+    b = torch.randn(VOCAB, generator=g).to(dtype).requires_grad_() if bias else None
+    targets = torch.randint(0, VOCAB, (N_BATCH, SEQ), generator=g)
+    targets[0, :3] = -100
+    targets[2, -1] = -100
+    return hidden, weight, b, targets
+
+
+def _loss_and_grads(fused: bool, bias: bool, scale: float, softcap, dtype=torch.float32, chunk_rows=4):
+    hidden, weight, b, targets = _inputs(bias, dtype)
+    head = HeadLogits(hidden, weight, b, scale, softcap)
+    loss = fused_cross_entropy(head, targets, chunk_rows=chunk_rows) if fused else \
+        F.cross_entropy(head.logits().flatten(0, -2), targets.flatten(), ignore_index=-100)
+    leaves = [t for t in (hidden, weight, b) if t is not None]
+    return [loss, *torch.autograd.grad(loss, leaves)]
+
+
+@pytest.mark.parametrize("bias, scale, softcap", [(False, 1.0, None), (True, 1.0, None), (False, 0.25, None),
+                                                  (False, 1.0, 2.0), (True, 0.5, 3.0)])
+def test_values_and_grads_equal_unfused(bias, scale, softcap):
+    truth = _loss_and_grads(False, bias, scale, softcap)
+    wide = _loss_and_grads(False, bias, scale, softcap, dtype=torch.float64)
+    for chunk_rows in (4, 5, 1000):  # ragged chunks, and one chunk of every row
+        got = _loss_and_grads(True, bias, scale, softcap, chunk_rows=chunk_rows)
+        for name, g, t, w in zip(("loss", "hidden", "weight", "bias"), got, truth, wide):
+            spread = (t.double() - w).abs().max().item()
+            torch.testing.assert_close(g, t, rtol=0, atol=max(1e-6, 10 * spread), msg=lambda m: f"{name}: {m}")
+
+
+def test_no_grad_and_all_ignored():
+    hidden, weight, _, targets = _inputs(False)
+    with torch.no_grad():
+        got = fused_cross_entropy(HeadLogits(hidden, weight), targets, chunk_rows=4)
+        want = F.cross_entropy((hidden @ weight.t()).flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert torch.isnan(fused_cross_entropy(HeadLogits(hidden, weight), torch.full_like(targets, -100)))
+
+
+def test_bad_shapes_are_named():
+    hidden, weight, _, targets = _inputs(False)
+    with pytest.raises(ValueError, match="does not fit hidden"):
+        fused_cross_entropy(HeadLogits(hidden, weight.t()), targets)
+    with pytest.raises(ValueError, match="do not fit hidden"):
+        fused_cross_entropy(HeadLogits(hidden, weight), targets[:, :-1])
+
+
+class _Largest(TorchDispatchMode):
+    """Records the most elements of any tensor an op produced."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_logits_never_whole(fused):
+    g = torch.Generator().manual_seed(0)
+    tokens, vocab = 4 * 64, 512  # logits: 131,072 elements, 4x any other tensor
+    hidden = torch.randn(4, 64, 32, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, 32, generator=g, requires_grad=True)
+    targets = torch.randint(0, vocab, (4, 64), generator=g)
+    with _Largest() as mode:
+        head = HeadLogits(hidden, weight, softcap=5.0)
+        loss = fused_cross_entropy(head if fused else head.logits(), targets, chunk_rows=32)
+        loss.backward()
+    if fused:
+        assert mode.largest <= 32 * vocab, (mode.largest, tokens * vocab)
+    else:
+        assert mode.largest >= tokens * vocab   # the check sees whole logits when they are made
+
+
+def test_hf_head_logits_reads_scale_and_cap():
+    class Cfg:
+        logit_scale, logits_scaling, final_logit_softcapping = 0.5, 4.0, 30.0
+    head = hf_head_logits(Cfg(), torch.zeros(1, 2), torch.zeros(3, 2))
+    assert (head.scale, head.softcap) == (0.125, 30.0)
+
+
+# -- the pipeline layers ----------------------------------------------------------------------
+def _pipeline_grads(specs, fused_specs, loss_fn, ids, targets) -> list:
+    from pipezero.pipe import PipelineModule
+    from pipezero.topology import Grid
+
+    out = []
+    for s in (specs, fused_specs):
+        model = PipelineModule(s, grid=Grid(pipe=1), loss_fn=loss_fn)
+        loss = model.loss(model(ids), targets)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    return out
+
+
+def _gpt_pair():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from gpt import GPTConfig, gpt_loss, gpt_specs
+
+    cfg = GPTConfig(vocab_size=97, n_layer=2, n_head=2, d_model=16, seq_len=12)
+    g = torch.Generator().manual_seed(1)
+    ids, targets = torch.randint(0, 97, (3, 12), generator=g), torch.randint(0, 97, (3, 12), generator=g)
+    return _pipeline_grads(gpt_specs(cfg), gpt_specs(cfg, fused_loss=True), gpt_loss, ids, targets)
+
+
+def _hf_pair(tied: bool, softcap):
+    import transformers
+
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+
+    cfg = transformers.LlamaConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   tie_word_embeddings=tied, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if softcap:
+        cfg.final_logit_softcapping, cfg.logit_scale = softcap, 0.5
+    g = torch.Generator().manual_seed(2)
+    ids, targets = torch.randint(0, 80, (2, 10), generator=g), torch.randint(0, 80, (2, 10), generator=g)
+    targets[0, :4] = -100
+    return _pipeline_grads(hf_layer_specs(cfg), hf_layer_specs(cfg, fused_loss=True), causal_lm_loss, ids, targets)
+
+
+def _layers_all():
+    results = {"gpt": _gpt_pair()}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return results
+    for tied, cap in ((False, None), (True, None), (False, 3.0)):
+        results[f"llama tied={tied} softcap={cap}"] = _hf_pair(tied, cap)
+    return results
+
+
+def test_gpt_and_hf_layers_fused_equal_unfused():
+    for name, ((loss, grads), (f_loss, f_grads)) in run(_layers_all, 1, timeout=240)[0].items():
+        torch.testing.assert_close(f_loss, loss, rtol=0, atol=1e-6, msg=lambda m: f"{name} loss: {m}")
+        assert f_grads.keys() == grads.keys()
+        for n in grads:
+            torch.testing.assert_close(f_grads[n], grads[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {n}: {m}")
