@@ -171,7 +171,8 @@ def _world(directory: str) -> dict:
     from pathlib import Path
 
     root = Path(directory)
-    out = {"zero3": _try(_zero3_same_job, str(root / "zero3")), "frozen_pipe": _try(_frozen_pipe, str(root / "pipe"))}
+    out = {"zero3": _try(_zero3_same_job, str(root / "zero3")), "frozen_pipe": _try(_frozen_pipe, str(root / "pipe")),
+           "hand_zero": _try(_hand_composed, str(root / "hand"), 2)}
     for stage in range(4):
         out[f"frozen{stage}"] = _try(_frozen, str(root / f"frozen{stage}"), stage)
         out[f"unused{stage}"] = _try(_unused, stage)
@@ -345,12 +346,48 @@ def _model_config_checked(directory: str) -> dict:
     return out
 
 
+def _hand_composed(directory: str, zero_stage: int | None) -> list:
+    """Issue 29 item 4: a chain built by hand (no build(), no Parts) saves its things and resumes exactly."""
+    from pipezero.precision import LossScaler, MasterWeights
+    from pipezero.train.saveable import load_things, save_things
+    from pipezero.zero import ZeroOptimizer
+
+    def job():
+        model = _mlp().to(torch.bfloat16)
+        opt = LossScaler(MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2)), check_finite=True)
+        if zero_stage is not None:
+            model = _mlp()
+            opt = ZeroOptimizer(LossScaler(torch.optim.Adam(model.parameters(), lr=1e-2)), stage=zero_stage)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return model, opt, sched
+
+    def train(model, opt, sched, steps):
+        losses = []
+        for i in range(steps):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).to(next(model.parameters()).dtype)
+            loss = model(x).float().square().mean()
+            opt.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+    model, opt, sched = job()
+    train(model, opt, sched, 2)
+    save_things(directory, 2, {"model": model, "optimizer": opt, "scheduler": sched}, meta={"note": "hand"})
+    straight = train(model, opt, sched, 2)
+    model, opt, sched = job()
+    meta = load_things(directory, {"model": model, "optimizer": opt, "scheduler": sched})
+    return [straight, train(model, opt, sched, 2), meta]
+
+
 def _solo(directory: str) -> dict:
     from pathlib import Path
 
     root = Path(directory)
     return {"scaler": _try(_scaler_resumes, str(root / "scaler")), "counters": _try(_engine_counters, str(root / "c")),
-            "deepspeed": _try(_deepspeed_arguments, directory), "model_config": _try(_model_config_checked, directory)}
+            "deepspeed": _try(_deepspeed_arguments, directory), "model_config": _try(_model_config_checked, directory),
+            "hand": _try(_hand_composed, str(root / "hand"), None)}
 
 
 @pytest.fixture(scope="module")
@@ -384,3 +421,10 @@ def test_resume_with_another_model_config_is_refused(solo):
     got = _result(solo, "model_config")[0]
     assert "n_head=2 (here 4)" in got["api"]
     assert "n_head=2 (here 4)" in got["train_gpt"]
+
+
+@pytest.mark.parametrize("where", ["solo", "world"])
+def test_a_hand_composed_chain_saves_its_things_and_resumes_exactly(solo, world, where):
+    results = _result(solo, "hand") if where == "solo" else _result(world, "hand_zero")
+    for straight, resumed, meta in results:
+        assert resumed == straight and meta == {"note": "hand", "step": 2}
