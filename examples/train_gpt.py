@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> float:
     """The whole job: config, the four parts, data, resume, the loop, the export; returns the last loss."""
     args = parse_args(argv)
     get_logger("train_gpt")  # installs the rank-aware handler: rank 0 prints, "[rank 0]" in front
-    gpt = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
+    gpt = gpt_config(args)
     ckpt_dir = Path(args.out) / "checkpoints"
     saved = saved_batch(ckpt_dir)  # resumed on another data degree (an elastic restart): keep its global batch
     cfg = train_config(args, saved)
@@ -233,7 +233,7 @@ def token_batches(args: argparse.Namespace, per_rank: int, grid: Grid) -> tuple[
 
 def resume_step(args: argparse.Namespace, parts: Parts, ckpt_dir: Path, train: ShardedBatches) -> int:
     """The step to start from: 0, or the resumed checkpoint's (its data position restored into `train`)."""
-    meta = resume(parts, ckpt_dir, args.resume_from)
+    meta = resume(parts, ckpt_dir, args.resume_from, dataclasses.asdict(gpt_config(args)))
     if args.resume and meta is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; drop --resume to start fresh")
     if meta is None:
@@ -243,10 +243,15 @@ def resume_step(args: argparse.Namespace, parts: Parts, ckpt_dir: Path, train: S
     return meta["step"]
 
 
-def resume(parts, ckpt_dir: Path, resume_from: str | None) -> dict | None:
+def gpt_config(args: argparse.Namespace) -> GPTConfig:
+    """The model the shape flags describe (recorded in every checkpoint, checked on resume)."""
+    return GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
+
+
+def resume(parts, ckpt_dir: Path, resume_from: str | None, gpt: dict | None = None) -> dict | None:
     """The latest checkpoint's meta (None: start fresh), or that of --resume-from's step."""
     if resume_from is None:
-        return resume_if_any(parts, ckpt_dir)
+        return resume_if_any(parts, ckpt_dir, model_config=gpt)
     name = Path(resume_from).name
     if not name.startswith("step_") or not name[5:].isdigit():
         raise ValueError(f"--resume-from {resume_from!r}: expected a checkpoint folder name like step_00000012 "
@@ -254,13 +259,13 @@ def resume(parts, ckpt_dir: Path, resume_from: str | None) -> dict | None:
     if not (ckpt_dir / name).is_dir():
         found = sorted(p.name for p in ckpt_dir.glob("step_*")) if ckpt_dir.is_dir() else []
         raise FileNotFoundError(f"--resume-from {name}: no such checkpoint under {ckpt_dir}; there are {found}")
-    return load_state(parts, ckpt_dir, step=int(name[5:]))
+    return load_state(parts, ckpt_dir, step=int(name[5:]), model_config=gpt)
 
 
 def save(args: argparse.Namespace, parts: Parts, step: int, train: ShardedBatches) -> None:
     """A checkpoint of this step under --out/checkpoints; the two newest are kept."""
     ckpt_dir = Path(args.out) / "checkpoints"
-    save_state(parts, ckpt_dir, step, train.state_dict())
+    save_state(parts, ckpt_dir, step, train.state_dict(), model_config=dataclasses.asdict(gpt_config(args)))
     log.info("step %d | saved checkpoint %s", step, ckpt_dir / step_dir_name(step))
     if parts.grid.rank == 0:
         prune_checkpoints(ckpt_dir, keep=2)

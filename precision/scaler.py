@@ -29,6 +29,7 @@ from pipezero.precision.scale_state import ScaleState
 __all__ = ["LossScaler"]
 
 log = logging.getLogger(__name__)
+_MODES = ("dynamic", "static", "off")
 
 
 class LossScaler(ChainWrapper):
@@ -167,12 +168,42 @@ class LossScaler(ChainWrapper):
 
     # -- checkpoints ------------------------------------------------------------------
     def link_state_dict(self) -> dict:
-        """{"loss_scaler": plain numbers (scale, hysteresis, counters)}; state_dict() adds "inner"."""
-        return {"loss_scaler": self.scale_state.as_dict()}
+        """{"loss_scaler": plain numbers (scale, hysteresis, counters) and the "mode" that moved them};
+        state_dict() adds "inner"."""
+        return {"loss_scaler": {**self.scale_state.as_dict(), "mode": self._mode()}}
 
     def _load_link(self, state: Mapping[str, Any]) -> None:
-        """Restore what link_state_dict() returned."""
-        self.scale_state = ScaleState.from_dict(dict(state["loss_scaler"]))
+        """Restore what link_state_dict() returned, by the rule of `resumed_scale_state`."""
+        saved = dict(state["loss_scaler"])
+        mode = saved.pop("mode", None)
+        if mode is not None and mode not in _MODES:
+            raise ValueError(f"loss-scaler state: mode={mode!r}, expected one of {list(_MODES)} (a checkpoint "
+                             f"edited or damaged); load another step")
+        self.scale_state = self.resumed_scale_state(ScaleState.from_dict(saved), mode)
+
+    def resumed_scale_state(self, saved: ScaleState, mode: str | None) -> ScaleState:
+        """The state a resume continues from: the configured scaler decides what the checkpoint may set.
+
+        The scale is configuration unless it moves: a dynamic scaler continues a dynamic
+        checkpoint's trajectory (scale, hysteresis, counters), but starts afresh, as a new fp16 run,
+        when the checkpoint's scaler was static or off (an fp32/bf16 run resumed in fp16 must not
+        train at the no-op scale 1.0); a static or no-op scaler keeps its configured scale and
+        takes only the step and skip counters. `mode` None (a checkpoint written before the mode
+        was recorded) is taken to be this scaler's own.
+        """
+        mine = self._mode()
+        if mine == "dynamic" and mode in (None, "dynamic"):
+            return saved
+        fresh = ScaleState(scale=float(self.config.init_scale), hysteresis_left=self.config.hysteresis)
+        if mine == "dynamic":
+            log.info("LossScaler: the checkpoint's loss scaler was %s; the configured dynamic scaler starts at "
+                     "%g", mode, fresh.scale)
+            return fresh
+        fresh.iteration, fresh.skipped_steps = saved.iteration, saved.skipped_steps
+        return fresh
+
+    def _mode(self) -> str:
+        return "dynamic" if self.config.dynamic else "off" if self.config.is_noop else "static"
 
     def __repr__(self) -> str:
         config = self.config

@@ -72,3 +72,46 @@ def test_accumulation_steps_as_deepspeed(stage):
                                    rtol=1e-5, atol=1e-6)
         for p, q in zip(params, ds_params):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _save_tag_and_resume(initialize, directory: str) -> dict:
+    """Issue 28 item 9: save with tag=1 after 3 steps, a param group's lr changed by hand; a fresh engine loads it."""
+    import torch.distributed as dist
+
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+
+    def engine():
+        model = _mlp()
+        return initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), config=config)[0]
+    first = engine()
+    for i in range(3):
+        g = torch.Generator().manual_seed(100 * i + dist.get_rank())
+        first.backward(F.cross_entropy(first(torch.randn(2, 8, generator=g)), torch.randint(0, 4, (2,), generator=g)))
+        first.step()
+    first.optimizer.param_groups[0]["lr"] = 0.123
+    first.save_checkpoint(directory, tag=1)
+    second = engine()
+    second.load_checkpoint(directory, tag=1)
+    return {"global_steps": second.global_steps, "lr": second.optimizer.param_groups[0]["lr"],
+            "params": [p.detach().clone() for p in second.module.parameters()]}
+
+
+def _deepspeed_resume(directory: str) -> dict:
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    return _save_tag_and_resume(deepspeed.initialize, directory)
+
+
+def _pipezero_resume(directory: str) -> dict:
+    from pipezero.train import initialize
+
+    return _save_tag_and_resume(initialize, directory)
+
+
+def test_save_checkpoint_tag_and_hand_set_lr_as_deepspeed(tmp_path):
+    ours = run(_pipezero_resume, 2, str(tmp_path / "ours"))
+    theirs = run(_deepspeed_resume, 2, str(tmp_path / "ds"), timeout=300, discard=True)
+    for mine, ds in zip(ours, theirs):
+        assert (mine["global_steps"], mine["lr"]) == (ds["global_steps"], ds["lr"]) == (3, 0.123)
+        for p, q in zip(mine["params"], ds["params"]):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -76,12 +76,13 @@ def _rank_file(rank: int) -> str:
 
 def save_checkpoint(directory: str | os.PathLike, step: int, tensors: Mapping[str, torch.Tensor],
                     meta: Mapping[str, Any], rank: int = 0, world: int = 1,
-                    grid: Mapping[str, int] | None = None, group: Any = None) -> Path:
+                    grid: Mapping[str, int] | None = None, group: Any = None, latest: bool = True) -> Path:
     """Write this rank's tensors; rank 0 seals the checkpoint once every rank's file is written.
 
     Call on every rank (with world > 1 it synchronises through barriers on `group`). `meta`
     must be JSON (step counters, data position, lr schedule...); RNG states and anything else
-    that is an array go into `tensors`. Returns the final checkpoint directory.
+    that is an array go into `tensors`. `latest=False` leaves the `latest` pointer as it was
+    (DeepSpeed's save_latest). Returns the final checkpoint directory.
     """
     _check_save_args(step, tensors, meta, rank, world)
     root = Path(directory)
@@ -89,7 +90,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, tensors: Mapping[st
     tmp = root / f".tmp-{name}"
     _agree(_attempt(lambda: _start_save(root, tmp)) if rank == 0 else None, world, group, name)
     _agree(_attempt(lambda: _write_entry(tmp, rank, tensors)), world, group, name)
-    sealed = _attempt(lambda: _seal(root, tmp, name, step, world, dict(meta), dict(grid or {}))) if rank == 0 else None
+    sealed = _attempt(lambda: _seal(root, tmp, name, step, world, dict(meta), dict(grid or {}), latest)) \
+        if rank == 0 else None
     _agree(sealed, world, group, name)
     return root / name
 
@@ -181,7 +183,8 @@ def _write_rank(tmp: Path, rank: int, tensors: Mapping[str, torch.Tensor]) -> di
                         for k, v in cpu.items()}}
 
 
-def _seal(root: Path, tmp: Path, name: str, step: int, world: int, meta: dict, grid: dict) -> None:
+def _seal(root: Path, tmp: Path, name: str, step: int, world: int, meta: dict, grid: dict,
+          latest: bool = True) -> None:
     """Rank 0: manifest, one rename of the directory, then the `latest` pointer."""
     files = []
     for r in range(world):
@@ -206,7 +209,8 @@ def _seal(root: Path, tmp: Path, name: str, step: int, world: int, meta: dict, g
         _reach("rename")
         os.replace(tmp, final)
     _fsync_dir(root)
-    _atomic_write(root / _LATEST, name + "\n", "latest")
+    if latest:
+        _atomic_write(root / _LATEST, name + "\n", "latest")
 
 
 def _repair(root: Path) -> None:

@@ -86,19 +86,36 @@ class Engine:
         return stepped
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
-                        client_state: Mapping[str, Any] | None = None) -> Path:
+                        client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> Path:
         """DeepSpeed's save_checkpoint on pipezero's checkpoints (train/state.py: every rank calls it;
-        it loads onto another grid). `tag`: None (this optimizer step), a step number or DeepSpeed's
-        "global_step<N>"; `client_state`: JSON values, returned by load_checkpoint."""
+        it loads onto another grid). `tag` names the checkpoint: None (this optimizer step), a number or
+        DeepSpeed's "global_step<N>"; the step counters are saved apart from it, as DeepSpeed's are.
+        `client_state`: JSON values, returned by load_checkpoint. `save_latest=False` leaves `latest`
+        where it was; `exclude_frozen_parameters` writes no parameter with requires_grad=False."""
         step = _step_of(tag, self.global_steps)
         _check_json(client_state)
-        return save_state(self.parts, save_dir, step, {_CLIENT: dict(client_state or {})})
+        data = {_CLIENT: dict(client_state or {}), _COUNTERS: {"micro_steps": self.micro_steps,
+                                                             "global_steps": self.global_steps}}
+        return save_state(self.parts, save_dir, step, data, latest=save_latest,
+                          frozen=not exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None) -> tuple[str, dict[str, Any]]:
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str, dict[str, Any]]:
         """DeepSpeed's load_checkpoint: (the checkpoint's path, its client_state); `tag` None follows
-        `latest`. Weights, optimizer state, loss scale, LR schedule and the step counters resume."""
-        meta = load_state(self.parts, load_dir, None if tag is None else _step_of(tag, None))
-        self.micro_steps = meta["step"] * self.gradient_accumulation_steps()
+        `latest`. Weights, optimizer state (loss scale and param-group settings included), LR schedule
+        and the step counters resume; `load_optimizer_states=False` / `load_lr_scheduler_states=False`
+        leave those as they are, `load_module_only=True` loads the weights alone (counters kept)."""
+        _check_load_args(load_module_strict, custom_load_fn)
+        meta = load_state(self.parts, load_dir, None if tag is None else _step_of(tag, None),
+                          optimizer=load_optimizer_states and not load_module_only,
+                          scheduler=load_lr_scheduler_states and not load_module_only,
+                          rng=not load_module_only)
+        if not load_module_only:
+            counters = meta["data"].get(_COUNTERS)
+            self.micro_steps = counters["micro_steps"] if counters else \
+                meta["step"] * self.gradient_accumulation_steps()
         return meta["path"], dict(meta["data"].get(_CLIENT, {}))
 
     def train(self, mode: bool = True) -> "Engine":
@@ -120,6 +137,19 @@ class Engine:
 
 
 _CLIENT = "client_state"  # where save_checkpoint keeps DeepSpeed's client_state in the checkpoint's meta
+_COUNTERS = "engine"      # and the engine's step counters (DeepSpeed's global_steps), apart from the tag
+
+
+def _check_load_args(strict: bool, custom_load_fn: Any) -> None:
+    """The load_checkpoint arguments pipezero does not take, refused with what to do instead."""
+    if strict is not True:
+        raise ValueError("load_checkpoint(load_module_strict=False): pipezero loads every parameter by name "
+                         "and refuses a checkpoint of another model; load the weights you want yourself "
+                         "(safetensors.torch.load_file of export_model's file, then "
+                         "model.load_state_dict(..., strict=False))")
+    if custom_load_fn is not None:
+        raise ValueError("load_checkpoint(custom_load_fn=...): not supported; load the model's weights from "
+                         "export_model's safetensors file with your own function instead")
 
 
 def _step_of(tag: Any, default: int | None) -> int:
@@ -143,24 +173,30 @@ def _check_json(client_state: Mapping[str, Any] | None) -> None:
                         "(numbers, strings, lists, dicts): save tensors in the model or optimizer") from None
 
 
-def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
-               optimizer: torch.optim.Optimizer | None = None,
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Any = None,
+               lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Any = None,
                config: str | os.PathLike | Mapping[str, Any] | TrainConfig | None = None,
-               hidden_size: int | None = None, config_params: Any = None,
-               auto_values: Mapping[str, Any] | None = None) -> tuple[Engine, Any, None, Any]:
-    """(engine, optimizer chain, None, lr scheduler), like deepspeed.initialize.
+               mesh_param: Any = None, config_params: Any = None, *, hidden_size: int | None = None,
+               auto_values: Mapping[str, Any] | None = None) -> tuple[Engine, Any, Any, Any]:
+    """(engine, optimizer chain, data loader, lr scheduler), like deepspeed.initialize, with its arguments.
 
     The optimizer is yours if given, else the config's "optimizer" section over
-    `model_parameters` (default: every trainable parameter). `hidden_size` resolves "auto"
-    ZeRO sizes; by default it is read off the model (`build.model_width`). `auto_values` resolves
-    any other Hugging Face "auto" (see parse_config). The third item, DeepSpeed's data
-    loader, is always None: keep your own. `config_params` is DeepSpeed's older name for
-    `config`. A model wrapped in DistributedDataParallel is unwrapped: the optimizer chain
-    reduces gradients itself (DDP's would reduce them a second time).
+    `model_parameters` (default: every trainable parameter). `lr_scheduler`: your scheduler, or a
+    callable that makes one from the optimizer (DeepSpeed calls it with the torch optimizer; so does
+    this), used instead of the config's. `training_data` (with `collate_fn`): a DataLoader over this
+    data rank's share (a DistributedSampler over the data group), micro-batch sized, as DeepSpeed's;
+    else the third item is None. `args`: DeepSpeed's argparse namespace, whose `deepspeed_config`
+    is the config when `config` is not given. `config_params` is DeepSpeed's older name for
+    `config`; `distributed_port` and `dist_init_required` are accepted (torchrun's environment
+    starts the process group). `hidden_size` resolves "auto" ZeRO sizes (read off the model by
+    default, `build.model_width`); `auto_values` any other Hugging Face "auto" (see parse_config).
+    A model wrapped in DistributedDataParallel is unwrapped: the optimizer chain reduces gradients
+    itself (DDP's would reduce them a second time).
     """
-    config = config if config is not None else config_params
-    if config is None:
-        raise ValueError("initialize(config=None): pass a ds_config path or dict")
+    config = _config_of(args, config if config is not None else config_params)
+    _refuse_unsupported(model, mpu, mesh_param)
     if isinstance(model, DistributedDataParallel):
         warn_once("initialize(model=DistributedDataParallel(...)): training its .module; pipezero's optimizer "
                   "chain averages gradients over the data group itself", logger=get_logger())
@@ -173,5 +209,54 @@ def initialize(model: nn.Module, model_parameters: Iterable[Any] | None = None,
         optimizer = build_optimizer(cfg.optimizer or OptimizerConfig(), model_parameters)
         config = cfg
     parts = build(config, model=model, hidden_size=hidden_size, optimizer=optimizer, auto_values=auto_values)
+    if lr_scheduler is not None:
+        parts.scheduler = _client_scheduler(lr_scheduler, parts)
     engine = Engine(parts)
-    return engine, parts.optimizer, None, parts.scheduler
+    loader = _data_loader(training_data, collate_fn, parts) if training_data is not None else None
+    return engine, parts.optimizer, loader, parts.scheduler
+
+
+def _config_of(args: Any, config: Any) -> Any:
+    """The config, or DeepSpeed's `args.deepspeed_config` (its older name `deepscale_config`)."""
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is not None and from_args is not None:
+        raise ValueError(f"initialize(args=..., config=...): both give a ds_config (args.deepspeed_config="
+                         f"{from_args!r}); pass only one, as DeepSpeed requires")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("initialize(config=None): pass a ds_config path or dict (or args with deepspeed_config)")
+    return config
+
+
+def _refuse_unsupported(model: Any, mpu: Any, mesh_param: Any) -> None:
+    if model is None:
+        raise ValueError("initialize(model=None): pass the nn.Module to train")
+    if mpu is not None:
+        raise ValueError("initialize(mpu=...): pipezero has no Megatron model-parallel unit; for tensor "
+                         "parallelism use pipezero.train.build(config, specs=..., tensor=N, tensor_plan=...)")
+    if mesh_param is not None:
+        raise ValueError("initialize(mesh_param=...): not supported; the grid comes from the config's "
+                         "pipeline stages and the world size (pipezero.topology.Grid)")
+
+
+def _client_scheduler(lr_scheduler: Any, parts: Parts) -> Any:
+    """The user's LR scheduler (DeepSpeed prefers it to the config's), or the one its callable makes."""
+    if parts.scheduler is not None:
+        warn_once('initialize(lr_scheduler=...): using it; the config\'s "scheduler" section is ignored, as '
+                  "DeepSpeed ignores it", logger=get_logger())
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        return lr_scheduler
+    if callable(lr_scheduler):
+        return lr_scheduler(parts.inner)
+    raise TypeError(f"initialize(lr_scheduler={type(lr_scheduler).__name__}): expected a torch LR scheduler or "
+                    "a callable that makes one from the optimizer")
+
+
+def _data_loader(dataset: Any, collate_fn: Any, parts: Parts) -> torch.utils.data.DataLoader:
+    """DeepSpeed's training_data: micro-batches of this data rank's share of the dataset."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    grid = parts.grid
+    sampler = DistributedSampler(dataset, num_replicas=grid.data_size, rank=grid.data_rank)
+    return DataLoader(dataset, batch_size=parts.config.batch.micro_batch_size, sampler=sampler,
+                      collate_fn=collate_fn)

@@ -20,6 +20,7 @@ over the data group first); `export_model` maps the names onto the single-proces
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from pathlib import Path
@@ -47,9 +48,13 @@ def _param_names(parts: Any) -> dict[int, str]:
     return {id(p): n for n, p in parts.module.named_parameters()}
 
 
-def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(this rank's tensors, the JSON meta) of a checkpoint; a collective over the data group."""
+def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int, frozen: bool = True,
+                 model_config: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(this rank's tensors, the JSON meta) of a checkpoint; a collective over the world.
+
+    `frozen=False` leaves out the parameters no optimizer holds (DeepSpeed's
+    exclude_frozen_parameters); `model_config` (JSON) is recorded for load_state to check.
+    """
     zero, names = parts.optimizer, _param_names(parts)
     writer = parts.grid.data_rank == 0 and parts.grid.tensor_rank == 0
     tensors: dict[str, torch.Tensor] = {}
@@ -59,7 +64,7 @@ def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int
             tensors[_MODEL + names[id(p)]] = value.float().cpu()
     owned = zero.full_shapes()
     for name, p in parts.module.named_parameters():  # frozen (not in the optimizer): whole on every data rank
-        if id(p) not in owned:
+        if id(p) not in owned and frozen:
             value = whole(p, p.to_local() if isinstance(p, DTensor) else p.detach())
             if writer:
                 tensors[_MODEL + name] = value.float().cpu()
@@ -75,8 +80,66 @@ def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int
     meta = {"step": step, "data": dict(data_state or {}), "chain": chain, "rng": rng_json,
             "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
             "grid": _grid_dict(parts.grid), "dtype": str(parts.dtype).removeprefix("torch."),
-            "batch": dataclasses.asdict(parts.config.batch)}
+            "batch": dataclasses.asdict(parts.config.batch), "param_groups": _group_settings(parts, writer),
+            "frozen": frozen, "model_config": _as_json(model_config)}
     return tensors, meta
+
+
+def _group_settings(parts: Any, writer: bool) -> list[dict[str, Any]]:
+    """Every stage's param-group settings (lr, betas, weight decay...) with the names of their
+    parameters, so a group whose lr was changed by hand resumes with it on any grid; a collective."""
+    names, zero = _param_names(parts), parts.optimizer
+    mine = []
+    for group, params in zip(zero.param_groups, zero.original_params):
+        _, settings = flatten_state({k: v for k, v in group.items() if k != "params" and _plain(v)}, "group")
+        mine.append({"names": [names[id(p)] for p in params if id(p) in names], "settings": settings})
+    everyone = [(writer, mine)]
+    if parts.grid.world_size > 1:
+        everyone = [None] * parts.grid.world_size
+        dist.all_gather_object(everyone, (writer, mine))
+    return [g for w, groups in everyone if w for g in groups]
+
+
+def _plain(value: Any) -> bool:
+    """A param-group setting the JSON meta can hold (numbers, strings, flags, their tuples); tensors are not."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (bool, int, float, str, type(None)))
+
+
+def _load_group_settings(parts: Any, saved: list[dict[str, Any]] | None) -> None:
+    """Each local param group takes the saved settings of the group that held its first parameter."""
+    names, zero = _param_names(parts), parts.optimizer
+    by_name = {n: entry["settings"] for entry in saved or [] for n in entry["names"]}
+    for group, params in zip(zero.param_groups, zero.original_params):
+        first = next((names[id(p)] for p in params if id(p) in names), None)
+        if first in by_name:
+            group.update(unflatten_state({}, by_name[first]))
+
+
+def _as_json(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A model config as the JSON it will be compared as (tuples become lists)."""
+    if config is None:
+        return None
+    if not isinstance(config, Mapping):
+        raise TypeError(f"model_config={type(config).__name__}: expected a dict of the model's settings "
+                        "(e.g. dataclasses.asdict(config))")
+    try:
+        return json.loads(json.dumps(dict(config)))
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"model_config: {err}; record the model's settings as JSON values") from None
+
+
+def _check_model_config(path: Any, saved: dict[str, Any] | None, mine: Mapping[str, Any] | None) -> None:
+    """Refuse to resume a checkpoint of a model with other settings (the same tensor shapes can hide it)."""
+    mine = _as_json(mine)
+    if saved is None or mine is None or saved == mine:
+        return
+    keys = sorted(set(saved) | set(mine))
+    diff = [f"{k}={saved.get(k, '<unset>')!r} (here {mine.get(k, '<unset>')!r})" for k in keys
+            if saved.get(k, "<unset>") != mine.get(k, "<unset>")]
+    raise CheckpointError(f"{path}: was written by a model with {', '.join(diff)}; resume with the checkpoint's "
+                          "model settings, or start afresh in another directory")
 
 
 def _chain_state(zero: Any) -> tuple[dict[str, torch.Tensor], list[Any]]:
@@ -94,18 +157,28 @@ def _grid_dict(grid: Any) -> dict[str, int]:
 
 
 def save_state(parts: Any, directory: str | os.PathLike, step: int,
-               data_state: Mapping[str, Any] | None = None) -> Path:
-    """Save the whole training state as checkpoint `step` under `directory` (call on every rank)."""
-    tensors, meta = gather_state(parts, data_state, step)
+               data_state: Mapping[str, Any] | None = None, *, model_config: Mapping[str, Any] | None = None,
+               latest: bool = True, frozen: bool = True) -> Path:
+    """Save the whole training state as checkpoint `step` under `directory` (call on every rank).
+
+    `model_config` (the model's settings as JSON) is checked by load_state on resume;
+    `latest=False` leaves the `latest` pointer as it was; `frozen=False` leaves out frozen parameters.
+    """
+    tensors, meta = gather_state(parts, data_state, step, frozen=frozen, model_config=model_config)
     return save_checkpoint(directory, step, tensors, meta, rank=parts.grid.rank,
-                           world=parts.grid.world_size, grid=meta["grid"])
+                           world=parts.grid.world_size, grid=meta["grid"], latest=latest)
 
 
-def load_state(parts: Any, directory: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
+def load_state(parts: Any, directory: str | os.PathLike, step: int | None = None, *,
+               model_config: Mapping[str, Any] | None = None, optimizer: bool = True, scheduler: bool = True,
+               rng: bool = True) -> dict[str, Any]:
     """Load a checkpoint (any grid's) into these parts; returns its meta (step, data position...).
 
     Each rank reads only the names of its own parameters. Refused with CheckpointError when the
-    checkpoint does not fit the model (missing or reshaped parameters) or is damaged.
+    checkpoint does not fit the model (missing or reshaped parameters, or another `model_config`
+    than the one it recorded) or is damaged. `optimizer=False` keeps the optimizer chain's state
+    (moments, loss scale, param-group settings) as it is, `scheduler=False` the LR schedule's,
+    `rng=False` the random generators'.
     """
     names = _param_names(parts)
     local = set(names.values())
@@ -117,20 +190,32 @@ def load_state(parts: Any, directory: str | os.PathLike, step: int | None = None
     shapes = parts.optimizer.full_shapes()  # stage 3's released parameters are empty tensors
     expected = {_MODEL + n: shapes.get(id(p), p.shape) for n, p in parts.module.named_parameters()}
     try:  # the chain's state (loss scale...) is the same on every rank; its links validate it first
+        meta = checkpoint_meta(directory, step)
+        _check_model_config(directory, meta.get("model_config"), model_config)
+        if meta.get("frozen", True) is False:  # saved without them: they stay as the model has them
+            params = _by_name(parts)
+            expected = {k: v for k, v in expected.items() if id(params[k]) in shapes}
         ckpt = load_checkpoint(directory, step, names=wanted, expected=expected, strict=False)
-        _load_chain(parts.optimizer, ckpt.tensors, ckpt.meta["chain"])
+        if optimizer:
+            _load_chain(parts.optimizer, ckpt.tensors, ckpt.meta["chain"])
         problem = None
     except (CheckpointError, ValueError, TypeError, KeyError) as err:
         problem = str(err)
     _agree_on_load(problem, parts.grid.world_size)
     t, meta = ckpt.tensors, ckpt.meta
     _load_weights(parts, t, names)
-    _load_optimizer(parts.optimizer, t, names)
-    if parts.scheduler is not None and meta.get("scheduler") is not None:
+    if optimizer:
+        _load_optimizer(parts.optimizer, t, names)
+        _load_group_settings(parts, meta.get("param_groups"))
+    if scheduler and parts.scheduler is not None and meta.get("scheduler") is not None:
         parts.scheduler.load_state_dict(meta["scheduler"])
-    if rank_prefix + "torch_cpu" in t and meta["grid"] == _grid_dict(parts.grid):
+    if rng and rank_prefix + "torch_cpu" in t and meta["grid"] == _grid_dict(parts.grid):
         set_rng_state(t, meta["rng"], prefix=rank_prefix)
     return {**meta, "step": ckpt.step, "path": str(ckpt.path)}
+
+
+def _by_name(parts: Any) -> dict[str, torch.Tensor]:
+    return {_MODEL + n: p for n, p in parts.module.named_parameters()}
 
 
 def _agree_on_load(problem: str | None, world: int) -> None:
@@ -157,7 +242,7 @@ def _load_weights(parts: Any, t: Mapping[str, torch.Tensor], names: dict[int, st
     parts.optimizer.load_full_parameters(value_of)
     with torch.no_grad():  # the parameters no optimizer owns (frozen ones)
         for p in parts.module.parameters():
-            if id(p) not in done:
+            if id(p) not in done and _MODEL + names[id(p)] in t:  # absent: saved with frozen=False
                 local = p.to_local() if isinstance(p, DTensor) else p
                 local.copy_(local_slice(p, t[_MODEL + names[id(p)]]).to(p.dtype))
 
@@ -175,11 +260,12 @@ def _load_optimizer(zero: Any, t: Mapping[str, torch.Tensor], names: dict[int, s
     zero.load_per_parameter_state(state_of)
 
 
-def resume_if_any(parts: Any, directory: str | os.PathLike) -> dict[str, Any] | None:
+def resume_if_any(parts: Any, directory: str | os.PathLike, *, model_config: Mapping[str, Any] | None = None
+                  ) -> dict[str, Any] | None:
     """Load the latest complete checkpoint under `directory` if there is one; None to start fresh."""
     if latest_step(directory) is None:
         return None
-    return load_state(parts, directory)
+    return load_state(parts, directory, model_config=model_config)
 
 
 def saved_batch(directory: str | os.PathLike) -> BatchConfig | None:

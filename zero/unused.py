@@ -65,6 +65,7 @@ class UnusedParams:
         """After the reduction: a bucket with no used parameter gives its master no gradient."""
         if self._work is not None:
             self._work.wait()
+            self._work = None  # a finished Work is not kept alive (gloo's threads may own it at exit)
         where = [(b, i) for b in self.buckets for i in range(len(b.params))]
         self._unused = [slot for slot, used in zip(where, self._flags.cpu().tolist()) if not used]
         counts: dict[Bucket, int] = {}

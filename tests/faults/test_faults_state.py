@@ -171,7 +171,8 @@ def _world(directory: str) -> dict:
     from pathlib import Path
 
     root = Path(directory)
-    out = {"zero3": _try(_zero3_same_job, str(root / "zero3")), "frozen_pipe": _try(_frozen_pipe, str(root / "pipe"))}
+    out = {"zero3": _try(_zero3_same_job, str(root / "zero3")), "frozen_pipe": _try(_frozen_pipe, str(root / "pipe")),
+           "hand_zero": _try(_hand_composed, str(root / "hand"), 2)}
     for stage in range(4):
         out[f"frozen{stage}"] = _try(_frozen, str(root / f"frozen{stage}"), stage)
         out[f"unused{stage}"] = _try(_unused, stage)
@@ -232,3 +233,198 @@ def test_adagrad_is_sharded_like_torch(world, stage):
     for mine, ref in _result(world, f"adagrad{stage}"):
         for key in ref:
             torch.testing.assert_close(mine[key], ref[key].detach(), rtol=1e-5, atol=1e-6, msg=key)
+
+
+# -- one process: the loss-scale rule, the engine's DeepSpeed arguments and counters, the model config ------
+def _scaler_resumes(directory: str) -> dict:
+    """Item 7: what loss scale a resume trains at, for each (saved, configured) scaler."""
+    from pathlib import Path
+
+    kinds = {"fp32": {}, "dynamic": {"fp16": {"enabled": True}},
+             "static128": {"fp16": {"enabled": True, "loss_scale": 128}},
+             "static256": {"fp16": {"enabled": True, "loss_scale": 256}}}
+    out = {}
+    for saved, resumed in [("fp32", "dynamic"), ("static128", "static256"), ("dynamic", "dynamic"),
+                           ("dynamic", "static256")]:
+        where = Path(directory) / f"{saved}-{resumed}"
+        engine = _engine(0, _mlp(), **kinds[saved])
+        engine.parts.scaler.scale_state.scale = 1024.0 if saved == "dynamic" else engine.parts.scaler.loss_scale
+        engine.save_checkpoint(where)
+        fresh = _engine(0, _mlp(), **kinds[resumed])
+        fresh.load_checkpoint(where)
+        out[f"{saved}->{resumed}"] = fresh.parts.scaler.loss_scale
+    return out
+
+
+def _engine_counters(directory: str) -> dict:
+    """Item 9 (ours; the DeepSpeed comparison is in tests/test_initialize_deepspeed.py)."""
+    engine = _engine(1, _mlp())
+    _steps(engine, 3)
+    engine.optimizer.param_groups[0]["lr"] = 0.123  # changed by hand
+    engine.save_checkpoint(directory, tag=1)
+    fresh = _engine(1, _mlp())
+    path, _ = fresh.load_checkpoint(directory, tag=1)
+    return {"global_steps": fresh.global_steps, "lr": fresh.optimizer.param_groups[0]["lr"], "path": path}
+
+
+def _deepspeed_arguments(directory: str) -> dict:
+    """Item 20: DeepSpeed's initialize / save / load arguments, taken with its meaning or refused clearly."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from pipezero.train import initialize
+
+    out = {}
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+    path = Path(directory) / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    model = _mlp()
+    data = torch.utils.data.TensorDataset(torch.randn(12, 8))
+    engine, opt, loader, sched = initialize(
+        args=argparse.Namespace(deepspeed_config=str(path), local_rank=0), model=model,
+        model_parameters=model.parameters(), training_data=data,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    out["loader"] = [len(b[0]) for b in loader]
+    out["scheduler"] = type(sched).__name__ if sched is engine.lr_scheduler else None
+    for x, in loader:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    out["lr"] = opt.param_groups[0]["lr"]
+    root = Path(directory) / "ckpt"
+    engine.save_checkpoint(root, tag=1)
+    engine.save_checkpoint(root, tag=2, save_latest=False)
+    out["latest"] = (root / "latest").read_text().strip()
+    moments = {k: v.clone() for k, v in opt.state[opt.param_groups[0]["params"][0]].items()}
+    fresh, fresh_opt, *_ = initialize(model=_mlp(seed=3), config=cfg)
+    fresh.load_checkpoint(root, tag=2, load_optimizer_states=False)
+    out["no_optimizer_state"] = not fresh_opt.state
+    out["weights"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.module.parameters()))
+    fresh.load_checkpoint(root, tag=2)
+    mine = fresh_opt.state[fresh_opt.param_groups[0]["params"][0]]
+    out["optimizer_state"] = all(torch.equal(mine[k], v) for k, v in moments.items())
+    for name, call in {"mpu": lambda: initialize(model=_mlp(), config=cfg, mpu=object()),
+                       "strict": lambda: fresh.load_checkpoint(root, load_module_strict=False),
+                       "custom": lambda: fresh.load_checkpoint(root, custom_load_fn=print)}.items():
+        try:
+            call()
+            out[name] = "accepted"
+        except (TypeError, ValueError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _model_config_checked(directory: str) -> dict:
+    """Item 11: the API and train_gpt's resume refuse a checkpoint of a model with other settings."""
+    import sys
+    from pathlib import Path
+
+    from pipezero.train.checkpoint import CheckpointError
+    from pipezero.train.state import load_state, save_state
+
+    engine = _engine(0, _mlp())
+    save_state(engine.parts, Path(directory) / "api", 1, model_config={"n_head": 2, "d_model": 16})
+    out = {}
+    try:
+        load_state(engine.parts, Path(directory) / "api", model_config={"n_head": 4, "d_model": 16})
+        out["api"] = "loaded"
+    except CheckpointError as err:
+        out["api"] = str(err)
+    load_state(engine.parts, Path(directory) / "api", model_config={"d_model": 16, "n_head": 2})  # the same
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "examples"))
+    import train_gpt
+    tiny = ["--pipe", "1", "--layers", "1", "--d-model", "16", "--seq-len", "8", "--batch-size", "2",
+            "--micro-batches", "1", "--eval-interval", "100", "--steps-per-print", "100", "--save-interval", "1",
+            "--out", str(Path(directory) / "gpt")]
+    train_gpt.main([*tiny, "--heads", "2", "--steps", "1"])
+    try:
+        train_gpt.main([*tiny, "--heads", "4", "--steps", "2"])
+        out["train_gpt"] = "resumed"
+    except CheckpointError as err:
+        out["train_gpt"] = str(err)
+    return out
+
+
+def _hand_composed(directory: str, zero_stage: int | None) -> list:
+    """Issue 29 item 4: a chain built by hand (no build(), no Parts) saves its things and resumes exactly."""
+    from pipezero.precision import LossScaler, MasterWeights
+    from pipezero.train.saveable import load_things, save_things
+    from pipezero.zero import ZeroOptimizer
+
+    def job():
+        model = _mlp().to(torch.bfloat16)
+        opt = LossScaler(MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2)), check_finite=True)
+        if zero_stage is not None:
+            model = _mlp()
+            opt = ZeroOptimizer(LossScaler(torch.optim.Adam(model.parameters(), lr=1e-2)), stage=zero_stage)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return model, opt, sched
+
+    def train(model, opt, sched, steps):
+        losses = []
+        for i in range(steps):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).to(next(model.parameters()).dtype)
+            loss = model(x).float().square().mean()
+            opt.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+    model, opt, sched = job()
+    train(model, opt, sched, 2)
+    save_things(directory, 2, {"model": model, "optimizer": opt, "scheduler": sched}, meta={"note": "hand"})
+    straight = train(model, opt, sched, 2)
+    model, opt, sched = job()
+    meta = load_things(directory, {"model": model, "optimizer": opt, "scheduler": sched})
+    return [straight, train(model, opt, sched, 2), meta]
+
+
+def _solo(directory: str) -> dict:
+    from pathlib import Path
+
+    root = Path(directory)
+    return {"scaler": _try(_scaler_resumes, str(root / "scaler")), "counters": _try(_engine_counters, str(root / "c")),
+            "deepspeed": _try(_deepspeed_arguments, directory), "model_config": _try(_model_config_checked, directory),
+            "hand": _try(_hand_composed, str(root / "hand"), None)}
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory):
+    return run(_solo, 1, str(tmp_path_factory.mktemp("solo")), timeout=300)
+
+
+def test_a_configured_dynamic_scaler_is_not_overridden_by_a_no_op_checkpoint(solo):
+    scales = _result(solo, "scaler")[0]
+    assert scales == {"fp32->dynamic": 2.0 ** 16,      # a fresh fp16 run's scale, not the fp32 run's 1.0
+                      "static128->static256": 256.0,   # a static scale is configuration
+                      "dynamic->dynamic": 1024.0,      # a dynamic trajectory continues
+                      "dynamic->static256": 256.0}
+
+
+def test_engine_tag_names_the_checkpoint_and_counters_resume(solo):
+    got = _result(solo, "counters")[0]
+    assert got["global_steps"] == 3 and got["lr"] == 0.123 and got["path"].endswith("step_00000001")
+
+
+def test_deepspeed_arguments_are_taken_or_refused_clearly(solo):
+    got = _result(solo, "deepspeed")[0]
+    assert got["loader"] == [4, 4, 4] and got["scheduler"] == "StepLR" and got["lr"] == 1e-2 * 0.5 ** 3
+    assert got["latest"] == "step_00000001"
+    assert got["no_optimizer_state"] and got["weights"] and got["optimizer_state"]
+    assert "mpu=" in got["mpu"] and "tensor=" in got["mpu"]
+    assert "load_module_strict=False" in got["strict"] and "custom_load_fn" in got["custom"]
+
+
+def test_resume_with_another_model_config_is_refused(solo):
+    got = _result(solo, "model_config")[0]
+    assert "n_head=2 (here 4)" in got["api"]
+    assert "n_head=2 (here 4)" in got["train_gpt"]
+
+
+@pytest.mark.parametrize("where", ["solo", "world"])
+def test_a_hand_composed_chain_saves_its_things_and_resumes_exactly(solo, world, where):
+    results = _result(solo, "hand") if where == "solo" else _result(world, "hand_zero")
+    for straight, resumed, meta in results:
+        assert resumed == straight and meta == {"note": "hand", "step": 2}
