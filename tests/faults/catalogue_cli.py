@@ -95,3 +95,38 @@ PLAN = [
 ]
 
 ALL = SIMULATE + PLAN
+
+
+def _locked(holder: dict | None, raw: bytes | None = None):
+    """claim_run_dir on an --out whose lock another job holds (the holder's JSON, or raw bytes)."""
+    def run(tmp: Path):
+        import json
+        import os
+        import socket
+
+        from pipezero.train.run_dir import LOCK_NAME, claim_run_dir
+        fields = {"pid": os.getppid(), "host": socket.gethostname()}
+        data = raw if raw is not None else json.dumps({**fields, **(holder or {})}).encode()
+        (tmp / LOCK_NAME).write_bytes(data)
+        with claim_run_dir(tmp):
+            pass
+    return run
+
+
+def _out_is_a_file(tmp: Path):
+    from pipezero.train.run_dir import claim_run_dir
+    (tmp / "file").write_text("x")
+    with claim_run_dir(tmp / "file" / "run"):
+        pass
+
+
+RUN_DIR = [
+    Case("run-dir", "held by a live job on this host", _locked({"argv": ["train_gpt.py", "--steps", "9"]}),
+         ("in use by another job", "pid ", "--steps 9", "another --out")),
+    Case("run-dir", "held by a job on another host", _locked({"host": "node-17", "pid": 4242}),
+         ("pid 4242 on host node-17", "delete", "pipezero.lock")),
+    Case("run-dir", "lock file damaged", _locked(None, raw=b"\x00garbage"), ("in use by another job", "delete")),
+    Case("run-dir", "--out inside a file", _out_is_a_file, ("cannot be created", "writable --out")),
+]
+
+ALL += RUN_DIR
