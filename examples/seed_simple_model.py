@@ -54,14 +54,46 @@ def load_digits(mnist: str | None) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _read_idx(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    def read(name: str) -> bytes:
-        for path in (folder / name, folder / f"{name}.gz"):
-            if path.is_file():
-                return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    """MNIST's IDX files, each checked against its header (magic, dims, length) and the two against each
+    other, before training: a bad file ends in one line naming it."""
+    images_path, images = _idx_file(folder, "train-images-idx3-ubyte", 0x803)
+    labels_path, labels = _idx_file(folder, "train-labels-idx1-ubyte", 0x801)
+    if images.shape[1:] != (28, 28):
+        raise SystemExit(f"--mnist {images_path}: images of {images.shape[1]}x{images.shape[2]} pixels; the seed's "
+                         "MLP takes MNIST's 28x28")
+    if len(images) != len(labels):
+        raise SystemExit(f"--mnist {folder}: {labels_path.name} holds {len(labels)} labels but {images_path.name} "
+                         f"{len(images)} images; use the train images and train labels of one download")
+    if len(labels) and int(labels.max()) > 9:
+        raise SystemExit(f"--mnist {labels_path}: labels up to {int(labels.max())}; MNIST's digits are 0..9")
+    return images.reshape(-1, 784).float() / 255.0, labels.long()
+
+
+def _idx_file(folder: Path, name: str, magic: int) -> tuple[Path, torch.Tensor]:
+    """(path, uint8 tensor of the header's dims) of `name` or `name`.gz in folder."""
+    for path in (folder / name, folder / f"{name}.gz"):
+        if path.is_file():
+            break
+    else:
         raise SystemExit(f"--mnist {folder}: no {name} (or {name}.gz) there")
-    images = torch.frombuffer(bytearray(read("train-images-idx3-ubyte")[16:]), dtype=torch.uint8)
-    labels = torch.frombuffer(bytearray(read("train-labels-idx1-ubyte")[8:]), dtype=torch.uint8)
-    return images.view(-1, 784).float() / 255.0, labels.long()
+    data = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as err:
+            raise SystemExit(f"--mnist {path}: not a whole gzip file ({err}); download it again") from None
+    ndim = magic & 0xFF
+    header = 4 + 4 * ndim
+    found = int.from_bytes(data[:4], "big") if len(data) >= 4 else None
+    if found != magic:
+        raise SystemExit(f"--mnist {path}: IDX magic {found if found is None else hex(found)}, expected {hex(magic)} "
+                         f"({'images' if ndim == 3 else 'labels'}, {ndim}-D uint8); is it the other file, or not IDX?")
+    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    want = header + int(torch.tensor(dims).prod())
+    if len(data) != want:
+        raise SystemExit(f"--mnist {path}: {len(data)} bytes, but its header ({' x '.join(map(str, dims))}) makes "
+                         f"{want}; the file is truncated or damaged: download it again")
+    return path, torch.frombuffer(bytearray(data[header:]), dtype=torch.uint8).view(*dims)
 
 
 def main(argv=None) -> float:

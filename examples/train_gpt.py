@@ -12,7 +12,9 @@ talks to them directly; nothing hides behind an engine. Their settings come from
 the flags, on top of --config's file when given (pipezero.train.build makes the same parts from
 a config in one call). The corpus is the standard library's own source code (byte tokens, on
 every machine with Python), or --data-path. Re-running with the same --out resumes from the
-latest checkpoint there (so does a torchrun --max-restarts restart after a crash);
+latest checkpoint there (so does a torchrun --max-restarts restart after a crash), and a run
+stopped after its last checkpoint writes its export then; --out is one job's (a second job
+there is refused, naming the first one's pid and host: train/run_dir.py);
 --resume-from step_00000100 resumes from that one instead. A bad input ends with its cause in
 one line per failing rank (PIPEZERO_TRACEBACK=1 prints the traceback too).
 """
@@ -47,6 +49,7 @@ from pipezero.train.config_batch import BatchConfig, keep_global_batch  # noqa: 
 from pipezero.train.data import ShardedBatches, TokenData  # noqa: E402
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once  # noqa: E402
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars  # noqa: E402
+from pipezero.train.run_dir import claim_run_dir, export_done, record_loss, recorded_loss  # noqa: E402
 from pipezero.train.state import export_model, load_state, resume_if_any, save_state, saved_batch  # noqa: E402
 from pipezero.zero import ZeroOptimizer  # noqa: E402
 
@@ -84,15 +87,14 @@ def main(argv: list[str] | None = None) -> float:
 
     # -- data, resume, train, export ------------------------------------------------------------------
     train, val = token_batches(args, cfg.batch.per_rank_batch_size, grid)
-    start = resume_step(args, parts, ckpt_dir, train)
-    if start >= args.steps:
-        log.info("the run in %s is already complete (step %d of --steps %d): nothing to train; pass --steps "
-                 "above %d to train longer, or another --out to start afresh", args.out, start, args.steps, start)
-        return _summary_loss(args.out)
-    loss = train_loop(args, parts, gpt, train, val, start)
-    if grid.rank == 0 and (ckpt_dir / "latest").exists():
-        export(args, gpt, start, loss)
-    return loss
+    with claim_run_dir(args.out, grid):  # one job per --out: another job's pid and host in the error
+        start = resume_step(args, parts, ckpt_dir, train)
+        if start >= args.steps:
+            return finish_export(args, gpt, grid, start)
+        loss = train_loop(args, parts, gpt, train, val, start)
+        if grid.rank == 0 and (ckpt_dir / "latest").exists():
+            export(args, gpt, start, loss)
+        return loss
 
 
 # -- the command line and the ds_config it makes -------------------------------------------------------
@@ -262,13 +264,14 @@ def resume(parts, ckpt_dir: Path, resume_from: str | None, gpt: dict | None = No
     return load_state(parts, ckpt_dir, step=int(name[5:]), model_config=gpt)
 
 
-def save(args: argparse.Namespace, parts: Parts, step: int, train: ShardedBatches) -> None:
+def save(args: argparse.Namespace, parts: Parts, step: int, train: ShardedBatches, loss: float) -> None:
     """A checkpoint of this step under --out/checkpoints; the two newest are kept."""
     ckpt_dir = Path(args.out) / "checkpoints"
     save_state(parts, ckpt_dir, step, train.state_dict(), model_config=dataclasses.asdict(gpt_config(args)))
     log.info("step %d | saved checkpoint %s", step, ckpt_dir / step_dir_name(step))
     if parts.grid.rank == 0:
         prune_checkpoints(ckpt_dir, keep=2)
+        record_loss(args.out, step, loss)
 
 
 def export(args: argparse.Namespace, gpt: GPTConfig, start: int, loss: float) -> None:
@@ -278,6 +281,20 @@ def export(args: argparse.Namespace, gpt: GPTConfig, start: int, loss: float) ->
     log.info("exported %s (sample from it: python examples/generate.py --checkpoint %s)", path, args.out)
     summary = {"steps": args.steps, "resumed_from": start, "final_loss": loss}
     (Path(args.out) / "summary.json").write_text(json.dumps(summary))
+
+
+def finish_export(args: argparse.Namespace, gpt: GPTConfig, grid: Grid, step: int) -> float:
+    """A run already trained to its last step: its export, written now if the job stopped before it."""
+    if export_done(args.out, step):
+        log.info("the run in %s is already complete (step %d of --steps %d): nothing to train; pass --steps "
+                 "above %d to train longer, or another --out to start afresh", args.out, step, args.steps, step)
+        return _summary_loss(args.out)
+    log.info("the run in %s trained to step %d but stopped before its export: exporting it now", args.out, step)
+    loss = recorded_loss(args.out, step)
+    loss = float("nan") if loss is None else loss
+    if grid.rank == 0:
+        export(argparse.Namespace(**{**vars(args), "steps": step}), gpt, step, loss)  # the step it holds
+    return loss
 
 
 def _summary_loss(out: str) -> float:
@@ -319,7 +336,7 @@ def train_loop(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, train: Sh
             logs.tb.scalar("val/loss", val_loss, step + 1)
             log.info("step %d | val loss %.4f", step + 1, val_loss)
         if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
-            save(args, parts, step + 1, train)
+            save(args, parts, step + 1, train, loss.item())
     logs.tb.close()
     return loss.item()
 

@@ -33,12 +33,13 @@ from torch import nn
 
 from pipezero.comm import is_replica
 from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
+from pipezero.pipe.hf_match import check_checkpoint, keeps_tie
 from pipezero.pipe.hf_weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 from pipezero.pipe.tensor_parallel import ColwiseHeads, TensorPlan
 
 __all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
-           "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_state_dict", "hf_tensor_plan"]
+           "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_shapes", "hf_state_dict", "hf_tensor_plan"]
 
 TIED_KEY = "embed"  # TiedLayerSpec key of a tied embedding and LM head
 
@@ -61,7 +62,10 @@ class _Model:
         _check_structure(self)
         if isinstance(weights, CheckpointTensors):
             weights.adopt_names(self.meta)
-            _check_names(self.meta, weights)
+        if self.tied and weights is not None:
+            self.tied = keeps_tie(self, weights)
+        if isinstance(weights, CheckpointTensors):
+            check_checkpoint(self.meta, self.config, weights, self.path(self.layers))
         self.embed_scale = getattr(self.embed, "scalar_embed_scale", None)
         self.embed_multiplier = getattr(self.config, "embedding_multiplier", None)
         self.layer_nones = _layer_nones(self)
@@ -160,18 +164,6 @@ def _check_structure(model: _Model) -> None:
                          "nn.Linear lm_head (is this a causal LM?)")
 
 
-def _check_names(meta: nn.Module, shards: CheckpointTensors) -> None:
-    """Every parameter's name is in the checkpoint, checked before any layer is built (no rank can hang)."""
-    held = shards.names()
-    missing = [name for name, _ in meta.named_parameters() if name not in held]
-    if missing:
-        extra = sorted(held - set(meta.state_dict()))
-        raise ValueError(f"hf_layer_specs: the checkpoint lacks {len(missing)} tensors of {type(meta).__name__}, e.g. "
-                         f"{missing[:2]}, and holds others, e.g. {extra[:2]}, that transformers' renaming rules for "
-                         "the model do not map onto them; expected a directory written by save_pretrained for this "
-                         "config (or pass the model loaded with from_pretrained)")
-
-
 def _layer_nones(model: _Model) -> dict[str, None]:
     """Arguments a decoder layer requires beyond those passed here, given as None where the config turns
     their feature off (Falcon's `alibi` when config.alibi is False); any other is a ValueError."""
@@ -199,7 +191,13 @@ def _source(source: Any) -> tuple[Any, CheckpointTensors | ModelTensors | None]:
         if not (directory / "config.json").exists():
             raise ValueError(f"hf_layer_specs({str(source)!r}): no config.json there; pass a directory written by "
                              "save_pretrained, a PreTrainedModel or a PretrainedConfig")
-        return AutoConfig.from_pretrained(directory), CheckpointTensors(directory)
+        try:
+            config = AutoConfig.from_pretrained(directory)
+        except OSError:
+            raise  # transformers' own message names the file
+        except Exception as err:  # noqa: BLE001 - transformers' validators raise their own types
+            raise ValueError(f"{directory / 'config.json'}: transformers cannot read it: {err}") from err
+        return config, CheckpointTensors(directory)
     if isinstance(source, PreTrainedModel):
         return source.config, ModelTensors(source)
     if isinstance(source, PretrainedConfig):
@@ -478,6 +476,14 @@ def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
                     out[name] = whole.detach()
             out.update((name, t.detach()) for name, t in layer.hf_buffers())
     return out
+
+
+def hf_shapes(module: nn.Module) -> dict[str, torch.Size]:
+    """The whole shape of every tensor of the model under its Hugging Face name, from its config."""
+    for layer in module.modules():
+        if isinstance(layer, _HFLayer):
+            return {name: t.shape for name, t in layer.model.meta.state_dict().items()}
+    raise ValueError(f"{type(module).__name__} holds no layer of hf_layer_specs")
 
 
 def hf_config(source: nn.Module | list[LayerSpec]) -> Any:

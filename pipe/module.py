@@ -22,8 +22,9 @@ from pipezero.comm import all_reduce_coalesced, mark_replica
 from pipezero.pipe.compile import CompileConfig, compile_layers, repeated_classes
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
+from pipezero.pipe.shared_layers import check_shared_layers
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec, layer_name
-from pipezero.pipe.stage_errors import describe_input, layer_error
+from pipezero.pipe.stage_errors import LayerError, describe_input, layer_error
 from pipezero.pipe.tensor_parallel import (PlanSource, apply_tensor_plan, check_tensor_plan,
                                              mark_tensor_duplicates, plan_for)
 from pipezero.topology import Grid, process_device
@@ -58,6 +59,7 @@ class PipelineModule(nn.Module):
         self._specs = list(layers)
         ranks = [owner(stage, self.num_stages, placement)[0] for stage in range(self.num_virtual_stages)]
         self.bounds = partition(self._specs, self.num_virtual_stages, partition_method, ranks)
+        check_shared_layers(self._specs, self.bounds, ranks)  # one object on two ranks: two diverging copies
         _check_plans(self._specs, tensor_plan, grid.tensor_size)  # on every rank, before any collective
         self.stage_ids = [virtual_stage(grid.pipe_rank, c, self.num_stages, placement) for c in range(num_chunks)]
         self.layers = nn.ModuleDict()
@@ -123,9 +125,13 @@ class PipelineModule(nn.Module):
         if self.loss_fn is None:
             raise ValueError("PipelineModule(loss_fn=None) cannot compute a loss; pass loss_fn=")
         try:
-            return self.loss_fn(output, target)
+            loss = self.loss_fn(output, target)
         except Exception as err:  # noqa: BLE001 - layer_error keeps what it does not describe
             raise layer_error(err, f"loss_fn (targets {describe_input(target)})", output, False) from err
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # backward needs one number per microbatch
+            raise LayerError(f"loss_fn returned {describe_input(loss)} on output {describe_input(output)}; "
+                             "expected a scalar tensor (reduce it, e.g. .mean() or reduction='mean')")
+        return loss
 
     def _run(self, lo: int, hi: int, x: Any, chunk: int = 0) -> Any:
         for index in range(lo, hi):

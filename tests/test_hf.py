@@ -12,6 +12,8 @@ train the same and, under `gathered`, its own generate() must give one process's
 """
 
 import functools
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,3 +244,86 @@ def _gpt2_tensor_plan() -> str:
 def test_tensor_plan_of_conv1d_family_fails_on_every_rank():
     for message in run(_gpt2_tensor_plan, 2):
         assert "Conv1D" in message and "tensor=1" in message
+
+
+def _export_zero3_then_other_layouts(path: str, out: str) -> tuple:
+    """ZeRO-3 (pipe 1 x data 2) exported without its optimizer, then with it; then pipe 2 and pipe 1
+    again into the same folder, each export's weights changed, so a stale file would show."""
+    from pipezero.pipe.hf import hf_shapes
+    grid = Grid(pipe=1)
+    model = PipelineModule(hf_layer_specs(path), grid=grid, loss_fn=causal_lm_loss)
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), group=grid.data_group, module=model,
+                        config=ZeroConfig(stage=3, stage3_param_persistence_threshold=64))
+    try:
+        export_hf(model, out)
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    export_hf(model, out, optimizer=opt)
+    files = [sorted(p.name for p in Path(out).iterdir())]
+    with gathered(opt):
+        whole = {n: t.clone() for n, t in hf_state_dict(model).items()}
+    assert all(t.shape == hf_shapes(model)[n] for n, t in whole.items())
+    states = [whole]
+    for pipe in (2, 1):
+        model = PipelineModule(hf_layer_specs(path), grid=Grid(pipe=pipe), loss_fn=causal_lm_loss)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(pipe)
+        every = [None] * 2
+        torch.distributed.all_gather_object(every, hf_state_dict(model))
+        states.append({k: v for part in every for k, v in part.items()})
+        export_hf(model, out)
+        files.append(sorted(p.name for p in Path(out).iterdir()))
+        if pipe == 2 and torch.distributed.get_rank() == 0:
+            states.append(transformers.AutoModelForCausalLM.from_pretrained(out).state_dict())
+        torch.distributed.barrier()
+    return refused, files, states
+
+
+def test_export_refuses_released_zero3_parameters_and_replaces_another_layout(tmp_path_factory):
+    """Issue 28 items 4 and 5: no [0]-shaped tensors written; no stale model.safetensors read instead of shards."""
+    root = str(tmp_path_factory.getbasetemp())
+    out = f"{root}/export-layouts"
+    (refused, files, states), _ = run(_export_zero3_then_other_layouts, 2, _checkpoint("llama", root), out,
+                                      timeout=300)
+    assert "not whole" in refused and "optimizer=opt" in refused and "gathered(opt)" in refused, refused
+    zero3, sharded, loaded_sharded, single = states
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert files == [["config.json", "model.safetensors"], ["config.json", *shards], ["config.json", "model.safetensors"]]
+    for name, value in sharded.items():
+        torch.testing.assert_close(loaded_sharded[name], value, rtol=0, atol=0, msg=name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for name, value in single.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+    assert set(zero3) == set(single) and all(zero3[n].shape == single[n].shape for n in zero3)
+
+
+def test_trained_head_is_not_tied_and_unused_tensors_are_reported(tmp_path, caplog):
+    """Issue 28 item 6, as transformers 5 loads it: config.json says tie_word_embeddings, the checkpoint
+    holds its own, different lm_head.weight: untied, with a warning; a tensor the model does not use is
+    reported; a checkpoint holding only the head ties the embedding to it."""
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**_COMMON, tie_word_embeddings=False)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    edit = {**json.loads((tmp_path / "config.json").read_text()), "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(edit))
+    state = load_file(tmp_path / "model.safetensors")
+    save_file({**state, "model.extra.weight": torch.ones(3)}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    ids = _batch(0)[0][:2]
+    with caplog.at_level("WARNING"):
+        model = PipelineModule(hf_layer_specs(str(tmp_path)), grid=Grid(pipe=1), loss_fn=causal_lm_loss)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight  # transformers 5 refused the tie
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), loaded(ids).logits, rtol=1e-6, atol=1e-6)
+    assert "NOT tied" in caplog.text and "model.extra.weight" in caplog.text, caplog.text
+    del state["model.embed_tokens.weight"]  # only the head stored: both are the head's tensor
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = PipelineModule(hf_layer_specs(str(tmp_path)), grid=Grid(pipe=1), loss_fn=causal_lm_loss)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), loaded(ids).logits, rtol=1e-6, atol=1e-6)

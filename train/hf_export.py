@@ -6,8 +6,12 @@ layers, under the model's own parameter names, as one shard
 (`model-0000k-of-0000n.safetensors`, or `model.safetensors` for one stage), so no rank ever
 holds the whole model; rank 0 writes the shard index and the config. Tensor-parallel
 weights are gathered whole first; a tied embedding is written once (from_pretrained ties
-the head to it again). Under ZeRO-3 (a model passed as module=) call it inside
-`with gathered(opt):` so every parameter is whole.
+the head to it again). Under ZeRO-3 (a model passed as module=) pass the optimizer
+(`export_hf(model, dir, optimizer=opt)` gathers the parameters itself) or call it inside
+`with gathered(opt):`; a parameter still partitioned is a ValueError on every rank, never an
+empty tensor in the file. Weight files of an earlier export of another layout in the same
+directory (a model.safetensors beside new shards, shards of another stage count) are removed,
+the one that from_pretrained would read first before the new files are written.
 
     export_hf(model, "out/")    # every rank calls it
     AutoModelForCausalLM.from_pretrained("out/")
@@ -18,44 +22,91 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipezero.pipe.hf import hf_config, hf_state_dict
+from pipezero.pipe.hf import hf_config, hf_shapes, hf_state_dict
 
 __all__ = ["export_hf"]
 
 
-def export_hf(module: nn.Module, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+def export_hf(module: nn.Module, directory: str | os.PathLike, dtype: torch.dtype | None = None,
+              optimizer: Any = None) -> Path:
     """Write `module` (a PipelineModule or any module of hf_layer_specs layers) as a Hugging Face checkpoint.
 
     Every rank calls it (tensor-parallel weights are gathered over the tensor group); the
-    ranks of data and tensor coordinate 0 write one shard per pipeline stage. Returns the directory.
+    ranks of data and tensor coordinate 0 write one shard per pipeline stage. `optimizer`: the
+    ZeroOptimizer (or its chain) of a ZeRO-3 model, whose parameters are gathered for the write.
+    Returns the directory.
     """
-    directory = Path(directory)
+    from pipezero.zero import gathered
+
+    with gathered(optimizer) if optimizer is not None else nullcontext():
+        return _export(module, Path(directory), dtype)
+
+
+def _export(module: nn.Module, directory: Path, dtype: torch.dtype | None) -> Path:
     state = {name: t.to(dtype) if dtype is not None else t for name, t in hf_state_dict(module).items()}
+    _check_whole(module, state)
     grid = getattr(module, "grid", None)
     pipe_rank, stages = (grid.pipe_rank, grid.pipe_size) if grid is not None else (0, 1)
     writer = grid is None or (grid.data_rank == 0 and grid.tensor_rank == 0)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    shards = ["model.safetensors"] if stages == 1 else [f"model-{k:05d}-of-{stages:05d}.safetensors"
+                                                        for k in range(1, stages + 1)]
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
+        if stages > 1:  # from_pretrained reads a model.safetensors before any index: it goes first
+            _remove_stale(directory, keep=set(shards) | {_INDEX}, only={"model.safetensors"})
     _barrier()
-    shard = "model.safetensors" if stages == 1 else f"model-{pipe_rank + 1:05d}-of-{stages:05d}.safetensors"
     if writer:
-        _save(state, directory / shard)
-    names = _gather_names({name: shard for name in state} if writer else {})
+        _save(state, directory / shards[pipe_rank])
+    names = _gather_names({name: shards[pipe_rank] for name in state} if writer else {})
     if rank == 0:
         _write_config(module, directory, state, dtype)
         if stages > 1:
             total = sum(_gather_sizes(names, directory))
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(names.items()))}
-            (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            tmp = directory / (_INDEX + ".tmp")
+            tmp.write_text(json.dumps(index, indent=2))
+            os.replace(tmp, directory / _INDEX)
+        _remove_stale(directory, keep=set(shards) | ({_INDEX} if stages > 1 else set()))
     _barrier()
     return directory
+
+
+_INDEX = "model.safetensors.index.json"
+_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?(\.tmp)?")  # what an export writes
+
+
+def _remove_stale(directory: Path, keep: set[str], only: set[str] | None = None) -> None:
+    """Delete the weight files an export writes (model.safetensors, its shards, its index, their
+    temporaries) that the new layout does not: from_pretrained would read them instead of the new ones."""
+    for path in directory.iterdir():
+        if _WEIGHTS.fullmatch(path.name) and path.name not in keep and (only is None or path.name in only):
+            path.unlink()
+
+
+def _check_whole(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Every tensor has the model's shape on every rank (a ZeRO-3 shard released outside `gathered` has
+    0 elements): the same ValueError on every rank before anything is written."""
+    shapes = hf_shapes(module)
+    bad = sorted(f"{n} {tuple(t.shape)}" for n, t in state.items() if n in shapes and t.shape != shapes[n])
+    every = [bad]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, bad)
+    found = sorted({b for part in every for b in part})
+    if found:
+        raise ValueError(f"export_hf: {len(found)} parameters are not whole, e.g. {found[:3]} (a ZeRO-3 partition "
+                         f"released); pass the optimizer, export_hf(model, dir, optimizer=opt), or call it inside "
+                         f"`with gathered(opt):`")
 
 
 def _save(state: dict[str, torch.Tensor], path: Path) -> None:

@@ -297,5 +297,6 @@ CLI = [
 PURE = GRID + SCHEDULE + OPTIMIZER + SCALER + DATA + CONFIG + CLI
 
 from catalogue_cli import ALL as _COMMANDS  # noqa: E402 - the pipezero command's flags (they import Case)
+from catalogue_hf import ALL as _HF  # noqa: E402 - broken Hugging Face checkpoints
 
-PURE += _COMMANDS
+PURE += _COMMANDS + _HF

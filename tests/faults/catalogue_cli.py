@@ -95,3 +95,77 @@ PLAN = [
 ]
 
 ALL = SIMULATE + PLAN
+
+
+def _locked(holder: dict | None, raw: bytes | None = None):
+    """claim_run_dir on an --out whose lock another job holds (the holder's JSON, or raw bytes)."""
+    def run(tmp: Path):
+        import json
+        import os
+        import socket
+
+        from pipezero.train.run_dir import LOCK_NAME, claim_run_dir
+        fields = {"pid": os.getppid(), "host": socket.gethostname()}
+        data = raw if raw is not None else json.dumps({**fields, **(holder or {})}).encode()
+        (tmp / LOCK_NAME).write_bytes(data)
+        with claim_run_dir(tmp):
+            pass
+    return run
+
+
+def _out_is_a_file(tmp: Path):
+    from pipezero.train.run_dir import claim_run_dir
+    (tmp / "file").write_text("x")
+    with claim_run_dir(tmp / "file" / "run"):
+        pass
+
+
+RUN_DIR = [
+    Case("run-dir", "held by a live job on this host", _locked({"argv": ["train_gpt.py", "--steps", "9"]}),
+         ("in use by another job", "pid ", "--steps 9", "another --out")),
+    Case("run-dir", "held by a job on another host", _locked({"host": "node-17", "pid": 4242}),
+         ("pid 4242 on host node-17", "delete", "pipezero.lock")),
+    Case("run-dir", "lock file damaged", _locked(None, raw=b"\x00garbage"), ("in use by another job", "delete")),
+    Case("run-dir", "--out inside a file", _out_is_a_file, ("cannot be created", "writable --out")),
+]
+
+ALL += RUN_DIR
+
+
+def _idx(magic: int, dims: tuple[int, ...], fill: int = 0, cut: int = 0) -> bytes:
+    import math
+    head = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in dims)
+    body = bytes([fill]) * math.prod(dims)
+    return (head + body)[:len(head) + len(body) - cut]
+
+
+def _mnist(images: bytes | None, labels: bytes | None, gz: bool = False):
+    """The seed example's --mnist folder holding these two files (None: absent)."""
+    def run(tmp: Path):
+        import gzip
+
+        import seed_simple_model
+        for name, data in (("train-images-idx3-ubyte", images), ("train-labels-idx1-ubyte", labels)):
+            if data is not None:
+                (tmp / (name + ".gz" if gz else name)).write_bytes(gzip.compress(data)[:-9] if gz else data)
+        return seed_simple_model.load_digits(str(tmp))
+    return run
+
+
+IMAGES, LABELS = _idx(0x803, (5, 28, 28)), _idx(0x801, (5,))
+MNIST = [
+    Case("mnist", "fewer labels than images", _mnist(IMAGES, _idx(0x801, (3,))),
+         ("train-labels-idx1-ubyte holds 3 labels", "5 images")),
+    Case("mnist", "more labels than images", _mnist(IMAGES, _idx(0x801, (60000,))), ("60000 labels", "5 images")),
+    Case("mnist", "the two files swapped", _mnist(LABELS, IMAGES), ("train-images-idx3-ubyte", "magic 0x801")),
+    Case("mnist", "images truncated", _mnist(_idx(0x803, (5, 28, 28), cut=100), LABELS),
+         ("train-images-idx3-ubyte", "truncated")),
+    Case("mnist", "labels truncated", _mnist(IMAGES, _idx(0x801, (5,), cut=2)), ("train-labels-idx1-ubyte", "11 bytes", "makes 13")),
+    Case("mnist", "images of 8x8", _mnist(_idx(0x803, (5, 8, 8)), LABELS), ("8x8", "28x28")),
+    Case("mnist", "a label past 9", _mnist(IMAGES, _idx(0x801, (5,), fill=12)), ("labels up to 12", "0..9")),
+    Case("mnist", "images file empty", _mnist(b"", LABELS), ("train-images-idx3-ubyte", "magic None")),
+    Case("mnist", "labels missing", _mnist(IMAGES, None), ("no train-labels-idx1-ubyte",)),
+    Case("mnist", "gzip cut short", _mnist(IMAGES, LABELS, gz=True), ("train-images-idx3-ubyte.gz", "gzip")),
+]
+
+ALL += MNIST

@@ -127,6 +127,26 @@ def zero_ranks_hold_different_parameters():
     ZeroOptimizer(torch.optim.Adam([nn.Parameter(torch.zeros(n))]), stage=2, group=dist.group.WORLD)
 
 
+@case(("layers[0] (Linear) and layers[3] (Linear)", "the same module object", "pipeline ranks 0 and 1",
+        "TiedLayerSpec"))
+def same_module_object_on_two_stages():
+    """Issue 28 item 13: one nn.Linear at both ends of a 2-stage pipeline would train as two copies."""
+    from pipezero.pipe import PipelineModule
+    from pipezero.topology import Grid
+    shared = nn.Linear(4, 4)
+    PipelineModule([shared, nn.Linear(4, 4), nn.Linear(4, 4), shared], Grid(pipe=2), partition_method="uniform")
+
+
+@case(("share parameter 'weight'", "pipeline ranks 0 and 1", "TiedLayerSpec"))
+def parameter_shared_by_layers_on_two_stages():
+    """A head whose weight is the embedding's, both passed as modules on different stages."""
+    from pipezero.pipe import PipelineModule
+    from pipezero.topology import Grid
+    embed, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    head.weight = embed.weight
+    PipelineModule([embed, nn.Linear(4, 4), nn.Linear(4, 4), head], Grid(pipe=2), partition_method="uniform")
+
+
 def _build(layers: int, ckpt: str | None = None):
     from pipezero.pipe import LayerSpec
     from pipezero.train.build import build
@@ -199,6 +219,17 @@ def stage_output_does_not_fit_next_stage():
              LayerSpec(nn.Linear, 4, 4)]
     model = PipelineModule(specs, Grid(pipe=2), loss_fn=F.mse_loss, partition_method="uniform")
     runner = PipelineRunner(model, OneFOneB(num_microbatches=2), timeout_s=3.0)  # stage 1 fails, stage 0 waits
+    _timed(lambda: runner.train_step(_x(), _x()))
+
+
+@case(("loss_fn returned (4, 4) float32", "expected a scalar tensor", ".mean()"), solo=True)
+def loss_fn_returns_a_tensor_per_sample():
+    """Issue 28 item 18: the last stage names the loss; stage 0 learns within its 3 s pipeline timeout."""
+    from pipezero.pipe import LayerSpec, OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.topology import Grid
+    model = PipelineModule([LayerSpec(nn.Linear, 4, 4) for _ in range(4)], Grid(pipe=2),
+                           loss_fn=lambda out, target: (out - target) ** 2, partition_method="uniform")
+    runner = PipelineRunner(model, OneFOneB(num_microbatches=2), timeout_s=3.0)
     _timed(lambda: runner.train_step(_x(), _x()))
 
 

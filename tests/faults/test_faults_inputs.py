@@ -102,3 +102,19 @@ def test_simulate_shows_zero_cost_actions_and_plan_names_the_config_it_wrote(tmp
     text = capsys.readouterr().out
     assert not (tmp_path / "plan_ds_config.json").exists()
     assert "--write-config plan_ds_config.json" in text.split("torchrun")[0], text
+
+
+def test_a_dead_jobs_run_lock_is_taken_over(tmp_path):
+    """Issue 28 item 10: a lock whose job died on this host (its pid gone) does not block the rerun."""
+    import json
+    import os
+    import socket
+    import subprocess
+
+    from pipezero.train.run_dir import LOCK_NAME, claim_run_dir
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
+    with claim_run_dir(tmp_path) as lock:
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert not (tmp_path / LOCK_NAME).exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,19 +21,40 @@ TINY = ["--pipe", "1", "--layers", "2", "--d-model", "16", "--heads", "2", "--se
 
 def _finished_rerun_and_resume_from(out: str) -> tuple:
     sys.path.insert(0, str(ROOT / "examples"))
+    import socket
+
     import train_gpt
     args = [*TINY, "--out", out, "--steps", "4", "--save-interval", "2"]
     first = train_gpt.main(args)
     summary = (Path(out) / "summary.json").read_text()
     again = train_gpt.main(args)  # already complete: trains nothing, keeps summary.json
     kept = (Path(out) / "summary.json").read_text() == summary
+    for name in ("model.safetensors", "summary.json"):  # stopped after its last checkpoint, before its export
+        (Path(out) / name).unlink()
+    loss = train_gpt.main(args)
+    exported = loss, (Path(out) / "model.safetensors").is_file(), (Path(out) / "summary.json").read_text()
+    lock = Path(out) / "pipezero.lock"  # another job, alive on this host (the harness' parent), holds --out
+    lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "argv": ["train_gpt.py"]}))
+    try:
+        train_gpt.main(args)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    lock.unlink()
     resumed = train_gpt.main([*args, "--resume-from", "step_00000002"])
-    return first, again, kept, resumed, json.loads((Path(out) / "summary.json").read_text())
+    return first, again, kept, exported, refused, resumed, json.loads((Path(out) / "summary.json").read_text())
 
 
 def test_finished_run_is_not_rewritten_and_resume_from_a_chosen_step(tmp_path):
-    first, again, kept, resumed, summary = run(_finished_rerun_and_resume_from, 1, str(tmp_path), timeout=240)[0]
+    """Issue 16 item 5; issue 28 item 8 (a rerun finishes an export the job stopped before) and item 10 (a
+    second job on a held --out is refused, naming the holder)."""
+    first, again, kept, exported, refused, resumed, summary = run(_finished_rerun_and_resume_from, 1, str(tmp_path),
+                                                                  timeout=240)[0]
     assert again == first and kept  # issue 16 item 5: no NaN summary, the real final loss kept
+    loss, model, text = exported
+    assert loss == first and model and json.loads(text) == {"steps": 4, "resumed_from": 4, "final_loss": first}
+    assert "pid " in refused and socket.gethostname() in refused, refused
+    assert "in use by another job" in refused and "another --out" in refused, refused
     assert resumed == first and summary["resumed_from"] == 2  # exact: same grid, same batches
 
 
