@@ -1,11 +1,12 @@
 """Real data through the pipeline against one process that runs every document on its own.
 
 Packed rows (documents end to end, SFT masks on some) through pipe 2 x data 2 under 1F1B
-(ZeRO-1), interleaved 1F1B (ZeRO-2) and ZB-V (ZeRO-3): the loss per trained token, and
+(ZeRO-1), interleaved 1F1B (ZeRO-2) and ZB-V (ZeRO-3), and pipe 2 x tensor 2: the loss per trained token, and
 the parameters after SGD steps (SGD: the update is the gradient, so the parameters compare
 the gradients too) equal examples/gpt.py's GPT run on each document alone (positions from 0,
 no other document in view). Unpacked rows of different lengths, padded per micro-batch (one
-shape per micro-batch through the pipeline), equal the same truth. Killing the job after
+shape per micro-batch through the pipeline), equal the same truth under four schedules and
+ZeRO 0-3. Killing the job after
 step 2 and resuming from the data position on another data degree gives the uninterrupted
 losses exactly.
 """
@@ -28,7 +29,7 @@ from pipezero.train.state import single_process_names
 from pipezero.zero import ZeroConfig, ZeroOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig, gpt_specs  # noqa: E402
+from gpt import GPT, GPTConfig, gpt_specs, gpt_tensor_plan  # noqa: E402
 
 CFG = GPTConfig(vocab_size=40, n_layer=4, n_head=2, d_model=16, seq_len=16, seed=2)
 SEQ, PER_RANK, STEPS, LR = 16, 4, 3, 0.5
@@ -78,11 +79,11 @@ def _truth(packing: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _train(schedule: str, stage: int, packing: bool, m: int, steps: range, state: dict | None = None,
-           params: list | None = None):
-    grid = Grid(pipe=2)
+           params: list | None = None, tensor: int = 1):
+    grid = Grid(pipe=2, tensor=tensor)
     sched = make_schedule(schedule, m)
     model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=token_mean_loss, num_chunks=sched.num_chunks,
-                           placement=sched.placement)
+                           placement=sched.placement, tensor_plan=gpt_tensor_plan() if tensor > 1 else None)
     opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=LR), group=grid.data_group,
                         module=model if stage == 3 else None,
                         config=ZeroConfig(stage=stage, stage3_param_persistence_threshold=0))
@@ -101,7 +102,8 @@ def _train(schedule: str, stage: int, packing: bool, m: int, steps: range, state
         opt.step()
         opt.zero_grad()
     with opt.gathered_parameters() if stage == 3 else _nothing():
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in model.named_parameters()}
     return losses, params, data.state_dict(), data.efficiency()
 
 
@@ -135,9 +137,10 @@ def _check(results, packing: bool, tol: float = 1e-5) -> None:
 
 
 def _schedules(packing: bool):
-    """Every schedule of the test in one world: 1F1B / ZeRO-1, interleaved / ZeRO-2, ZB-V / ZeRO-3."""
-    return [_train(name, stage, packing, 4, range(STEPS))
-            for name, stage in (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 3))]
+    """Every schedule of the test in one world: 1F1B / ZeRO-1, interleaved / ZeRO-2, ZB-V / ZeRO-3, and
+    1F1B over pipe 2 x tensor 2 (the segment ids beside each Block's sharded heads)."""
+    return [_train(name, stage, packing, 4, range(STEPS), tensor=tensor)
+            for name, stage, tensor in (("1f1b", 1, 1), ("interleaved_1f1b", 2, 1), ("zbv", 3, 1), ("1f1b", 1, 2))]
 
 
 def _hf_model():
@@ -205,7 +208,8 @@ def test_packed_rows_through_pipe2_data2_equal_each_document_alone(tmp_path):
 
 
 def _variable_and_resume():
-    varying = [_train(name, stage, False, 2, range(STEPS)) for name, stage in (("1f1b", 0), ("zbv", 3))]
+    varying = [_train(name, stage, False, 2, range(STEPS))
+               for name, stage in (("1f1b", 0), ("interleaved_1f1b", 1), ("zb_h1", 2), ("zbv", 3))]
     whole = _train("1f1b", 1, True, 4, range(STEPS))
     first = _train("1f1b", 1, True, 4, range(2))       # killed after step 2, then resumed
     again = _train("1f1b", 1, True, 4, range(2, STEPS), state=first[2], params=_by_stage(first[1]))
@@ -217,8 +221,8 @@ def _resume_on_one_replica(state: dict, params: list):
 
 
 def test_variable_lengths_and_resume_on_another_data_degree():
-    """Unpacked rows padded per micro-batch (shapes change every micro-batch) under 1F1B / ZeRO-0 and
-    ZB-V / ZeRO-3; kill after step 2 and resume from the saved position on pipe 2 x data 2 (bitwise
+    """Unpacked rows padded per micro-batch (shapes change every micro-batch) under 1F1B / ZeRO-0,
+    interleaved / ZeRO-1, ZB-H1 / ZeRO-2 and ZB-V / ZeRO-3; kill after step 2 and resume from the saved position on pipe 2 x data 2 (bitwise
     the uninterrupted losses) and on pipe 2 x data 1 (the same rows: the truth's losses)."""
     results = run(_variable_and_resume, 4, timeout=300)
     for results_of in zip(*[r[0] for r in results]):

@@ -3,6 +3,7 @@
     pipezero simulate --schedule zbv --stages 4 --microbatches 8      # grid, bubble, peak memory, PNG
     pipezero train CONFIG [train_gpt.py flags]                        # torchrun-style, or re-launched
     pipezero plan --layers 4 --d-model 128 --global-batch 32           # ranked layouts, winner's ds_config
+    pipezero finetune --model DIR --data PATH [--config ds_config.json]  # pipezero/train/finetune.py
 
 `train` runs examples/train_gpt.py, located next to the pipezero sources (an editable install
 or a clone: the examples are not part of the wheel). Under torchrun (RANK is set) it runs in
@@ -135,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config")
     train.add_argument("--nproc-per-node", type=int, default=None)
     train.add_argument("--max-restarts", type=int, default=0)
+    sub.add_parser("finetune", add_help=False, help="fine-tune --model DIR on --data PATH (pipezero.train.finetune)")
     return parser
 
 
@@ -151,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         from pipezero.train.plan_cli import run_plan
 
         return run_plan(args)
+    if args.command == "finetune":  # in this process, or each of torchrun's
+        from pipezero.train.finetune import main as finetune
+        finetune(rest)
+        return 0
     return _train(args, rest)
 
 

@@ -16,13 +16,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import catalogue  # noqa: E402
+import data_cases  # noqa: E402
 import ranked  # noqa: E402
 from harness import run  # noqa: E402
 
 _CLEAR = (ValueError, TypeError, OSError)
 
 
-@pytest.mark.parametrize("case", catalogue.PURE, ids=lambda c: f"{c.area}-{c.name.replace(' ', '_')}")
+@pytest.mark.parametrize("case", catalogue.PURE + data_cases.CASES, ids=lambda c: f"{c.area}-{c.name.replace(' ', '_')}")
 def test_pure_bad_input_is_refused_clearly(case, tmp_path, capsys):
     with pytest.raises((*_CLEAR, SystemExit)) as err:
         case.run(tmp_path) if inspect.signature(case.run).parameters else case.run()

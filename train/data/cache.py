@@ -117,6 +117,9 @@ def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text
         except (ValueError, TypeError, OSError) as err:
             error.write_text(f"{type(err).__name__}\n{err}")
             raise
+        except BaseException as err:  # anything else (a broken tokenizer, ^C): the waiting ranks stop too
+            error.write_text(f"RuntimeError\n{type(err).__name__}: {err}")
+            raise
         finally:
             lock.unlink(missing_ok=True)
         return TokenizedCorpus.open(folder)
@@ -138,7 +141,7 @@ def _wait(folder: Path, lock: Path, error: Path, wait_s: float) -> TokenizedCorp
             return TokenizedCorpus.open(folder)
         if error.exists() and not lock.exists():
             kind, _, text = error.read_text().partition("\n")
-            raise {"TypeError": TypeError, "OSError": OSError}.get(kind, ValueError)(
+            raise {"TypeError": TypeError, "OSError": OSError, "RuntimeError": RuntimeError}.get(kind, ValueError)(
                 f"{text} (raised while tokenizing on the local rank 0; delete {error} to try again)")
         time.sleep(0.1)
     raise TimeoutError(f"waited {wait_s:.0f}s for the tokenized corpus {folder} that another process builds "
@@ -149,11 +152,23 @@ def _build(folder: Path, data, model_dir, text_field: str, workers: int, progres
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    docs = list(read_documents(data, text_field))  # every record checked before any token is made
-    offsets, top, count, trained = [0], 0, 0, 0
+    try:
+        _write(tmp, data, model_dir, text_field, workers, progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        tmp.rename(folder)
+    except OSError:  # another builder (another machine on a shared disk) was first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write(tmp: Path, data, model_dir, text_field: str, workers: int, progress: bool) -> None:
+    docs = read_documents(data, text_field)  # streamed: a bad record stops the build at its place
+    offsets, top, count, trained, kinds = [0], 0, 0, 0, set()
     with open(tmp / "tokens.bin", "wb") as ft, open(tmp / "mask.bin", "wb") as fm, \
             open(tmp / "origins.txt", "w") as fo:
-        for doc, (ids, mask) in zip(docs, _progress(encode_many(model_dir, docs, workers), len(docs), progress)):
+        for doc, (ids, mask) in _progress(encode_many(model_dir, docs, workers), progress):
             if len(ids) < 2:
                 raise ValueError(f"{doc.origin}: tokenizes to {len(ids)} token, too short to train on (a token "
                                  f"and its next one); drop the record or give it more text")
@@ -165,22 +180,19 @@ def _build(folder: Path, data, model_dir, text_field: str, workers: int, progres
             count, trained = count + len(ids), trained + int(mask.sum())
             offsets.append(count)
             top = max(top, int(ids.max()))
+            kinds.add(doc.kind)
     np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     meta = {"version": _VERSION, "data": str(data), "tokenizer": str(model_dir), "text_field": text_field,
-            "docs": len(docs), "tokens": count, "max_id": top,
-            "trained_tokens": trained, "kinds": sorted({d.kind for d in docs})}
+            "docs": len(offsets) - 1, "tokens": count, "max_id": top,
+            "trained_tokens": trained, "kinds": sorted(kinds)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    try:
-        tmp.rename(folder)
-    except OSError:  # another builder (another machine on a shared disk) was first: keep its copy
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _progress(items: Iterable, total: int, show: bool) -> Iterable:
+def _progress(items: Iterable, show: bool) -> Iterable:
     if not show:
         return items
     try:
         from tqdm import tqdm
     except ImportError:
         return items
-    return tqdm(items, total=total, desc="tokenizing", unit="doc")
+    return tqdm(items, desc="tokenizing", unit="doc")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -130,16 +131,24 @@ def _chunks(docs: Iterable[Document], size: int) -> Iterator[list[Document]]:
 
 
 def encode_many(model_dir: str | os.PathLike, docs: Iterable[Document], workers: int = 0,
-                chunk_docs: int = 256) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """encode() of every document, in order; `workers` > 0 spreads chunks over that many processes
-    (forked: each loads the tokenizer once), 0 runs here."""
+                chunk_docs: int = 256) -> Iterator[tuple[Document, tuple[np.ndarray, np.ndarray]]]:
+    """(document, encode()) of every document, in order, streaming: `workers` > 0 spreads chunks over
+    that many processes (forked: each loads the tokenizer once; at most 4 chunks per worker in
+    flight, so memory stays flat however large the data), 0 runs here."""
     if workers <= 0:
         tokenizer = load_tokenizer(model_dir)
         for doc in docs:
-            yield encode(tokenizer, doc)
+            yield doc, encode(tokenizer, doc)
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the Rust pool must not be live across the fork
     with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=_init_worker,
                              initargs=(str(model_dir),)) as pool:
-        for result in pool.map(_encode_chunk, _chunks(docs, chunk_docs)):
-            yield from result
+        pending: deque = deque()
+        for chunk in _chunks(docs, chunk_docs):
+            pending.append((chunk, pool.submit(_encode_chunk, chunk)))
+            if len(pending) >= 4 * workers:
+                chunk, done = pending.popleft()
+                yield from zip(chunk, done.result())
+        while pending:
+            chunk, done = pending.popleft()
+            yield from zip(chunk, done.result())

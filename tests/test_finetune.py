@@ -1,0 +1,96 @@
+"""pipezero.train.finetune (examples/train_hf.py): the job users run, on a chat JSONL and a local model.
+
+One world of 2 (pipe 2) runs 4 steps straight, then 2 steps, then a rerun to 4 that resumes
+from the checkpoint: the exported weights are bitwise those of the straight run (the data
+position, LR schedule and optimizer state come back), and the export loads in transformers
+with its tokenizer. An unwritable --out fails before any training; a chat file for a
+tokenizer without a chat template fails with the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_tokenizer import WORDS, make_tokenizer
+from harness import run
+
+
+def _model_dir(root: Path) -> Path:
+    import transformers
+
+    folder = make_tokenizer(root / "model")
+    vocab = len(transformers.AutoTokenizer.from_pretrained(folder))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    return folder
+
+
+def _chats(path: Path) -> Path:
+    r = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(80):
+            chat = [{"role": "user", "content": " ".join(r.choices(WORDS, k=5))},
+                    {"role": "assistant", "content": " ".join(r.choices(WORDS, k=r.randint(1, 6)))}]
+            f.write(json.dumps({"messages": chat}) + "\n")
+    return path
+
+
+def _job(root: str, out: str, steps: int) -> float:
+    from pipezero.train.finetune import main
+    return main(["--model", f"{root}/model", "--data", f"{root}/chat.jsonl", "--pipe", "2", "--seq-len", "32",
+                 "--steps", str(steps), "--lr", "3e-3", "--out", out, "--cache-dir", f"{root}/cache",
+                 "--tokenize-workers", "0", "--eval-interval", "2", "--save-interval", "2", "--val-fraction", "0.1",
+                 "--micro-batches", "2", "--batch-size", "2"])
+
+
+def _three_jobs(root: str) -> list[float]:
+    return [_job(root, f"{root}/straight", 4), _job(root, f"{root}/resumed", 2), _job(root, f"{root}/resumed", 4)]
+
+
+def test_finetune_resumes_exactly_and_exports(tmp_path):
+    _model_dir(tmp_path)
+    _chats(tmp_path / "chat.jsonl")
+    losses = run(_three_jobs, 2, str(tmp_path), timeout=300)
+    assert losses[0][0] == losses[0][2] and losses[0][1] != losses[0][2], losses
+    from safetensors.torch import load_file
+    import transformers
+
+    files = sorted((tmp_path / "straight" / "model").glob("*.safetensors"))
+    assert files, list((tmp_path / "straight" / "model").iterdir())
+    for file in files:
+        a, b = load_file(file), load_file(tmp_path / "resumed" / "model" / file.name)
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "model")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "resumed" / "model")
+    assert model(**tok("the cat", return_tensors="pt")).logits.shape[-1] == len(tok)
+
+
+def test_unwritable_out_and_bad_data_fail_before_training(tmp_path):
+    from pipezero.train.finetune import main
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError, match=r"--out .* is not writable"):
+        main(["--out", str(tmp_path / "file" / "run")])
+    make_tokenizer(tmp_path / "plain", chat=False)
+    _chats(tmp_path / "chat.jsonl")
+    with pytest.raises(ValueError, match=r"--seq-len 4096 is longer than the model's 1024 positions"):
+        main(["--out", str(tmp_path / "o"), "--seq-len", "4096"])
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"chat.jsonl:1: a chat record, but the tokenizer has no chat template"):
+        main(["--model", str(tmp_path / "plain"), "--data", str(tmp_path / "chat.jsonl"), "--out",
+              str(tmp_path / "o"), "--cache-dir", str(tmp_path / "cache"), "--tokenize-workers", "0",
+              "--seq-len", "32"])
+    assert sys.modules.get("torch.distributed").is_initialized() is False  # refused before any process group

@@ -1,0 +1,267 @@
+"""Fine-tune (or keep pre-training) a Hugging Face causal LM on the user's data, top to bottom.
+
+    pipezero finetune --model ./my-llama --data ./chats.jsonl                 # one process
+    torchrun --nproc-per-node 4 -m pipezero.train.finetune --model DIR --data DIR --pipe 2
+    torchrun --nproc-per-node 4 examples/train_hf.py --model DIR --data x.parquet --config ds_config.json
+
+--model is a local save_pretrained directory (nothing is downloaded): each stage reads only
+its own layers' tensors, and the directory's tokenizer tokenizes --data (text files and
+folders, JSON Lines of text / prompt+completion / chat messages, Parquet or Arrow tables) once
+into a memory-mapped cache every rank and later run reads. Documents are packed into rows of
+--seq-len (--no-packing: one per row, padded per micro-batch); the loss covers completions and
+assistant turns only where the records say so (TRL's SFT semantics), as a mean per trained
+token. The last --val-fraction of the documents is held out for evaluation. Checkpoints
+(weights, optimizer, LR schedule, data position) go to <out>/checkpoints and a rerun resumes
+from the latest, also on another data degree; TensorBoard logs to <out>; at the end the model
+is exported to <out>/model for AutoModelForCausalLM.from_pretrained. Without --model a small
+random Llama-style model trains on the standard library's sources as bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipezero.pipe import schedule_names
+from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
+from pipezero.train.build import Parts, build
+from pipezero.train.checkpoint import prune_checkpoints
+from pipezero.train.config import parse_config
+from pipezero.train.config_batch import keep_global_batch
+from pipezero.train.data import (MemoryCorpus, PackedBatches, load_tokenizer, pack, stdlib_files, token_mean_loss,
+                                 tokenized_corpus)
+from pipezero.train.hf_export import export_hf
+from pipezero.train.log import TensorBoardWriter, get_logger
+from pipezero.train.state import resume_if_any, save_state, saved_batch
+
+__all__ = ["main", "parse_args"]
+
+log = get_logger("finetune")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pipezero finetune", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="a local save_pretrained directory (default: a small random Llama)")
+    p.add_argument("--data", default=None, help="a file or folder of .txt/.jsonl/.parquet (default: stdlib sources)")
+    p.add_argument("--text-field", default="text", help="the records' text field (JSON Lines, Parquet)")
+    p.add_argument("--no-packing", dest="packing", action="store_false", help="one document per row, padded")
+    p.add_argument("--long-docs", default="split", choices=["split", "truncate"],
+                   help="what becomes of a document longer than --seq-len")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per row")
+    p.add_argument("--val-fraction", type=float, default=0.02, help="share of the documents held out")
+    p.add_argument("--cache-dir", default=None, help="tokenized corpora (default $PIPEZERO_CACHE or ~/.cache)")
+    p.add_argument("--tokenize-workers", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument("--config", default=None, help="a ds_config.json; the flags below override its keys")
+    p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2 on an even world, else 1)")
+    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--schedule", default=None, choices=schedule_names())
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4)")
+    p.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per data rank (default 1)")
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (AdamW, warm-up then cosine)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
+    p.add_argument("--eval-interval", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--save-interval", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0, help="the data order's seed")
+    p.add_argument("--out", default="runs/finetune", help="TensorBoard, checkpoints and the exported model")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> float:
+    """The whole job; returns the last training loss."""
+    args = parse_args(argv)
+    check_out(args.out)                                     # an unwritable --out fails now, not after training
+    specs = hf_layer_specs(args.model or default_config())
+    model_config = hf_config(specs)
+    corpus, pad_id = documents(args, model_config)          # bad data fails here, on every rank, before a collective
+    ckpt_dir = Path(args.out) / "checkpoints"
+    cfg = train_config(args, saved_batch(ckpt_dir), model_config.hidden_size)
+    parts = build(cfg, specs=specs, loss_fn=token_mean_loss, hidden_size=model_config.hidden_size,
+                  tensor=args.tensor, tensor_plan=hf_tensor_plan() if args.tensor > 1 else None)
+    train, val = batches(args, parts, corpus, pad_id)
+    meta = resume_if_any(parts, ckpt_dir)
+    start = 0 if meta is None else meta["step"]
+    if meta is not None:
+        train.load_state_dict(meta["data"])
+        log.info("resumed from %s at step %d", meta["path"], start)
+    loss = train_loop(args, parts, train, val, start)
+    out = export_hf(parts.module, Path(args.out) / "model")
+    if args.model is not None and parts.grid.rank == 0:  # the tokenizer beside the weights, as from_pretrained wants
+        load_tokenizer(args.model).save_pretrained(out)
+    log.info("exported to %s: AutoModelForCausalLM.from_pretrained(%r)", out, str(out))
+    return loss
+
+
+# -- before any collective --------------------------------------------------------------------------
+def check_out(out: str) -> None:
+    """Create --out and write a probe file into it, on every rank (each its own file)."""
+    folder = Path(out)
+    probe = folder / f".write-probe-{os.environ.get('RANK', '0')}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise OSError(f"--out {out!r} is not writable ({err.strerror or err}): pass a folder you can write to; "
+                      f"checkpoints, TensorBoard logs and the exported model go there") from err
+
+
+def default_config() -> Any:
+    """A small Llama-style model for byte tokens: 4 layers, hidden 128, grouped-query attention."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def documents(args: argparse.Namespace, config: Any) -> tuple[Any, int]:
+    """(the corpus, the padding id): --data through the model's tokenizer, or the stdlib sources as bytes."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.seq_len > positions:
+        raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {positions} positions "
+                         f"(max_position_embeddings): pass --seq-len {positions} or less")
+    if args.data is None:
+        docs = [np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int64) for p in stdlib_files()]
+        return MemoryCorpus([d for d in docs if len(d) >= 2]), 0
+    if args.model is None:
+        raise ValueError(f"--data {args.data} needs --model DIR: its tokenizer turns the text into the model's ids")
+    corpus = tokenized_corpus(args.data, args.model, args.text_field, args.cache_dir, args.tokenize_workers,
+                              progress=os.environ.get("RANK", "0") == "0")
+    corpus.check_vocab(config.vocab_size)
+    tokenizer = load_tokenizer(args.model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return corpus, int(pad or 0)
+
+
+class _Subset:
+    """Documents `index` of a corpus (the train or the held-out split)."""
+
+    def __init__(self, corpus: Any, index: np.ndarray):
+        self.corpus, self.index = corpus, index
+
+    def doc(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.corpus.doc(int(self.index[i]))
+
+    def lengths(self) -> np.ndarray:
+        return np.asarray(self.corpus.lengths())[self.index]
+
+
+def batches(args: argparse.Namespace, parts: Parts, corpus: Any, pad_id: int) -> tuple[PackedBatches, PackedBatches]:
+    """This data rank's train and held-out batches (the last --val-fraction of the documents)."""
+    n = len(corpus.lengths())
+    cut = n - max(1, int(round(n * args.val_fraction)))
+    if cut < 1:
+        raise ValueError(f"--data has {n} document(s): too few to hold out --val-fraction {args.val_fraction} "
+                         f"and train on the rest; give more documents")
+    grid, batch = parts.grid, parts.config.batch
+    splits = []
+    for name, index in (("train", np.arange(cut)), ("held-out", np.arange(cut, n))):
+        layout = pack(_Subset(corpus, index), args.seq_len, args.packing, args.long_docs, pad_id,
+                      source=f"{args.data or 'stdlib'} ({name})")
+        size = batch.per_rank_batch_size if name == "train" else batch.accumulation_steps  # held out: a row per mb
+        if layout.num_rows < size * grid.data_size:
+            raise ValueError(f"the {name} split has {layout.num_rows} rows of --seq-len {args.seq_len}, fewer than "
+                             f"one batch of {size * grid.data_size}: give more documents, a smaller batch, or "
+                             f"raise --val-fraction")
+        splits.append(PackedBatches(layout, _Subset(corpus, index), size, batch.accumulation_steps, grid.data_rank,
+                                    grid.data_size, seed=args.seed, shuffle=name == "train",
+                                    hf_inputs=True))
+    log.info("packing efficiency %.1f%% (real tokens / token slots) over %d train rows of %d tokens",
+             100 * splits[0].efficiency(), splits[0].layout.num_rows, args.seq_len)
+    return splits[0], splits[1]
+
+
+def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
+    """The ds_config: --config with the flags on top; resumed on another data degree, its global batch."""
+    raw = json.loads(Path(args.config).read_text()) if args.config else {}
+    if args.batch_size is not None or args.micro_batches is not None or not any(
+            k in raw for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")):
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            raw.pop(key, None)
+        raw["train_micro_batch_size_per_gpu"] = args.batch_size or 1
+        raw["gradient_accumulation_steps"] = args.micro_batches or 4
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pipeline = {"stages": 2 if world % 2 == 0 else 1, "schedule": "1f1b", **raw.get("pipeline", {})}
+    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule)) if v is not None})
+    raw["pipeline"] = pipeline
+    raw["zero_optimization"] = {"stage": 1, **raw.get("zero_optimization", {}),
+                                **({"stage": args.zero_stage} if args.zero_stage is not None else {})}
+    if args.precision is not None:
+        raw["fp16"] = {**raw.get("fp16", {}), "enabled": args.precision == "fp16"}
+        raw["bf16"] = {**raw.get("bf16", {}), "enabled": args.precision == "bf16"}
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    raw.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}})
+    raw.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
+        "warmup_num_steps": warmup, "total_num_steps": args.steps, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}})
+    raw.setdefault("gradient_clipping", 1.0)
+    raw["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
+    raw.setdefault("steps_per_print", 10)
+    cfg = parse_config(raw, tensor=args.tensor, hidden_size=hidden_size, auto_values={
+        "optimizer.params.lr": args.lr, "scheduler.params.total_num_steps": args.steps,
+        "scheduler.params.warmup_num_steps": warmup, "gradient_clipping": 1.0})
+    return dataclasses.replace(cfg, batch=keep_global_batch(cfg.batch, saved))
+
+
+# -- the loop ---------------------------------------------------------------------------------------
+def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val: PackedBatches, start: int) -> float:
+    """Steps start+1 .. --steps: forward and backward of every micro-batch, the optimizer chain, logs, evals, saves."""
+    cfg, runner, opt = parts.config, parts.runner, parts.optimizer
+    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
+    loss = float("nan")
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        inputs, targets = train.next_batch()
+        t_data = time.perf_counter() - t0
+        loss = runner.train_step(inputs, targets).item()
+        stepped = opt.step()
+        lr = opt.param_groups[0]["lr"]
+        if stepped and parts.scheduler is not None:  # a skipped step (inf/nan) does not advance the schedule
+            parts.scheduler.step()
+        opt.zero_grad()
+        dt = time.perf_counter() - t0
+        tokens_s = _tokens(inputs) * parts.grid.data_size / dt
+        tb.scalars({"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tokens_s, "perf/step_s": dt,
+                    "perf/data_share": t_data / dt, "data/packing_efficiency": train.efficiency()}, step + 1)
+        if (step + 1) % cfg.steps_per_print == 0 or step + 1 in (start + 1, args.steps):
+            log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | data %.1f%% of the step%s", step + 1,
+                     args.steps, loss, lr, tokens_s, 100 * t_data / dt, "" if stepped else " | SKIPPED (inf/nan)")
+        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
+            val_loss = evaluate(runner, val, args.eval_batches)
+            tb.scalar("val/loss", val_loss, step + 1)
+            log.info("step %d | held-out loss %.4f", step + 1, val_loss)
+        if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
+            ckpt_dir = Path(args.out) / "checkpoints"
+            save_state(parts, ckpt_dir, step + 1, train.state_dict())
+            if parts.grid.rank == 0:
+                prune_checkpoints(ckpt_dir, keep=2)
+    tb.close()
+    return loss
+
+
+@torch.no_grad()
+def evaluate(runner: Any, val: PackedBatches, batches: int) -> float:
+    """Mean loss per trained token over the first `batches` held-out batches (the same ones every time)."""
+    val.load_state_dict({"epoch": 0, "step": 0})
+    n = max(1, min(batches, val.order.steps_per_epoch))
+    return sum(runner.eval_step(*val.next_batch()).item() for _ in range(n)) / n
+
+
+def _tokens(inputs: Any) -> int:
+    parts = inputs if isinstance(inputs, list) else [inputs]
+    return sum(int(p[0].numel()) for p in parts)
+
+
+if __name__ == "__main__":
+    main()
