@@ -2,9 +2,11 @@
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
-#                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data ...]
+#                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
+#   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
+#   beside pipezero eager / compiled layers + fused loss (needs transformers: carry its wheel in .whl).
 #   offload-test: the offload tests that need CUDA (streams, pinned buffers, parameters off the GPU).
 #   (default: main-job smoke zero pipe comm precision; profile/trace: kernel tables and chrome traces under $OUT)
 #   main-job: the README's main job on 1 GPU and on 2 when present, failing unless every parameter and
@@ -76,6 +78,11 @@ for w in $what; do
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
     data) run data 600 python3 bench/data.py --device cuda --hf-layers 22 --hidden 2048 --seq-len 2048 --batch 8 \
             --max-docs 400 --workers 8 ;;  # the loader's share of a 1.1B Llama step (needs transformers)
+    speed) run speed-hf 330 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
+             pipezero-1-fast pipe-1f1b-fast torch-eager pipezero-1 pipezero-1-compile pipezero-1-fused pipe-1f1b
+           run speed-gpt 230 python3 bench/train.py --device cuda --world 1 --layers 24 --d-model 2048 --heads 16 \
+             --seq-len 2048 --vocab 32000 --global-batch 32 --micro-batches 8 --steps 5 --warmup 2 \
+             --runs torch-compiled pipezero-1-fast pipezero-1 torch-eager pipezero-1-compile ;;  # issue 31, 1 GPU (needs transformers)
     one-gpu) run one-gpu-zero 240 python3 bench/zero.py --device cuda --nproc 1 --runs pipezero-1 deepspeed-1 --steps 3 ;;
     generate-test) run generate-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_generate_static.py ;;
     profile) run zero-profile 240 python3 bench/zero.py --device cuda --runs pipezero-0 pipezero-1 --steps 3 \

@@ -8,7 +8,14 @@ The same transformers model (random weights, built from a config; nothing downlo
 same tokens per step, one run after the other in the same processes:
   pipe-<Schedule>  pipezero's pipeline over all ranks (hf_layer_specs, one stage per rank,
                    `--microbatches` = accum x ranks micro-batches), Adam on fp32 masters
+  pipe-<Schedule>-fast  the same with compiled decoder layers and the fused head + loss
+                   (PipelineModule(compile=True), hf_layer_specs(fused_loss=True))
   pipezero-1/2/3   ZeroOptimizer on the model itself (module=), data parallel over all ranks
+  pipezero-1-fast  ZeRO-1 on the model with each decoder layer compiled (pipe/compile.py) and the
+                   fused head + loss (pipe/fused_loss.py: the logits never whole); -compile / -fused:
+                   one of the two (any pipezero-S or pipe-<Schedule> run takes these suffixes)
+  torch-eager      plain PyTorch, no pipezero: the model's loss, AdamW on fp32 masters kept by hand
+  torch-compiled   the same with each decoder layer torch.compile'd (`layer.compile()`)
   deepspeed-pipe   DeepSpeed's PipelineModule (1F1B, ZeRO-1) over hf_layer_specs as its LayerSpecs, one
                    stage per rank, the pipe-* runs' micro-batches (tests/test_hf_deepspeed.py: it trains
                    exactly as pipezero's pipeline)
@@ -16,7 +23,8 @@ same tokens per step, one run after the other in the same processes:
                    (the deepspeed-* runs: when `import deepspeed` works; on CPU only when named in --runs,
                    since DeepSpeed's CPU accelerator first compiles its shared-memory comm kernel, minutes, once)
   fsdp2            fully_shard on every decoder layer and the root, bf16 params, fp32 reduce
-Prints ms per step, tokens/s and (CUDA) peak allocated memory per rank. Precision on CUDA:
+Prints ms per step, tokens/s, MFU (CUDA: 6N + 12 L h s FLOPs per token over the H200's 989
+TFLOP/s dense bf16) and (CUDA) peak allocated memory per rank. Precision on CUDA:
 a bf16 model with fp32 masters for pipezero and DeepSpeed, fp32 weights with bf16 compute for
 FSDP2; CPU: fp32 everywhere.
 """
@@ -40,12 +48,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import finish_rank, init_rank  # noqa: E402
 
 from pipezero.pipe import PipelineModule, PipelineRunner, TiedLayerSpec, make_schedule, schedule_names  # noqa: E402
+from pipezero.pipe.compile import CompileConfig, compile_layers  # noqa: E402
+from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
 from pipezero.precision import MasterWeights  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.zero import ZeroConfig, ZeroOptimizer  # noqa: E402
 
 LR = 1e-4
+PEAK_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet), the MFU denominator of issue 31
 
 
 class Run(NamedTuple):
@@ -64,8 +75,10 @@ def config(args) -> Any:
     else:
         shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=256)
+    # use_cache=False: training keeps no KV cache (with it, each decoder layer is called with the cache
+    # and a compiled layer recompiles per layer index)
     return LlamaConfig(**shape, max_position_embeddings=args.seq, bos_token_id=None, eos_token_id=None,
-                       pad_token_id=None)
+                       pad_token_id=None, use_cache=False)
 
 
 def _hf_model(cfg, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -80,15 +93,22 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
     low = device.type == "cuda"
     dtype = torch.bfloat16 if low else torch.float32
     masters = "bf16 model, fp32 masters" if low else "fp32"
+    suffix = next((s for s in ("-fast", "-compile", "-fused") if name.endswith(s)), "")
+    name, compiled, fused = name.removesuffix(suffix), suffix in ("-fast", "-compile"), suffix in ("-fast", "-fused")
     if name.startswith("pipe-"):
-        return _pipeline(name[5:], args, cfg, device, dtype, masters)
+        return _pipeline(name[5:], args, cfg, device, dtype, masters, compiled, fused)
+    if name.startswith("torch-"):
+        return _plain(cfg, device, dtype, masters, compiled=name == "torch-compiled")
     if name.startswith("pipezero-"):
         stage = int(name[-1])
         model = _hf_model(cfg, device, dtype)
         zero = ZeroConfig(stage=stage, overlap_comm=True, reduce_every_microbatch=stage == 2,
                           stage3_param_persistence_threshold=10 * cfg.hidden_size)
         opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), module=model, config=zero)
-        return Run(lambda batches: _accumulate(model, opt, batches), masters)
+        if compiled:
+            layers = list(model.model.layers)
+            compile_layers(layers, CompileConfig(), {type(layers[0])})
+        return Run(lambda batches: _accumulate(model, opt, batches, fused), masters)
     if name == "deepspeed-pipe":
         return _deepspeed_pipe(args, cfg, device, dtype, masters)
     if name.startswith("deepspeed-"):
@@ -96,11 +116,12 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
     return _fsdp2(cfg, device, low)
 
 
-def _pipeline(schedule: str, args, cfg, device, dtype, masters) -> Run:
+def _pipeline(schedule: str, args, cfg, device, dtype, masters, compiled: bool = False, fused: bool = False) -> Run:
     grid = Grid(pipe=dist.get_world_size())
     sched = make_schedule(schedule, args.accum * dist.get_world_size())
-    model = PipelineModule(hf_layer_specs(cfg), grid=grid, loss_fn=causal_lm_loss, num_chunks=sched.num_chunks,
-                           placement=sched.placement, device=device).to(dtype)
+    model = PipelineModule(hf_layer_specs(cfg, fused_loss=fused), grid=grid, loss_fn=causal_lm_loss,
+                           num_chunks=sched.num_chunks, placement=sched.placement, device=device,
+                           compile=compiled).to(dtype)
     opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=LR)) if dtype != torch.float32 \
         else torch.optim.AdamW(model.parameters(), lr=LR)
     runner = PipelineRunner(model, sched, optimizer=opt)
@@ -114,12 +135,45 @@ def _pipeline(schedule: str, args, cfg, device, dtype, masters) -> Run:
     return Run(step, masters)
 
 
-def _accumulate(model, opt, batches: list) -> None:
+def _accumulate(model, opt, batches: list, fused: bool = False) -> None:
     for i, (x, y) in enumerate(batches):
         with opt.no_sync() if i < len(batches) - 1 else _Null():
-            opt.backward(causal_lm_loss(model(x).logits, y) / len(batches))
+            opt.backward(_loss(model, x, y, fused) / len(batches))
     opt.step()
     opt.zero_grad()
+
+
+def _loss(model, x, y, fused: bool) -> torch.Tensor:
+    """The model's loss; fused: its head and the loss in chunks (pipe/fused_loss.py; a Llama has no logit scale)."""
+    if not fused:
+        return causal_lm_loss(model(x).logits, y)
+    hidden = model.model(x).last_hidden_state
+    return fused_cross_entropy(HeadLogits(hidden, model.lm_head.weight, model.lm_head.bias), y)
+
+
+def _plain(cfg, device, dtype, masters_note: str, compiled: bool) -> Run:
+    """What a user writes without pipezero: bf16 model, fp32 masters by hand, AdamW, accumulation."""
+    model = _hf_model(cfg, device, dtype)
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params] if dtype != torch.float32 else params
+    opt = torch.optim.AdamW(masters, lr=LR)
+
+    def step(batches: list) -> None:
+        for x, y in batches:
+            (causal_lm_loss(model(x).logits, y) / len(batches)).backward()
+        if masters is not params:
+            for p, m in zip(params, masters):
+                m.grad = p.grad.float()
+                p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if masters is not params:
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)
+    return Run(step, masters_note)
 
 
 def _deepspeed(stage, args, cfg, device, dtype, masters) -> Run:
@@ -217,9 +271,13 @@ def _sync(device: torch.device) -> None:
 
 def measure(name: str, args, cfg, device: torch.device) -> tuple[float, float, str]:
     """(median seconds per step after 2 warm-up steps, peak MiB allocated on CUDA, precision)."""
+    held = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)  # left by earlier runs (compiled code may keep a model)
+        if held > 2**30:
+            print(f"{name}: {held / 2**20:,.0f} MiB still allocated from earlier runs; peak counted above it")
     run, batches = build(name, args, cfg, device), _batches(args, cfg.vocab_size, device)
     times = []
     for _ in range(args.steps + 2):
@@ -229,7 +287,7 @@ def measure(name: str, args, cfg, device: torch.device) -> tuple[float, float, s
         run.step(batches)
         _sync(device)
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+    peak = (torch.cuda.max_memory_allocated(device) - held) / 2**20 if device.type == "cuda" else 0.0
     precision = run.precision
     del run, batches
     gc.collect()
@@ -238,6 +296,10 @@ def measure(name: str, args, cfg, device: torch.device) -> tuple[float, float, s
 
 def _runs(args) -> list[str]:
     names = [f"pipe-{s}" for s in args.schedules] + ["pipezero-1", "pipezero-2", "pipezero-3", "fsdp2"]
+    names += ["torch-eager", "torch-compiled", "pipezero-1-fast"]
+    variants = ("", "-fast", "-compile", "-fused")
+    named = [f"pipe-{s}{v}" for s in schedule_names() for v in variants]  # only when named in --runs
+    named += [f"pipezero-{stage}{v}" for stage in (1, 2, 3) for v in variants]
     try:  # on CPU only when named: DeepSpeed's CPU accelerator first compiles its shm comm op (minutes, once)
         import deepspeed  # noqa: F401
         # the pipeline last: its engine leaves its grid in deepspeed's globals, which a later
@@ -246,7 +308,9 @@ def _runs(args) -> list[str]:
         names += [n for n in peers if args.device == "cuda" or n in (args.runs or [])]
     except Exception:  # noqa: BLE001 - optional peer
         pass
-    return [n for n in names if not args.runs or n in args.runs]
+    if args.runs:  # in the order given
+        return [n for n in args.runs if n in names or n in named]
+    return names
 
 
 def worker(rank: int, world: int, args) -> None:
@@ -256,7 +320,16 @@ def worker(rank: int, world: int, args) -> None:
     cfg = config(args)
     results = {}
     for name in _runs(args):
-        results[name] = measure(name, args, cfg, device)
+        try:
+            results[name] = measure(name, args, cfg, device)
+        except Exception as err:  # noqa: BLE001 - one failing contender must not hide the others' numbers
+            if rank == 0:
+                print(f"{name} failed: {type(err).__name__}: {err}"[:2000], flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if rank == 0 and name in results:
+            print(f"{name}: {results[name][0] * 1e3:.0f} ms/step, peak {results[name][1]:,.0f} MiB", flush=True)
     if rank == 0:
         _print(results, args, cfg, world)
     finish_rank()
@@ -267,10 +340,12 @@ def _print(results: dict, args, cfg, world: int) -> None:
     params = sum(p.numel() for p in _meta_model(cfg).parameters())
     print(f"{type(cfg).__name__} {cfg.num_hidden_layers}x{cfg.hidden_size} ({params / 1e9:.2f}B parameters), "
           f"{tokens} tokens/step, {world} ranks, {args.device}")
-    print("| run | precision | ms/step | tokens/s | peak MiB per rank |")
-    print("|---|---|---|---|---|")
+    flops = 6 * params + 12 * cfg.num_hidden_layers * cfg.hidden_size * args.seq  # per token, forward + backward
+    print("| run | precision | ms/step | tokens/s | MFU | peak MiB per rank |")
+    print("|---|---|---|---|---|---|")
     for name, (sec, peak, precision) in results.items():
-        print(f"| {name} | {precision} | {sec * 1e3:.0f} | {tokens / sec:,.0f} | {peak:,.0f} |")
+        mfu = f"{tokens / sec * flops / world / PEAK_FLOPS:.1%}" if args.device == "cuda" else "-"
+        print(f"| {name} | {precision} | {sec * 1e3:.0f} | {tokens / sec:,.0f} | {mfu} | {peak:,.0f} |")
 
 
 def _meta_model(cfg) -> torch.nn.Module:

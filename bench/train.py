@@ -2,17 +2,24 @@
 
     python bench/train.py                       # 4 CPU processes (gloo)
     python bench/train.py --device cuda --world 2
+    python bench/train.py --device cuda --world 1 --layers 24 --d-model 2048 --heads 16 --seq-len 2048 \
+        --vocab 32000 --global-batch 32 --micro-batches 8 --runs torch-eager torch-compiled pipezero-1 pipezero-1-fast
 
 Every variant trains the same GPT (examples/gpt.py) on the same global batch of byte tokens
 with AdamW: torch's DistributedDataParallel over all ranks (what a user would otherwise pick
 when the model fits), pipezero with pipe 1 (ZeRO-2 over all ranks) and pipezero with pipe 2
 (1F1B, ZeRO-2 over the rest). Reported: median step time after warm-up, tokens/s, and the
-ratio to DDP (below 1 is slower).
+ratio to DDP (below 1 is slower). On one GPU (`--runs`, bf16): plain PyTorch (fp32 weights
+under bf16 autocast, AdamW; eager, and each Block `torch.compile`d) beside pipezero's ZeRO-1
+(a bf16 model with fp32 masters; eager, and `-fast`: compiled Blocks, pipe/compile.py, and the
+fused head + loss, pipe/fused_loss.py), with MFU (6N + 12 L d s FLOPs per token, 989 TFLOP/s)
+and peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import statistics
@@ -25,7 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig, gpt_loss, gpt_specs  # noqa: E402
+from gpt import GPT, GPTConfig, flops_per_token, gpt_loss, gpt_specs  # noqa: E402
+
+PEAK_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
 
 
 def _batch(step: int, size: int, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,11 +43,15 @@ def _batch(step: int, size: int, seq: int, device) -> tuple[torch.Tensor, torch.
     return rows[:, :-1].to(device), rows[:, 1:].to(device)
 
 
-def _ddp_steps(args, cfg: GPTConfig, device) -> list[float]:
+def _ddp_steps(args, cfg: GPTConfig, device, compiled: bool = False) -> list[float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = GPT(cfg).to(device)
+    if compiled:
+        for layer in model.layers[1:-2]:  # the Blocks
+            layer.compile()
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    autocast = torch.autocast("cuda", torch.bfloat16) if args.runs and device.type == "cuda" else _null()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = args.global_batch // world
@@ -52,7 +65,7 @@ def _ddp_steps(args, cfg: GPTConfig, device) -> list[float]:
         for m in range(args.micro_batches):
             sl = slice(m * micro, (m + 1) * micro)
             ctx = ddp.no_sync() if m < args.micro_batches - 1 else _null()
-            with ctx:
+            with ctx, autocast:
                 (gpt_loss(ddp(x[sl]), y[sl]) / args.micro_batches).backward()
         opt.step()
         opt.zero_grad()
@@ -61,15 +74,18 @@ def _ddp_steps(args, cfg: GPTConfig, device) -> list[float]:
     return times
 
 
-def _pipezero_steps(args, cfg: GPTConfig, device, pipe: int) -> list[float]:
+def _pipezero_steps(args, cfg: GPTConfig, device, pipe: int, stage: int = 2, compiled: bool = False,
+                    fused: bool = False) -> list[float]:
     from pipezero.train.build import build
 
     world = dist.get_world_size()
     data = world // pipe
     config = {"train_batch_size": args.global_batch, "gradient_accumulation_steps": args.micro_batches,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
               "pipeline": {"stages": pipe}}
-    parts = build(config, specs=gpt_specs(cfg), loss_fn=gpt_loss, device=device)
+    if args.runs and device.type == "cuda":
+        config.update(bf16={"enabled": True}, gradient_clipping=0.0)
+    parts = build(config, specs=gpt_specs(cfg, fused_loss=fused), loss_fn=gpt_loss, device=device, compile=compiled)
     per_rank = args.global_batch // data
     r = parts.grid.data_rank
     times = []
@@ -107,12 +123,37 @@ def _worker(rank: int, args, port: int, queue) -> None:
 
     init_process_group()
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    cfg = GPTConfig(n_layer=args.layers, n_head=4, d_model=args.d_model, seq_len=args.seq_len)
-    results = {"torch DDP": _ddp_steps(args, cfg, device)}
-    for pipe in (1, 2):
-        results[f"pipezero pipe {pipe} x data {args.world // pipe}, ZeRO-2"] = _pipezero_steps(args, cfg, device, pipe)
+    cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len,
+                    vocab_size=args.vocab)
+    results, peaks = {}, {}
+    if not args.runs:
+        results["torch DDP"] = _ddp_steps(args, cfg, device)
+        for pipe in (1, 2):
+            results[f"pipezero pipe {pipe} x data {args.world // pipe}, ZeRO-2"] = _pipezero_steps(args, cfg, device,
+                                                                                                  pipe)
+    for name in args.runs or ():
+        held = 0
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            held = torch.cuda.memory_allocated(device)  # left by earlier runs: the peak is counted above it
+        try:
+            if name.startswith("torch-"):
+                results[name] = _ddp_steps(args, cfg, device, compiled=name == "torch-compiled")
+            else:
+                results[name] = _pipezero_steps(args, cfg, device, 1, int(name.split("-")[1]),
+                                                compiled=name.endswith(("-fast", "-compile")),
+                                                fused=name.endswith(("-fast", "-fused")))
+        except Exception as err:  # noqa: BLE001 - one failing contender must not hide the others' numbers
+            if rank == 0:
+                print(f"{name} failed: {type(err).__name__}: {err}"[:2000], flush=True)
+            continue
+        peaks[name] = (torch.cuda.max_memory_allocated(device) - held) / 2**20 if device.type == "cuda" else 0.0
+        if rank == 0:
+            print(f"{name}: {statistics.median(results[name][args.warmup:]) * 1e3:.0f} ms/step", flush=True)
     if rank == 0:
-        queue.put(results)
+        queue.put((results, peaks))
     dist.destroy_process_group()
 
 
@@ -123,6 +164,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--runs", nargs="*", default=None,
+                   choices=["torch-eager", "torch-compiled"] + [f"pipezero-{s}{v}" for s in (1, 2) for v in
+                                                                 ("", "-fast", "-compile", "-fused")],
+                   help="instead of DDP vs pipe 1 / pipe 2: these one-stage runs (-compile: Blocks compiled, "
+                        "-fused: the fused head + loss, -fast: both)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=32)
@@ -134,15 +182,21 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     mp.spawn(_worker, args=(args, port, queue), nprocs=args.world, join=True)
-    results = queue.get()
+    results, peaks = queue.get()
     tokens = args.global_batch * args.seq_len
-    base = statistics.median(results["torch DDP"][args.warmup:])
-    print(f"GPT {args.layers} layers x d {args.d_model}, seq {args.seq_len}, global batch {args.global_batch} "
-          f"in {args.micro_batches} micro-batches, {args.world} x {args.device}, median of {args.steps - args.warmup}")
-    print(f"{'variant':<40} {'step ms':>9} {'tokens/s':>10} {'vs DDP':>7}")
+    cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len,
+                    vocab_size=args.vocab)
+    first = next(iter(results.values()), None)
+    base = statistics.median(first[args.warmup:]) if first else float("nan")
+    print(f"GPT {args.layers} layers x d {args.d_model}, seq {args.seq_len}, vocab {args.vocab}, global batch "
+          f"{args.global_batch} in {args.micro_batches} micro-batches, {args.world} x {args.device}, median of "
+          f"{args.steps - args.warmup}")
+    print(f"| variant | step ms | tokens/s | vs {next(iter(results), '-')} | MFU | peak MiB |")
+    print("|---|---|---|---|---|---|")
     for name, times in results.items():
         t = statistics.median(times[args.warmup:])
-        print(f"{name:<40} {1e3 * t:>9.1f} {tokens / t:>10.0f} {base / t:>7.2f}")
+        mfu = f"{tokens / t * flops_per_token(cfg) / args.world / PEAK_FLOPS:.1%}" if args.device == "cuda" else "-"
+        print(f"| {name} | {1e3 * t:.1f} | {tokens / t:,.0f} | {base / t:.2f} | {mfu} | {peaks.get(name, 0):,.0f} |")
 
 
 if __name__ == "__main__":
