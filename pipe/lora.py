@@ -1,0 +1,339 @@
+"""LoRA adapters on the layers each pipeline stage builds: a frozen base, two small trainable matrices.
+
+Fine-tuning a model too large for one device rarely trains every weight: LoRA (Hu et al. 2021,
+"LoRA: Low-Rank Adaptation of Large Language Models") freezes the base weight W and learns
+y = W x + b + (alpha / r) * B A dropout(x), with A (r x in) initialised as nn.Linear
+initialises a weight (kaiming-uniform, a = sqrt(5)) and B (out x r) zero, so training starts
+from the base model. The adapters are data on the layer specs: `lora_specs(specs, config)`
+returns specs whose build() builds the layer as before (under PipelineModule's per-layer
+seed), freezes all its parameters and replaces each targeted nn.Linear by a LoraLinear that
+keeps the same `weight` / `bias` (the base loads from a checkpoint under its own names) and adds
+`lora_A` / `lora_B`. Targets are chosen as Hugging Face `peft` chooses them: a list of names
+matches a module whose full name is one of them or ends in "." + one of them; a string is a
+regular expression matched against the whole name. Names are the Hugging Face ones for
+hf_layer_specs' layers ("model.layers.0.self_attn.q_proj") and the pipeline's elsewhere
+("layers.3.qkv"). Everything is checked on meta copies, so a bad config is the same
+ValueError on every rank, before any collective.
+
+    specs = lora_specs(hf_layer_specs(path), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    model = PipelineModule(specs, grid, loss_fn=causal_lm_loss)
+    opt = ZeroOptimizer(torch.optim.AdamW(trainable_parameters(model)), stage=1, group=grid.data_group)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
+
+__all__ = ["LoraConfig", "LoraLinear", "adapter_state_dict", "apply_lora", "load_adapter_state_dict",
+           "lora_specs", "merged", "trainable_parameters"]
+
+_PEFT_DEFAULTS = {"use_dora": False, "bias": "none", "modules_to_save": None, "layers_to_transform": None,
+                  "init_lora_weights": True, "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+                  "exclude_modules": None, "lora_bias": False}  # peft options this path does not implement
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """What to adapt and how (the fields spelled as peft's LoraConfig spells them)."""
+
+    r: int = 8
+    """Rank of the update B A."""
+    lora_alpha: float = 8
+    """The update is scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input (the base path sees x unchanged)."""
+    target_modules: tuple[str, ...] | str = ("q_proj", "v_proj")
+    """Names (matched as the end of a module's full name) or one regular expression (the whole name)."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling lora_alpha / sqrt(r) (Kalajievski 2023)."""
+    base_dtype: torch.dtype | None = None
+    """Keep the frozen base in this dtype (torch.bfloat16 halves it); None: as built. Adapters stay as built."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
+            raise ValueError(f"LoraConfig(r={self.r!r}): expected a positive integer rank")
+        if not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
+            raise ValueError(f"LoraConfig(lora_alpha={self.lora_alpha!r}): expected a positive number")
+        if not isinstance(self.lora_dropout, (int, float)) or not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"LoraConfig(lora_dropout={self.lora_dropout!r}): expected a probability in [0, 1)")
+        targets = self.target_modules
+        if not isinstance(targets, str):
+            targets = tuple(targets) if targets is not None else ()
+            if not targets or not all(isinstance(t, str) and t for t in targets):
+                raise ValueError(f"LoraConfig(target_modules={self.target_modules!r}): expected module names "
+                                 "(e.g. ['q_proj', 'v_proj']) or one regular expression")
+            object.__setattr__(self, "target_modules", targets)
+        if self.base_dtype is not None and not (isinstance(self.base_dtype, torch.dtype)
+                                                and self.base_dtype.is_floating_point):
+            raise TypeError(f"LoraConfig(base_dtype={self.base_dtype!r}): expected a floating torch.dtype or None")
+
+    @property
+    def scaling(self) -> float:
+        """The factor of B A x."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    @classmethod
+    def of(cls, config: Any, base_dtype: torch.dtype | None = None) -> "LoraConfig":
+        """Ours, or one read from a peft.LoraConfig (whose options beyond these must be their defaults)."""
+        if isinstance(config, cls):
+            return config
+        if type(config).__name__ != "LoraConfig" or not hasattr(config, "target_modules"):
+            raise TypeError(f"adapters={config!r}: expected a pipezero LoraConfig or a peft.LoraConfig")
+        odd = {k: getattr(config, k) for k, v in _PEFT_DEFAULTS.items()
+               if hasattr(config, k) and getattr(config, k) not in (v, None if v == {} else v)}
+        if odd:
+            raise ValueError(f"peft.LoraConfig with {odd}: the pipeline's LoRA supports r, lora_alpha, lora_dropout, "
+                             f"target_modules and use_rslora; set those options to their defaults {_PEFT_DEFAULTS}")
+        targets = config.target_modules
+        return cls(r=config.r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                   target_modules=targets if isinstance(targets, str) else tuple(sorted(targets or ())),
+                   use_rslora=bool(getattr(config, "use_rslora", False)), base_dtype=base_dtype)
+
+    def matches(self, name: str) -> bool:
+        """Is the module of this full name a target (peft's rule)?"""
+        if isinstance(self.target_modules, str):
+            return re.fullmatch(self.target_modules, name) is not None
+        return any(name == t or name.endswith("." + t) for t in self.target_modules)
+
+
+class LoraLinear(nn.Linear):
+    """A frozen nn.Linear (same `weight` and `bias`, so the same names) plus `lora_A`, `lora_B`.
+
+    forward: base(x) + lora_B(lora_A(dropout(x))) * scaling, computed as peft computes it: the
+    adapter path runs in the adapters' dtype and its sum is cast back to the base output's dtype.
+    A frozen base needs only its input gradient; lora_A / lora_B are plain nn.Linear, so a
+    zero-bubble schedule's W covers exactly them (pipe/deferred_linear.py).
+    """
+
+    def __init__(self, base: nn.Linear, config: LoraConfig):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        for p in self.parameters():
+            p.requires_grad_(False)
+        like = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(self.in_features, config.r, bias=False, **like)
+        self.lora_B = nn.Linear(config.r, self.out_features, bias=False, **like)
+        self.lora_dropout = nn.Dropout(config.lora_dropout) if config.lora_dropout else nn.Identity()
+        self.scaling = config.scaling
+        if base.weight.device.type != "meta":
+            with torch.no_grad():
+                nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+                nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        result = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, self.bias)
+        a = self.lora_A.weight
+        h = x if x.dtype == a.dtype else x.to(a.dtype)
+        result = result + self.lora_B(self.lora_A(self.lora_dropout(h))) * self.scaling
+        return result.to(w.dtype) if result.dtype != w.dtype and x.dtype == w.dtype else result
+
+    def delta(self) -> torch.Tensor:
+        """The update the adapters add to the weight: scaling * B A (in the adapters' dtype)."""
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.lora_A.out_features}, scaling={self.scaling:g}"
+
+
+# -- applying -------------------------------------------------------------------------------
+def _names(module: nn.Module, index: int) -> Iterator[tuple[str, str, nn.Module]]:
+    """(path inside module, full name, submodule): the Hugging Face name for hf_layer_specs' layers
+    ("model.layers.0.self_attn.q_proj"), else the pipeline's ("layers.3.qkv")."""
+    prefix = getattr(module, "prefix", None)
+    hf = isinstance(prefix, str) and hasattr(module, "hf_parameters")
+    for path, sub in module.named_modules():
+        if not path:
+            continue
+        if hf:
+            yield path, (prefix + path.removeprefix("inner").lstrip(".")).rstrip("."), sub
+        else:
+            yield path, f"layers.{index}.{path}", sub
+
+
+def _targets(module: nn.Module, index: int, config: LoraConfig, where: str) -> list[tuple[str, str]]:
+    """(path inside module, full name) of each target; ValueError for a target that cannot take one."""
+    out = []
+    for path, name, sub in _names(module, index):
+        if not config.matches(name) or isinstance(sub, LoraLinear) or ".lora_" in "." + path:
+            continue
+        if type(sub) is not nn.Linear:
+            raise ValueError(f"LoRA target {name!r} in {where} is a {type(sub).__name__}; the pipeline's LoRA adapts "
+                             "nn.Linear layers only (GPT-2's Conv1D, embeddings and custom layers are not supported): "
+                             "narrow target_modules to the model's nn.Linear projections")
+        if config.r > min(sub.in_features, sub.out_features):
+            raise ValueError(f"LoraConfig(r={config.r}) is larger than {name!r} in {where} "
+                             f"({sub.out_features} x {sub.in_features}); expected r <= "
+                             f"{min(sub.in_features, sub.out_features)}")
+        out.append((path, name))
+    return out
+
+
+def apply_lora(module: nn.Module, config: LoraConfig | Any, index: int = 0) -> list[str]:
+    """Freeze every parameter of `module` and put adapters on its targets; returns the targets' full names.
+
+    The adapters take the dtype the layer was built in; with config.base_dtype the rest is cast to it."""
+    config = LoraConfig.of(config)
+    targets = _targets(module, index, config, f"layer {index} ({type(module).__name__})")
+    for p in module.parameters():
+        p.requires_grad_(False)
+    for path, _ in targets:
+        parent_path, _, attr = path.rpartition(".")
+        parent = module.get_submodule(parent_path) if parent_path else module
+        setattr(parent, attr, LoraLinear(getattr(parent, attr), config))
+    if config.base_dtype is not None:
+        for p in module.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(config.base_dtype)
+    return [name for _, name in targets]
+
+
+def _adapters(module: nn.Module, index: int) -> Iterator[tuple[str, LoraLinear]]:
+    """(full name, LoraLinear) of each adapted projection inside a layer."""
+    for _, name, sub in _names(module, index):
+        if isinstance(sub, LoraLinear):
+            yield name, sub
+
+
+class _Adapted:
+    """Mixed into a spec's copy: build() builds the inner spec, then applies the adapters."""
+
+    inner: LayerSpec
+    lora: LoraConfig
+    index: int
+
+    def build(self) -> nn.Module:
+        module = self.inner.build()
+        apply_lora(module, self.lora, self.index)
+        return module
+
+    def __repr__(self) -> str:
+        return f"lora({self.inner!r}, r={self.lora.r})"
+
+
+class _AdaptedSpec(_Adapted, LayerSpec):
+    pass
+
+
+class _AdaptedTiedSpec(_Adapted, TiedLayerSpec):
+    pass
+
+
+def lora_specs(specs: Sequence[Any], config: LoraConfig | Any) -> list[Any]:
+    """The same layer list with every LayerSpec frozen and adapted (checked on meta copies, on every rank).
+
+    A target that matches nothing, a target that is not an nn.Linear, a rank larger than a layer,
+    or an adapter inside a tied layer (the embedding and the head that reuses it) is a ValueError.
+    Plain modules and callables in the list are left as they are.
+    """
+    config = LoraConfig.of(config)
+    out, found = [], 0
+    for index, spec in enumerate(specs):
+        if not isinstance(spec, LayerSpec):
+            out.append(spec)
+            continue
+        with torch.device("meta"):
+            targets = _targets(spec.build(), index, config, f"layer {index} ({spec.cls.__name__})")
+        if targets and isinstance(spec, TiedLayerSpec):
+            raise ValueError(f"LoRA targets {[n for _, n in targets]} lie in layer {index}, a TiedLayerSpec (key "
+                             f"{spec.key!r}) shared by several stages; adapt the decoder layers' projections instead")
+        found += len(targets)
+        cls = _AdaptedTiedSpec if isinstance(spec, TiedLayerSpec) else _AdaptedSpec
+        adapted = cls.__new__(cls)
+        adapted.__dict__.update(spec.__dict__)
+        adapted.inner, adapted.lora, adapted.index = spec, config, index
+        out.append(adapted)
+    if not found:
+        raise ValueError(f"LoraConfig(target_modules={config.target_modules!r}) matches no nn.Linear of the "
+                         f"{len(specs)} layers; module names look like {_examples(specs)}")
+    return out
+
+
+def _examples(specs: Sequence[Any]) -> list[str]:
+    names: list[str] = []
+    for index, spec in enumerate(specs):
+        if isinstance(spec, LayerSpec) and len(names) < 6:
+            with torch.device("meta"):
+                module = spec.build()
+            names += [n for _, n, m in _names(module, index) if isinstance(m, nn.Linear)][:6 - len(names)]
+    return names
+
+
+# -- the adapters' state ----------------------------------------------------------------------
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters that train (requires_grad): what the optimizer should be given."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """{full name of lora_A / lora_B weight: tensor} of this rank's adapters (Hugging Face names for
+    hf_layer_specs' layers, `layers.<i>.<name>` otherwise); the base is not in it."""
+    out = {}
+    for index, layer in _layers(module):
+        for name, m in _adapters(layer, index):
+            out[name + ".lora_A.weight"] = m.lora_A.weight.detach()
+            out[name + ".lora_B.weight"] = m.lora_B.weight.detach()
+    return out
+
+
+def load_adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
+    """Copy adapter weights in by full name (adapter_state_dict's names); returns the names loaded.
+
+    strict: every local adapter must be in `state` (names of other stages' adapters are ignored)."""
+    mine = adapter_state_dict(module)
+    missing = sorted(set(mine) - set(state))
+    if strict and missing:
+        raise ValueError(f"load_adapter_state_dict: {len(missing)} of this rank's adapters are not in the state, "
+                         f"e.g. {missing[:2]}; it holds e.g. {sorted(state)[:2]}")
+    with torch.no_grad():
+        for name in set(mine) & set(state):
+            if mine[name].shape != state[name].shape:
+                raise ValueError(f"load_adapter_state_dict: {name!r} is {tuple(mine[name].shape)} here and "
+                                 f"{tuple(state[name].shape)} in the state; expected adapters of the same rank")
+            mine[name].copy_(state[name])
+    return sorted(set(mine) & set(state))
+
+
+def _layers(module: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+    """(index, layer) of a PipelineModule's built layers; else its hf_layer_specs layers, or (0, module)."""
+    layers = getattr(module, "layers", None)
+    if isinstance(layers, nn.ModuleDict) and hasattr(module, "chunk_range"):
+        for key, layer in layers.items():
+            yield int(key), layer
+        return
+    hf = [m for m in module.modules() if isinstance(getattr(m, "prefix", None), str) and hasattr(m, "hf_parameters")]
+    yield from ((0, m) for m in hf) if hf else [(0, module)]
+
+
+@contextmanager
+def merged(module: nn.Module) -> Iterator[nn.Module]:
+    """Inside: each LoraLinear of `module` holds W + scaling * B A as its weight and no adapters
+    (what a merged export writes); on exit the base weight and the adapters are put back unchanged.
+
+    The sum is computed in the wider of the two dtypes, then rounded to the base weight's dtype."""
+    saved = []
+    try:
+        for m in module.modules():
+            if isinstance(m, LoraLinear):
+                w = m.weight
+                wide = torch.promote_types(w.dtype, m.lora_A.weight.dtype)
+                with torch.no_grad():
+                    value = (w.to(wide) + m.delta().to(wide)).to(w.dtype)
+                saved.append((m, w, m._modules.pop("lora_A"), m._modules.pop("lora_B")))
+                m.weight = nn.Parameter(value, requires_grad=False)
+        yield module
+    finally:
+        for m, w, a, b in saved:
+            m.weight = w
+            m.lora_A, m.lora_B = a, b

@@ -1,0 +1,221 @@
+"""LoRA through the pipeline equals the same peft model trained in one process with plain AdamW.
+
+The truth is peft.get_peft_model on transformers' tiny Llama (adapters on attention and MLP
+projections), trained on the whole batch with torch.optim.AdamW on its trainable parameters.
+Its starting adapters (B made non-zero, so that every adapter moves from the first step) are
+saved as a peft adapter directory; each grid builds the pipeline from the base checkpoint,
+adapts it with lora_specs, loads that directory and trains through ZeroOptimizer: the losses
+and adapters must equal the truth's, the base must be bit-identical afterwards, frozen weights
+must never get a gradient, and under ZB-V the W steps must hold adapter GEMMs only. The
+exported adapter directory must load with PeftModel.from_pretrained and give the pipeline's
+logits; the merged export must load with from_pretrained and give them too.
+"""
+
+import functools
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from harness import run  # noqa: E402
+from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
+from pipezero.pipe import deferred_linear  # noqa: E402
+from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict  # noqa: E402
+from pipezero.pipe.lora import LoraConfig, adapter_state_dict, lora_specs, trainable_parameters  # noqa: E402
+from pipezero.topology import Grid  # noqa: E402
+from pipezero.train.lora_export import export_merged_hf, export_peft_adapter, load_peft_adapter  # noqa: E402
+from pipezero.zero import ZeroOptimizer  # noqa: E402
+from pipezero.zero.config import ZeroConfig  # noqa: E402
+
+VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 8, 3, 1e-2
+TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+_LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+SCHEDULES = {"1f1b": (lambda: OneFOneB(num_microbatches=4), 1, "looped"),
+             "interleaved": (lambda: Interleaved1F1B(num_microbatches=4), 2, "looped"),
+             "zbv": (lambda: ZeroBubbleV(num_microbatches=4), 2, "v")}
+
+
+def _peft_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
+
+
+def _base():
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_LLAMA))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    return ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+
+
+@functools.cache
+def _truth(root: str) -> dict:
+    """Base checkpoint and starting adapters on disk; the one-process peft run's losses and adapters."""
+    base = _base()
+    base.save_pretrained(f"{root}/base")
+    model = peft.get_peft_model(base, _peft_config())
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(f"{root}/start")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        ids, targets = _batch(step)
+        loss = causal_lm_loss(model(ids).logits, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    adapters = {k.removeprefix("base_model.model."): v.clone()
+                for k, v in peft.get_peft_model_state_dict(model).items()}
+    return {"base": f"{root}/base", "start": f"{root}/start", "losses": losses, "adapters": adapters}
+
+
+def _mine(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    share = x.shape[0] // grid.data_size
+    return x[grid.data_rank * share:(grid.data_rank + 1) * share]
+
+
+def _keep_recorder(names: dict[int, str], seen: set[str]):
+    """WeightSink.keep, recording which parameters a W step computes."""
+    keep = deferred_linear.WeightSink.keep
+
+    def recording(self, weight, bias, x, grad):
+        seen.add(names[id(weight)])
+        return keep(self, weight, bias, x, grad)
+    return recording
+
+
+def _train_pipe(truth: dict, schedule: str, stage: int, export_to: str | None) -> dict:
+    make, chunks, placement = SCHEDULES[schedule]
+    grid = Grid(pipe=2)
+    specs = lora_specs(hf_layer_specs(truth["base"]), _peft_config())
+    model = PipelineModule(specs, grid=grid, loss_fn=causal_lm_loss, num_chunks=chunks, placement=placement,
+                           partition_method="uniform")
+    assert load_peft_adapter(model, truth["start"])  # every rank holds a decoder layer
+    base = {n: t.clone() for n, t in hf_state_dict(model).items() if ".lora_" not in n}
+    config = ZeroConfig(stage=stage, stage3_param_persistence_threshold=0)
+    opt = ZeroOptimizer(torch.optim.AdamW(trainable_parameters(model), lr=LR), group=grid.data_group,
+                        module=model if stage == 3 else None, config=config)
+    runner = PipelineRunner(model, make(), optimizer=opt)
+    names, in_w, keep = {id(p): n for n, p in model.named_parameters()}, set(), deferred_linear.WeightSink.keep
+    deferred_linear.WeightSink.keep = _keep_recorder(names, in_w)
+    try:
+        losses = []
+        for step in range(STEPS):
+            ids, targets = _batch(step)
+            losses.append(runner.train_step(_mine(ids, grid), _mine(targets, grid)).item())
+            assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+            assert opt.step() is True
+            opt.zero_grad()
+    finally:
+        deferred_linear.WeightSink.keep = keep
+    out = {"losses": losses, "in_w": in_w, "logits": None}
+    with (opt.gathered_parameters() if stage == 3 else _nothing()):
+        out["adapters"] = {n: t.clone() for n, t in adapter_state_dict(model).items()}
+        out["base_same"] = all(torch.equal(t, base[n]) for n, t in hf_state_dict(model).items() if n in base)
+        if export_to is not None:
+            out["logits"] = runner.eval_step(_batch(STEPS)[0][:4])
+            export_peft_adapter(model, f"{export_to}/adapter", _peft_config(), base_model_name_or_path=truth["base"])
+            export_merged_hf(model, f"{export_to}/merged")
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _check(truth: dict, results: list[dict], split: bool) -> None:
+    seen = set()
+    for r in results:
+        torch.testing.assert_close(r["losses"], truth["losses"], rtol=1e-5, atol=1e-5)
+        assert r["base_same"]
+        for name, value in r["adapters"].items():
+            torch.testing.assert_close(value, truth["adapters"][name], rtol=1e-5, atol=1e-5, msg=name)
+            seen.add(name)
+        assert all(".lora_" in n for n in r["in_w"]), r["in_w"]  # W covers adapters only
+    assert seen == set(truth["adapters"]), set(truth["adapters"]) - seen
+    assert not split or any(r["in_w"] for r in results)
+
+
+def _check_export(truth: dict, out: str, results: list[dict]) -> None:
+    logits = next(r["logits"] for r in results if r["logits"] is not None)
+    ids = _batch(STEPS)[0][:4]
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(truth["base"]),
+                                            f"{out}/adapter")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/merged")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, logits, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(merged(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule, stage, export", [
+    ("1f1b", 1, True),
+    ("zbv", 2, False),
+    ("interleaved", 0, False),
+])
+def test_pipe2_data2_lora_equals_peft(schedule, stage, export, tmp_path_factory):
+    truth = _truth(str(tmp_path_factory.getbasetemp()))
+    out = str(tmp_path_factory.mktemp(f"export-{schedule}")) if export else None
+    results = run(_train_pipe, 4, truth, schedule, stage, out, timeout=300)
+    _check(truth, results, split=schedule == "zbv")
+    if export:
+        _check_export(truth, out, results)
+
+
+# -- bad input: the same ValueError on every rank, before any collective ---------------------------
+def _specs():
+    return hf_layer_specs(transformers.LlamaConfig(**_LLAMA))
+
+
+def test_target_that_matches_nothing_is_named():
+    with pytest.raises(ValueError, match="matches no nn.Linear.*model.layers.0.self_attn.q_proj"):
+        lora_specs(_specs(), LoraConfig(target_modules=["qkv"]))
+
+
+def test_rank_larger_than_layer_is_named():
+    with pytest.raises(ValueError, match=r"r=64\) is larger than 'model.layers.0.self_attn.q_proj'"):
+        lora_specs(_specs(), LoraConfig(r=64, target_modules=["q_proj"]))
+
+
+def test_unsupported_family_and_options_are_named():
+    gpt2 = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64)
+    with pytest.raises(ValueError, match="Conv1D.*nn.Linear layers only"):
+        lora_specs(hf_layer_specs(gpt2), LoraConfig(target_modules=["c_attn"]))
+    with pytest.raises(ValueError, match="use_dora"):
+        LoraConfig.of(peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="r=0"):
+        LoraConfig(r=0)
+
+
+def test_layer_forward_equals_peft_and_regex_targets():
+    """One process: the adapted layers in sequence give peft's logits; a regex selects as peft's does."""
+    base = _base()
+    specs = lora_specs(hf_layer_specs(base), LoraConfig(r=4, lora_alpha=8, target_modules=r".*\.(q|v)_proj"))
+    layers = torch.nn.Sequential(*(s.build() for s in specs))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*\.(q|v)_proj"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    state = {k.removeprefix("base_model.model."): v for k, v in peft.get_peft_model_state_dict(model).items()}
+    from pipezero.pipe.lora import load_adapter_state_dict
+    assert len(load_adapter_state_dict(layers, state)) == len(state) == 12
+    ids = _batch(0)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(layers(ids), model(ids).logits, rtol=0, atol=0)
+    trainable = sum(p.numel() for p in trainable_parameters(layers))
+    assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
