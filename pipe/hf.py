@@ -260,7 +260,7 @@ class HFTokenEmbedding(_HFLayer):
             hidden = hidden * torch.tensor(self.model.embed_scale, device=hidden.device).to(hidden.dtype)
         if self.model.embed_multiplier is not None:
             hidden = hidden * self.model.embed_multiplier
-        return (hidden, positions) if mask is None else (hidden, positions, mask)
+        return (hidden, positions) if mask is None else (hidden, positions, mask, *rest[2:])  # [2:]: a decode cache
 
 
 def _init_embedding(model: _Model, weight: nn.Parameter) -> torch.Tensor:
@@ -304,9 +304,11 @@ class HFDecoderLayer(_HFLayer):
 
     def forward(self, x: tuple) -> tuple:
         hidden, positions, *rest = x
-        mask = self.make_mask(config=self.model.config, inputs_embeds=hidden,
-                              attention_mask=rest[0] if rest else None, cache=None, position_ids=positions)
-        extra = dict(self.model.layer_nones)
+        cache = rest[1] if len(rest) > 1 else None  # a transformers Cache: pipe/hf_generate.py's decode path
+        sized = {} if cache is None else {"layer_idx": self.index}
+        mask = self.make_mask(config=self.model.config, inputs_embeds=hidden, attention_mask=rest[0] if rest else None,
+                              cache=cache, position_ids=positions, **sized)
+        extra = dict(self.model.layer_nones, **({} if cache is None else {"cache": cache, "use_cache": True}))
         if self.rotary is not None:
             extra["position_embeddings"] = self.rotary(hidden, positions, *self.rotary_args)
         out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
@@ -339,7 +341,7 @@ class HFFinalNorm(_HFLayer):
         model.fill(self, self.prefix)
 
     def forward(self, x: tuple) -> torch.Tensor:
-        return self.inner(x[0])
+        return self.inner(x[0] if len(x) < 4 else x[0][:, -1:])  # decoding (a cache follows): the last position's
 
 
 class HFHead(_HFLayer):

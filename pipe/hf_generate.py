@@ -1,0 +1,260 @@
+"""Generation from the training weights of a PipelineModule built with hf_layer_specs.
+
+The RLHF actor (examples/grpo_arithmetic.py) samples from the very parameters it trains: no
+second copy, no weight sync to an inference engine. `hf_generate(module, ids, n)` runs the
+pipeline's own layers with a transformers `DynamicCache` per microbatch and per local chunk
+(each decoder layer's keys and values, at its global layer index, so one cache serves all
+the layers a stage holds), and masks built by transformers' own causal / sliding-window
+functions sized from that cache. Greedy (temperature=0) or sampled (temperature, top-k,
+top-p), left-padded batches (positions from the attention mask, as `model.generate` counts
+them), stop tokens (a finished row emits pad_token_id; a microbatch whose rows all finished
+stops running).
+
+Where the weights are:
+- ZeRO 0-2, pipe=1: whole on every rank; just call it.
+- ZeRO-3: inside `pipezero.zero.gathered(opt)`, which gathers the shards once for the phase
+  (`layers_at_a_time=k` streams them instead); outside it the stage-3 hooks gather per
+  layer per token, which is correct and slow.
+- pipe > 1: prompts are split into `microbatches` (default: the number of stages) that flow
+  through the stages; each stage keeps only its own layers' weights and its own KV caches;
+  the last stage picks each microbatch's next tokens and broadcasts them over the pipe
+  group, and stage 0 starts that microbatch's next step. Every rank returns all tokens.
+
+Compared with gathering the whole model onto each rank (`gpt_from_pipeline` for the GPT): a
+stage needs 1/pipe of the weights and of the KV cache, so a model that fits only split still
+generates, and nothing is copied before the phase; the price is a point-to-point hop per
+stage per token and a pipeline bubble of (stages - 1) / (microbatches + stages - 1) of each
+step, less than gathering when weights are large and the batch is split into >= stages
+microbatches. Gathering instead makes every rank a whole replica that decodes its own
+prompts with no per-token traffic, which is faster whenever the whole model and its cache fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipezero.pipe.hf import hf_config
+from pipezero.pipe.placement import owner
+
+__all__ = ["Sampling", "hf_generate"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Sampling:
+    """How the next token is chosen from the last position's logits."""
+
+    temperature: float = 0.0     # 0: greedy (argmax); else logits / temperature are sampled
+    top_k: int | None = None     # keep the k most likely tokens
+    top_p: float | None = None   # keep the smallest set whose probability reaches top_p (nucleus)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"Sampling(temperature={self.temperature!r}): expected >= 0 (0 is greedy)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"Sampling(top_k={self.top_k!r}): expected None or an integer >= 1")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"Sampling(top_p={self.top_p!r}): expected None or a float in (0, 1]")
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """[b, vocab] logits -> [b] token ids."""
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < logits.size(-1):
+            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1:
+            ordered, order = logits.sort(-1, descending=True)
+            before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # probability of the tokens ahead
+            drop = (before >= self.top_p).scatter(-1, order, before >= self.top_p)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+@dataclass(slots=True)
+class _Microbatch:
+    """One microbatch's state: what to feed next, its mask and positions so far, caches, new tokens."""
+
+    feed: torch.Tensor            # [b, T] token ids to run (the prompt, then the last new token)
+    mask: torch.Tensor            # [b, seen + T] 1 = token, 0 = left padding
+    positions: torch.Tensor       # [b, T] position ids of `feed`
+    done: torch.Tensor            # [b] bool: the row emitted a stop token
+    caches: dict[int, Any] = field(default_factory=dict)  # local chunk -> DynamicCache
+    new: list[torch.Tensor] = field(default_factory=list)  # [b] per step
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.done.all())
+
+
+class _Route:
+    """Who holds each virtual stage of this rank's pipeline, and the hops between them."""
+
+    def __init__(self, module: Any):
+        grid = module.grid
+        self.grid, self.me = grid, grid.pipe_rank
+        self.stages = module.num_virtual_stages
+        self.rank_of_stage = [owner(v, module.num_stages, module.placement)[0] for v in range(self.stages)]
+        self.chunk_of_stage = {v: module.stage_ids.index(v) for v in range(self.stages)
+                               if self.rank_of_stage[v] == self.me}
+        self.root = self.rank_of_stage[-1]  # picks the tokens
+        self.sends: list[Any] = []
+
+    def global_rank(self, pipe_rank: int) -> int:
+        return self.grid.rank_of(pipe=pipe_rank)
+
+    def send(self, hidden: torch.Tensor, stage: int) -> None:
+        hidden = hidden.contiguous()
+        self.sends.append((dist.isend(hidden, dst=self.global_rank(self.rank_of_stage[stage])), hidden))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, stage: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(buf, src=self.global_rank(self.rank_of_stage[stage]))
+        return buf
+
+    def share(self, tokens: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """The root's new tokens [b] on every pipe rank (a broadcast over the pipe group)."""
+        if self.grid.pipe_size == 1:
+            return tokens
+        buf = tokens if self.me == self.root else torch.empty_like(like)
+        dist.broadcast(buf, src=self.global_rank(self.root), group=self.grid.pipe_group)
+        return buf
+
+    def finish(self) -> None:
+        for handle, _ in self.sends:
+            handle.wait()
+        self.sends.clear()
+
+
+def hf_generate(module: Any, input_ids: torch.Tensor, max_new_tokens: int,
+                attention_mask: torch.Tensor | None = None, sampling: Sampling = Sampling(),
+                stop_tokens: Sequence[int] = (), pad_token_id: int | None = None,
+                microbatches: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, P] prompts (left-padded; attention_mask 1 = token) -> [B, P + n] prompts and new tokens.
+
+    module: a PipelineModule of hf_layer_specs (tensor=1); every pipe rank of one data replica
+    passes the same prompts and gets the same tokens. n <= max_new_tokens: generation stops
+    when every row has emitted one of stop_tokens; rows that stopped earlier are filled with
+    pad_token_id (default: the first stop token, else 0), as transformers' generate fills them.
+    generator: the sampling RNG, used on the rank holding the LM head.
+    """
+    mask = _check(module, input_ids, max_new_tokens, attention_mask, microbatches)
+    route = _Route(module)
+    pad = pad_token_id if pad_token_id is not None else (stop_tokens[0] if stop_tokens else 0)
+    n_micro = microbatches or min(input_ids.size(0), max(module.grid.pipe_size, 1))
+    stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
+    batches = [_start(ids, m) for ids, m in zip(input_ids.tensor_split(n_micro), mask.tensor_split(n_micro))]
+    config = hf_config(module)
+    pending: list[tuple[_Microbatch, torch.Tensor | None]] = []  # tokens picked, not yet shared (FIFO)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            if all(mb.finished for mb in batches):
+                break
+            for mb in batches:
+                while any(waiting is mb for waiting, _ in pending):  # mb's last tokens, and all picked before
+                    _share(route, *pending.pop(0), stops, pad)
+                if mb.finished:
+                    continue
+                pending.append((mb, _step(module, route, mb, config, sampling, generator)))
+                if route.me == route.root:  # the root shares at once, the others when they need the tokens
+                    _share(route, *pending.pop(0), stops, pad)
+        while pending:
+            _share(route, *pending.pop(0), stops, pad)
+    route.finish()
+    return _assemble(input_ids, batches, pad)
+
+
+# -- one step of one microbatch ---------------------------------------------------------
+def _step(module: Any, route: _Route, mb: _Microbatch, config: Any, sampling: Sampling,
+          generator: torch.Generator | None) -> torch.Tensor | None:
+    """Run mb's feed through this rank's virtual stages; the root returns the chosen tokens [b]."""
+    from transformers import DynamicCache
+
+    hidden = None
+    for stage, chunk in sorted(route.chunk_of_stage.items()):
+        cache = mb.caches.setdefault(chunk, DynamicCache(config=config))
+        if stage == 0:
+            x = (mb.feed, mb.mask, mb.positions, cache)
+        else:
+            if route.rank_of_stage[stage - 1] != route.me:
+                shape = (*mb.feed.shape, config.hidden_size)
+                hidden = route.recv(shape, _dtype(module), mb.feed.device, stage - 1)
+            x = (hidden, mb.positions, mb.mask, cache)
+        out = module(x, chunk=chunk)
+        if stage == route.stages - 1:
+            logits = out.logits() if hasattr(out, "logits") else out  # HeadLogits (fused_loss=True)
+            return sampling.choose(logits[:, -1], generator)
+        hidden = out[0]
+        if route.rank_of_stage[stage + 1] != route.me:
+            route.send(hidden, stage + 1)
+    return None
+
+
+def _share(route: _Route, mb: _Microbatch, tokens: torch.Tensor | None, stops: torch.Tensor, pad: int) -> None:
+    """Every pipe rank learns mb's new tokens (in the order the root picked them) and advances mb.
+
+    The root broadcasts right after picking; the other ranks join when they next need mb, so
+    stage 0 runs the other microbatches meanwhile (the broadcasts match in the same order)."""
+    _advance(mb, route.share(tokens, mb.done.long()), stops, pad)
+
+
+def _advance(mb: _Microbatch, tokens: torch.Tensor, stops: torch.Tensor, pad: int) -> None:
+    """Record the new tokens (pad where a row had stopped); the next step feeds them."""
+    tokens = torch.where(mb.done, torch.full_like(tokens, pad), tokens)
+    mb.new.append(tokens)
+    mb.done = mb.done | torch.isin(tokens, stops)
+    mb.feed = tokens[:, None]
+    mb.positions = mb.positions[:, -1:] + 1
+    mb.mask = torch.cat([mb.mask, mb.mask.new_ones(mb.mask.size(0), 1)], dim=1)
+
+
+def _start(ids: torch.Tensor, mask: torch.Tensor) -> _Microbatch:
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as transformers' generate counts them
+    return _Microbatch(feed=ids, mask=mask, positions=positions,
+                       done=torch.zeros(ids.size(0), dtype=torch.bool, device=ids.device))
+
+
+def _assemble(input_ids: torch.Tensor, batches: list[_Microbatch], pad: int) -> torch.Tensor:
+    steps = max(len(mb.new) for mb in batches)
+    rows = []
+    for mb in batches:
+        new = torch.stack(mb.new, 1) if mb.new else input_ids.new_empty(mb.done.size(0), 0)
+        rows.append(torch.nn.functional.pad(new, (0, steps - new.size(1)), value=pad))
+    return torch.cat([input_ids, torch.cat(rows)], dim=1)
+
+
+def _dtype(module: Any) -> torch.dtype:
+    """The dtype hidden states travel in: the layers' (the inference dtype inside gathered(dtype=))."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _check(module: Any, ids: Any, n: Any, mask: Any, microbatches: Any) -> torch.Tensor:
+    """The attention mask (ones when None); every bad argument named, on every rank, before any message."""
+    from pipezero.pipe.module import PipelineModule
+
+    if not isinstance(module, PipelineModule):
+        raise TypeError(f"hf_generate(module={type(module).__name__}): expected the PipelineModule of "
+                        "hf_layer_specs; a whole transformers model has its own model.generate")
+    hf_config(module)  # a ValueError when the module holds no hf_layer_specs layer
+    if module.grid.tensor_size != 1:
+        raise ValueError(f"hf_generate: tensor={module.grid.tensor_size} is not supported; generate with "
+                         "tensor=1 (pipe and data axes are)")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long or ids.size(0) == 0:
+        raise ValueError(f"hf_generate(input_ids): expected a non-empty [batch, prompt] int64 tensor, got "
+                         f"{getattr(ids, 'shape', type(ids).__name__)} {getattr(ids, 'dtype', '')}")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"hf_generate(max_new_tokens={n!r}): expected an integer >= 1")
+    if mask is None:
+        mask = torch.ones_like(ids)
+    if mask.shape != ids.shape:
+        raise ValueError(f"hf_generate: attention_mask of shape {tuple(mask.shape)} does not match input_ids "
+                         f"{tuple(ids.shape)}; expected the same [batch, prompt] shape, 0 on left padding")
+    if not bool((mask.sum(-1) > 0).all()):
+        raise ValueError("hf_generate: a row of attention_mask is all zeros; every prompt needs >= 1 token")
+    if microbatches is not None and (not isinstance(microbatches, int) or not 1 <= microbatches <= ids.size(0)):
+        raise ValueError(f"hf_generate(microbatches={microbatches!r}): expected None or 1..batch={ids.size(0)}")
+    return mask.long()
