@@ -31,10 +31,17 @@ def test_sources_read_every_format_in_order(tmp_path):
     (tmp_path / "a.txt").write_text("the cat sat")
     _jsonl(tmp_path / "b" / "c.jsonl", [{"prompt": "what is two plus four", "completion": "six"}] * 2)
     pq.write_table(pa.table({"body": ["red sky", "blue sea"]}), tmp_path / "b" / "d.parquet")
+    table = pa.table({"body": ["green sea"]})  # a `datasets` save_to_disk folder: Arrow stream + metadata
+    with pa.OSFile(str(tmp_path / "b" / "e.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    (tmp_path / "b" / "dataset_info.json").write_text("{}")
+    _jsonl(tmp_path / "b" / "f.jsonl", [{"conversations": [{"from": "human", "value": "hi"},
+                                                           {"from": "gpt", "value": "six"}]}])  # ShareGPT
     docs = list(read_documents(tmp_path / "a.txt")) + list(read_documents(tmp_path / "b", text_field="body"))
-    assert [d.kind for d in docs] == ["text", "completion", "completion", "text", "text"]
+    assert [d.kind for d in docs] == ["text", "completion", "completion", "text", "text", "text", "chat"]
     assert docs[0].text == "the cat sat" and docs[2].origin.endswith("c.jsonl:2") and docs[4].text == "blue sea"
-    assert docs[4].origin.endswith("d.parquet:2")
+    assert docs[4].origin.endswith("d.parquet:2") and docs[5].text == "green sea"
+    assert docs[6].messages == ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "six"})
 
 
 def test_sft_masks_equal_trl_semantics(tok_dir):
