@@ -76,6 +76,7 @@ def test_cache_is_built_once_and_shared(tmp_path, tok_dir, monkeypatch):
     monkeypatch.setattr(cache, "encode_many", lambda *a, **k: pytest.fail("tokenized again"))
     again = tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache")
     assert again.folder == corpus.folder and np.array_equal(again.tokens, corpus.tokens)
+    assert corpus.label_counts().tolist() == [6, 4] * 3  # tokens past the first, all trained
     corpus.check_vocab(100)
     with pytest.raises(ValueError, match=r"d.jsonl:1: token id 16 is beyond the model's vocabulary of 5"):
         corpus.check_vocab(5)
@@ -98,6 +99,11 @@ def test_packing_rows_labels_positions_and_long_documents(caplog):
         .segments.tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
     cut = pack(docs, seq_len=8, long_docs="truncate", packing=False)
     assert [cut.row_length(r) for r in range(cut.num_rows)] == [5, 4, 8]
+    gen = np.random.default_rng(0)
+    many = MemoryCorpus([(gen.integers(0, 9, n), gen.random(n) > 0.3) for n in gen.integers(2, 40, 100)])
+    for layout in (pack(many, 16), pack(many, 16, packing=False, long_docs="truncate")):
+        assert layout.trained_tokens(many).tolist() == [int((layout.row(r, many).labels != IGNORE).sum())
+                                                        for r in range(layout.num_rows)]
 
 
 @pytest.mark.parametrize("name, content, words", [
