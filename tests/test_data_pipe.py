@@ -208,8 +208,8 @@ def test_packed_rows_through_pipe2_data2_equal_each_document_alone(tmp_path):
 
 
 def _variable_and_resume():
-    varying = [_train(name, stage, False, 2, range(STEPS))
-               for name, stage in (("1f1b", 0), ("interleaved_1f1b", 1), ("zb_h1", 2), ("zbv", 3))]
+    varying = [_train(name, stage, False, 2, range(STEPS), tensor=tensor) for name, stage, tensor in
+               (("1f1b", 0, 1), ("interleaved_1f1b", 1, 1), ("zb_h1", 2, 1), ("zbv", 3, 1), ("1f1b", 1, 2))]
     whole = _train("1f1b", 1, True, 4, range(STEPS))
     first = _train("1f1b", 1, True, 4, range(2))       # killed after step 2, then resumed
     again = _train("1f1b", 1, True, 4, range(2, STEPS), state=first[2], params=_by_stage(first[1]))
@@ -222,7 +222,7 @@ def _resume_on_one_replica(state: dict, params: list):
 
 def test_variable_lengths_and_resume_on_another_data_degree():
     """Unpacked rows padded per micro-batch (shapes change every micro-batch) under 1F1B / ZeRO-0,
-    interleaved / ZeRO-1, ZB-H1 / ZeRO-2 and ZB-V / ZeRO-3; kill after step 2 and resume from the saved position on pipe 2 x data 2 (bitwise
+    interleaved / ZeRO-1, ZB-H1 / ZeRO-2, ZB-V / ZeRO-3 and 1F1B over pipe 2 x tensor 2; kill after step 2 and resume from the saved position on pipe 2 x data 2 (bitwise
     the uninterrupted losses) and on pipe 2 x data 1 (the same rows: the truth's losses)."""
     results = run(_variable_and_resume, 4, timeout=300)
     for results_of in zip(*[r[0] for r in results]):

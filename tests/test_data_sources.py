@@ -31,10 +31,17 @@ def test_sources_read_every_format_in_order(tmp_path):
     (tmp_path / "a.txt").write_text("the cat sat")
     _jsonl(tmp_path / "b" / "c.jsonl", [{"prompt": "what is two plus four", "completion": "six"}] * 2)
     pq.write_table(pa.table({"body": ["red sky", "blue sea"]}), tmp_path / "b" / "d.parquet")
+    table = pa.table({"body": ["green sea"]})  # a `datasets` save_to_disk folder: Arrow stream + metadata
+    with pa.OSFile(str(tmp_path / "b" / "e.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    (tmp_path / "b" / "dataset_info.json").write_text("{}")
+    _jsonl(tmp_path / "b" / "f.jsonl", [{"conversations": [{"from": "human", "value": "hi"},
+                                                           {"from": "gpt", "value": "six"}]}])  # ShareGPT
     docs = list(read_documents(tmp_path / "a.txt")) + list(read_documents(tmp_path / "b", text_field="body"))
-    assert [d.kind for d in docs] == ["text", "completion", "completion", "text", "text"]
+    assert [d.kind for d in docs] == ["text", "completion", "completion", "text", "text", "text", "chat"]
     assert docs[0].text == "the cat sat" and docs[2].origin.endswith("c.jsonl:2") and docs[4].text == "blue sea"
-    assert docs[4].origin.endswith("d.parquet:2")
+    assert docs[4].origin.endswith("d.parquet:2") and docs[5].text == "green sea"
+    assert docs[6].messages == ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "six"})
 
 
 def test_sft_masks_equal_trl_semantics(tok_dir):
@@ -69,6 +76,7 @@ def test_cache_is_built_once_and_shared(tmp_path, tok_dir, monkeypatch):
     monkeypatch.setattr(cache, "encode_many", lambda *a, **k: pytest.fail("tokenized again"))
     again = tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache")
     assert again.folder == corpus.folder and np.array_equal(again.tokens, corpus.tokens)
+    assert corpus.label_counts().tolist() == [6, 4] * 3  # tokens past the first, all trained
     corpus.check_vocab(100)
     with pytest.raises(ValueError, match=r"d.jsonl:1: token id 16 is beyond the model's vocabulary of 5"):
         corpus.check_vocab(5)
@@ -91,6 +99,11 @@ def test_packing_rows_labels_positions_and_long_documents(caplog):
         .segments.tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
     cut = pack(docs, seq_len=8, long_docs="truncate", packing=False)
     assert [cut.row_length(r) for r in range(cut.num_rows)] == [5, 4, 8]
+    gen = np.random.default_rng(0)
+    many = MemoryCorpus([(gen.integers(0, 9, n), gen.random(n) > 0.3) for n in gen.integers(2, 40, 100)])
+    for layout in (pack(many, 16), pack(many, 16, packing=False, long_docs="truncate")):
+        assert layout.trained_tokens(many).tolist() == [int((layout.row(r, many).labels != IGNORE).sum())
+                                                        for r in range(layout.num_rows)]
 
 
 @pytest.mark.parametrize("name, content, words", [

@@ -157,6 +157,9 @@ class _Subset:
     def lengths(self) -> np.ndarray:
         return np.asarray(self.corpus.lengths())[self.index]
 
+    def label_counts(self) -> np.ndarray:
+        return np.asarray(self.corpus.label_counts())[self.index]
+
 
 def batches(args: argparse.Namespace, parts: Parts, corpus: Any, pad_id: int) -> tuple[PackedBatches, PackedBatches]:
     """This data rank's train and held-out batches (the last --val-fraction of the documents)."""

@@ -78,6 +78,13 @@ class TokenizedCorpus:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def label_counts(self) -> np.ndarray:
+        """Per document, its tokens past the first with mask 1 (one pass over the mask)."""
+        if not self.num_docs:
+            return np.zeros(0, dtype=np.int64)
+        starts = self.offsets[:-1]
+        return np.add.reduceat(self.mask, starts, dtype=np.int64) - self.mask[starts].astype(np.int64)
+
     def doc(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, loss mask) of document i (views of the memory map)."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])

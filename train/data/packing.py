@@ -34,6 +34,7 @@ class Corpus(Protocol):
 
     def doc(self, i: int) -> tuple[np.ndarray, np.ndarray]: ...
     def lengths(self) -> np.ndarray: ...
+    def label_counts(self) -> np.ndarray: ...  # per document, its tokens past the first with mask 1
 
 
 class MemoryCorpus:
@@ -49,6 +50,9 @@ class MemoryCorpus:
 
     def lengths(self) -> np.ndarray:
         return np.asarray([len(ids) for ids, _ in self.docs], dtype=np.int64)
+
+    def label_counts(self) -> np.ndarray:
+        return np.asarray([int(mask[1:].sum()) for _, mask in self.docs], dtype=np.int64)
 
     @property
     def num_docs(self) -> int:
@@ -111,14 +115,17 @@ class Layout:
         return Row(ids, labels, positions, segments)
 
     def trained_tokens(self, corpus: Corpus) -> np.ndarray:
-        """Per row, the tokens with a label (what a per-token mean divides by)."""
-        out = np.zeros(self.num_rows, dtype=np.int64)
-        for r in range(self.num_rows):
-            for s in range(self.row_start[r], self.row_start[r + 1]):
-                _, mask = corpus.doc(int(self.seg_doc[s]))
-                a, length = int(self.seg_from[s]), int(self.seg_len[s])
-                out[r] += int(np.asarray(mask[a + 1:a + length]).sum())
-        return out
+        """Per row, the tokens with a label (what a per-token mean divides by); whole documents
+        from the corpus's per-document counts, only the pieces of split ones read here."""
+        whole = (self.seg_from == 0) & (self.seg_len == np.asarray(corpus.lengths())[self.seg_doc])
+        counts = np.where(whole, np.asarray(corpus.label_counts())[self.seg_doc], 0)
+        for s in np.flatnonzero(~whole):
+            _, mask = corpus.doc(int(self.seg_doc[s]))
+            a, length = int(self.seg_from[s]), int(self.seg_len[s])
+            counts[s] = int(np.asarray(mask[a + 1:a + length]).sum())
+        if not self.num_rows:
+            return np.zeros(0, dtype=np.int64)
+        return np.add.reduceat(counts, self.row_start[:-1]).astype(np.int64)
 
 
 def pack(corpus: Corpus, seq_len: int, packing: bool = True, long_docs: str = "split", pad_id: int = 0,

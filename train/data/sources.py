@@ -8,9 +8,10 @@ bad record is refused with its place and the fix, before any token is made.
 Formats, by suffix; a folder is read recursively, its files in sorted order:
 - .txt / .md / .text (and any other suffix that is UTF-8 text): one document per file.
 - .jsonl / .json (one object per line), .parquet, .arrow / .feather (pyarrow, the `arrow`
-  extra): one document per record. The first record picks the kind, every record keeps it:
-  `messages` (a chat, rendered later by the tokenizer's own template), `prompt` + `completion`
-  (loss on the completion), or the text field (`text` unless named).
+  extra; a `datasets` save_to_disk folder too): one document per record. The first record picks
+  the kind, every record keeps it: `messages` (a chat, rendered later by the tokenizer's own
+  template; ShareGPT's `conversations` of from/value too), `prompt` + `completion` (loss on
+  the completion), or the text field (`text` unless named).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ __all__ = ["Document", "TABLE_SUFFIXES", "TEXT_SUFFIXES", "data_files", "read_do
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
 TABLE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".feather")
 _TOKEN_SUFFIXES = (".bin", ".npy")  # pre-tokenized: train/data/stream.py
+# the metadata files of a Hugging Face `datasets` save_to_disk folder (its rows are the .arrow files)
+_DATASET_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system", "model": "assistant"}
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,8 @@ def data_files(path: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         raise FileNotFoundError(f"--data {str(root)!r} is neither a file nor a folder; pass a .txt/.jsonl/.parquet "
                                 f"file or a folder of them")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files = sorted(p for p in root.rglob("*")
+                   if p.is_file() and not p.name.startswith(".") and p.name not in _DATASET_METADATA)
     if not files:
         raise ValueError(f"--data {str(root)!r} is an empty folder; put text, .jsonl or .parquet files in it")
     return files
@@ -152,7 +158,7 @@ def _records(file: Path, rows: Iterator[tuple[int, Any]], text_field: str) -> It
 
 
 def _kind(record: dict, text_field: str) -> str:
-    if "messages" in record:
+    if "messages" in record or "conversations" in record:
         return "chat"
     if "prompt" in record and "completion" in record:
         return "completion"
@@ -166,6 +172,9 @@ _WANTS = {"chat": '"messages": [{"role": ..., "content": ...}, ...]',
 def _document(where: str, kind: str, record: dict, text_field: str) -> Document:
     if kind == "chat":
         messages = record.get("messages")
+        if messages is None and isinstance(record.get("conversations"), list):  # ShareGPT: from / value
+            messages = [{"role": _SHAREGPT_ROLES.get(m.get("from"), m.get("from")), "content": m.get("value")}
+                        if isinstance(m, dict) and "from" in m else m for m in record["conversations"]]
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
             raise ValueError(f"{where}: field 'messages' missing or not a list of {{role, content}} objects (the "
