@@ -160,7 +160,8 @@ MNIST = [
     Case("mnist", "the two files swapped", _mnist(LABELS, IMAGES), ("train-images-idx3-ubyte", "magic 0x801")),
     Case("mnist", "images truncated", _mnist(_idx(0x803, (5, 28, 28), cut=100), LABELS),
          ("train-images-idx3-ubyte", "truncated")),
-    Case("mnist", "labels truncated", _mnist(IMAGES, _idx(0x801, (5,), cut=2)), ("train-labels-idx1-ubyte", "11 bytes", "makes 13")),
+    Case("mnist", "labels truncated", _mnist(IMAGES, _idx(0x801, (5,), cut=2)),
+         ("train-labels-idx1-ubyte", "11 bytes", "makes 13")),
     Case("mnist", "images of 8x8", _mnist(_idx(0x803, (5, 8, 8)), LABELS), ("8x8", "28x28")),
     Case("mnist", "a label past 9", _mnist(IMAGES, _idx(0x801, (5,), fill=12)), ("labels up to 12", "0..9")),
     Case("mnist", "images file empty", _mnist(b"", LABELS), ("train-images-idx3-ubyte", "magic None")),
@@ -221,7 +222,8 @@ SIMULATOR = [
 
 
 TRAIN = [
-    Case("train", "config file missing", _pz("train", "{tmp}/nope.json"), ("pipezero train", "nope.json", "not a file")),
+    Case("train", "config file missing", _pz("train", "{tmp}/nope.json"),
+         ("pipezero train", "nope.json", "not a file")),
     Case("train", "no command", _pz(), ("required",)),
     Case("train", "unknown command", _pz("fit"), ("invalid choice", "'fit'")),
 ]
