@@ -160,7 +160,8 @@ MNIST = [
     Case("mnist", "the two files swapped", _mnist(LABELS, IMAGES), ("train-images-idx3-ubyte", "magic 0x801")),
     Case("mnist", "images truncated", _mnist(_idx(0x803, (5, 28, 28), cut=100), LABELS),
          ("train-images-idx3-ubyte", "truncated")),
-    Case("mnist", "labels truncated", _mnist(IMAGES, _idx(0x801, (5,), cut=2)), ("train-labels-idx1-ubyte", "11 bytes", "makes 13")),
+    Case("mnist", "labels truncated", _mnist(IMAGES, _idx(0x801, (5,), cut=2)),
+         ("train-labels-idx1-ubyte", "11 bytes", "makes 13")),
     Case("mnist", "images of 8x8", _mnist(_idx(0x803, (5, 8, 8)), LABELS), ("8x8", "28x28")),
     Case("mnist", "a label past 9", _mnist(IMAGES, _idx(0x801, (5,), fill=12)), ("labels up to 12", "0..9")),
     Case("mnist", "images file empty", _mnist(b"", LABELS), ("train-images-idx3-ubyte", "magic None")),
@@ -169,3 +170,62 @@ MNIST = [
 ]
 
 ALL += MNIST
+
+
+def _costs(**kw):
+    def make():
+        from pipezero.pipe import Costs
+        return Costs(**kw)
+    return make
+
+
+def _simulate(schedule: str, m: int, p: int, costs=None):
+    def run():
+        from pipezero import pipe
+        sched = pipe.make_schedule(schedule, m, None)
+        return pipe.simulate(sched, p) if costs is None else pipe.simulate(sched, p, costs=costs())
+    return run
+
+
+def _per_chunk(*keys, p2p=(0.0, 0.0)):
+    def make():
+        from pipezero.pipe import Costs
+        return {key: Costs(p2p=p2p[i % 2]) for i, key in enumerate(keys)}
+    return make
+
+
+def _render(fn_name: str, arg):
+    def run():
+        from pipezero.pipe import render
+        return getattr(render, fn_name)(arg() if callable(arg) else arg)
+    return run
+
+
+SIMULATOR = [
+    Case("simulator", "forward cost negative", _costs(forward=-1), ("Costs.forward=-1", ">= 0")),
+    Case("simulator", "backward cost nan", _costs(backward_input=float("nan")), ("Costs.backward_input=nan", "finite")),
+    Case("simulator", "p2p a string", _costs(p2p="1"), ("Costs.p2p='1'", "number")),
+    Case("simulator", "weight cost a bool", _costs(backward_weight=True), ("Costs.backward_weight=True",)),
+    Case("simulator", "zero stages", _simulate("1f1b", 4, 0), ("num_stages",)),
+    Case("simulator", "dualpipev m below 2p", _simulate("dualpipev", 4, 4), ("2 * num_stages = 8",)),
+    Case("simulator", "costs a dict of numbers", _simulate("1f1b", 4, 2, lambda: {"forward": 1}),
+         ("costs must be a Costs",)),
+    Case("simulator", "per-chunk costs miss a rank", _simulate("1f1b", 4, 2, _per_chunk((0, 0))),
+         ("no entry for (rank, chunk)", "(1, 0)")),
+    Case("simulator", "per-chunk costs disagree on p2p", _simulate("1f1b", 4, 2, _per_chunk((0, 0), (1, 0),
+                                                                                            p2p=(0.0, 1.0))),
+         ("disagree on p2p",)),
+    Case("simulator", "render text of a number", _render("to_text", 42), ("to_text needs", "int")),
+    Case("simulator", "encode a 2-D array as png", _render("encode_png", lambda: __import__("numpy").zeros((4, 4))),
+         ("H x W x 3 uint8", "(4, 4)")),
+]
+
+
+TRAIN = [
+    Case("train", "config file missing", _pz("train", "{tmp}/nope.json"),
+         ("pipezero train", "nope.json", "not a file")),
+    Case("train", "no command", _pz(), ("required",)),
+    Case("train", "unknown command", _pz("fit"), ("invalid choice", "'fit'")),
+]
+
+ALL += SIMULATOR + TRAIN

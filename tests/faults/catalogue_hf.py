@@ -106,7 +106,7 @@ def _remove(*names: str):
     return lambda path: [(path / n).unlink() for n in names]
 
 
-E, Q, K = "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"
+E, Q = "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"
 GATE, HEAD = "model.layers.0.mlp.gate_proj.weight", "lm_head.weight"
 
 
