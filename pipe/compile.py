@@ -10,10 +10,19 @@ it), tied weights (the tied embedding and head are not compiled), activation che
 (DeferringLinear's forward is not traced: each Linear is a break between graphs, so its weight
 GEMM can still wait for W).
 
+Compiled for training: a call without gradients (evaluation, generation with a KV cache, whose
+shapes change from call to call) runs the eager forward, so decoding never recompiles.
+
 Blocks of one class share their code object, so torch compiles the class's forward once and
 every later block reuses it (parameters are graph inputs, not constants); shapes are static
 (dynamic=False): every micro-batch of a step has the same shape, so nothing recompiles per
 micro-batch or per step (tests/test_compile.py counts the compilations).
+
+The default (`compile=None`) compiles where it measured faster: on CUDA, without tensor
+parallelism (bench/RESULTS.md, issue 31, one H200: the 1.34B GPT's step through build() 1.06x, a
+Hugging Face Llama's under ZeRO-1 1.36x, its 1F1B pipeline with the fused loss 1.11x); on CPU,
+where compiling costs more than it gives a short run, it stays off.
+`compile=False` turns it off, `compile=True` or a CompileConfig on anywhere.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["CompileConfig", "compile_layers", "repeated_classes"]
+__all__ = ["CompileConfig", "compile_layers", "compile_by_default", "repeated_classes"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -51,15 +60,23 @@ class CompileConfig:
                                  "pattern of layer class names, e.g. 'Block|HFDecoderLayer'") from None
 
     @classmethod
-    def of(cls, value: "CompileConfig | bool | None") -> "CompileConfig | None":
-        """True: the defaults; False or None: no compilation."""
-        if value is None or value is False:
+    def of(cls, value: "CompileConfig | bool | None", device: torch.device | None = None,
+           tensor_size: int = 1) -> "CompileConfig | None":
+        """True: the defaults; False: no compilation; None: compile_by_default(device, tensor_size)."""
+        if value is None:
+            return cls() if device is not None and compile_by_default(device, tensor_size) else None
+        if value is False:
             return None
         if value is True:
             return cls()
         if not isinstance(value, cls):
             raise TypeError(f"compile={value!r}: expected True, False, None or a CompileConfig")
         return value
+
+
+def compile_by_default(device: torch.device, tensor_size: int = 1) -> bool:
+    """Where compiling measured faster: CUDA, no tensor parallelism (the module docstring says why)."""
+    return torch.device(device).type == "cuda" and tensor_size == 1
 
 
 def repeated_classes(specs: Iterable[Any]) -> set[type]:
@@ -83,12 +100,19 @@ def compile_layers(layers: Iterable[nn.Module], config: CompileConfig,
     for layer in layers:
         if not _wanted(layer, config, repeated) or getattr(layer, "_pipezero_compiled", False):
             continue
-        layer.forward = torch.compile(layer.forward, backend=config.backend, mode=config.mode,
-                                      fullgraph=config.fullgraph, dynamic=config.dynamic,
-                                      options=config.options or None)
+        layer.forward = _training_only(layer.forward, torch.compile(
+            layer.forward, backend=config.backend, mode=config.mode, fullgraph=config.fullgraph,
+            dynamic=config.dynamic, options=config.options or None))
         layer._pipezero_compiled = True
         done.append(layer)
     return done
+
+
+def _training_only(eager: Callable, compiled: Callable) -> Callable:
+    """The compiled forward where gradients are recorded, the eager one elsewhere."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
+    return forward
 
 
 def _wanted(layer: nn.Module, config: CompileConfig, repeated: set[type] | Sequence[type]) -> bool:

@@ -40,7 +40,8 @@ class PipelineModule(nn.Module):
     of k layers in backward (torch.utils.checkpoint, non-reentrant; Chen et al. 2016).
     `tensor_plan` ({layer class: plan} or a callable module -> plan or None) shards each built
     layer over grid.mesh["tensor"] (pipe/tensor_parallel.py); tied layers stay replicated.
-    `compile` (True or a CompileConfig) torch.compiles each repeated layer's forward (pipe/compile.py).
+    `compile` (True or a CompileConfig; default: on CUDA without tensor parallelism; False: off)
+    torch.compiles each repeated layer's forward for training (pipe/compile.py).
     """
 
     def __init__(self, layers: Sequence[Any], grid: Grid, loss_fn: Callable | None = None,
@@ -72,7 +73,7 @@ class PipelineModule(nn.Module):
         self._make_tie_groups()
         if grid.tensor_size > 1:
             mark_tensor_duplicates(self, grid.tensor_rank)
-        self.compile_config = CompileConfig.of(compile)
+        self.compile_config = CompileConfig.of(compile, self.device, grid.tensor_size)  # None: on CUDA
         if self.compile_config is not None:
             compile_layers(self.layers.values(), self.compile_config, repeated_classes(self._specs))
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import run
-from pipezero.pipe.compile import CompileConfig, repeated_classes
+from pipezero.pipe.compile import CompileConfig, compile_by_default, compile_layers, repeated_classes
 from pipezero.train.config import ConfigError, parse_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -123,6 +123,27 @@ def test_which_layers_are_compiled():
         CompileConfig(layers="(")
     with pytest.raises(TypeError, match="expected True, False, None or a CompileConfig"):
         CompileConfig.of("yes")
+    # the default: on where it measured faster (CUDA, tensor 1), off elsewhere; False always off
+    assert compile_by_default(torch.device("cuda")) and not compile_by_default(torch.device("cpu"))
+    assert not compile_by_default(torch.device("cuda"), tensor_size=2)
+    assert CompileConfig.of(None, torch.device("cpu")) is None and CompileConfig.of(False, torch.device("cuda")) is None
+    assert CompileConfig.of(None, torch.device("cuda")) == CompileConfig()
+
+
+def test_calls_without_gradients_run_eager():
+    """Evaluation and generation (no gradients, shapes that change per call) never compile."""
+    from gpt import Block, GPTConfig
+
+    torch._dynamo.reset()
+    block, counting = Block(GPTConfig(d_model=16, n_head=2, seq_len=8), 0), _Counting()
+    compile_layers([block], CompileConfig(backend=counting), {Block})
+    x = torch.randn(1, 8, 16)
+    with torch.no_grad():
+        for t in (3, 5, 8):
+            block(x[:, :t])
+    assert counting.graphs == 0
+    block(x).sum().backward()
+    assert counting.graphs == 1
 
 
 def test_ds_config_compile_section():

@@ -97,8 +97,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     `optimizer` (with model= only): your own torch optimizer over the model's parameters, used
     as the innermost link instead of the config's "optimizer" section. `tensor` > 1 (with specs=)
     shards each layer by `tensor_plan` (PipelineModule's) over the grid's tensor axis.
-    `compile` (True, False or a pipe.compile.CompileConfig; default: ds_config "compile") compiles
-    each repeated pipeline layer (PipelineModule(compile=)).
+    `compile` (True, False or a pipe.compile.CompileConfig; default: ds_config "compile", else
+    PipelineModule's default: on CUDA without tensor parallelism) compiles each repeated pipeline layer.
     """
     if hidden_size is None and isinstance(model, nn.Module):
         hidden_size = model_width(model)
