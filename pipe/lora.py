@@ -148,9 +148,9 @@ class LoraLinear(nn.Linear):
 
 
 # -- applying -------------------------------------------------------------------------------
-def _names(module: nn.Module, index: int) -> Iterator[tuple[str, str, nn.Module]]:
+def _names(module: nn.Module, index: int | None) -> Iterator[tuple[str, str, nn.Module]]:
     """(path inside module, full name, submodule): the Hugging Face name for hf_layer_specs' layers
-    ("model.layers.0.self_attn.q_proj"), else the pipeline's ("layers.3.qkv")."""
+    ("model.layers.0.self_attn.q_proj"), else the pipeline's ("layers.3.qkv"; index None: the path)."""
     prefix = getattr(module, "prefix", None)
     hf = isinstance(prefix, str) and hasattr(module, "hf_parameters")
     for path, sub in module.named_modules():
@@ -159,10 +159,10 @@ def _names(module: nn.Module, index: int) -> Iterator[tuple[str, str, nn.Module]
         if hf:
             yield path, (prefix + path.removeprefix("inner").lstrip(".")).rstrip("."), sub
         else:
-            yield path, f"layers.{index}.{path}", sub
+            yield path, path if index is None else f"layers.{index}.{path}", sub
 
 
-def _targets(module: nn.Module, index: int, config: LoraConfig, where: str) -> list[tuple[str, str]]:
+def _targets(module: nn.Module, index: int | None, config: LoraConfig, where: str) -> list[tuple[str, str]]:
     """(path inside module, full name) of each target; ValueError for a target that cannot take one."""
     out = []
     for path, name, sub in _names(module, index):
@@ -180,8 +180,9 @@ def _targets(module: nn.Module, index: int, config: LoraConfig, where: str) -> l
     return out
 
 
-def apply_lora(module: nn.Module, config: LoraConfig | Any, index: int = 0) -> list[str]:
-    """Freeze every parameter of `module` and put adapters on its targets; returns the targets' full names.
+def apply_lora(module: nn.Module, config: LoraConfig | Any, index: int | None = None) -> list[str]:
+    """Freeze every parameter of `module` and put adapters on its targets; returns the targets' full names
+    (as pipeline layer `index` names them; index None: the module's own paths, for a whole model).
 
     The adapters take the dtype the layer was built in; with config.base_dtype the rest is cast to it."""
     config = LoraConfig.of(config)
@@ -199,7 +200,7 @@ def apply_lora(module: nn.Module, config: LoraConfig | Any, index: int = 0) -> l
     return [name for _, name in targets]
 
 
-def _adapters(module: nn.Module, index: int) -> Iterator[tuple[str, LoraLinear]]:
+def _adapters(module: nn.Module, index: int | None) -> Iterator[tuple[str, LoraLinear]]:
     """(full name, LoraLinear) of each adapted projection inside a layer."""
     for _, name, sub in _names(module, index):
         if isinstance(sub, LoraLinear):
@@ -278,7 +279,8 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """{full name of lora_A / lora_B weight: tensor} of this rank's adapters (Hugging Face names for
-    hf_layer_specs' layers, `layers.<i>.<name>` otherwise); the base is not in it."""
+    hf_layer_specs' layers, `layers.<i>.<name>` for other PipelineModule layers, the module's own
+    names otherwise); the base is not in it."""
     out = {}
     for index, layer in _layers(module):
         for name, m in _adapters(layer, index):
@@ -306,14 +308,15 @@ def load_adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor], s
 
 
 def _layers(module: nn.Module) -> Iterator[tuple[int, nn.Module]]:
-    """(index, layer) of a PipelineModule's built layers; else its hf_layer_specs layers, or (0, module)."""
+    """(index, layer) of a PipelineModule's built layers; else its hf_layer_specs layers, or (None, module):
+    a single-process model whose `layers.<i>` are the pipeline's layers (examples/gpt.py's GPT) has its names."""
     layers = getattr(module, "layers", None)
     if isinstance(layers, nn.ModuleDict) and hasattr(module, "chunk_range"):
         for key, layer in layers.items():
             yield int(key), layer
         return
     hf = [m for m in module.modules() if isinstance(getattr(m, "prefix", None), str) and hasattr(m, "hf_parameters")]
-    yield from ((0, m) for m in hf) if hf else [(0, module)]
+    yield from ((0, m) for m in hf) if hf else [(None, module)]
 
 
 @contextmanager

@@ -243,11 +243,14 @@ class PipelineModule(nn.Module):
             module._parameters[attr] = real
         if not reduce:
             return []
+        swaps = [s for s in swaps if s[2].requires_grad]  # a frozen tied weight (LoRA's base) gets no gradient
         by_key: dict[int, list] = {}
         for module, attr, real, stand_in in swaps:
             by_key.setdefault(id(module), []).append((real, stand_in))
         for key, (group, _) in self._tie_groups.items():
             pairs = by_key.get(id(self.tied[key]), [])
+            if not pairs:  # the same on every owner: requires_grad comes from the same spec
+                continue
             grads = [torch.zeros_like(r) if s.grad is None else s.grad for r, s in pairs]
             all_reduce_coalesced(grads, group=group).wait()
             for (real, _), grad in zip(pairs, grads):

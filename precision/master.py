@@ -44,7 +44,7 @@ class MasterWeights(ChainWrapper):
             group["params"] = [self._master_of(p) for p in group["params"]]
 
     def _master_of(self, param: torch.Tensor) -> torch.Tensor:
-        if param.dtype == self.master_dtype:
+        if param.dtype == self.master_dtype or not param.requires_grad:  # frozen (LoRA's base): never stepped
             return param
         master = torch.nn.Parameter(param.detach().to(self.master_dtype).clone(),
                                     requires_grad=param.requires_grad)

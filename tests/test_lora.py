@@ -42,9 +42,9 @@ def _peft_config():
     return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
 
 
-def _base():
+def _base(tied: bool = False):
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_LLAMA))
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_LLAMA, tie_word_embeddings=tied))
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,9 +54,10 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def _truth(root: str) -> dict:
+def _truth(root: str, tied: bool = False) -> dict:
     """Base checkpoint and starting adapters on disk; the one-process peft run's losses and adapters."""
-    base = _base()
+    root = f"{root}/tied" if tied else root
+    base = _base(tied)
     base.save_pretrained(f"{root}/base")
     model = peft.get_peft_model(base, _peft_config())
     torch.manual_seed(1)
@@ -120,11 +121,12 @@ def _train_pipe(truth: dict, schedule: str, stage: int, export_to: str | None) -
     finally:
         deferred_linear.WeightSink.keep = keep
     out = {"losses": losses, "in_w": in_w, "logits": None}
-    with (opt.gathered_parameters() if stage == 3 else _nothing()):
+    if export_to is not None:
+        out["logits"] = runner.eval_step(_batch(STEPS)[0][:4])
+    with (opt.gathered_parameters() if stage == 3 else _nothing()):  # ZeRO-3: the adapters whole
         out["adapters"] = {n: t.clone() for n, t in adapter_state_dict(model).items()}
         out["base_same"] = all(torch.equal(t, base[n]) for n, t in hf_state_dict(model).items() if n in base)
         if export_to is not None:
-            out["logits"] = runner.eval_step(_batch(STEPS)[0][:4])
             export_peft_adapter(model, f"{export_to}/adapter", _peft_config(), base_model_name_or_path=truth["base"])
             export_merged_hf(model, f"{export_to}/merged")
     return out
@@ -162,13 +164,15 @@ def _check_export(truth: dict, out: str, results: list[dict]) -> None:
         torch.testing.assert_close(merged(ids).logits, logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("schedule, stage, export", [
-    ("1f1b", 1, True),
-    ("zbv", 2, False),
-    ("interleaved", 0, False),
+@pytest.mark.parametrize("schedule, stage, export, tied", [
+    ("1f1b", 1, True, False),
+    ("zbv", 2, False, False),
+    ("interleaved", 0, False, False),
+    ("1f1b", 3, False, True),     # a frozen embedding tied to the head across the two stages; ZeRO-3
+    ("zbv", 3, True, True),       # tied on one rank (V placement)
 ])
-def test_pipe2_data2_lora_equals_peft(schedule, stage, export, tmp_path_factory):
-    truth = _truth(str(tmp_path_factory.getbasetemp()))
+def test_pipe2_data2_lora_equals_peft(schedule, stage, export, tied, tmp_path_factory):
+    truth = _truth(str(tmp_path_factory.getbasetemp()), tied)
     out = str(tmp_path_factory.mktemp(f"export-{schedule}")) if export else None
     results = run(_train_pipe, 4, truth, schedule, stage, out, timeout=300)
     _check(truth, results, split=schedule == "zbv")
@@ -219,3 +223,21 @@ def test_layer_forward_equals_peft_and_regex_targets():
         torch.testing.assert_close(layers(ids), model(ids).logits, rtol=0, atol=0)
     trainable = sum(p.numel() for p in trainable_parameters(layers))
     assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_frozen_base_gets_no_master_and_no_state_in_the_chain():
+    """Handed every parameter, MasterWeights copies only what trains, and Adam holds state for it only."""
+    from pipezero.precision import LossScaler, MasterWeights
+
+    specs = lora_specs(_specs(), LoraConfig(r=4, target_modules=["q_proj"]))
+    layers = torch.nn.Sequential(*(s.build() for s in specs)).to(torch.bfloat16)
+    opt = LossScaler(MasterWeights(torch.optim.AdamW(layers.parameters(), lr=1e-3)), init_scale=2.0 ** 8)
+    ids, targets = _batch(0)
+    opt.scale(causal_lm_loss(layers(ids).float(), targets)).backward()
+    assert opt.step() is not False
+    trainable = trainable_parameters(layers)
+    masters = opt.inner._pairs
+    assert len(masters) == len(trainable) == 6 and all(p.requires_grad for p, _ in masters)
+    frozen = [p for p in layers.parameters() if not p.requires_grad]
+    assert all(p.grad is None for p in frozen)
+    assert len(opt.inner.inner.state) == len(trainable)
