@@ -33,7 +33,7 @@ from torch import nn
 
 from pipezero.comm import is_replica
 from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
-from pipezero.pipe.hf_match import check_checkpoint, keeps_tie
+from pipezero.pipe.hf_match import check_checkpoint, keeps_tie, size_fields
 from pipezero.pipe.hf_weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 from pipezero.pipe.tensor_parallel import ColwiseHeads, TensorPlan
@@ -87,6 +87,11 @@ class _Model:
                 if value is None and self.weights is not None and isinstance(p, nn.Parameter):
                     raise ValueError(f"the checkpoint has no tensor {full!r}; it does not match its config "
                                      f"({type(self.meta).__name__})")
+                if value is not None and value.shape != p.shape:  # merged experts: their shapes show once merged
+                    sizes = {w for g, w in zip(value.shape, p.shape) if g != w}
+                    raise ValueError(f"hf_layer_specs: the checkpoint's {full!r} has shape {tuple(value.shape)}, but "
+                                     f"config.json builds {tuple(p.shape)} ({size_fields(self.config, sizes)}): the "
+                                     "config does not match the weights")
                 if value is not None:
                     p.copy_(value)
             if self.weights is None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from pipezero.config_fields import warn_once
 
-__all__ = ["check_checkpoint", "keeps_tie"]
+__all__ = ["check_checkpoint", "keeps_tie", "size_fields"]
 
 _log = logging.getLogger("pipezero.hf")
 
@@ -86,11 +86,11 @@ def _check_shapes(meta: nn.Module, config: Any, shards: Any) -> None:
         differ = {w for g, w in zip(got, want.shape) if g != w} if len(got) == len(want.shape) else set(want.shape)
         raise ValueError(f"hf_layer_specs: tensor {shards.stored[name]!r} in {shards.file_of(name)} has shape "
                          f"{tuple(got)}, but config.json builds {tuple(want.shape)} for {name!r} "
-                         f"({_fields(config, differ)}); the config does not match the weights: use the config.json "
+                         f"({size_fields(config, differ)}); the config does not match the weights: use the config.json "
                          "saved with them")
 
 
-def _fields(config: Any, sizes: set[int]) -> str:
+def size_fields(config: Any, sizes: set[int]) -> str:
     """The config fields that set these sizes: one whose value is the size ('config.hidden_size=64'),
     or two whose product is ('config.num_key_value_heads=4 x config.head_dim=8')."""
     values = {k: v for k, v in config.to_dict().items()

@@ -186,3 +186,37 @@ SOURCES = [
 ]
 
 ALL = HF + SOURCES
+
+
+@functools.cache
+def _saved_moe() -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2)
+    path = Path(tempfile.mkdtemp(prefix="pz-hf-moe-"))
+    transformers.MixtralForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _moe(edit):
+    def run(tmp: Path):
+        from pipezero.pipe import PipelineModule
+        from pipezero.pipe.hf import hf_layer_specs
+        from pipezero.topology import Grid
+        path = tmp / "moe"
+        shutil.copytree(_saved_moe(), path)
+        edit(path)
+        return PipelineModule(hf_layer_specs(str(path)), Grid(pipe=1))
+    return run
+
+
+MOE = [
+    Case("hf", "moe config MLP width changed", _moe(_config(intermediate_size=40)),
+         ("experts.gate_up_proj", "(4, 96, 32)", "config.intermediate_size=40")),
+    Case("hf", "moe config more experts than stored", _moe(_config(num_local_experts=6)),
+         ("gate.weight", "(4, 32)", "config.num_local_experts=6")),
+]
+
+ALL += MOE
