@@ -152,6 +152,7 @@ def test_ds_config_compile_section():
     assert parse_config({**base, "compile": {}}).compile is None
     assert parse_config({**base, "compile": {"deepcompile": False}}).compile is None
     assert parse_config({**base, "compile": {"deepcompile": True}}).compile == CompileConfig()
+    assert parse_config({**base, "compile": {"enabled": False}}).compile is False   # off, also on CUDA
     legacy = parse_config({**base, "compile": {"enabled": True, "backend": "aot_eager", "kwargs": {"mode": None}}})
     assert legacy.compile.backend == "aot_eager"
     with pytest.raises(ConfigError, match="free_activation"):

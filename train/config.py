@@ -141,7 +141,7 @@ class TrainConfig:
     gradient_clipping: float = 1.0   # max global grad norm (DeepSpeed's default 1.0); 0 disables clipping
     steps_per_print: int | None = None  # None: DeepSpeed's default, no periodic print
     wall_clock_breakdown: bool = False
-    compile: CompileConfig | None = None   # "compile": {"deepcompile": true} (config_compile.py)
+    compile: CompileConfig | bool | None = None   # "compile" (config_compile.py); None: pipezero's default
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     @property

@@ -9,7 +9,8 @@ section, or deepcompile false, compiles nothing, as in DeepSpeed before engine.c
 settings of DeepCompile's own passes (activation freeing and offload, double buffering, ...)
 have no counterpart and are refused unless at DeepSpeed's defaults. The keys of the section
 before DeepSpeed 0.16 (`enabled`, `backend`, `kwargs`: compile the engine at initialize, with
-torch.compile's backend and keyword arguments), still in users' files, keep that meaning.
+torch.compile's backend and keyword arguments), still in users' files, keep that meaning;
+`"enabled": false` turns compilation off (pipezero compiles on CUDA by default, pipe/compile.py).
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ _RULES = {
 _KWARGS = ("mode", "fullgraph", "dynamic", "options")  # torch.compile's, as CompileConfig holds them
 
 
-def read_compile(raw: Any) -> CompileConfig | None:
-    """The section (or None when absent) -> a CompileConfig when deepcompile (or enabled) is true, else None."""
+def read_compile(raw: Any) -> CompileConfig | bool | None:
+    """The section -> a CompileConfig (deepcompile or enabled true), False (enabled false) or None
+    (absent or silent: pipezero's default)."""
     sec = Section(raw, ("compile",))
     sec.check(("deepcompile", "enabled", "backend", "kwargs"), _RULES)
+    if sec.raw("enabled") is not None and not sec.bool("enabled", False) and not sec.bool("deepcompile", False):
+        return False
     if not (sec.bool("deepcompile", False) or sec.bool("enabled", False)):
         return None
     backend, kwargs = sec.raw("backend", "inductor"), sec.raw("kwargs", {}) or {}
