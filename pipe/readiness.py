@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from pipezero.comm import links
+from pipezero.chain import links
 
 __all__ = ["StepListener", "GradReadiness", "LossScaling", "find_link", "step_listener", "grad_readiness",
            "loss_scaling"]

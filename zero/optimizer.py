@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_gather, group_size, is_replica, mark_replica, nvtx_range
-from pipezero.comm.chain import ChainWrapper, describe, innermost
+from pipezero.chain import ChainWrapper, describe, innermost
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_strategies import make_grad_sync

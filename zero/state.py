@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from pipezero.comm import all_gather
-from pipezero.comm.chain import innermost
+from pipezero.chain import innermost
 from pipezero.zero.partition import Bucket
 
 if TYPE_CHECKING:
