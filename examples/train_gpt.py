@@ -7,13 +7,15 @@
     tensorboard --logdir runs/gpt
 
 The job reads top to bottom in the package (it ships in the wheel, so `pipezero train` runs it
-too); this script is the same command from a clone. `import train_gpt` gives its `main` and
-`parse_args`.
+too); this script is the same command from a clone, and `import train_gpt` (examples/ on
+sys.path) is that module itself.
 """
 
-from pipezero.train.gpt.job import main, parse_args, run
+import sys
 
-__all__ = ["main", "parse_args", "run"]
+from pipezero.train.gpt import job as _job
 
 if __name__ == "__main__":
-    run()
+    _job.run()
+else:  # the package's module under this name too: one set of functions (tests read and patch them)
+    sys.modules[__name__] = _job

@@ -1,4 +1,4 @@
-"""Generation for examples/gpt.py's layers: KV cache, left-padded batches, a CUDA-graph decode step.
+"""Generation for model.py's layers: KV cache, left-padded batches, a CUDA-graph decode step.
 
     python examples/generate.py --checkpoint runs/gpt --prompt "def " --tokens 200   # sample the main job's model
 

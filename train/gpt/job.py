@@ -49,7 +49,7 @@ from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traf
 from pipezero.train.state import export_model, load_state, resume_if_any, save_state, saved_batch
 from pipezero.zero import ZeroOptimizer
 
-__all__ = ["main", "parse_args", "run"]
+__all__ = ["ds_config", "main", "parse_args", "resume", "run", "train_config"]
 
 PEAK_FLOPS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}  # H100/H200 SXM, dense
 log = logging.getLogger("pipezero.train_gpt")  # main's get_logger adds the rank prefix (rank 0 prints)
