@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from pipezero.checks import is_int
 from pipezero.pipe.actions import Action, ActionTable, Op
 from pipezero.pipe.placement import PLACEMENTS
 
@@ -27,7 +28,7 @@ F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
 
 
 def _check_count(owner: str, name: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{owner}({name}={value!r}): {name} must be an int")
     if value < minimum:
         raise ValueError(f"{owner}({name}={value}): {name} must be >= {minimum}")

@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from pipezero.checks import is_int
+
 __all__ = ["LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_params", "measure_profile",
            "total_params"]
 
@@ -48,7 +50,7 @@ class ModelShape:
     def __post_init__(self) -> None:
         for key in ("layers", "d_model", "heads", "seq_len", "vocab"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value, minimum=1):
                 raise ValueError(f"ModelShape({key}={value!r}): expected a positive integer")
         if self.d_model % self.heads:
             raise ValueError(f"ModelShape(d_model={self.d_model}, heads={self.heads}): d_model must be a "
