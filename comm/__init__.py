@@ -1,7 +1,7 @@
-"""What the other packages share: p2p activations, bucketed collectives, traffic, the optimizer chain."""
+"""What the other packages share: p2p activations, bucketed collectives, traffic (and, re-exported, the optimizer chain)."""
 
+from pipezero.chain import ChainLink, ChainWrapper, innermost, links  # re-exported: the chain lives at the root
 from pipezero.comm.buckets import DEFAULT_BUCKET_BYTES, all_reduce_coalesced, plan_buckets
-from pipezero.comm.chain import ChainLink, ChainWrapper, innermost, links
 from pipezero.comm.collectives import Handle, all_gather, all_reduce, group_size, reduce_scatter
 from pipezero.comm.nvtx import nvtx_range, profiling, profiling_enabled
 from pipezero.comm.p2p import P2P, CommTimeout, PeerLost, is_peer_lost, peer_lost

@@ -1,6 +1,6 @@
 """Pipeline parallelism: layer specs, schedules as data, simulator, executor."""
 
-from pipezero.pipe.actions import Action, Op, Schedule
+from pipezero.pipe.actions import Action, ActionTable, Op, PipelineSchedule, Schedule
 from pipezero.pipe.costs import measure_layer_costs
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.runner import PipelineRunner, PipelineTimeout
@@ -12,7 +12,7 @@ from pipezero.pipe.schedules import (Custom, DualPipeV, GPipe, Interleaved1F1B, 
 from pipezero.pipe.simulate import Costs, SimResult, simulate
 from pipezero.pipe.validate import ScheduleError, validate
 
-__all__ = ["Action", "Op", "Schedule",
+__all__ = ["Action", "Op", "ActionTable", "PipelineSchedule", "Schedule",
            "LayerSpec", "TiedLayerSpec", "PipelineModule", "measure_layer_costs", "PipelineRunner", "PipelineTimeout",
            "GPipe", "OneFOneB", "Interleaved1F1B", "ZeroBubbleH1", "ZeroBubbleV", "DualPipeV", "Custom",
            "SCHEDULES", "make_schedule", "schedule_entry", "schedule_names",

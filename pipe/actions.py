@@ -7,7 +7,9 @@ touches torch.distributed; the validator, the simulator and the executor all rea
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
+
+__all__ = ["Op", "Action", "ActionTable", "PipelineSchedule", "Schedule"]
 
 
 class Op(enum.Enum):
@@ -39,4 +41,22 @@ class Action(NamedTuple):
         raise ValueError(f"cannot read action {text!r}: expected <chunk><F|B|I|W><microbatch>, e.g. '0F3'")
 
 
-Schedule = dict[int, list[Action]]  # pipeline rank -> its ordered actions
+ActionTable = dict[int, list[Action]]  # pipeline rank -> its ordered actions
+Schedule = ActionTable  # the table's name before a schedule object had its own (kept for imports)
+
+
+@runtime_checkable
+class PipelineSchedule(Protocol):
+    """What the runner, the validator and the simulator read from a schedule object.
+
+    pipe/schedules.py's classes are schedules; so is any user object with these four members
+    (tests/test_pipe_runner.py's HandGPipe). `placement` is "looped" or "v" (pipe/placement.py).
+    """
+
+    num_microbatches: int
+    num_chunks: int
+    placement: str
+
+    def actions(self, num_stages: int) -> ActionTable:
+        """Every rank's ordered actions for a pipeline of `num_stages` ranks (pure data)."""
+        ...

@@ -8,16 +8,16 @@ micro-batch 1) that doubles the backward. Zero-bubble implementations instead de
 weight GEMM inside the linear layer itself (Qi et al. 2023, section 5; Megatron-LM keeps the
 layer's input and output gradient and computes the weight gradient later). Here:
 
-* a split schedule turns the chunk's `nn.Linear` modules into DeferringLinear (the same
-  module, parameters and state_dict: only `forward` differs, and only while a WeightSink
-  collects);
+* PipelineModule(deferred_linear=True), the default, builds its plain `nn.Linear` modules as
+  DeferringLinear (the same module, parameters and state_dict: only `forward` differs, and
+  only while a WeightSink collects, which the runner does under a schedule that splits backward);
 * while a sink collects (the runner's forward of one chunk and microbatch, and its backward,
   where activation checkpointing re-runs the forward), their forward records an autograd
   node whose backward returns the input gradient only and leaves (weight, bias, input,
   output gradient) in the sink;
 * `WeightSink.apply()` (W) computes those weight and bias gradients and adds them to
   `.grad`, as autograd would, but without the post-accumulate hooks (the caller tells the
-  optimizer: GradReadiness.collect_grad_sync).
+  optimizer: StepListener.collect_grad_sync).
 
 Everything else (LayerNorm, embeddings, tensor-parallel DTensor weights, autocast regions,
 frozen weights, a Linear whose input needs no gradient) keeps its gradient in the ordinary
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DeferringLinear", "WeightSink", "collecting", "defer_linear_weights"]
+__all__ = ["DeferringLinear", "WeightSink", "collecting", "defer_linear_weights", "has_deferring_linear"]
 
 _collecting: "WeightSink | None" = None  # a process-global, not thread-local: autograd's device
                                          # threads re-run checkpointed forwards and must see it
@@ -130,3 +130,8 @@ def defer_linear_weights(module: nn.Module) -> int:
             m.__class__ = DeferringLinear
             count += 1
     return count
+
+
+def has_deferring_linear(module: nn.Module) -> bool:
+    """Does `module` hold a DeferringLinear (whose weight GEMMs a split schedule defers to W)?"""
+    return any(isinstance(m, DeferringLinear) for m in module.modules())

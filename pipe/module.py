@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipezero.comm import all_reduce_coalesced, mark_replica
 from pipezero.pipe.compile import CompileConfig, compile_layers, repeated_classes
+from pipezero.pipe.deferred_linear import defer_linear_weights
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.shared_layers import check_shared_layers
@@ -42,20 +43,24 @@ class PipelineModule(nn.Module):
     layer over grid.mesh["tensor"] (pipe/tensor_parallel.py); tied layers stay replicated.
     `compile` (True or a CompileConfig; default: on CUDA without tensor parallelism; False: off)
     torch.compiles each repeated layer's forward for training (pipe/compile.py).
+    `deferred_linear=True` builds the plain nn.Linear layers as DeferringLinear: under a schedule
+    that splits backward their weight GEMMs run in W (pipe/deferred_linear.py); False leaves
+    them to torch's graph split (pipe/split_backward.py).
     """
 
     def __init__(self, layers: Sequence[Any], grid: Grid, loss_fn: Callable | None = None,
                  partition_method: str | Sequence[float] = "parameters", num_chunks: int = 1,
                  activation_checkpoint_interval: int = 0, placement: str = "looped",
                  seed: int = 0, device: torch.device | str | None = None,
-                 tensor_plan: PlanSource | None = None, compile: CompileConfig | bool | None = None):
+                 tensor_plan: PlanSource | None = None, compile: CompileConfig | bool | None = None,
+                 deferred_linear: bool = True):
         super().__init__()
-        _check_args(layers, num_chunks, activation_checkpoint_interval, placement)
+        _check_args(layers, num_chunks, activation_checkpoint_interval, placement, deferred_linear)
         self.grid, self.loss_fn, self.placement = grid, loss_fn, placement
         self.num_stages, self.num_chunks = grid.pipe_size, num_chunks
         self.num_virtual_stages = self.num_stages * num_chunks
         self.activation_checkpoint_interval = activation_checkpoint_interval
-        self.seed, self.tensor_plan = seed, tensor_plan
+        self.seed, self.tensor_plan, self.deferred_linear = seed, tensor_plan, deferred_linear
         self.device = torch.device(device) if device is not None else process_device()
         self._specs = list(layers)
         ranks = [owner(stage, self.num_stages, placement)[0] for stage in range(self.num_virtual_stages)]
@@ -73,6 +78,8 @@ class PipelineModule(nn.Module):
         self._make_tie_groups()
         if grid.tensor_size > 1:
             mark_tensor_duplicates(self, grid.tensor_rank)
+        if deferred_linear:
+            defer_linear_weights(self)
         self.compile_config = CompileConfig.of(compile, self.device, grid.tensor_size)  # None: on CUDA
         if self.compile_config is not None:
             compile_layers(self.layers.values(), self.compile_config, repeated_classes(self._specs))
@@ -209,56 +216,45 @@ class PipelineModule(nn.Module):
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """Local parameters shared with other pipeline ranks (their grads are summed over the owners)."""
-        out = []
-        for key in self._tie_groups:
-            spec = self._specs[_tied_indices(self._specs)[key][0]]
-            out += spec.tied_parameters(self.tied[key])
-        return out
+        return [p for key in self._tie_groups for p in self._tied_spec(key).tied_parameters(self.tied[key])]
 
-    def detach_tied(self) -> None:
-        """Until reduce_tied_grads(): backward accumulates tied gradients into stand-ins.
+    def set_aside_tied_grads(self) -> list[torch.Tensor | None]:
+        """Before a step: take each tied parameter's .grad away (None), so that the tie-group sum
+        after the step adds this step's contributions only; returns them for sum_tied_grads."""
+        tied = self.tied_parameters()
+        aside = [p.grad for p in tied]
+        for p in tied:
+            p.grad = None
+        return aside
 
-        Owners must sum their tied gradients before the optimizer sees them, but an optimizer
-        may take a gradient away as soon as it is accumulated (ZeRO moves it into its buffer).
-        So during the step each shared weight is replaced by a stand-in leaf that views the
-        same storage; the optimizer's hooks on the real parameter never fire.
+    def sum_tied_grads(self, aside: Sequence[torch.Tensor | None], reduce: bool = True) -> list[nn.Parameter]:
+        """Sum this step's tied gradients over their owners and add them to what was set aside.
+
+        The optimizer left the tied .grad intact during the step (the runner named them in
+        hold_grad_sync). reduce=False (after a failure): put back what was set aside, no
+        collective. Returns the tied parameters whose .grad changed (the runner then releases them).
         """
-        self._stand_ins = []
-        for key in self._tie_groups:
-            spec = self._specs[_tied_indices(self._specs)[key][0]]
-            module = self.tied[key]
-            for attr in spec.tied_weight_attrs:
-                real = module._parameters[attr]
-                stand_in = nn.Parameter(real.detach(), requires_grad=real.requires_grad)
-                module._parameters[attr] = stand_in
-                self._stand_ins.append((module, attr, real, stand_in))
-
-    def reduce_tied_grads(self, reduce: bool = True) -> list[nn.Parameter]:
-        """Put the real tied weights back and add their gradients, summed over the owners, to .grad.
-
-        Returns the tied parameters whose .grad changed (the runner then releases them).
-        """
-        swaps, self._stand_ins = getattr(self, "_stand_ins", []), []
-        for module, attr, real, _ in swaps:
-            module._parameters[attr] = real
+        tied = self.tied_parameters()
         if not reduce:
+            for p, before in zip(tied, aside):
+                p.grad = before
             return []
-        swaps = [s for s in swaps if s[2].requires_grad]  # a frozen tied weight (LoRA's base) gets no gradient
-        by_key: dict[int, list] = {}
-        for module, attr, real, stand_in in swaps:
-            by_key.setdefault(id(module), []).append((real, stand_in))
+        before_of = {id(p): before for p, before in zip(tied, aside)}
+        changed = []
         for key, (group, _) in self._tie_groups.items():
-            pairs = by_key.get(id(self.tied[key]), [])
-            if not pairs:  # the same on every owner: requires_grad comes from the same spec
+            params = [p for p in self._tied_spec(key).tied_parameters(self.tied[key]) if p.requires_grad]
+            if not params:  # a frozen tied weight (LoRA's base) gets no gradient; the same on every owner
                 continue
-            grads = [torch.zeros_like(r) if s.grad is None else s.grad for r, s in pairs]
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
             all_reduce_coalesced(grads, group=group).wait()
-            for (real, _), grad in zip(pairs, grads):
-                if real.grad is None:
-                    real.grad = grad
-                else:
-                    real.grad.add_(grad)
-        return [real for _, _, real, _ in swaps]
+            for p, grad in zip(params, grads):
+                before = before_of[id(p)]
+                p.grad = grad if before is None else before.add_(grad)
+            changed += params
+        return changed
+
+    def _tied_spec(self, key: str) -> TiedLayerSpec:
+        return self._specs[_tied_indices(self._specs)[key][0]]
 
 
 def _tied_indices(layers: Sequence[Any]) -> dict[str, list[int]]:
@@ -292,7 +288,7 @@ def _check_plans(layers: Sequence[Any], source: PlanSource | None, degree: int) 
             check_tensor_plan(module, plan, degree, where)
 
 
-def _check_args(layers: Sequence[Any], num_chunks: int, interval: int, placement: str) -> None:
+def _check_args(layers: Sequence[Any], num_chunks: int, interval: int, placement: str, deferred_linear: bool) -> None:
     if not isinstance(layers, (list, tuple)) or not layers:
         raise ValueError(f"PipelineModule(layers={layers!r}): expected a non-empty list of "
                          "LayerSpec / TiedLayerSpec / nn.Module / callable")
@@ -308,3 +304,5 @@ def _check_args(layers: Sequence[Any], num_chunks: int, interval: int, placement
                          "pairs chunks down and back up, so num_chunks must be even (ZeroBubbleV uses 2)")
     if not isinstance(interval, int) or interval < 0:
         raise ValueError(f"activation_checkpoint_interval={interval!r}: expected 0 (off) or a positive integer")
+    if not isinstance(deferred_linear, bool):
+        raise TypeError(f"PipelineModule(deferred_linear={deferred_linear!r}): expected True or False")

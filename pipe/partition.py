@@ -13,10 +13,10 @@ holds both the first and the last chunk).
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Sequence
 
+from pipezero.checks import is_number
 from pipezero.pipe.placement import owner
 from pipezero.pipe.spec import count_parameters, layer_name
 
@@ -126,7 +126,7 @@ def balance_ranks(costs: Sequence[float], bounds: Sequence[int], ranks: Sequence
 def _check_costs(costs: Sequence[Any], num_layers: int) -> list[float]:
     if len(costs) != num_layers:
         raise ValueError(f"partition_method has {len(costs)} costs for {num_layers} layers; give one per layer")
-    bad = [c for c in costs if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0]
+    bad = [c for c in costs if not is_number(c, minimum=0)]
     if bad or not any(costs):
         raise ValueError(f"partition_method costs must be finite numbers >= 0, not all 0; got {list(costs)!r}")
     return [float(c) for c in costs]

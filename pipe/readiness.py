@@ -1,11 +1,20 @@
-"""What the pipeline runner tells the optimizer: gradient readiness, and the loss scale.
+"""The one runtime contract of a pipeline step: what the executor tells the optimizer, in order.
 
-The runner runs many microbatches' backward passes before the optimizer steps. An optimizer
-that reduces gradients over the data group (ZeroOptimizer) wants to know when a parameter's
-gradient is final, so that it reduces it once, overlapping the pipeline's cool-down, rather
-than once per microbatch (the `no_sync` contract DDP uses). The runner is the side that knows,
-so the protocol is written down here, and resolved once when the runner is built: the link of
-the optimizer chain that implements it, or a no-op for a plain torch optimizer.
+The runner runs many microbatches' backward passes before the optimizer steps, and only it
+knows, from the schedule, when a chunk's parameters are needed and when a parameter's
+gradient is final. An optimizer that reduces gradients over the data group or partitions
+parameters (ZeroOptimizer, every stage) listens, so that it reduces each gradient once,
+overlapping the pipeline's cool-down (DDP's `no_sync` contract), and gathers each chunk just
+in time (ZeRO-3). pipe/ emits these events, so the protocol is written down here;
+zero/optimizer.py implements it once. A plain torch optimizer listens to nothing.
+
+Who owns what: the executor says *when* (read off the schedule: pipe/step_plan.py for
+gradients, pipe/gathering.py for parameters, `reshard_after_forward` being its memory
+choice); the listener owns *how*: buckets, reductions, what is partitioned, that tied
+weights stay whole through a step, that its own module hooks stand down while an executor
+drives. The executor edits exactly one thing the listener also sees: the `.grad` of tied
+weights, which it sums over their tie group after the last action; the listener keeps those
+`.grad` intact until they are released.
 """
 
 from __future__ import annotations
@@ -14,33 +23,55 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from pipezero.comm import links
+from pipezero.chain import links
 
-__all__ = ["GradReadiness", "LossScaling", "find_link", "grad_readiness", "loss_scaling"]
+__all__ = ["StepListener", "GradReadiness", "LossScaling", "find_link", "step_listener", "grad_readiness",
+           "loss_scaling"]
 
 
 @runtime_checkable
-class GradReadiness(Protocol):
-    """An optimizer that reduces gradients and listens to the runner.
+class StepListener(Protocol):
+    """The events of one runner, in the order it emits them.
 
-    Per train_step: `hold_grad_sync(all params)` before the first backward; for each group of
-    parameters whose last backward is about to run, `release_grad_sync(params)`, then after it
-    `flush_grad_sync(params)` (reduce whatever of theirs is not yet reduced); tied weights are
-    released and flushed last, after their gradients were summed over the tie group.
-    `collect_grad_sync(params)` follows each split weight backward, which assigns `.grad`
-    without the autograd hooks the optimizer listens to.
+    Once, when the runner is built: `attach_pipeline()`.
+    Per train_step: `hold_grad_sync(params, tied)` before the first action; then per action
+    `release_grad_sync(final)` (when its backward completes those gradients), `need_params(
+    params, upcoming)`, the action, `collect_grad_sync(params)` (after a split weight backward
+    W, which assigns `.grad` without autograd's hooks), `flush_grad_sync(final)`,
+    `done_with_params(params)` (when the plan frees the chunk); after the last action the tied
+    gradients are summed over their tie group, then `release_grad_sync(tied)`,
+    `flush_grad_sync(tied)`, and `step_done()`.
+    Per eval_step: per action `need_params` / `done_with_params`, then `step_done()`.
     """
 
-    def check_pipeline(self) -> None:
-        """Raise ValueError when this optimizer cannot run under the pipeline runner (says why and the fix)."""
+    def attach_pipeline(self) -> None:
+        """A runner drives from now on: it says when parameters are needed (need_params)."""
 
-    def hold_grad_sync(self, params: Sequence[torch.Tensor]) -> None: ...
+    def hold_grad_sync(self, params: Sequence[torch.Tensor], tied: Sequence[torch.Tensor] = ()) -> None:
+        """Reduce none of `params`' gradients until released. `tied`: the executor adds to their
+        `.grad` after the last action, so leave it exactly as autograd accumulates it (not moved,
+        pushed or reduced) until released, and keep them whole through the step."""
 
-    def release_grad_sync(self, params: Sequence[torch.Tensor]) -> None: ...
+    def release_grad_sync(self, params: Sequence[torch.Tensor]) -> None:
+        """The next backward completes these gradients: reduce them as they become ready."""
 
-    def flush_grad_sync(self, params: Sequence[torch.Tensor]) -> None: ...
+    def need_params(self, params: Sequence[torch.Tensor], upcoming: Sequence[torch.Tensor] = ()) -> None:
+        """The next action runs on `params`: whole now. `upcoming`: the next other chunk's, soon."""
 
-    def collect_grad_sync(self, params: Sequence[torch.Tensor]) -> None: ...
+    def collect_grad_sync(self, params: Sequence[torch.Tensor]) -> None:
+        """These `.grad` were assigned without autograd's hooks (a split weight backward)."""
+
+    def flush_grad_sync(self, params: Sequence[torch.Tensor]) -> None:
+        """Their last backward is done: reduce whatever of theirs is not reduced yet."""
+
+    def done_with_params(self, params: Sequence[torch.Tensor]) -> None:
+        """No action needs `params` until the next need_params (they may be partitioned again)."""
+
+    def step_done(self) -> None:
+        """The step's actions are over: nothing needs any parameter whole any more."""
+
+
+GradReadiness = StepListener  # the name before the gathering events joined it (kept for imports)
 
 
 @runtime_checkable
@@ -53,20 +84,29 @@ class LossScaling(Protocol):
 class _NoReadiness:
     """Listens to nothing: a plain torch optimizer, or no optimizer."""
 
-    def check_pipeline(self) -> None:
-        """Nothing to refuse."""
+    def attach_pipeline(self) -> None:
+        """Nothing to attach."""
 
-    def hold_grad_sync(self, params: Sequence[torch.Tensor]) -> None:
+    def hold_grad_sync(self, params: Sequence[torch.Tensor], tied: Sequence[torch.Tensor] = ()) -> None:
         """Nothing to hold."""
 
     def release_grad_sync(self, params: Sequence[torch.Tensor]) -> None:
         """Nothing to release."""
 
-    def flush_grad_sync(self, params: Sequence[torch.Tensor]) -> None:
-        """Nothing to flush."""
+    def need_params(self, params: Sequence[torch.Tensor], upcoming: Sequence[torch.Tensor] = ()) -> None:
+        """Parameters are always whole."""
 
     def collect_grad_sync(self, params: Sequence[torch.Tensor]) -> None:
         """Nothing to collect."""
+
+    def flush_grad_sync(self, params: Sequence[torch.Tensor]) -> None:
+        """Nothing to flush."""
+
+    def done_with_params(self, params: Sequence[torch.Tensor]) -> None:
+        """Nothing to partition."""
+
+    def step_done(self) -> None:
+        """Nothing to partition."""
 
 
 def find_link(optimizer: Any, protocol: type) -> Any:
@@ -75,13 +115,13 @@ def find_link(optimizer: Any, protocol: type) -> Any:
     return next((link for link in chain if isinstance(link, protocol)), None)
 
 
-def grad_readiness(optimizer: Any) -> GradReadiness:
-    """The link of the optimizer chain that implements GradReadiness (checked), else a no-op."""
-    link = find_link(optimizer, GradReadiness)
-    if link is None:
-        return _NoReadiness()
-    link.check_pipeline()
-    return link
+def step_listener(optimizer: Any) -> StepListener:
+    """The link of the optimizer chain that listens to the runner, else a no-op listener."""
+    link = find_link(optimizer, StepListener)
+    return _NoReadiness() if link is None else link
+
+
+grad_readiness = step_listener  # the name before the gathering events joined it (kept for imports)
 
 
 def loss_scaling(optimizer: Any) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pipezero.checks import is_int
 from pipezero.pipe.schedules import DualPipeV, GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 
 __all__ = ["SCHEDULES", "ScheduleEntry", "make_schedule", "schedule_entry", "schedule_names"]
@@ -51,7 +52,7 @@ class ScheduleEntry:
         if chunks is None:
             return self.chunks
         if self.variable_chunks:
-            if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
+            if not is_int(chunks, minimum=2):
                 raise ValueError(f'schedule "{self.name}" takes chunks >= 2 per rank, got {chunks!r}')
         elif chunks != self.chunks:
             raise ValueError(f'schedule "{self.name}" runs {self.chunks} chunk(s) per rank, got chunks={chunks!r}; '

@@ -3,28 +3,25 @@
 The text grid uses torch-style cells ("0F3" = chunk 0, forward, microbatch 3) and is what
 ScheduleError prints; `Custom.from_text` reads it back.  The picture draws one row per rank
 with a box per action (F, B, I, W in distinct colours, later chunks lighter), rank labels, a
-time axis and a legend (pipe/font.py draws the text), for a file or for TensorBoard's
-`add_image(..., dataformats="HWC")`.  Only numpy is needed; pillow writes the PNG when it is
-installed, otherwise a small zlib writer does.
+time axis and a legend, for a file or for TensorBoard's `add_image(..., dataformats="HWC")`.
+The boxes are numpy; pillow (a required dependency) draws the text, in its built-in bitmap
+font (the same pixels on every machine), and writes the PNG.
 """
 
 from __future__ import annotations
 
-import struct
-import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipezero.pipe.actions import Action, Op
-from pipezero.pipe.font import draw_text, text_size
 
 if TYPE_CHECKING:
     import numpy as np
 
     from pipezero.pipe.simulate import SimResult
 
-__all__ = ["to_text", "to_chrome_trace", "to_image", "to_png", "COLORS"]
+__all__ = ["to_text", "to_chrome_trace", "to_image", "to_png", "text_size", "COLORS"]
 
 COLORS: dict[Op, tuple[int, int, int]] = {
     Op.FORWARD: (66, 133, 244),          # blue
@@ -165,23 +162,46 @@ def _framed(plot: np.ndarray, result: "SimResult", scale: float, row_height: int
     legend_w = sum(text_size(t)[0] + 28 for t in legend)
     img = np.full((ph + 60, max(left + pw, legend_w + 8) + 8, 3), 255, dtype=np.uint8)
     img[:ph, left:left + pw] = plot
-    for r in range(result.num_stages):
-        draw_text(img, 4, gap + r * (row_height + gap) + (row_height - 10) // 2, f"rank {r}", _INK)
+    texts = [(4, gap + r * (row_height + gap) + (row_height - 10) // 2, f"rank {r}") for r in range(result.num_stages)]
     x0, end = left + gap, left + gap + int(round(result.makespan * scale))
     img[ph, x0:end + 1] = _INK
     for t in _ticks(result.makespan):
         x = x0 + int(round(t * scale))
         img[ph:ph + 4, x] = _INK
         label = f"{t:g}"
-        draw_text(img, x - text_size(label)[0] // 2, ph + 6, label, _INK)
-    draw_text(img, (x0 + end - text_size("time")[0]) // 2, ph + 20, "time", _INK)
+        texts.append((x - text_size(label)[0] // 2, ph + 6, label))
+    texts.append(((x0 + end - text_size("time")[0]) // 2, ph + 20, "time"))
     x = left
     for text, op in zip(legend, ops + [None]):
         if op is not None:
             img[ph + 40:ph + 50, x:x + 10] = COLORS[op]
-        draw_text(img, x + 14, ph + 40, text, _INK)
+        texts.append((x + 14, ph + 40, text))
         x += text_size(text)[0] + 28
-    return img
+    return _with_texts(img, texts)
+
+
+def text_size(text: str) -> tuple[int, int]:
+    """(width, height) in pixels of `text` in the pictures' font."""
+    box = _font().getbbox(text)
+    return box[2], box[3]
+
+
+def _font():
+    from PIL import ImageFont
+
+    return ImageFont.load_default_imagefont()  # the bitmap font: no anti-aliasing, the same pixels everywhere
+
+
+def _with_texts(img: np.ndarray, texts: list[tuple[int, int, str]]) -> np.ndarray:
+    """`img` with each text drawn in ink, its top-left corner at (x, y); clipped at the edges."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    canvas = Image.fromarray(img)
+    draw, font = ImageDraw.Draw(canvas), _font()
+    for x, y, text in texts:
+        draw.text((x, y), text, fill=_INK, font=font)
+    return np.array(canvas)
 
 
 def _ticks(makespan: float) -> list[float]:
@@ -198,28 +218,8 @@ def _ticks(makespan: float) -> list[float]:
 
 def to_png(result: "SimResult", path: str | Path, **image_kwargs: Any) -> Path:
     """Write `to_image(result)` as a PNG file and return its path."""
+    from PIL import Image
+
     path = Path(path)
-    img = to_image(result, **image_kwargs)
-    try:
-        from PIL import Image
-    except ImportError:
-        path.write_bytes(encode_png(img))
-    else:
-        Image.fromarray(img).save(path, format="PNG")
+    Image.fromarray(to_image(result, **image_kwargs)).save(path, format="PNG")
     return path
-
-
-def encode_png(img: np.ndarray) -> bytes:
-    """A minimal RGB PNG encoder (no filtering, zlib-compressed) for when pillow is absent."""
-    if str(img.dtype) != "uint8" or img.ndim != 3 or img.shape[2] != 3:
-        raise ValueError(f"encode_png needs an H x W x 3 uint8 array, got {img.dtype} {img.shape}")
-    h, w, _ = img.shape
-    raw = b"".join(b"\x00" + img[y].tobytes() for y in range(h))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))

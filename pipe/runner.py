@@ -11,8 +11,9 @@ deadlock, including ZeroBubbleV and DualPipeV. Activations of adjacent virtual s
 same rank (the tip of a V) pass locally. An output sent to another rank keeps only its graph
 once sent, when no backward node saved its values (Megatron's output deallocation;
 `freed_bytes` counts them per step). Zero-bubble's I and W: pipe/split_backward.py; under a
-schedule that splits backward the chunks' nn.Linear layers defer their weight GEMMs to W
-(pipe/deferred_linear.py).
+schedule that splits backward the model's DeferringLinear layers (PipelineModule(
+deferred_linear=True), the default) defer their weight GEMMs to W (pipe/deferred_linear.py).
+What the runner tells the optimizer during a step is one protocol, pipe/readiness.py.
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ from pipezero.comm import P2P, CommTimeout, PeerLost, nvtx_range
 from pipezero.pipe.actions import Op
 from pipezero.pipe.batch_check import check_batch, split_batch
 from pipezero.pipe.dealloc import free, freeable, saved_storages
-from pipezero.pipe.deferred_linear import WeightSink, collecting, defer_linear_weights
+from pipezero.pipe.deferred_linear import WeightSink, collecting, has_deferring_linear
 from pipezero.pipe.gathering import chunk_gatherings
 from pipezero.pipe.groups import cpu_world_group, side_group
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.placement import owner
-from pipezero.pipe.readiness import grad_readiness, loss_scaling
+from pipezero.pipe.readiness import loss_scaling, step_listener
 from pipezero.pipe.split_backward import WeightGrad, backward_input
 from pipezero.pipe.stage_errors import LayerError
-from pipezero.pipe.step_plan import Message, Step, plan_steps
+from pipezero.pipe.step_plan import Message, PipelineSchedule, Step, plan_steps
 from pipezero.pipe.timeline import Timeline, bubble_fraction, gather_events
 from pipezero.pipe.validate import Transfer
 
@@ -51,20 +52,20 @@ class PipelineRunner:
 
     Does not call optimizer.step(): the user does, after train_step returns (tied-weight
     gradients are already summed then). With a data degree > 1 pass an optimizer that
-    reduces gradients over grid.data_group (ZeroOptimizer; stage 0 behaves like DDP); the
-    runner drives its readiness hooks (hold / release / flush) so reductions overlap the
-    pipeline's cool-down. A ZeRO-3 optimizer (a ParamGathering) is told when each chunk's
-    parameters must be whole (pipe/gathering.py); `reshard_after_forward` picks whether a
-    chunk stays whole through the step (False) or is freed whenever another chunk runs.
+    reduces gradients over grid.data_group (ZeroOptimizer; stage 0 behaves like DDP): the
+    link of its chain that is a StepListener (pipe/readiness.py) hears when gradients are
+    final, so reductions overlap the pipeline's cool-down, and when each chunk's parameters
+    are needed (ZeRO-3, pipe/gathering.py); `reshard_after_forward` says whether a chunk is
+    needed through the step (False) or done with whenever another chunk runs.
     Transfer metadata (shapes, dtypes) is sent again when the inputs' shapes change;
     `variable_shapes=True` sends it every step (inner shapes that change on their own).
     """
 
-    def __init__(self, model: PipelineModule, schedule: Any, optimizer: Any = None,
+    def __init__(self, model: PipelineModule, schedule: PipelineSchedule, optimizer: torch.optim.Optimizer | None = None,
                  timeout_s: float = 300.0, variable_shapes: bool = False, reshard_after_forward: bool = False):
         plan = plan_steps(schedule, model)  # checks and validates it: the same error on every rank
         self.model, self.schedule, self.optimizer = model, schedule, optimizer
-        self._readiness = grad_readiness(optimizer)   # refuses what cannot run here (ZeRO-3)
+        self._listener = step_listener(optimizer)
         self._scale = loss_scaling(optimizer)
         self.grid = model.grid
         self.num_microbatches = schedule.num_microbatches
@@ -77,11 +78,12 @@ class PipelineRunner:
         self._side_group = side_group(self.grid)
         self._check_group = cpu_world_group()
         self._signature: int | None = None
-        self._gathering = chunk_gatherings(optimizer, model, {True: [s.action.chunk for s in self.steps],
+        self._gathering = chunk_gatherings(self._listener, model, {True: [s.action.chunk for s in self.steps],
                                            False: [s.action.chunk for s in self.forward_steps]}, reshard_after_forward)
+        self._listener.attach_pipeline()
         # (chunk, microbatch) whose backward is split: their forwards defer Linear weight GEMMs to W
         split = {s.action[1:] for s in self.steps if s.action.op is Op.BACKWARD_INPUT}
-        self._split = split if split and defer_linear_weights(model) else set()
+        self._split = split if split and has_deferring_linear(model) else set()
 
     # -- public --------------------------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
@@ -89,19 +91,18 @@ class PipelineRunner:
         if self.model.loss_fn is None:
             raise ValueError("train_step needs PipelineModule(loss_fn=...) to compute the loss")
         self._start(inputs, targets, need_targets=True)
-        self._readiness.hold_grad_sync(list(self.model.parameters()))
-        self._gathering[True].gather_tied()  # ZeRO-3: whole before the stand-ins view them
-        self.model.detach_tied()
+        tied = self.model.tied_parameters()
+        self._listener.hold_grad_sync(list(self.model.parameters()), tied)
+        aside = self.model.set_aside_tied_grads()
         try:
             self._run(self.steps, train=True)
         except BaseException:
-            self.model.reduce_tied_grads(reduce=False)  # put the weights back; no collective on failure
+            self.model.sum_tied_grads(aside, reduce=False)  # what was set aside back; no collective on failure
             raise
-        tied = self.model.reduce_tied_grads()
-        if tied:  # their gradients are final only now
-            self._readiness.release_grad_sync(tied)
-            self._readiness.flush_grad_sync(tied)
-        self._gathering[True].release_tied()
+        if self.model.sum_tied_grads(aside):  # their gradients are final only now
+            self._listener.release_grad_sync(tied)
+            self._listener.flush_grad_sync(tied)
+        self._listener.step_done()
         return self._mean_loss()
 
     @torch.no_grad()
@@ -110,7 +111,7 @@ class PipelineRunner:
         outputs (concatenated along dim 0) on the last-stage rank, None elsewhere."""
         with_loss = self._start(inputs, targets, need_targets=False)
         self._run(self.forward_steps, train=False, with_loss=with_loss)
-        self._gathering[False].release_all()
+        self._listener.step_done()
         if with_loss:
             return self._mean_loss()
         if self.grid.pipe_rank != self.last_pipe_rank:
@@ -168,12 +169,12 @@ class PipelineRunner:
                                       for t in steps[i + 1].recvs])
             release = last_use.get(i)
             if release:  # gradients final after this step (pipe/readiness.py)
-                self._readiness.release_grad_sync(release)
+                self._listener.release_grad_sync(release)
             gathering.before(i)
             with self.timeline.span(str(step.action), "compute"), nvtx_range(step.action):
                 sends = self._do(step, train, with_loss)
             if release:
-                self._readiness.flush_grad_sync(release)
+                self._listener.flush_grad_sync(release)
             gathering.after(i)
         if sends:
             self._exchange(sends, (), steps[-1])
@@ -216,7 +217,7 @@ class PipelineRunner:
             return self._forward(step, train, with_loss)
         if op is Op.BACKWARD_WEIGHT:
             if self._deferred.pop(step.action[1:]).run():  # assigned .grad without hooks: tell the optimizer
-                self._readiness.collect_grad_sync(self.model.chunk_parameters(step.action.chunk))
+                self._listener.collect_grad_sync(self.model.chunk_parameters(step.action.chunk))
             return []
         return self._backward(step, keep_graph=op is Op.BACKWARD_INPUT)
 

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from pipezero.pipe.actions import Action, Op, Schedule
+from pipezero.checks import is_int
+from pipezero.pipe.actions import Action, ActionTable, Op
 from pipezero.pipe.placement import PLACEMENTS
 
 __all__ = ["GPipe", "OneFOneB", "Interleaved1F1B", "ZeroBubbleH1", "ZeroBubbleV", "DualPipeV",
@@ -27,7 +28,7 @@ F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
 
 
 def _check_count(owner: str, name: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{owner}({name}={value!r}): {name} must be an int")
     if value < minimum:
         raise ValueError(f"{owner}({name}={value}): {name} must be >= {minimum}")
@@ -44,7 +45,7 @@ class _Base:
     def __post_init__(self) -> None:
         _check_count(type(self).__name__, "num_microbatches", self.num_microbatches)
 
-    def actions(self, num_stages: int) -> Schedule:
+    def actions(self, num_stages: int) -> ActionTable:
         """Every rank's ordered actions for a pipeline of `num_stages` ranks."""
         _check_count(f"{self!r}.actions", "num_stages", num_stages)
         return {r: self._rank(r, num_stages) for r in range(num_stages)}
@@ -106,7 +107,7 @@ class Interleaved1F1B(_Base):
         super().__post_init__()
         _check_count(type(self).__name__, "num_chunks", self.num_chunks, minimum=2)
 
-    def actions(self, num_stages: int) -> Schedule:
+    def actions(self, num_stages: int) -> ActionTable:
         _check_count(f"{self!r}.actions", "num_stages", num_stages)
         m, p = self.num_microbatches, num_stages
         if m % p:
@@ -219,7 +220,7 @@ class DualPipeV(_Base):
     placement: ClassVar[str] = "v"
     split_backward: ClassVar[bool] = True  # some backwards are split into I and W
 
-    def actions(self, num_stages: int) -> Schedule:
+    def actions(self, num_stages: int) -> ActionTable:
         _check_count(f"{self!r}.actions", "num_stages", num_stages)
         if self.num_microbatches < 2 * num_stages:
             raise ValueError(f"{self!r} on num_stages={num_stages}: needs num_microbatches >= "
@@ -335,7 +336,7 @@ class Custom(_Base):
         table = {r: [c for c in (row[r] for row in grid) if c] for r in range(len(grid[0]))}
         return cls(table, placement)
 
-    def actions(self, num_stages: int) -> Schedule:
+    def actions(self, num_stages: int) -> ActionTable:
         if num_stages != len(self.table):
             raise ValueError(f"this Custom schedule is written for num_stages={len(self.table)}, "
                              f"got num_stages={num_stages}")

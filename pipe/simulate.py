@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple
 
+from pipezero.checks import is_number
 from pipezero.pipe.actions import Action, Op
 from pipezero.pipe.validate import check_static, execute, raise_deadlock
 
@@ -42,7 +43,7 @@ class Costs:
     def __post_init__(self) -> None:
         for name in ("forward", "backward_input", "backward_weight", "p2p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not is_number(value, finite=False):
                 raise TypeError(f"Costs.{name}={value!r} must be a number")
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"Costs.{name}={value!r} must be a finite number >= 0")

@@ -46,7 +46,7 @@ class WeightGrad:
 
     def run(self) -> bool:
         """Compute the weight gradients; True when some .grad was assigned without autograd hooks
-        (the caller then tells the optimizer: GradReadiness.collect_grad_sync)."""
+        (the caller then tells the optimizer: StepListener.collect_grad_sync)."""
         if self.groups is not None:
             weights, groups = self.groups
             _stage_backward_weight(iter(weights), groups)

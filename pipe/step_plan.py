@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
-from pipezero.pipe.actions import Action, Op
+from pipezero.pipe.actions import Action, Op, PipelineSchedule
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.placement import virtual_stage
 from pipezero.pipe.validate import Move, Transfer, channel_order, transfer_table, validate
@@ -57,7 +57,7 @@ class StepPlan(NamedTuple):
     last_weight_use: dict[int, list]  # train step index -> parameters whose gradient is final after it
 
 
-def plan_steps(schedule: Any, model: PipelineModule) -> StepPlan:
+def plan_steps(schedule: PipelineSchedule, model: PipelineModule) -> StepPlan:
     """Check and validate `schedule` for `model`, then plan this rank's steps.
 
     Pure (no process group), so a bad schedule raises the same error on every rank.
@@ -75,23 +75,22 @@ def plan_steps(schedule: Any, model: PipelineModule) -> StepPlan:
     return StepPlan(train, _rank_steps(forward, model), _last_weight_use(train, model))
 
 
-def _check_schedule(schedule: Any, model: PipelineModule) -> None:
+def _check_schedule(schedule: PipelineSchedule, model: PipelineModule) -> None:
     if not isinstance(model, PipelineModule):
         raise TypeError(f"PipelineRunner(model={type(model).__name__}): expected a PipelineModule")
-    for attr in ("num_microbatches", "actions"):
-        if not hasattr(schedule, attr):
-            raise TypeError(f"PipelineRunner: schedule {schedule!r} has no {attr!r}; expected an object with "
-                            "num_microbatches, num_chunks, placement and actions(num_stages)")
+    if not isinstance(schedule, PipelineSchedule):
+        missing = [m for m in ("num_microbatches", "num_chunks", "placement", "actions") if not hasattr(schedule, m)]
+        raise TypeError(f"PipelineRunner: schedule {schedule!r} has no {missing}; expected a PipelineSchedule "
+                        "(pipe/actions.py): an object with num_microbatches, num_chunks, placement and "
+                        "actions(num_stages)")
     m = schedule.num_microbatches
     if not isinstance(m, int) or m < 1:
         raise ValueError(f"schedule.num_microbatches={m!r}: expected a positive integer")
-    chunks = getattr(schedule, "num_chunks", 1)
-    if chunks != model.num_chunks:
-        raise ValueError(f"{type(schedule).__name__} runs {chunks} chunks per rank but "
+    if schedule.num_chunks != model.num_chunks:
+        raise ValueError(f"{type(schedule).__name__} runs {schedule.num_chunks} chunks per rank but "
                          f"PipelineModule(num_chunks={model.num_chunks}); make them equal")
-    placement = getattr(schedule, "placement", "looped")
-    if placement != model.placement:
-        raise ValueError(f"{type(schedule).__name__} places chunks {placement!r} but "
+    if schedule.placement != model.placement:
+        raise ValueError(f"{type(schedule).__name__} places chunks {schedule.placement!r} but "
                          f"PipelineModule(placement={model.placement!r}); make them equal")
 
 

@@ -1,6 +1,6 @@
 """precision/: loss scaling (static, dynamic), fp32 master weights, global grad norm/overflow/clipping."""
 
-from pipezero.comm.chain import ChainLink
+from pipezero.chain import ChainLink
 from pipezero.precision.clip import clip_grad_norm, global_grad_norm
 from pipezero.precision.config import Precision, ScalerConfig, read_precision
 from pipezero.precision.master import MasterWeights

@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from pipezero.checks import is_number
 from pipezero.comm import all_reduce, is_replica
 from pipezero.topology import process_device
 
@@ -121,7 +122,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor] | torch.Tensor, max_norm: floa
     replica (comm.is_replica) counted once. A non-finite norm is returned and the gradients are
     left untouched (never multiplied by nan), so the caller can skip the step.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+    if not is_number(max_norm, above=0, finite=False):
         raise ValueError(f"clip_grad_norm(max_norm={max_norm!r}): must be a positive number")
     groups = grouped_grads(_param_list(params))
     stats = grad_stats(groups, group)

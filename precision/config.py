@@ -10,12 +10,12 @@ with inf/nan gradients by default (`check_grad_overflow`, true in DeepSpeed's Ze
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
+from pipezero.checks import is_int, is_number
 from pipezero.config_fields import ConfigError, Ignored, Section, Unsupported
 
 __all__ = ["BF16_RULES", "FP16_RULES", "Precision", "ScalerConfig", "read_precision"]
@@ -67,14 +67,14 @@ class ScalerConfig:
         _check_number("min_scale", self.min_scale, "a positive finite number, e.g. 1.0")
         for name in ("scale_window", "hysteresis"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value, minimum=1):
                 raise ValueError(f"ScalerConfig({name}={value!r}): must be an integer >= 1")
         skips = self.max_consecutive_skips
-        if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
+        if not is_int(skips, minimum=0):
             raise ValueError(f"ScalerConfig(max_consecutive_skips={skips!r}): must be an integer >= 0 "
                              f"(0 = keep training at the floor scale)")
         clip = self.clip_grad_norm
-        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
+        if not is_number(clip, minimum=0):
             raise ValueError(f"ScalerConfig(clip_grad_norm={clip!r}): must be a finite number >= 0 "
                              f"(0 disables clipping)")
         if self.dynamic and self.min_scale > self.init_scale:
@@ -168,5 +168,5 @@ def _read_bf16(sec: Section, extra: dict) -> ScalerConfig:
 
 
 def _check_number(name: str, value: Any, expected: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_number(value, above=0):
         raise ValueError(f"{name}={value!r}: expected {expected}")

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from pipezero.comm import is_replica, mark_replica
-from pipezero.comm.chain import ChainWrapper, chain_step, describe
+from pipezero.chain import ChainWrapper, chain_step, describe
 
 __all__ = ["MasterWeights"]
 

@@ -15,8 +15,9 @@ Unlike DeepSpeed, an overflow at the floor never raises here: LossScaler counts 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
+
+from pipezero.checks import is_int, is_number
 
 __all__ = ["ScaleState"]
 
@@ -76,13 +77,13 @@ class ScaleState:
             raise ValueError(f"loss-scaler state must have exactly the keys {sorted(names)}, got {got}; "
                              f"pass the 'loss_scaler' entry of LossScaler.state_dict()")
         scale = data["scale"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        if not is_number(scale, above=0):
             raise ValueError(f"loss-scaler state: scale={scale!r}, expected a finite number > 0 (a checkpoint "
                              f"edited or damaged); load another step or drop its loss-scaler state")
         counts = {k: data[k] for k in names - {"scale"}}
         for key, value in sorted(counts.items()):
             low = -1 if key == "last_overflow_iteration" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value, minimum=low):
                 raise ValueError(f"loss-scaler state: {key}={value!r}, expected an integer >= {low} (a "
                                  f"checkpoint edited or damaged); load another step")
         return cls(scale=float(scale), **counts)

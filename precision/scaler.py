@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from pipezero.comm import all_reduce
-from pipezero.comm.chain import ChainWrapper, chain_step, describe
+from pipezero.chain import ChainWrapper, chain_step, describe
 from pipezero.precision.clip import comm_device, grad_stats, grouped_grads
 from pipezero.precision.config import ScalerConfig
 from pipezero.precision.scale_state import ScaleState

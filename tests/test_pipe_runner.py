@@ -356,13 +356,22 @@ class Recorder:
     def __init__(self, inner):
         self.inner, self.calls = inner, []
 
-    def check_pipeline(self):
+    def attach_pipeline(self):
+        pass
+
+    def need_params(self, params, upcoming=()):
+        pass
+
+    def done_with_params(self, params):
+        pass
+
+    def step_done(self):
         pass
 
     def collect_grad_sync(self, params):
         pass
 
-    def hold_grad_sync(self, params):
+    def hold_grad_sync(self, params, tied=()):
         self.calls.append(("hold", {id(p) for p in params}))
 
     def release_grad_sync(self, params):

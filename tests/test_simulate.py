@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import builtins
 import json
-import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -168,7 +165,7 @@ def test_image_colours_ops_and_shades_chunks():
 
 
 def test_picture_has_rank_labels_a_time_axis_and_a_legend():
-    from pipezero.pipe.font import text_size
+    from pipezero.pipe.render import text_size
 
     res = simulate(ZeroBubbleH1(4), 2)
     bare = to_image(res, px_per_unit=10, row_height=12, gap=2, labels=False)
@@ -183,39 +180,6 @@ def test_picture_has_rank_labels_a_time_axis_and_a_legend():
     assert {COLORS[Op.FORWARD], COLORS[Op.BACKWARD_INPUT], COLORS[Op.BACKWARD_WEIGHT]} <= legend
     assert COLORS[Op.BACKWARD] not in legend                      # only the ops the schedule uses
     np.testing.assert_array_equal(img[:h, left:left + w], bare)   # the plot itself is unchanged
-
-
-def _read_png(data: bytes) -> np.ndarray:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, size = 8, b"", None
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body)
-        if kind == b"IHDR":
-            size = struct.unpack(">II", body[:8])
-            assert body[8:10] == b"\x08\x02"  # 8-bit RGB
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + n
-    w, h = size
-    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + 3 * w)
-    assert (raw[:, 0] == 0).all(), "the fallback writer uses filter 0 only"
-    return raw[:, 1:].reshape(h, w, 3)
-
-
-def test_png_without_pillow(tmp_path, monkeypatch):
-    real_import = builtins.__import__
-
-    def no_pil(name, *args, **kwargs):
-        if name == "PIL" or name.startswith("PIL."):
-            raise ImportError("no pillow here")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_pil)
-    res = simulate(OneFOneB(3), 2)
-    path = to_png(res, tmp_path / "s.png")
-    np.testing.assert_array_equal(_read_png(path.read_bytes()), to_image(res))
 
 
 def test_png_with_pillow(tmp_path):

@@ -122,17 +122,20 @@ def test_outside_a_sink_or_under_autocast_a_deferring_linear_is_nn_linear():
     assert not sink  # nothing deferred: backward_input falls back to torch's graph split
 
 
-def _linear_classes(schedule: str) -> list:
+def _linear_classes(schedule: str, deferred: bool) -> tuple:
     from pipezero.pipe import OneFOneB, ZeroBubbleV
 
     sched = {"OneFOneB": OneFOneB, "ZeroBubbleV": ZeroBubbleV}[schedule](num_microbatches=4)
     layers = [nn.Linear(8, 8) for _ in range(4)]
     model = PipelineModule(layers, grid=Grid(pipe=2), loss_fn=F.mse_loss, partition_method="uniform",
-                           num_chunks=sched.num_chunks, placement=sched.placement)
+                           num_chunks=sched.num_chunks, placement=sched.placement, deferred_linear=deferred)
+    classes = lambda: sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)})  # noqa: E731
+    built = classes()
     PipelineRunner(model, sched)
-    return sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)})
+    return built, classes()
 
 
-def test_only_a_split_schedule_defers():
-    assert run(_linear_classes, 2, "ZeroBubbleV") == [["DeferringLinear"]] * 2
-    assert run(_linear_classes, 2, "OneFOneB") == [["Linear"]] * 2
+def test_deferred_linear_is_a_module_option_not_a_runner_side_effect():
+    for schedule in ("ZeroBubbleV", "OneFOneB"):
+        assert run(_linear_classes, 2, schedule, True) == [(["DeferringLinear"], ["DeferringLinear"])] * 2
+        assert run(_linear_classes, 2, schedule, False) == [(["Linear"], ["Linear"])] * 2

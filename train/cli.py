@@ -5,9 +5,9 @@
     pipezero plan --layers 4 --d-model 128 --global-batch 32           # ranked layouts, winner's ds_config
     pipezero finetune --model DIR --data PATH [--config ds_config.json]  # pipezero/train/finetune.py
 
-`train` runs examples/train_gpt.py, located next to the pipezero sources (an editable install
-or a clone: the examples are not part of the wheel). Under torchrun (RANK is set) it runs in
-this process; otherwise it re-launches itself through torch.distributed.run with
+`train` runs the main job, pipezero.train.gpt.job (the package's own, so an installed wheel
+runs it; examples/train_gpt.py is the same job as a script). Under torchrun (RANK is set) it
+runs in this process; otherwise it re-launches itself through torch.distributed.run with
 --nproc-per-node processes (default: the pipeline stages x --data).
 """
 
@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,10 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 def examples_dir() -> Path:
-    """The repository's examples/ folder, or a FileNotFoundError that says how to get it."""
+    """The repository's examples/ folder, or a FileNotFoundError that says how to get it.
+
+    No command needs it any more (the main job and its model are in the package); kept for callers.
+    """
     import pipezero
 
     root = Path(pipezero.__file__).resolve().parent
@@ -100,15 +102,15 @@ def _nproc(config: str, rest: list[str]) -> int:
 def _train(args: argparse.Namespace, rest: list[str]) -> int:
     if not Path(args.config).is_file():
         raise SystemExit(f"pipezero train: config {args.config!r} is not a file")
-    script = examples_dir() / "train_gpt.py"
-    argv = [str(script), "--config", args.config, *rest]
+    argv = ["--config", args.config, *rest]
     if "RANK" in os.environ:  # already under torchrun: one of its workers
-        sys.argv = argv
-        runpy.run_path(str(script), run_name="__main__")
+        from pipezero.train.gpt.job import run
+
+        run(argv)
         return 0
     nproc = args.nproc_per_node or _nproc(args.config, rest)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={args.max_restarts}", *argv]
+           f"--max-restarts={args.max_restarts}", "-m", "pipezero.train.gpt.job", *argv]
     print("pipezero train: " + " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd)
 
@@ -132,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     from pipezero.train.plan_cli import add_plan_parser
 
     add_plan_parser(sub, DefaultsHelp)
-    train = sub.add_parser("train", help="train examples/train_gpt.py with a ds_config (other flags pass through)")
+    train = sub.add_parser("train", help="train the main job's GPT (examples/train_gpt.py's flags) with a ds_config")
     train.add_argument("config")
     train.add_argument("--nproc-per-node", type=int, default=None)
     train.add_argument("--max-restarts", type=int, default=0)

@@ -14,6 +14,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from pipezero.checks import is_int
+
 __all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "h200", "local_cpu"]
 
 # Bytes one optimizer step moves per parameter in bf16 with fp32 masters, ZeRO 0-2 (pass by
@@ -54,7 +56,7 @@ class Hardware:
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "nodes"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value, minimum=1):
                 raise ValueError(f"Hardware({key}={value!r}): expected a positive integer")
         for key in ("memory_gb", "peak_tflops", "efficiency", "intra_gbps", "inter_gbps", "pcie_gbps"):
             if not getattr(self, key) > 0:

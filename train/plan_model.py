@@ -1,8 +1,8 @@
 """What the planner knows about a model: per-layer parameters, FLOPs, activation bytes and time.
 
 A GPT-style model is the layer list Embedding, n_layer x Block, FinalNorm, Head (tied to the
-embedding), the same list examples/gpt.py builds. Every number is per layer and per token, so
-the time and memory models can cut the list into stages anywhere and scale it to any
+embedding), the same list pipezero/train/gpt/model.py builds. Every number is per layer and
+per token, so the time and memory models can cut the list into stages anywhere and scale it to any
 micro-batch. Time comes from one of two sources:
 
 * measured (`measure_profile`): each layer's forward + backward on this machine through
@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from pipezero.checks import is_int
+
 __all__ = ["LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_params", "measure_profile",
            "total_params"]
 
@@ -36,7 +38,7 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ModelShape:
-    """A GPT-style decoder: the shape flags of examples/train_gpt.py."""
+    """A GPT-style decoder: the shape flags of the main job (pipezero/train/gpt/job.py)."""
 
     layers: int = 4
     d_model: int = 128
@@ -48,7 +50,7 @@ class ModelShape:
     def __post_init__(self) -> None:
         for key in ("layers", "d_model", "heads", "seq_len", "vocab"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value, minimum=1):
                 raise ValueError(f"ModelShape({key}={value!r}): expected a positive integer")
         if self.d_model % self.heads:
             raise ValueError(f"ModelShape(d_model={self.d_model}, heads={self.heads}): d_model must be a "
@@ -139,8 +141,7 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
 
     from pipezero.pipe import measure_layer_costs
 
-    _examples_path()
-    from gpt import GPTConfig, gpt_loss, gpt_specs
+    from pipezero.train.gpt.model import GPTConfig, gpt_loss, gpt_specs
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     gen = torch.Generator().manual_seed(0)
@@ -209,7 +210,7 @@ def _tensor_overhead_ms(cfg, dtype, hidden, repeats: int, rounds: int) -> float:
 
     if dist.is_initialized():
         return 0.0
-    from gpt import gpt_specs, gpt_tensor_plan
+    from pipezero.train.gpt.model import gpt_specs, gpt_tensor_plan
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -243,13 +244,3 @@ def held_params(profile: Sequence[LayerProfile], layers: Sequence[int], tensor: 
     return sum(profile[i].params / (1 if profile[i].tied else tensor) for i in layers
                if not (both and profile[i].kind == "Head"))
 
-
-def _examples_path() -> None:
-    """Put the repository's examples/ on sys.path so `import gpt` finds examples/gpt.py."""
-    import sys
-
-    from pipezero.train.cli import examples_dir
-
-    folder = str(examples_dir())
-    if folder not in sys.path:
-        sys.path.insert(0, folder)

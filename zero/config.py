@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from pipezero.checks import is_int
 from pipezero.config_fields import AUTO, ConfigError, Ignored, Section, Unsupported, warn_once
 
 __all__ = ["OFFLOAD_RULES", "ZERO_RULES", "ZeroConfig"]
@@ -174,7 +175,7 @@ def _auto_size(sec: Section, key: str, name: str, hidden_size: int | None) -> in
                           f"build, initialize or ZeroOptimizer.from_config, so it becomes "
                           f"{'h*h' if name == 'reduce_bucket_size' else '0.9*h*h' if 'prefetch' in name else '10*h'} "
                           f"as Hugging Face fills it, or write the number")
-    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+    if not is_int(hidden_size, minimum=1):
         raise ValueError(f"hidden_size={hidden_size!r}: expected the model's width, a positive int")
     return _HF_AUTO[name](hidden_size)
 

@@ -93,7 +93,8 @@ class PersistentShardSync(GradSync):
     owned region is kept (the average), the rest is zeroed.
 
     Gradients not reduced yet (no_sync, hold) are added into the buffer at once and dropped
-    from .grad, so accumulation never holds a second whole copy. A new round on top of
+    from .grad, so accumulation never holds a second whole copy; those held intact stay in
+    .grad until released. A new round on top of
     reduced values first turns the owned average back into a sum.
     """
 
@@ -108,6 +109,8 @@ class PersistentShardSync(GradSync):
         self._state[b].pushed.add(i)
 
     def _keep_local(self, b: Bucket, i: int) -> None:
+        if id(b.params[i]) in self._intact:
+            return
         self._settle(b)
         self._add_local(b, i)
 
@@ -143,9 +146,9 @@ class TransientShardSync(GradSync):
 
     Inside no_sync / hold, whole .grad accumulate until the final micro-batch, unless
     `every_microbatch`: then every backward's gradients are pushed and reduce-scattered into
-    the shard as if nothing were held, as DeepSpeed's ZeRO-2 does. Gradients whose hooks never
-    fire during the backward (the pipeline runner's tied weights, summed over their tie group
-    first) are still reduced when released.
+    the shard as if nothing were held, as DeepSpeed's ZeRO-2 does, except those held intact
+    (the pipeline runner's tied weights, summed over their tie group first), which are
+    reduced when released.
     """
 
     bounded = True
@@ -159,11 +162,11 @@ class TransientShardSync(GradSync):
         if not self.every_microbatch:
             return
         for p in params:
-            if id(p) in self._where and p.grad is not None:
+            if id(p) in self._where and id(p) not in self._intact and p.grad is not None:
                 self._on_grad(p)
 
     def _reduces_now(self, p: torch.Tensor) -> bool:
-        return self.every_microbatch or super()._reduces_now(p)
+        return (self.every_microbatch and id(p) not in self._intact) or super()._reduces_now(p)
 
     def _nothing_new(self, b: Bucket) -> bool:
         """b was reduced and no gradient arrived since (pushing would reduce zeros)."""

@@ -97,6 +97,7 @@ class GradSync(ABC):
         self._state = {b: _Pending() for b in buckets}
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         self._held: set[int] = set()
+        self._intact: set[int] = set()   # held, and their .grad left exactly as autograd accumulates it
         self._suspended = 0
         self._in_flight: deque[Bucket] = deque()
         on_grad = _weak(self._on_grad)
@@ -114,13 +115,21 @@ class GradSync(ABC):
         finally:
             self._suspended -= 1
 
-    def hold(self, params: Iterable[torch.Tensor]) -> None:
-        """Do not reduce these parameters' gradients until released."""
+    def hold(self, params: Iterable[torch.Tensor], intact: Iterable[torch.Tensor] = ()) -> None:
+        """Do not reduce these parameters' gradients until released. `intact` (held too): their
+        .grad stays exactly as autograd accumulates it, at every stage and even when reducing
+        every micro-batch, because the caller adds to it before releasing (the pipeline's
+        tie-group sum of shared weights)."""
         self._held.update(id(p) for p in params if id(p) in self._where)
+        intact = {id(p) for p in intact if id(p) in self._where}
+        self._held.update(intact)
+        self._intact.update(intact)
 
     def release(self, params: Iterable[torch.Tensor]) -> None:
         """From now on reduce these parameters' gradients as they become ready."""
-        self._held.difference_update(id(p) for p in params)
+        ids = {id(p) for p in params}
+        self._held.difference_update(ids)
+        self._intact.difference_update(ids)
 
     def flush(self, params: Iterable[torch.Tensor]) -> None:
         """Their backward is done: push them all; launch buckets that are now complete."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_gather, group_size, is_replica, mark_replica, nvtx_range
-from pipezero.comm.chain import ChainWrapper, describe, innermost
+from pipezero.chain import ChainWrapper, describe, innermost
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_strategies import make_grad_sync
@@ -43,7 +43,7 @@ class ZeroOptimizer(ChainWrapper):
 
     Stage 0 averages gradients only (like DDP) and keeps fp32 masters for low-precision models.
     Works on a plain nn.Module (gradients are reduced as they become ready, like DDP) and
-    under a pipeline runner, which drives the readiness protocol (hold/release/flush).
+    under a pipeline runner, whose step events (pipe/readiness.py's StepListener) it implements.
     """
 
     def __init__(self, inner: Any, stage: int | None = None, group=None, module: nn.Module | None = None, *,
@@ -231,17 +231,25 @@ class ZeroOptimizer(ChainWrapper):
         raise ValueError("ZeroOptimizer.add_param_group: the partition is fixed when the ZeroOptimizer is "
                          "built; put every param group into the inner optimizer before wrapping it")
 
-    # -- the readiness protocol (pipe/readiness.py's GradReadiness) ----------------------------
-    def check_pipeline(self) -> None:
-        """Nothing to refuse: every stage runs under the runner (stage 3 as a ParamGathering)."""
+    # -- the pipeline step's events (pipe/readiness.py's StepListener) -------------------------
+    def attach_pipeline(self) -> None:
+        """A pipeline runner drives from now on: stage 3's module hooks stand down (the runner
+        says which chunk's parameters are needed when: need_params / done_with_params)."""
+        if self._gatherer is not None:
+            self._gatherer.drive()
 
     def no_sync(self):
         """Context: backward passes inside accumulate gradients locally, without reduction."""
         return self._sync.no_sync()
 
-    def hold_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
-        """Backward passes leave these params' gradients unreduced until released."""
-        self._sync.hold(params)
+    def hold_grad_sync(self, params: Iterable[torch.Tensor], tied: Iterable[torch.Tensor] = ()) -> None:
+        """Backward passes leave these params' gradients unreduced until released; `tied` ones'
+        .grad stay exactly as autograd accumulates them (the caller adds to them) and, at stage
+        3, whole until step_done."""
+        tied = list(tied)
+        self._sync.hold(params, intact=tied)
+        if tied:
+            self.gather_params(tied)
 
     def release_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
         """The next backward completes these params' gradients: reduce them as they become ready."""
@@ -260,6 +268,21 @@ class ZeroOptimizer(ChainWrapper):
         self._unused.mark(params, always=self.stage == 0)
         self._sync.collect(params)
 
+    def need_params(self, params: Sequence[torch.Tensor], upcoming: Sequence[torch.Tensor] = ()) -> None:
+        """Stage 3: these parameters whole now (waits), the all-gathers of `upcoming` started."""
+        self.gather_params(params)
+        if upcoming:
+            self.gather_params(upcoming, wait=False)
+
+    def done_with_params(self, params: Sequence[torch.Tensor]) -> None:
+        """Stage 3: partition these parameters again (tied ones stay whole until step_done)."""
+        self.release_params(params)
+
+    def step_done(self) -> None:
+        """Stage 3: the step's actions are over, every parameter partitioned again."""
+        if self._gatherer is not None:
+            self._gatherer.release_driven()
+
     def wait_grad_sync(self) -> None:
         """Wait for the reductions launched so far (step() does this itself; for measuring)."""
         self._sync.wait()
@@ -272,12 +295,9 @@ class ZeroOptimizer(ChainWrapper):
             yield
 
     def drive_param_gathering(self) -> bool:
-        """The caller (a pipeline runner) gathers and releases parameters from now on; False
-        when nothing is partitioned (stages 0-2), so there is nothing to drive."""
-        if self._gatherer is None:
-            return False
-        self._gatherer.drive()
-        return True
+        """Deprecated: attach_pipeline(). True when something is partitioned (stage 3)."""
+        self.attach_pipeline()
+        return self._gatherer is not None
 
     def gather_params(self, params: Iterable[torch.Tensor], wait: bool = True) -> None:
         """Stage 3: make these parameters whole (wait=False: start the all-gathers, a prefetch)."""

@@ -10,9 +10,10 @@ persistence threshold) stay whole. A parameter used by several submodules (weigh
 is gathered by each of them. ZeRO-3: Rajbhandari et al. 2020, section 5.3.
 
 Under a pipeline the caller drives instead (`drive()`): the runner knows from its schedule
-which chunk runs next, so it gathers a chunk's parameters before the chunk's first action,
-starts the next chunk's gathers early, and releases a chunk when the schedule is done with
-it; the module hooks are removed and buckets stay whole after their backward.
+which chunk runs next, so it says when a chunk's parameters are needed (gathered, the next
+chunk's gathers started early) and when it is done with them (released); the module hooks
+are removed and buckets stay whole after their backward. The policy is zero/'s: what is
+partitioned, per bucket, and that a bucket is freed only when all its parameters are done.
 """
 
 from __future__ import annotations
@@ -178,6 +179,11 @@ class ParamGatherer:
             self.gather(buckets)
         else:
             self._launch(buckets)
+
+    def release_driven(self) -> None:
+        """The caller's step is over: every partitioned bucket freed (no upload wait, no order freeze)."""
+        for b in self.partitioned:
+            self.release(b)
 
     def release_params(self, params: Iterable[torch.Tensor]) -> None:
         """Free the buckets all of whose parameters are listed (a bucket shared with a parameter

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_gather
-from pipezero.comm.chain import innermost
+from pipezero.chain import innermost
 from pipezero.zero.partition import Bucket
 
 if TYPE_CHECKING:

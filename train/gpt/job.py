@@ -1,0 +1,492 @@
+"""The main job: train the small GPT (model.py) with a pipeline, ZeRO and mixed precision, top to bottom.
+
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # pipe 2 x data 2, CPU or GPU
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --schedule zbv --zero-stage 1
+    torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --pipe 2 --data 2 --tensor 2   # 3D
+    sbatch examples/slurm/train_gpt.sbatch                                    # Slurm, one agent per node
+    tensorboard --logdir runs/gpt
+
+It ships in the package, so `pipezero train` runs it from an installed wheel; examples/train_gpt.py
+is the same job as a script (it calls `main`). `main` builds the README's four parts by hand: a Grid, a PipelineModule of the GPT's layer
+specs, the optimizer chain ZeroOptimizer(LossScaler(AdamW)) and a PipelineRunner, and the loop
+talks to them directly; nothing hides behind an engine. Their settings come from one ds_config:
+the flags, on top of --config's file when given (pipezero.train.build makes the same parts from
+a config in one call). The corpus is the standard library's own source code (byte tokens, on
+every machine with Python), or --data-path. Re-running with the same --out resumes from the
+latest checkpoint there (so does a torchrun --max-restarts restart after a crash), and a run
+stopped after its last checkpoint writes its export then; --out is one job's (a second job
+there is refused, naming the first one's pid and host: train/run_dir.py);
+--resume-from step_00000100 resumes from that one instead. A bad input ends with its cause in
+one line per failing rank (PIPEZERO_TRACEBACK=1 prints the traceback too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pipezero.comm import TRAFFIC, is_peer_lost
+from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names
+from pipezero.pipe import simulate, to_image, to_png, to_text
+from pipezero.pipe.timeline import chrome_trace, gather_events
+from pipezero.precision import LossScaler, global_grad_norm
+from pipezero.topology import Grid, process_device
+from pipezero.train import Parts, build_optimizer, build_scheduler, parse_config
+from pipezero.train.checkpoint import prune_checkpoints, step_dir_name
+from pipezero.train.cli import DefaultsHelp
+from pipezero.train.config import TrainConfig
+from pipezero.train.config_batch import BatchConfig, keep_global_batch
+from pipezero.train.data import ShardedBatches, TokenData
+from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
+from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once
+from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars
+from pipezero.train.run_dir import claim_run_dir, export_done, record_loss, recorded_loss
+from pipezero.train.state import export_model, load_state, resume_if_any, save_state, saved_batch
+from pipezero.zero import ZeroOptimizer
+
+__all__ = ["ds_config", "main", "parse_args", "resume", "run", "train_config"]
+
+PEAK_FLOPS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}  # H100/H200 SXM, dense
+log = logging.getLogger("pipezero.train_gpt")  # main's get_logger adds the rank prefix (rank 0 prints)
+
+
+def main(argv: list[str] | None = None) -> float:
+    """The whole job: config, the four parts, data, resume, the loop, the export; returns the last loss."""
+    args = parse_args(argv)
+    get_logger("train_gpt")  # installs the rank-aware handler: rank 0 prints, "[rank 0]" in front
+    gpt = gpt_config(args)
+    ckpt_dir = Path(args.out) / "checkpoints"
+    saved = saved_batch(ckpt_dir)  # resumed on another data degree (an elastic restart): keep its global batch
+    cfg = train_config(args, saved)
+
+    # -- the four parts, by hand: Grid, PipelineModule, ZeroOptimizer(LossScaler(AdamW)), PipelineRunner ---
+    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=args.tensor)  # starts the process group
+    device = process_device()  # the GPU this rank's LOCAL_RANK names (nccl), else the CPU
+    schedule = make_schedule(cfg.pipeline.schedule, cfg.batch.accumulation_steps, cfg.pipeline.chunks)
+    model = PipelineModule(gpt_specs(gpt), grid, loss_fn=gpt_loss, num_chunks=cfg.pipeline.chunks,
+                           placement=schedule.placement, partition_method=cfg.pipeline.partition_method,
+                           activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
+                           device=device, tensor_plan=gpt_tensor_plan()).to(cfg.compute_dtype)
+    adamw = build_optimizer(cfg.optimizer, model.parameters())     # torch AdamW: the config's lr, betas, decay
+    scaler = LossScaler.from_config(adamw, cfg.precision.scaler)   # fp16 loss scale, inf/nan skips, clipping
+    opt = ZeroOptimizer(scaler, group=grid.data_group, config=cfg.zero,
+                        module=model if cfg.zero.stage == 3 else None)  # stage 3 also partitions the weights
+    runner = PipelineRunner(model, schedule, optimizer=opt, timeout_s=cfg.pipeline.timeout,
+                            reshard_after_forward=cfg.pipeline.reshard_after_forward)
+    parts = Parts(config=cfg, grid=grid, module=model, optimizer=opt, scaler=scaler, inner=adamw,
+                  scheduler=build_scheduler(cfg.scheduler, adamw), schedule=schedule, runner=runner,
+                  dtype=cfg.compute_dtype, device=device)
+    check_layout(args, parts, saved)
+
+    # -- data, resume, train, export ------------------------------------------------------------------
+    train, val = token_batches(args, cfg.batch.per_rank_batch_size, grid)
+    with claim_run_dir(args.out, grid):  # one job per --out: another job's pid and host in the error
+        start = resume_step(args, parts, ckpt_dir, train)
+        if start >= args.steps:
+            return finish_export(args, gpt, grid, start)
+        loss = train_loop(args, parts, gpt, train, val, start)
+        if grid.rank == 0 and (ckpt_dir / "latest").exists():
+            export(args, gpt, start, loss)
+        return loss
+
+
+# -- the command line and the ds_config it makes -------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; the parallel layout, precision and batch ones override --config's keys."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=DefaultsHelp)
+    p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2)")
+    p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
+    p.add_argument("--tensor", type=int, default=1,
+                   help="tensor-parallel degree: each Block's heads and MLP split over this many ranks")
+    p.add_argument("--schedule", default=None, choices=schedule_names(),
+                   help="pipeline schedule (default: the config's, else 1f1b)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's, else 2")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"], help="default: the config's, else fp32")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    p.add_argument("--micro-batches", type=_positive, default=None, help="micro-batches per step (default 4)")
+    p.add_argument("--batch-size", type=_positive, default=None,
+                   help="sequences per micro-batch per data rank (default 4)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warm-up + cosine)")
+    p.add_argument("--config", default=None, help="a ds_config.json; the flags above override its keys")
+    p.add_argument("--pipeline-timeout", type=float, default=None,
+                   help="seconds a rank waits for a pipeline peer (ds_config pipeline.timeout; default 300)")
+    _add_run_flags(p)
+    return p.parse_args(argv)
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Where the run reads and writes, how often it evaluates, saves and prints, and the GPU smoke."""
+    p.add_argument("--data-path", default=None, help="your own text/.bin/.npy file (default: stdlib sources)")
+    p.add_argument("--out", default="runs/gpt", help="TensorBoard logs, checkpoints and the exported model")
+    p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to resume from")
+    p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
+                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012), not the latest")
+    p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
+    p.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--steps-per-print", type=int, default=None,
+                   help="steps between log lines (default: the config's, else 10)")
+    p.add_argument("--expect-device", default=None, choices=["cuda", "cpu"],
+                   help="check that every parameter and each stage's activations live on this device (GPU smoke)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: expected a positive integer")
+    return value
+
+
+def ds_config(args: argparse.Namespace) -> dict:
+    """The ds_config this run uses: --config (if any) with the command line's choices on top."""
+    cfg = json.loads(Path(args.config).read_text()) if args.config else {}
+    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    if args.batch_size is not None or args.micro_batches is not None or \
+            all(cfg.get(k, "auto") == "auto" for k in batch_keys):
+        for key in batch_keys:
+            cfg.pop(key, None)
+        cfg["train_micro_batch_size_per_gpu"] = 4 if args.batch_size is None else args.batch_size
+        cfg["gradient_accumulation_steps"] = 4 if args.micro_batches is None else args.micro_batches
+        cfg.get("pipeline", {}).pop("micro_batches", None)
+    pipeline = {"stages": 2, "schedule": "1f1b", **cfg.get("pipeline", {})}
+    if args.schedule is not None and args.chunks is None:
+        pipeline.pop("chunks", None)  # a new schedule brings its own default chunk count
+    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule), ("chunks", args.chunks),
+                                       ("timeout", args.pipeline_timeout)) if v is not None})
+    cfg["pipeline"] = pipeline
+    zero = {"stage": 2, **cfg.get("zero_optimization", {})}
+    zero.update({"stage": args.zero_stage} if args.zero_stage is not None else {})
+    cfg["zero_optimization"] = zero
+    if args.precision is not None:
+        cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": args.precision == "fp16"}
+        cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": args.precision == "bf16"}
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1,
+                                                           "betas": [0.9, 0.95]}})
+    cfg.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
+        "warmup_num_steps": max(1, args.steps // 20), "total_num_steps": args.steps, "warmup_min_ratio": 0.1,
+        "cos_min_ratio": 0.1}})
+    cfg.setdefault("gradient_clipping", 1.0)
+    cfg["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
+    if args.steps_per_print:
+        cfg["steps_per_print"] = args.steps_per_print
+    cfg.setdefault("steps_per_print", 10)
+    return cfg
+
+
+def auto_values(args: argparse.Namespace) -> dict:
+    """What this script knows for a Hugging Face-style config's "auto" values (by DeepSpeed key path)."""
+    return {"optimizer.params.lr": args.lr, "optimizer.params.weight_decay": 0.1,
+            "optimizer.params.betas": [0.9, 0.95], "optimizer.params.eps": 1e-8, "gradient_clipping": 1.0,
+            "scheduler.params.warmup_num_steps": max(1, args.steps // 20),
+            "scheduler.params.total_num_steps": args.steps,
+            "fp16.enabled": args.precision == "fp16", "bf16.enabled": args.precision == "bf16"}
+
+
+def train_config(args: argparse.Namespace, saved: BatchConfig | None) -> TrainConfig:
+    """The checked ds_config; resumed on another data degree, it keeps the checkpoint's global batch."""
+    raw = ds_config(args)
+    if "WORLD_SIZE" not in os.environ and raw["pipeline"]["stages"] > 1:
+        raise ValueError(f"{raw['pipeline']['stages']} pipeline stages need as many processes at least, but this "
+                         f"is one plain python process: launch torchrun --standalone --nproc-per-node 4 "
+                         f"examples/train_gpt.py, or pass --pipe 1 to train in this process")
+    cfg = parse_config(raw, tensor=args.tensor, hidden_size=args.d_model, auto_values=auto_values(args))
+    return dataclasses.replace(cfg, batch=keep_global_batch(cfg.batch, saved))
+
+
+def check_layout(args: argparse.Namespace, parts: Parts, saved: BatchConfig | None) -> None:
+    """--data against the grid torchrun gave, the parts in the log, --expect-device, a changed data degree."""
+    grid, batch = parts.grid, parts.config.batch
+    if args.data is not None and args.data != grid.data_size:
+        raise ValueError(f"--data {args.data} but {grid.world_size} processes / (pipe {grid.pipe_size} x tensor "
+                         f"{grid.tensor_size}) give {grid.data_size}: launch torchrun --nproc-per-node "
+                         f"{grid.pipe_size * grid.tensor_size * args.data}")
+    log.info("grid %s, optimizer %s, schedule %s, %s on %s\n%s", grid, parts.optimizer, parts.schedule,
+             str(parts.dtype).removeprefix("torch."), parts.device, parts.module.describe())
+    if args.expect_device:
+        _check_device(parts.module, args.expect_device, grid.rank)
+    if saved is not None and saved.data_degree != grid.data_size:
+        log.info("data degree %d, the checkpoint's %d: %d accumulation steps (it had %d) keep its global batch of %d",
+                 grid.data_size, saved.data_degree, batch.accumulation_steps, saved.accumulation_steps,
+                 batch.train_batch_size)
+
+
+def token_batches(args: argparse.Namespace, per_rank: int, grid: Grid) -> tuple[ShardedBatches, ShardedBatches]:
+    """Byte tokens of --data-path (else the stdlib sources): this data rank's share of every global batch."""
+    data = TokenData.from_file(args.data_path, args.seq_len) if args.data_path else TokenData.stdlib(args.seq_len)
+    train = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="train")
+    val = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="val", shuffle=False)
+    return train, val
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------
+
+def resume_step(args: argparse.Namespace, parts: Parts, ckpt_dir: Path, train: ShardedBatches) -> int:
+    """The step to start from: 0, or the resumed checkpoint's (its data position restored into `train`)."""
+    meta = resume(parts, ckpt_dir, args.resume_from, dataclasses.asdict(gpt_config(args)))
+    if args.resume and meta is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; drop --resume to start fresh")
+    if meta is None:
+        return 0
+    train.load_state_dict(meta["data"])
+    log.info("resumed from %s at step %d", meta["path"], meta["step"])
+    return meta["step"]
+
+
+def gpt_config(args: argparse.Namespace) -> GPTConfig:
+    """The model the shape flags describe (recorded in every checkpoint, checked on resume)."""
+    return GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
+
+
+def resume(parts, ckpt_dir: Path, resume_from: str | None, gpt: dict | None = None) -> dict | None:
+    """The latest checkpoint's meta (None: start fresh), or that of --resume-from's step."""
+    if resume_from is None:
+        return resume_if_any(parts, ckpt_dir, model_config=gpt)
+    name = Path(resume_from).name
+    if not name.startswith("step_") or not name[5:].isdigit():
+        raise ValueError(f"--resume-from {resume_from!r}: expected a checkpoint folder name like step_00000012 "
+                         f"(see {ckpt_dir})")
+    if not (ckpt_dir / name).is_dir():
+        found = sorted(p.name for p in ckpt_dir.glob("step_*")) if ckpt_dir.is_dir() else []
+        raise FileNotFoundError(f"--resume-from {name}: no such checkpoint under {ckpt_dir}; there are {found}")
+    return load_state(parts, ckpt_dir, step=int(name[5:]), model_config=gpt)
+
+
+def save(args: argparse.Namespace, parts: Parts, step: int, train: ShardedBatches, loss: float) -> None:
+    """A checkpoint of this step under --out/checkpoints; the two newest are kept."""
+    ckpt_dir = Path(args.out) / "checkpoints"
+    save_state(parts, ckpt_dir, step, train.state_dict(), model_config=dataclasses.asdict(gpt_config(args)))
+    log.info("step %d | saved checkpoint %s", step, ckpt_dir / step_dir_name(step))
+    if parts.grid.rank == 0:
+        prune_checkpoints(ckpt_dir, keep=2)
+        record_loss(args.out, step, loss)
+
+
+def export(args: argparse.Namespace, gpt: GPTConfig, start: int, loss: float) -> None:
+    """model.safetensors (with its GPTConfig in the header) and summary.json, from the latest checkpoint."""
+    path = export_model(Path(args.out) / "checkpoints", Path(args.out) / "model.safetensors", gpt_specs(gpt),
+                        metadata={"gpt_config": json.dumps(dataclasses.asdict(gpt))})
+    log.info("exported %s (sample from it: python examples/generate.py --checkpoint %s)", path, args.out)
+    summary = {"steps": args.steps, "resumed_from": start, "final_loss": loss}
+    (Path(args.out) / "summary.json").write_text(json.dumps(summary))
+
+
+def finish_export(args: argparse.Namespace, gpt: GPTConfig, grid: Grid, step: int) -> float:
+    """A run already trained to its last step: its export, written now if the job stopped before it."""
+    if export_done(args.out, step):
+        log.info("the run in %s is already complete (step %d of --steps %d): nothing to train; pass --steps "
+                 "above %d to train longer, or another --out to start afresh", args.out, step, args.steps, step)
+        return _summary_loss(args.out)
+    log.info("the run in %s trained to step %d but stopped before its export: exporting it now", args.out, step)
+    loss = recorded_loss(args.out, step)
+    loss = float("nan") if loss is None else loss
+    if grid.rank == 0:
+        export(argparse.Namespace(**{**vars(args), "steps": step}), gpt, step, loss)  # the step it holds
+    return loss
+
+
+def _summary_loss(out: str) -> float:
+    """The final loss a finished run recorded (NaN when it recorded none)."""
+    path = Path(out) / "summary.json"
+    return json.loads(path.read_text())["final_loss"] if path.is_file() else float("nan")
+
+
+# -- the loop ---------------------------------------------------------------------------------------------
+
+def train_loop(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, train: ShardedBatches,
+               val: ShardedBatches, start: int) -> float:
+    """Steps start+1 .. --steps: the schedule's forward and backward, the optimizer chain, logs, evals, saves."""
+    cfg, runner, opt = parts.config, parts.runner, parts.optimizer
+    logs = open_logs(args, parts, gpt, start)
+    loss = torch.tensor(float("nan"))
+    for step in range(start, args.steps):
+        TRAFFIC.reset()
+        t0 = time.perf_counter()
+
+        # forward + backward of every micro-batch, as the schedule orders them
+        x, y = train.next_batch()
+        loss = runner.train_step(x, y)
+        _time_actions(logs.timers, runner.timeline.events)
+
+        # the optimizer chain: reduce (ZeRO), unscale/check/clip (LossScaler), AdamW, gather
+        with logs.timers(Phase.OPTIMIZER):
+            stepped = opt.step()
+            grad_norm = parts.scaler.last_grad_norm if cfg.gradient_clipping else \
+                float(global_grad_norm([p for g in opt.param_groups for p in g["params"]]))
+            lr = opt.param_groups[0]["lr"]
+            if stepped:  # a step skipped for inf/nan does not advance the lr schedule (as DeepSpeed)
+                parts.scheduler.step()
+            opt.zero_grad()
+        logs.step(step + 1, loss.item(), lr, grad_norm, stepped, t0)
+
+        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
+            val_loss = evaluate(runner, val, batches=4)
+            logs.tb.scalar("val/loss", val_loss, step + 1)
+            log.info("step %d | val loss %.4f", step + 1, val_loss)
+        if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
+            save(args, parts, step + 1, train, loss.item())
+    logs.tb.close()
+    return loss.item()
+
+
+@torch.no_grad()
+def evaluate(runner: PipelineRunner, val: ShardedBatches, batches: int) -> float:
+    """Mean loss over the first `batches` validation batches (the same ones every time)."""
+    val.load_state_dict({"epoch": 0, "step": 0})
+    losses = [runner.eval_step(*val.next_batch()).item() for _ in range(min(batches, val.steps_per_epoch))]
+    return sum(losses) / len(losses)
+
+
+# -- what each step shows: the log line, TensorBoard, the progress bar, timeline pictures ------------------
+
+@dataclasses.dataclass
+class Logs:
+    """Where each step's numbers go: the log line, TensorBoard, the progress bar, timeline pictures."""
+
+    args: argparse.Namespace
+    parts: Parts
+    gpt: GPTConfig
+    tb: TensorBoardWriter
+    timers: Timers
+    progress: Progress
+    start: int
+
+    def step(self, done: int, loss: float, lr: float, grad_norm: float, stepped: bool, t0: float) -> None:
+        """Log step `done` (1-based), which began at perf_counter() `t0`; every rank calls it."""
+        args, parts, scaler = self.args, self.parts, self.parts.scaler
+        traffic = traffic_scalars(TRAFFIC.snapshot())
+        self.timers.add(Phase.COMMUNICATION, sum(v for k, v in traffic.items() if k.startswith("seconds/")))
+        dt = time.perf_counter() - t0
+        tokens_s = parts.config.batch.train_batch_size * args.seq_len / dt
+        scalars = {"train/loss": loss, "train/lr": lr, "train/loss_scale": scaler.loss_scale,
+                   "train/skipped_steps": scaler.skipped_steps, "train/grad_norm": grad_norm,
+                   "perf/tokens_per_s": tokens_s, "perf/step_s": dt,
+                   "memory/peak_bytes": peak_memory_bytes(parts.device),
+                   **{f"comm/{k}": v for k, v in traffic.items()}}
+        peak = PEAK_FLOPS.get(parts.dtype) if parts.device.type == "cuda" else None
+        util = mfu(tokens_s, flops_per_token(self.gpt), parts.grid.world_size, peak)
+        if util is not None:
+            scalars["perf/mfu"] = util
+        edge = done in (self.start + 1, args.steps)  # the first and the last step draw their timeline
+        if done % parts.config.steps_per_print == 0 or edge:
+            scalars["pipeline/measured_bubble"] = parts.runner.measured_bubble()  # a collective: every rank
+            if edge:
+                _timeline_picture(self.tb, parts, args.out, done)
+            log.info("step %d/%d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.0f tok/s%s | bubble %.2f%s",
+                     done, args.steps, loss, lr, scaler.loss_scale, grad_norm, tokens_s,
+                     "" if util is None else f" | MFU {util:.1%}",
+                     scalars["pipeline/measured_bubble"], "" if stepped else " | SKIPPED (inf/nan)")
+            if parts.config.wall_clock_breakdown:
+                log.info("time: %s", self.timers.format())
+        self.tb.scalars(scalars, done)
+        self.progress.update(loss=loss)
+
+
+def open_logs(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, start: int) -> Logs:
+    """TensorBoard, timers and the progress bar; the schedule's simulated timeline drawn once up front."""
+    cfg, cuda = parts.config, parts.device.type == "cuda"
+    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
+    timers = Timers(enabled=cfg.wall_clock_breakdown, sync=torch.cuda.synchronize if cuda else None)
+    sim = simulate(parts.schedule, parts.grid.pipe_size)
+    _picture(tb, "pipeline/simulated", sim, start, args.out)
+    log.info("schedule (simulated bubble %.3f):\n%s", sim.bubble, to_text(sim))
+    return Logs(args, parts, gpt, tb, timers, Progress(args.steps, desc="train", start=start), start)
+
+
+def _time_actions(timers: Timers, events) -> None:
+    """wall_clock_breakdown from the runner's own timeline: forward, backward and waiting on peers."""
+    for e in events:
+        phase = Phase.COMMUNICATION if e.kind == "comm" else Phase.FORWARD if "F" in e.name else Phase.BACKWARD
+        if phase is not Phase.COMMUNICATION:
+            timers.add(phase, e.end - e.start)
+
+
+def _timeline_picture(tb: TensorBoardWriter, parts: Parts, out: str, step: int) -> None:
+    """The measured timeline of this step: a TensorBoard image and a chrome trace (every pipe rank joins)."""
+    grid = parts.grid
+    events = gather_events(parts.runner.timeline.events, grid.pipe_group)
+    if grid.data_rank == 0 and grid.rank == 0:
+        result = timeline_result(events, lambda r: grid.coords(r).pipe, grid.pipe_size, parts.module.num_chunks)
+        _picture(tb, "pipeline/measured", result, step, out)
+        chrome_trace(events, os.path.join(out, f"timeline_step{step}.json"))
+
+
+def _picture(tb: TensorBoardWriter, tag: str, result, step: int, out: str) -> None:
+    """A timeline as a PNG file beside the logs, and as a TensorBoard image when pillow is installed."""
+    if not tb.active:
+        return
+    to_png(result, os.path.join(out, f"{tag.replace('/', '_')}_step{step}.png"))
+    try:
+        tb.image(tag, to_image(result), step)
+    except ImportError:
+        warn_once("pillow is not installed: timeline images are PNG files in %s, not in TensorBoard", out, logger=log)
+
+
+def _check_device(module: PipelineModule, expect: str, rank: int) -> None:
+    """--expect-device: every parameter now, and each chunk's first output (an activation), on `expect`.
+
+    A smoke for GPU runs: a job that silently trains on the CPU still converges, only slowly.
+    """
+    wrong = [n for n, p in module.named_parameters() if p.device.type != expect]
+    if wrong:
+        raise RuntimeError(f"rank {rank}: --expect-device {expect}, but {len(wrong)} parameters are elsewhere, "
+                           f"e.g. {wrong[0]} on {dict(module.named_parameters())[wrong[0]].device}")
+    print(f"[rank {rank}] device check: {sum(1 for _ in module.parameters())} parameters on "
+          f"{next(module.parameters()).device}", file=sys.stderr, flush=True)
+    seen: set[int] = set()
+
+    def hook(mod, args, kwargs, out) -> None:
+        chunk = kwargs.get("chunk", 0)
+        if chunk in seen:
+            return
+        seen.add(chunk)
+        act = out if isinstance(out, torch.Tensor) else out[0]
+        if act.device.type != expect:
+            raise RuntimeError(f"rank {rank}: --expect-device {expect}, but chunk {chunk}'s activation is on "
+                               f"{act.device}")
+        print(f"[rank {rank}] device check: chunk {chunk} activation {tuple(act.shape)} on {act.device}",
+              file=sys.stderr, flush=True)
+        if len(seen) == mod.num_chunks:
+            handle.remove()
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+
+
+def _brief(err: BaseException) -> None:
+    """The cause in one line on the failing rank (a traceback with PIPEZERO_TRACEBACK=1), exit 1."""
+    if os.environ.get("PIPEZERO_TRACEBACK") == "1":
+        raise err
+    rank = os.environ.get("RANK")
+    print(f"train_gpt.py{f' rank {rank}' if rank is not None else ''}: {type(err).__name__}: {err}",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def run(argv: list[str] | None = None) -> float:
+    """main() as a command: a known cause of failure ends the process with one line per failing rank."""
+    try:
+        return main(argv)
+    except (ValueError, TypeError, OSError) as e:  # bad input, checkpoint, timeout or lost peer: a known cause
+        _brief(e)
+    except RuntimeError as e:  # a collective whose peer exited: gloo's own words
+        if not is_peer_lost(e):
+            raise
+        _brief(e)
+    raise AssertionError("unreachable: _brief exits")
+
+
+if __name__ == "__main__":
+    run()
