@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
+import gc
 import os
 
 import torch
@@ -51,9 +52,18 @@ def _destroy_at_exit() -> None:
     Left to interpreter finalisation, a gloo group's worker threads can still hold finished
     work whose tensors need the GIL, and the process aborts ("terminate called without an
     active exception", exit -6) after a job that trained correctly. A user who already called
-    destroy_process_group() makes this a no-op.
+    destroy_process_group() makes this a no-op. Reference cycles are collected first: a group
+    object held only by a cycle (ZeRO-3's module hooks and their gatherer) keeps its C++ group,
+    its gloo threads and rank 0's store thread running past destroy_process_group, until the
+    interpreter's final collection, or to exit() itself, where they race the static destructors.
     """
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    atexit.register(_destroy)
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -36,6 +36,7 @@ from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_
                                        load_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from pipezero.train.checkpoint_state import flatten_state, unflatten_state
 from pipezero.train.config_batch import BatchConfig
+from pipezero.train.state_parts import ByNameState, StateParts
 from pipezero.train.tensor_state import local_slice, whole
 
 __all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_state", "saved_batch",
@@ -44,11 +45,11 @@ __all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_
 _MODEL, _OPTIM = "model/", "optim/"
 
 
-def _param_names(parts: Any) -> dict[int, str]:
+def _param_names(parts: StateParts) -> dict[int, str]:
     return {id(p): n for n, p in parts.module.named_parameters()}
 
 
-def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int, frozen: bool = True,
+def gather_state(parts: StateParts, data_state: Mapping[str, Any] | None, step: int, frozen: bool = True,
                  model_config: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(this rank's tensors, the JSON meta) of a checkpoint; a collective over the world.
 
@@ -85,7 +86,7 @@ def gather_state(parts: Any, data_state: Mapping[str, Any] | None, step: int, fr
     return tensors, meta
 
 
-def _group_settings(parts: Any, writer: bool) -> list[dict[str, Any]]:
+def _group_settings(parts: StateParts, writer: bool) -> list[dict[str, Any]]:
     """Every stage's param-group settings (lr, betas, weight decay...) with the names of their
     parameters, so a group whose lr was changed by hand resumes with it on any grid; a collective."""
     names, zero = _param_names(parts), parts.optimizer
@@ -107,7 +108,7 @@ def _plain(value: Any) -> bool:
     return isinstance(value, (bool, int, float, str, type(None)))
 
 
-def _load_group_settings(parts: Any, saved: list[dict[str, Any]] | None) -> None:
+def _load_group_settings(parts: StateParts, saved: list[dict[str, Any]] | None) -> None:
     """Each local param group takes the saved settings of the group that held its first parameter."""
     names, zero = _param_names(parts), parts.optimizer
     by_name = {n: entry["settings"] for entry in saved or [] for n in entry["names"]}
@@ -142,7 +143,7 @@ def _check_model_config(path: Any, saved: dict[str, Any] | None, mine: Mapping[s
                           "model settings, or start afresh in another directory")
 
 
-def _chain_state(zero: Any) -> tuple[dict[str, torch.Tensor], list[Any]]:
+def _chain_state(zero: ByNameState) -> tuple[dict[str, torch.Tensor], list[Any]]:
     """The own state of each link between ZeRO and the torch optimizer (e.g. the loss scale)."""
     tensors, skeletons = {}, []
     for i, link in enumerate(links(zero.inner)):
@@ -156,7 +157,7 @@ def _grid_dict(grid: Any) -> dict[str, int]:
     return {"pipe": grid.pipe_size, "data": grid.data_size, "tensor": grid.tensor_size}
 
 
-def save_state(parts: Any, directory: str | os.PathLike, step: int,
+def save_state(parts: StateParts, directory: str | os.PathLike, step: int,
                data_state: Mapping[str, Any] | None = None, *, model_config: Mapping[str, Any] | None = None,
                latest: bool = True, frozen: bool = True) -> Path:
     """Save the whole training state as checkpoint `step` under `directory` (call on every rank).
@@ -169,7 +170,7 @@ def save_state(parts: Any, directory: str | os.PathLike, step: int,
                            world=parts.grid.world_size, grid=meta["grid"], latest=latest)
 
 
-def load_state(parts: Any, directory: str | os.PathLike, step: int | None = None, *,
+def load_state(parts: StateParts, directory: str | os.PathLike, step: int | None = None, *,
                model_config: Mapping[str, Any] | None = None, optimizer: bool = True, scheduler: bool = True,
                rng: bool = True) -> dict[str, Any]:
     """Load a checkpoint (any grid's) into these parts; returns its meta (step, data position...).
@@ -214,7 +215,7 @@ def load_state(parts: Any, directory: str | os.PathLike, step: int | None = None
     return {**meta, "step": ckpt.step, "path": str(ckpt.path)}
 
 
-def _by_name(parts: Any) -> dict[str, torch.Tensor]:
+def _by_name(parts: StateParts) -> dict[str, torch.Tensor]:
     return {_MODEL + n: p for n, p in parts.module.named_parameters()}
 
 
@@ -232,7 +233,7 @@ def _agree_on_load(problem: str | None, world: int) -> None:
                               f"the checkpoint was refused on rank(s) {[r for r, _ in failed]} (rank {rank}: {first})")
 
 
-def _load_weights(parts: Any, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
+def _load_weights(parts: StateParts, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
     """Write the fp32 weights into the flat buffers (model dtype) and the fp32 masters."""
     done = set()
 
@@ -247,12 +248,12 @@ def _load_weights(parts: Any, t: Mapping[str, torch.Tensor], names: dict[int, st
                 local.copy_(local_slice(p, t[_MODEL + names[id(p)]]).to(p.dtype))
 
 
-def _load_chain(zero: Any, t: Mapping[str, torch.Tensor], skeletons: list[Any]) -> None:
+def _load_chain(zero: ByNameState, t: Mapping[str, torch.Tensor], skeletons: list[Any]) -> None:
     for link, skeleton in zip(links(zero.inner), skeletons, strict=True):
         link.load_link_state_dict(unflatten_state(dict(t), skeleton))
 
 
-def _load_optimizer(zero: Any, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
+def _load_optimizer(zero: ByNameState, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
     """Per-parameter optimizer state by name -> every rank's shard."""
     def state_of(p: torch.Tensor) -> dict[str, torch.Tensor]:
         prefix = f"{_OPTIM}{names[id(p)]}/"
@@ -260,7 +261,7 @@ def _load_optimizer(zero: Any, t: Mapping[str, torch.Tensor], names: dict[int, s
     zero.load_per_parameter_state(state_of)
 
 
-def resume_if_any(parts: Any, directory: str | os.PathLike, *, model_config: Mapping[str, Any] | None = None
+def resume_if_any(parts: StateParts, directory: str | os.PathLike, *, model_config: Mapping[str, Any] | None = None
                   ) -> dict[str, Any] | None:
     """Load the latest complete checkpoint under `directory` if there is one; None to start fresh."""
     if latest_step(directory) is None:
