@@ -224,6 +224,36 @@ def test_pipeline_tied_parity(name):
         assert all(c > buckets for c in calls), (calls, buckets)
 
 
+def _two_train_steps(stage: int, every: bool, name: str) -> list:
+    """Master gradients after one train_step and after two of the same batch before one step."""
+    grid = Grid(pipe=2)
+    out = []
+    for repeats in (1, 2):
+        sched = make_schedule(name, 4)
+        model = PipelineModule(specs(2), grid=grid, loss_fn=loss_fn, num_chunks=sched.num_chunks,
+                               placement=sched.placement)
+        opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), group=grid.data_group,
+                            config=ZeroConfig(stage=stage, reduce_every_microbatch=every, reduce_bucket_size=100))
+        runner = PipelineRunner(model, sched, optimizer=opt)
+        ids, targets = batch(0, 8)
+        mine = slice(grid.data_rank * 4, (grid.data_rank + 1) * 4)
+        for _ in range(repeats):
+            runner.train_step(ids[mine], targets[mine])
+        opt.prepare_grads()
+        out.append([p.grad.clone() for g in opt.param_groups for p in g["params"]])
+    return out
+
+
+@pytest.mark.parametrize("stage, every, name", [(0, False, "OneFOneB"), (1, False, "OneFOneB"),
+                                               (2, False, "OneFOneB"), (2, True, "OneFOneB")])
+def test_two_train_steps_before_one_step_add_up(stage, every, name):
+    """The tied embedding's gradient too (stage 0 added it to an average still in flight, stages 1-2
+    dropped it: its bucket's earlier reduction was still under way at flush)."""
+    for once, twice in run(_two_train_steps, 4, stage, every, name):
+        for a, b in zip(once, twice, strict=True):
+            torch.testing.assert_close(b, 2 * a, rtol=1e-6, atol=1e-6)
+
+
 # -- config -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, error", [
     (dict(stage=1, reduce_every_microbatch=True), ValueError),

@@ -126,8 +126,14 @@ class GradSync(ABC):
         self._intact.update(intact)
 
     def release(self, params: Iterable[torch.Tensor]) -> None:
-        """From now on reduce these parameters' gradients as they become ready."""
+        """From now on reduce these parameters' gradients as they become ready.
+
+        A bucket of an intact parameter whose reduction of an earlier round (a previous
+        train_step before the same optimizer step) is still under way is completed first: its
+        hooks did nothing this round, and flush pushes only into a bucket not in flight."""
         ids = {id(p) for p in params}
+        for b in dict.fromkeys(self._where[i][0] for i in ids & self._intact):
+            self._settle(b)
         self._held.difference_update(ids)
         self._intact.difference_update(ids)
 
