@@ -43,9 +43,9 @@ class Costs:
     def __post_init__(self) -> None:
         for name in ("forward", "backward_input", "backward_weight", "p2p"):
             value = getattr(self, name)
-            if not is_number(value, finite=False):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"Costs.{name}={value!r} must be a number")
-            if not math.isfinite(value) or value < 0:
+            if not is_number(value, minimum=0):  # NaN, inf or negative
                 raise ValueError(f"Costs.{name}={value!r} must be a finite number >= 0")
 
     def of(self, op: Op) -> float:

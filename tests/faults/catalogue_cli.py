@@ -216,8 +216,6 @@ SIMULATOR = [
                                                                                             p2p=(0.0, 1.0))),
          ("disagree on p2p",)),
     Case("simulator", "render text of a number", _render("to_text", 42), ("to_text needs", "int")),
-    Case("simulator", "encode a 2-D array as png", _render("encode_png", lambda: __import__("numpy").zeros((4, 4))),
-         ("H x W x 3 uint8", "(4, 4)")),
 ]
 
 
