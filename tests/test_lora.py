@@ -22,8 +22,9 @@ peft = pytest.importorskip("peft")
 from harness import run  # noqa: E402
 from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
 from pipezero.pipe import deferred_linear  # noqa: E402
-from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict  # noqa: E402
+from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict, hf_tensor_plan  # noqa: E402
 from pipezero.pipe.lora import LoraConfig, adapter_state_dict, lora_specs, trainable_parameters  # noqa: E402
+from pipezero.pipe.lora_tensor import lora_tensor_plan  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.train.lora_export import export_merged_hf, export_peft_adapter, load_peft_adapter  # noqa: E402
 from pipezero.zero import ZeroOptimizer  # noqa: E402
@@ -96,12 +97,15 @@ def _keep_recorder(names: dict[int, str], seen: set[str]):
     return recording
 
 
-def _train_pipe(truth: dict, schedule: str, stage: int, export_to: str | None) -> dict:
+def _train_pipe(truth: dict, schedule: str, stage: int, export_to: str | None, tensor: int = 1) -> dict:
     make, chunks, placement = SCHEDULES[schedule]
-    grid = Grid(pipe=2)
+    grid = Grid(pipe=2, tensor=tensor)
     specs = lora_specs(hf_layer_specs(truth["base"]), _peft_config())
     model = PipelineModule(specs, grid=grid, loss_fn=causal_lm_loss, num_chunks=chunks, placement=placement,
-                           partition_method="uniform")
+                           partition_method="uniform",
+                           tensor_plan=lora_tensor_plan(hf_tensor_plan()) if tensor > 1 else None)
+    if tensor > 1:
+        _check_split(model, tensor)
     assert load_peft_adapter(model, truth["start"])  # every rank holds a decoder layer
     base = {n: t.clone() for n, t in hf_state_dict(model).items() if ".lora_" not in n}
     config = ZeroConfig(stage=stage, stage3_param_persistence_threshold=0)
@@ -130,6 +134,20 @@ def _train_pipe(truth: dict, schedule: str, stage: int, export_to: str | None) -
             export_peft_adapter(model, f"{export_to}/adapter", _peft_config(), base_model_name_or_path=truth["base"])
             export_merged_hf(model, f"{export_to}/merged")
     return out
+
+
+def _check_split(model: PipelineModule, tensor: int) -> None:
+    """The adapted projections' base weights hold 1/tensor of their values; the adapters are whole."""
+    from torch.distributed.tensor import DTensor
+
+    from pipezero.pipe.lora import LoraLinear
+
+    adapted = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    assert adapted
+    for m in adapted:
+        assert isinstance(m.weight, DTensor) and m.weight.to_local().numel() * tensor == m.weight.numel()
+        for w in (m.lora_A.weight, m.lora_B.weight):
+            assert isinstance(w, DTensor) and w.to_local().numel() == w.numel()
 
 
 class _nothing:
@@ -178,6 +196,14 @@ def test_pipe2_data2_lora_equals_peft(schedule, stage, export, tied, tmp_path_fa
     _check(truth, results, split=schedule == "zbv")
     if export:
         _check_export(truth, out, results)
+
+
+def test_pipe2_tensor2_lora_equals_peft_and_exports(tmp_path_factory):
+    truth = _truth(str(tmp_path_factory.getbasetemp()))
+    out = str(tmp_path_factory.mktemp("export-tensor"))
+    results = run(_train_pipe, 4, truth, "1f1b", 1, out, 2, timeout=300)
+    _check(truth, results, split=False)
+    _check_export(truth, out, results)
 
 
 # -- bad input: the same ValueError on every rank, before any collective ---------------------------
