@@ -97,19 +97,21 @@ def _keep_recorder(names: dict[int, str], seen: set[str]):
     return recording
 
 
-def _train_pipe(truth: dict, schedule: str, stage: int, export_to: str | None, tensor: int = 1) -> dict:
+def _train_pipe(truth: dict, schedule: str, stage: int, export_to: str | None, tensor: int = 1,
+                costs: list | None = None) -> dict:
     make, chunks, placement = SCHEDULES[schedule]
     grid = Grid(pipe=2, tensor=tensor)
     specs = lora_specs(hf_layer_specs(truth["base"]), _peft_config())
     model = PipelineModule(specs, grid=grid, loss_fn=causal_lm_loss, num_chunks=chunks, placement=placement,
-                           partition_method="uniform",
+                           partition_method=costs or "uniform",
                            tensor_plan=lora_tensor_plan(hf_tensor_plan()) if tensor > 1 else None)
     if tensor > 1:
         _check_split(model, tensor)
-    assert load_peft_adapter(model, truth["start"])  # every rank holds a decoder layer
+    assert load_peft_adapter(model, truth["start"]) or costs  # with costs: the last stage holds the head only
     base = {n: t.clone() for n, t in hf_state_dict(model).items() if ".lora_" not in n}
     config = ZeroConfig(stage=stage, stage3_param_persistence_threshold=0)
-    opt = ZeroOptimizer(torch.optim.AdamW(trainable_parameters(model), lr=LR), group=grid.data_group,
+    trainable = [{"params": trainable_parameters(model)}]  # a group may be empty, a parameter list may not
+    opt = ZeroOptimizer(torch.optim.AdamW(trainable, lr=LR), group=grid.data_group,
                         module=model if stage == 3 else None, config=config)
     runner = PipelineRunner(model, make(), optimizer=opt)
     names, in_w, keep = {id(p): n for n, p in model.named_parameters()}, set(), deferred_linear.WeightSink.keep
@@ -196,6 +198,16 @@ def test_pipe2_data2_lora_equals_peft(schedule, stage, export, tied, tmp_path_fa
     _check(truth, results, split=schedule == "zbv")
     if export:
         _check_export(truth, out, results)
+
+
+def test_stage_without_adapters_trains_and_exports(tmp_path_factory):
+    """The last stage holds the LM head only: no trainable parameter there, an empty param group."""
+    truth = _truth(str(tmp_path_factory.getbasetemp()))
+    out = str(tmp_path_factory.mktemp("export-head-stage"))
+    results = run(_train_pipe, 4, truth, "1f1b", 2, out, 1, [1, 1, 1, 1, 50, 50], timeout=300)
+    assert [bool(r["adapters"]) for r in results] == [True, True, False, False]
+    _check(truth, results, split=False)
+    _check_export(truth, out, results)
 
 
 def test_pipe2_tensor2_lora_equals_peft_and_exports(tmp_path_factory):
