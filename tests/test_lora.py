@@ -279,3 +279,38 @@ def test_frozen_base_gets_no_master_and_no_state_in_the_chain():
     frozen = [p for p in layers.parameters() if not p.requires_grad]
     assert all(p.grad is None for p in frozen)
     assert len(opt.inner.inner.state) == len(trainable)
+
+
+def test_merged_forward_equals_adapters_and_restores_them():
+    """Generation may run merged (one GEMM a projection): same logits, and the adapters come back untouched."""
+    from pipezero.pipe.lora import merged
+
+    specs = lora_specs(_specs(), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    layers = torch.nn.Sequential(*(s.build() for s in specs))
+    with torch.no_grad():
+        for p in trainable_parameters(layers):
+            p.normal_(0, 0.1)
+    before = {n: p.clone() for n, p in layers.named_parameters()}
+    ids = _batch(0)[0]
+    with torch.no_grad():
+        want = layers(ids)
+        with merged(layers):
+            assert not trainable_parameters(layers)
+            got = layers(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    after = dict(layers.named_parameters())
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    assert all(after[n] is not None and after[n].requires_grad == (".lora_" in n) for n in after)
+
+
+def test_peft_directory_config_round_trip_and_scaling_check(tmp_path_factory):
+    """A peft directory's own config builds the model that loads it; another lora_alpha is refused."""
+    truth = _truth(str(tmp_path_factory.getbasetemp()))
+    config = LoraConfig.of(peft.LoraConfig.from_pretrained(truth["start"]))
+    assert (config.r, config.lora_alpha, set(config.target_modules)) == (4, 8, set(TARGETS))
+    layers = torch.nn.Sequential(*(s.build() for s in lora_specs(hf_layer_specs(truth["base"]), config)))
+    assert len(load_peft_adapter(layers, truth["start"])) == len(truth["adapters"])
+    other = LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS)
+    layers = torch.nn.Sequential(*(s.build() for s in lora_specs(hf_layer_specs(truth["base"]), other)))
+    with pytest.raises(ValueError, match="r=4, lora_alpha=8 scale the update by 2.*by \\[4.0\\]"):
+        load_peft_adapter(layers, truth["start"])
