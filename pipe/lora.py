@@ -134,6 +134,8 @@ class LoraLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         result = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, self.bias)
+        if "lora_A" not in self._modules:  # inside merged(): the update is in the weight
+            return result
         a = self.lora_A.weight
         h = x if x.dtype == a.dtype else x.to(a.dtype)
         result = result + self.lora_B(self.lora_A(self.lora_dropout(h))) * self.scaling
@@ -280,20 +282,15 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
 def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """{full name of lora_A / lora_B weight: tensor} of this rank's adapters (Hugging Face names for
     hf_layer_specs' layers, `layers.<i>.<name>` for other PipelineModule layers, the module's own
-    names otherwise); the base is not in it."""
-    out = {}
-    for index, layer in _layers(module):
-        for name, m in _adapters(layer, index):
-            out[name + ".lora_A.weight"] = m.lora_A.weight.detach()
-            out[name + ".lora_B.weight"] = m.lora_B.weight.detach()
-    return out
+    names otherwise); the base is not in it. Tensor-parallel adapters (replicated) come back whole."""
+    return {name: _whole(p.detach()) for name, p in _adapter_weights(module).items()}
 
 
 def load_adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
     """Copy adapter weights in by full name (adapter_state_dict's names); returns the names loaded.
 
     strict: every local adapter must be in `state` (names of other stages' adapters are ignored)."""
-    mine = adapter_state_dict(module)
+    mine = _adapter_weights(module)
     missing = sorted(set(mine) - set(state))
     if strict and missing:
         raise ValueError(f"load_adapter_state_dict: {len(missing)} of this rank's adapters are not in the state, "
@@ -303,8 +300,22 @@ def load_adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor], s
             if mine[name].shape != state[name].shape:
                 raise ValueError(f"load_adapter_state_dict: {name!r} is {tuple(mine[name].shape)} here and "
                                  f"{tuple(state[name].shape)} in the state; expected adapters of the same rank")
-            mine[name].copy_(state[name])
+            local = mine[name].to_local() if hasattr(mine[name], "to_local") else mine[name]  # tensor: replicated
+            local.copy_(state[name])
     return sorted(set(mine) & set(state))
+
+
+def _adapter_weights(module: nn.Module) -> dict[str, nn.Parameter]:
+    out = {}
+    for index, layer in _layers(module):
+        for name, m in _adapters(layer, index):
+            out[name + ".lora_A.weight"] = m.lora_A.weight
+            out[name + ".lora_B.weight"] = m.lora_B.weight
+    return out
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # replicated over the tensor axis: no traffic
 
 
 def _layers(module: nn.Module) -> Iterator[tuple[int, nn.Module]]:
@@ -322,7 +333,8 @@ def _layers(module: nn.Module) -> Iterator[tuple[int, nn.Module]]:
 @contextmanager
 def merged(module: nn.Module) -> Iterator[nn.Module]:
     """Inside: each LoraLinear of `module` holds W + scaling * B A as its weight and no adapters
-    (what a merged export writes); on exit the base weight and the adapters are put back unchanged.
+    (what a merged export writes, and the forward generation runs fastest with: one GEMM a
+    projection); on exit the base weight and the adapters are put back unchanged.
 
     The sum is computed in the wider of the two dtypes, then rounded to the base weight's dtype."""
     saved = []

@@ -22,8 +22,9 @@ peft = pytest.importorskip("peft")
 from harness import run  # noqa: E402
 from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
 from pipezero.pipe import deferred_linear  # noqa: E402
-from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict  # noqa: E402
+from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict, hf_tensor_plan  # noqa: E402
 from pipezero.pipe.lora import LoraConfig, adapter_state_dict, lora_specs, trainable_parameters  # noqa: E402
+from pipezero.pipe.lora_tensor import lora_tensor_plan  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.train.lora_export import export_merged_hf, export_peft_adapter, load_peft_adapter  # noqa: E402
 from pipezero.zero import ZeroOptimizer  # noqa: E402
@@ -96,16 +97,21 @@ def _keep_recorder(names: dict[int, str], seen: set[str]):
     return recording
 
 
-def _train_pipe(truth: dict, schedule: str, stage: int, export_to: str | None) -> dict:
+def _train_pipe(truth: dict, schedule: str, stage: int, export_to: str | None, tensor: int = 1,
+                costs: list | None = None) -> dict:
     make, chunks, placement = SCHEDULES[schedule]
-    grid = Grid(pipe=2)
+    grid = Grid(pipe=2, tensor=tensor)
     specs = lora_specs(hf_layer_specs(truth["base"]), _peft_config())
     model = PipelineModule(specs, grid=grid, loss_fn=causal_lm_loss, num_chunks=chunks, placement=placement,
-                           partition_method="uniform")
-    assert load_peft_adapter(model, truth["start"])  # every rank holds a decoder layer
+                           partition_method=costs or "uniform",
+                           tensor_plan=lora_tensor_plan(hf_tensor_plan()) if tensor > 1 else None)
+    if tensor > 1:
+        _check_split(model, tensor)
+    assert load_peft_adapter(model, truth["start"]) or costs  # with costs: the last stage holds the head only
     base = {n: t.clone() for n, t in hf_state_dict(model).items() if ".lora_" not in n}
     config = ZeroConfig(stage=stage, stage3_param_persistence_threshold=0)
-    opt = ZeroOptimizer(torch.optim.AdamW(trainable_parameters(model), lr=LR), group=grid.data_group,
+    trainable = [{"params": trainable_parameters(model)}]  # a group may be empty, a parameter list may not
+    opt = ZeroOptimizer(torch.optim.AdamW(trainable, lr=LR), group=grid.data_group,
                         module=model if stage == 3 else None, config=config)
     runner = PipelineRunner(model, make(), optimizer=opt)
     names, in_w, keep = {id(p): n for n, p in model.named_parameters()}, set(), deferred_linear.WeightSink.keep
@@ -130,6 +136,20 @@ def _train_pipe(truth: dict, schedule: str, stage: int, export_to: str | None) -
             export_peft_adapter(model, f"{export_to}/adapter", _peft_config(), base_model_name_or_path=truth["base"])
             export_merged_hf(model, f"{export_to}/merged")
     return out
+
+
+def _check_split(model: PipelineModule, tensor: int) -> None:
+    """The adapted projections' base weights hold 1/tensor of their values; the adapters are whole."""
+    from torch.distributed.tensor import DTensor
+
+    from pipezero.pipe.lora import LoraLinear
+
+    adapted = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    assert adapted
+    for m in adapted:
+        assert isinstance(m.weight, DTensor) and m.weight.to_local().numel() * tensor == m.weight.numel()
+        for w in (m.lora_A.weight, m.lora_B.weight):
+            assert isinstance(w, DTensor) and w.to_local().numel() == w.numel()
 
 
 class _nothing:
@@ -178,6 +198,24 @@ def test_pipe2_data2_lora_equals_peft(schedule, stage, export, tied, tmp_path_fa
     _check(truth, results, split=schedule == "zbv")
     if export:
         _check_export(truth, out, results)
+
+
+def test_stage_without_adapters_trains_and_exports(tmp_path_factory):
+    """The last stage holds the LM head only: no trainable parameter there, an empty param group."""
+    truth = _truth(str(tmp_path_factory.getbasetemp()))
+    out = str(tmp_path_factory.mktemp("export-head-stage"))
+    results = run(_train_pipe, 4, truth, "1f1b", 2, out, 1, [1, 1, 1, 1, 50, 50], timeout=300)
+    assert [bool(r["adapters"]) for r in results] == [True, True, False, False]
+    _check(truth, results, split=False)
+    _check_export(truth, out, results)
+
+
+def test_pipe2_tensor2_lora_equals_peft_and_exports(tmp_path_factory):
+    truth = _truth(str(tmp_path_factory.getbasetemp()))
+    out = str(tmp_path_factory.mktemp("export-tensor"))
+    results = run(_train_pipe, 4, truth, "1f1b", 1, out, 2, timeout=300)
+    _check(truth, results, split=False)
+    _check_export(truth, out, results)
 
 
 # -- bad input: the same ValueError on every rank, before any collective ---------------------------
@@ -241,3 +279,38 @@ def test_frozen_base_gets_no_master_and_no_state_in_the_chain():
     frozen = [p for p in layers.parameters() if not p.requires_grad]
     assert all(p.grad is None for p in frozen)
     assert len(opt.inner.inner.state) == len(trainable)
+
+
+def test_merged_forward_equals_adapters_and_restores_them():
+    """Generation may run merged (one GEMM a projection): same logits, and the adapters come back untouched."""
+    from pipezero.pipe.lora import merged
+
+    specs = lora_specs(_specs(), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    layers = torch.nn.Sequential(*(s.build() for s in specs))
+    with torch.no_grad():
+        for p in trainable_parameters(layers):
+            p.normal_(0, 0.1)
+    before = {n: p.clone() for n, p in layers.named_parameters()}
+    ids = _batch(0)[0]
+    with torch.no_grad():
+        want = layers(ids)
+        with merged(layers):
+            assert not trainable_parameters(layers)
+            got = layers(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    after = dict(layers.named_parameters())
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    assert all(after[n] is not None and after[n].requires_grad == (".lora_" in n) for n in after)
+
+
+def test_peft_directory_config_round_trip_and_scaling_check(tmp_path_factory):
+    """A peft directory's own config builds the model that loads it; another lora_alpha is refused."""
+    truth = _truth(str(tmp_path_factory.getbasetemp()))
+    config = LoraConfig.of(peft.LoraConfig.from_pretrained(truth["start"]))
+    assert (config.r, config.lora_alpha, set(config.target_modules)) == (4, 8, set(TARGETS))
+    layers = torch.nn.Sequential(*(s.build() for s in lora_specs(hf_layer_specs(truth["base"]), config)))
+    assert len(load_peft_adapter(layers, truth["start"])) == len(truth["adapters"])
+    other = LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS)
+    layers = torch.nn.Sequential(*(s.build() for s in lora_specs(hf_layer_specs(truth["base"]), other)))
+    with pytest.raises(ValueError, match="r=4, lora_alpha=8 scale the update by 2.*by \\[4.0\\]"):
+        load_peft_adapter(layers, truth["start"])

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipezero.pipe.lora import LoraConfig, adapter_state_dict, load_adapter_state_dict, merged
+from pipezero.pipe.lora import LoraConfig, LoraLinear, adapter_state_dict, load_adapter_state_dict, merged
 from pipezero.train.hf_export import export_hf
 
 __all__ = ["PEFT_PREFIX", "export_merged_hf", "export_peft_adapter", "load_peft_adapter"]
@@ -58,13 +58,14 @@ def export_peft_adapter(module: nn.Module, directory: str | os.PathLike, config:
 def load_peft_adapter(module: nn.Module, directory: str | os.PathLike) -> list[str]:
     """Copy a peft adapter directory's weights into this rank's adapters (by name); returns those loaded.
 
-    Its rank, alpha and targets must be the module's (checked: ValueError naming both)."""
+    Its rank (the shapes) and scaling (lora_alpha / r) must be the module's: ValueError naming both."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
     if not (directory / _WEIGHTS).exists():
         raise ValueError(f"load_peft_adapter({str(directory)!r}): no {_WEIGHTS} there; expected a directory written "
                          "by PeftModel.save_pretrained or export_peft_adapter")
+    _check_scaling(module, directory)
     state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(directory / _WEIGHTS)).items()}
     return load_adapter_state_dict(module, state)
 
@@ -73,6 +74,21 @@ def export_merged_hf(module: nn.Module, directory: str | os.PathLike, dtype: tor
     """Write `module` with its adapters merged into the base weights, as a Hugging Face checkpoint."""
     with merged(module):
         return export_hf(module, directory, dtype)
+
+
+def _check_scaling(module: nn.Module, directory: Path) -> None:
+    if not (directory / _CONFIG).exists():
+        return
+    saved = json.loads((directory / _CONFIG).read_text())
+    r, alpha = saved.get("r"), saved.get("lora_alpha")
+    if not isinstance(r, int) or not isinstance(alpha, (int, float)):
+        return
+    scaling = alpha / (r ** 0.5 if saved.get("use_rslora") else r)
+    here = {m.scaling for m in module.modules() if isinstance(m, LoraLinear)}
+    if here and any(abs(s - scaling) > 1e-12 * max(1.0, abs(s)) for s in here):
+        raise ValueError(f"load_peft_adapter({str(directory)!r}): its r={r}, lora_alpha={alpha} scale the update by "
+                         f"{scaling:g}, this model's adapters by {sorted(here)}; build the model with that directory's "
+                         "LoraConfig (LoraConfig.of(peft.LoraConfig.from_pretrained(directory)))")
 
 
 def _peft_config(config: LoraConfig, base: str | None) -> dict[str, Any]:

@@ -1,0 +1,72 @@
+"""LoRA under tensor parallelism: the base split as its plan says, the adapters whole on every tensor rank.
+
+torch's ColwiseParallel / RowwiseParallel shard an nn.Linear's own weight and bias; a
+LoraLinear also holds lora_A and lora_B, which ColwiseParallel would try to shard too (and
+RowwiseParallel would leave as plain tensors beside DTensors). `lora_tensor_plan(source)`
+wraps a plan source (hf_tensor_plan(), gpt_tensor_plan(), a {class: plan} mapping) so that
+each style aimed at a LoraLinear shards only the base, then places the adapters as Replicate
+DTensors: DTensor's propagation makes the adapter path exact in either split (column-wise: the
+whole update is sliced where it is added; row-wise: A x is a partial sum reduced with the
+base's output), and a hook makes each adapter gradient whole before it accumulates (DTensor
+would leave it sharded or partial, and the optimizer reads the local tensor). The adapters are small, so keeping them
+whole costs little; what the split saves is the base.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from pipezero.pipe.lora import LoraLinear
+from pipezero.pipe.tensor_parallel import PlanSource, TensorPlan, plan_for
+
+__all__ = ["lora_tensor_plan"]
+
+
+class _BaseOnly:
+    """Mixed in front of a ParallelStyle: apply it to the base weight, replicate the adapters."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if not isinstance(module, LoraLinear):
+            return super()._apply(module, device_mesh)
+        adapters = {k: module._modules.pop(k) for k in ("lora_A", "lora_B", "lora_dropout")}
+        try:
+            out = super()._apply(module, device_mesh)
+        finally:
+            module._modules.update(adapters)
+        for adapter in (adapters["lora_A"], adapters["lora_B"]):
+            w = adapter.weight
+            adapter.weight = nn.Parameter(distribute_tensor(w.detach(), device_mesh, [Replicate()]),
+                                          requires_grad=w.requires_grad)
+            adapter.weight.register_hook(_whole_grad)
+        return out
+
+
+def _whole_grad(grad: DTensor) -> DTensor:
+    """DTensor leaves a replicated weight's gradient in whatever placement its use produced (a shard,
+    or a partial sum); the optimizer reads the local tensor as the whole gradient, so make it whole."""
+    if all(isinstance(p, Replicate) for p in grad.placements):
+        return grad
+    return grad.redistribute(placements=[Replicate()] * len(grad.placements))
+
+
+def _wrapped(style: Any) -> Any:
+    cls = type(style)
+    if issubclass(cls, _BaseOnly):
+        return style
+    new = object.__new__(type(f"Lora{cls.__name__}", (_BaseOnly, cls), {}))
+    new.__dict__.update(style.__dict__)
+    return new
+
+
+def lora_tensor_plan(source: PlanSource) -> Any:
+    """PipelineModule(tensor_plan=...) for layers adapted by lora_specs: `source`'s plan, adapter-aware."""
+    def plan(layer: nn.Module) -> TensorPlan | None:
+        inner = plan_for(source, layer)
+        if not inner:
+            return inner
+        return {path: _wrapped(style) if isinstance(layer.get_submodule(path), LoraLinear) else style
+                for path, style in inner.items()}
+    return plan
