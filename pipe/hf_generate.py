@@ -243,8 +243,8 @@ def _check(module: Any, ids: Any, n: Any, mask: Any, microbatches: Any) -> torch
     hf_config(module)  # a ValueError when the module holds no hf_layer_specs layer
     for layer in module.modules():
         if isinstance(layer, HFDecoderLayer) and "cache" not in inspect.signature(type(layer.inner).forward).parameters:
-            raise ValueError(f"hf_generate: {type(layer.inner).__name__}.forward takes no `cache` argument (transformers "
-                             ">= 5 names the KV cache so); this family cannot decode with a cache here")
+            raise ValueError(f"hf_generate: {type(layer.inner).__name__}.forward takes no `cache` argument "
+                             "(transformers >= 5 names the KV cache so); this family cannot decode with a cache here")
     if module.grid.tensor_size != 1:
         raise ValueError(f"hf_generate: tensor={module.grid.tensor_size} is not supported; generate with "
                          "tensor=1 (pipe and data axes are)")

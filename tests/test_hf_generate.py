@@ -27,7 +27,7 @@ from pipezero.zero import ZeroConfig, ZeroOptimizer, gathered  # noqa: E402
 from pipezero.zero.gathered import parameter_bytes  # noqa: E402
 
 VOCAB, NEW = 64, 8
-SHARP = {"llama": 20.0, "mistral": 10.0, "qwen2": 20.0, "gpt2": 40.0}  # checked: no row of greedy tokens repeats one token
+SHARP = {"llama": 20.0, "mistral": 10.0, "qwen2": 20.0, "gpt2": 40.0}  # checked: no greedy row repeats one token
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=None, bos_token_id=1, eos_token_id=2)
 CONFIGS = {
