@@ -31,13 +31,14 @@ prompts with no per-token traffic, which is faster whenever the whole model and 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from pipezero.pipe.hf import hf_config
+from pipezero.pipe.hf import HFDecoderLayer, hf_config
 from pipezero.pipe.placement import owner
 
 __all__ = ["Sampling", "hf_generate"]
@@ -240,6 +241,10 @@ def _check(module: Any, ids: Any, n: Any, mask: Any, microbatches: Any) -> torch
         raise TypeError(f"hf_generate(module={type(module).__name__}): expected the PipelineModule of "
                         "hf_layer_specs; a whole transformers model has its own model.generate")
     hf_config(module)  # a ValueError when the module holds no hf_layer_specs layer
+    for layer in module.modules():
+        if isinstance(layer, HFDecoderLayer) and "cache" not in inspect.signature(type(layer.inner).forward).parameters:
+            raise ValueError(f"hf_generate: {type(layer.inner).__name__}.forward takes no `cache` argument "
+                             "(transformers >= 5 names the KV cache so); this family cannot decode with a cache here")
     if module.grid.tensor_size != 1:
         raise ValueError(f"hf_generate: tensor={module.grid.tensor_size} is not supported; generate with "
                          "tensor=1 (pipe and data axes are)")
