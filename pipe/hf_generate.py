@@ -250,7 +250,7 @@ def _check(module: Any, ids: Any, n: Any, mask: Any, microbatches: Any) -> torch
                          "tensor=1 (pipe and data axes are)")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long or ids.size(0) == 0:
         raise ValueError(f"hf_generate(input_ids): expected a non-empty [batch, prompt] int64 tensor, got "
-                         f"{getattr(ids, 'shape', type(ids).__name__)} {getattr(ids, 'dtype', '')}")
+                         f"{_describe(ids)}")
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"hf_generate(max_new_tokens={n!r}): expected an integer >= 1")
     if mask is None:
@@ -263,3 +263,8 @@ def _check(module: Any, ids: Any, n: Any, mask: Any, microbatches: Any) -> torch
     if microbatches is not None and (not isinstance(microbatches, int) or not 1 <= microbatches <= ids.size(0)):
         raise ValueError(f"hf_generate(microbatches={microbatches!r}): expected None or 1..batch={ids.size(0)}")
     return mask.long()
+
+
+def _describe(x: object) -> str:
+    """A tensor's shape and dtype, or another object's type, for an error message."""
+    return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__

@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import sys
 import zipfile
+
+import pytest
 from pathlib import Path
 
 import torch
@@ -117,6 +119,7 @@ def test_the_architecture_note_names_every_folder_and_event():
     assert len(events) >= 8 and not missing, missing
 
 
+@pytest.mark.timeout(900)  # a wheel build and a 2-process job: minutes on a loaded 2-core machine
 def test_the_wheel_runs_its_commands(tmp_path):
     """Built as CI builds it, unpacked outside the checkout: `pipezero plan --help`, `pipezero train` 2 steps."""
     source, wheels = tmp_path / "source", tmp_path / "wheels"  # a copy: no stale build/ of the checkout
