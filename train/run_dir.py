@@ -112,8 +112,8 @@ def _refusal(path: Path, holder: dict, host: str) -> str:
     who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
     since = f", started {holder['started']}" if holder.get("started") else ""
     command = f" ({' '.join(holder['argv'])})" if holder.get("argv") else ""
-    gone = ("" if holder.get("host") == host else
-            f"; if that job is gone (its host cannot be checked from {host}), delete {path}")
+    gone = (f"; if that job is gone (its pid may now be another process's), delete {path}" if holder.get("host") == host
+            else f"; if that job is gone (its host cannot be checked from {host}), delete {path}")
     return (f"--out {str(path.parent)!r} is in use by another job: {who}{since}{command}, holding {path}. Two jobs "
             f"in one run directory overwrite each other's checkpoints: wait for it to finish, or pass another "
             f"--out{gone}")

@@ -119,3 +119,18 @@ def test_a_dead_jobs_run_lock_is_taken_over(tmp_path):
     with claim_run_dir(tmp_path) as lock:
         assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_lock_whose_pid_was_reused_names_the_file_to_delete(tmp_path):
+    """A dead job's lock whose pid now belongs to a live process (pids restart in containers) is refused
+    with the lock file to delete, as a lock of another host is (the message said only 'wait for it')."""
+    import json
+    import os
+    import socket
+
+    from pipezero.train.run_dir import LOCK_NAME, claim_run_dir
+    lock = tmp_path / LOCK_NAME
+    lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "argv": ["train_gpt.py"]}))
+    with pytest.raises(ValueError, match=f"delete {lock}"):
+        with claim_run_dir(tmp_path):
+            pass
