@@ -10,6 +10,7 @@ embedding and head), ZB-V's split backward with its deferred weight GEMMs and Ze
 with activation checkpointing, and a Hugging Face Llama's decoder layers with the fused loss.
 """
 
+import gc
 import sys
 from pathlib import Path
 
@@ -78,15 +79,24 @@ CASES = {"1f1b-zero1-tied": ("gpt", "1f1b", 1, 0, False), "zbv-split-zero2": ("g
          "zero3-checkpointing": ("gpt", "1f1b", 3, 1, False), "hf-llama-fused": ("hf", "1f1b", 1, 0, True)}
 
 
+def _forget_compiled() -> None:
+    """The pooled worker runs other tests next: drop dynamo's caches (their fake tensors and graphs)."""
+    torch._dynamo.reset()
+    gc.collect()
+
+
 def _cases(names):
     out = {}
-    for name in names:
-        kind, schedule, stage, recompute, fused = CASES[name]
-        if kind == "hf":
-            pytest.importorskip("transformers")
-        eager = _train(kind, schedule, stage, recompute, None, fused)
-        compiled = _train(kind, schedule, stage, recompute, _Counting(), fused)
-        out[name] = eager, compiled
+    try:
+        for name in names:
+            kind, schedule, stage, recompute, fused = CASES[name]
+            if kind == "hf":
+                pytest.importorskip("transformers")
+            eager = _train(kind, schedule, stage, recompute, None, fused)
+            compiled = _train(kind, schedule, stage, recompute, _Counting(), fused)
+            out[name] = eager, compiled
+    finally:
+        _forget_compiled()
     return out
 
 
@@ -104,7 +114,10 @@ def test_compiled_equals_eager_without_recompiling():
 def _inductor_once():
     torch._dynamo.reset()
     counting = _Counting("inductor")
-    return _train("gpt", "1f1b", 1, 0, None), _train("gpt", "1f1b", 1, 0, counting), counting.graphs
+    try:
+        return _train("gpt", "1f1b", 1, 0, None), _train("gpt", "1f1b", 1, 0, counting), counting.graphs
+    finally:
+        _forget_compiled()
 
 
 def test_inductor_compiled_gpt_trains_as_eager():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -75,8 +74,12 @@ def test_finetune_resumes_exactly_and_exports(tmp_path):
     assert model(**tok("the cat", return_tensors="pt")).logits.shape[-1] == len(tok)
 
 
-def test_unwritable_out_and_bad_data_fail_before_training(tmp_path):
+def test_unwritable_out_and_bad_data_fail_before_training(tmp_path, monkeypatch):
     from pipezero.train.finetune import main
+
+    def started(*_, **__):
+        raise AssertionError("a process group was started before the bad input was refused")
+    monkeypatch.setattr("pipezero.topology.grid.init_distributed", started)  # every Grid() starts here
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match=r"--out .* is not writable"):
@@ -93,4 +96,3 @@ def test_unwritable_out_and_bad_data_fail_before_training(tmp_path):
         main(["--model", str(tmp_path / "plain"), "--data", str(tmp_path / "chat.jsonl"), "--out",
               str(tmp_path / "o"), "--cache-dir", str(tmp_path / "cache"), "--tokenize-workers", "0",
               "--seq-len", "32"])
-    assert sys.modules.get("torch.distributed").is_initialized() is False  # refused before any process group
