@@ -52,16 +52,31 @@ def _job(root: str, out: str, steps: int) -> float:
 
 
 def _three_jobs(root: str) -> list[float]:
-    return [_job(root, f"{root}/straight", 4), _job(root, f"{root}/resumed", 2), _job(root, f"{root}/resumed", 4)]
+    return [_job(root, f"{root}/straight", 4), _job(root, f"{root}/resumed", 2), _job(root, f"{root}/resumed", 4),
+            _bytes_job(root)]
+
+
+def _bytes_job(root: str) -> float:
+    """Without --data the stdlib sources train as bytes: a model directory without a tokenizer must export
+    (the job used to fail after its last step, looking for the tokenizer it never used)."""
+    from pipezero.train.finetune import main
+    return main(["--model", f"{root}/bare", "--pipe", "2", "--seq-len", "32", "--steps", "1", "--out",
+                 f"{root}/bytes", "--micro-batches", "2", "--batch-size", "2", "--eval-interval", "100",
+                 "--save-interval", "100"])
 
 
 def test_finetune_resumes_exactly_and_exports(tmp_path):
+    import transformers
+
     _model_dir(tmp_path)
     _chats(tmp_path / "chat.jsonl")
+    bare = transformers.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=2, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(bare).save_pretrained(tmp_path / "bare")  # no tokenizer
     losses = run(_three_jobs, 2, str(tmp_path), timeout=300)
+    assert (tmp_path / "bytes" / "model" / "config.json").is_file()
     assert losses[0][0] == losses[0][2] and losses[0][1] != losses[0][2], losses
     from safetensors.torch import load_file
-    import transformers
 
     files = sorted((tmp_path / "straight" / "model").glob("*.safetensors"))
     assert files, list((tmp_path / "straight" / "model").iterdir())

@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> float:
         log.info("resumed from %s at step %d", meta["path"], start)
     loss = train_loop(args, parts, train, val, start)
     out = export_hf(parts.module, Path(args.out) / "model")
-    if args.model is not None and parts.grid.rank == 0:  # the tokenizer beside the weights, as from_pretrained wants
-        load_tokenizer(args.model).save_pretrained(out)
+    if args.data is not None and parts.grid.rank == 0:  # the tokenizer that made the ids, beside the weights
+        load_tokenizer(args.model).save_pretrained(out)    # (without --data the ids were bytes: none to save)
     log.info("exported to %s: AutoModelForCausalLM.from_pretrained(%r)", out, str(out))
     return loss
 
