@@ -36,7 +36,6 @@ from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_lo
 from pipezero.pipe.hf_match import check_checkpoint, keeps_tie, size_fields
 from pipezero.pipe.hf_weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
-from pipezero.pipe.tensor_parallel import ColwiseHeads, TensorPlan
 
 __all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
            "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_shapes", "hf_state_dict", "hf_tensor_plan"]
@@ -435,39 +434,6 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return fused_cross_entropy(logits, targets, ignore_index=-100)
 
 
-def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
-    """PipelineModule(tensor_plan=...) for HFDecoderLayers: Megatron-LM's split of attention and MLP.
-
-    In the attention and the MLP every nn.Linear but the last (q/k/v, gate/up) is split
-    column-wise, whole heads per tensor rank, and the last (o, down) row-wise: one all-reduce
-    after each (Shoeybi et al. 2019). Norms, embedding and head stay replicated. A family whose
-    projections are not nn.Linear (GPT-2's Conv1D) is a ValueError on every rank.
-    """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    def plan(layer: nn.Module) -> TensorPlan | None:
-        if not isinstance(layer, HFDecoderLayer):
-            return None
-        out: dict[str, Any] = {}
-        for name, child in layer.inner.named_children():
-            projections = [(n, m) for n, m in child.named_children()
-                           if "Norm" not in type(m).__name__ and any(True for _ in m.parameters())]
-            if not projections:
-                continue
-            bad = [f"{name}.{n} ({type(m).__name__})" for n, m in projections if not isinstance(m, nn.Linear)]
-            if bad:
-                raise ValueError(f"hf_tensor_plan: {type(layer.inner).__name__} has projections {bad} that are not "
-                                 "nn.Linear; torch's ColwiseParallel/RowwiseParallel shard nn.Linear, so train "
-                                 "this family with tensor=1")
-            head_dim = getattr(child, "head_dim", None)
-            for n, m in projections[:-1]:
-                out[f"inner.{name}.{n}"] = (ColwiseHeads(m.out_features // head_dim) if head_dim
-                                            else ColwiseParallel())
-            out[f"inner.{name}.{projections[-1][0]}"] = RowwiseParallel()
-        return out
-    return plan
-
-
 def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters (and persistent buffers) under their Hugging Face names, whole.
 
@@ -504,3 +470,6 @@ def hf_config(source: nn.Module | list[LayerSpec]) -> Any:
             if isinstance(layer, _HFLayer):
                 return layer.model.config
     raise ValueError(f"{type(source).__name__} holds no layer of hf_layer_specs")
+
+
+from pipezero.pipe.hf_tensor import hf_tensor_plan  # noqa: E402 - it reads HFDecoderLayer above
