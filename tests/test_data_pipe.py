@@ -52,10 +52,9 @@ def _batches(packing: bool, m: int, data_rank: int, degree: int) -> PackedBatche
     return PackedBatches(layout, corpus, PER_RANK * 2 // degree, m, data_rank, degree, seed=5)
 
 
-@functools.cache
-def _truth(packing: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, every document (segment) alone: sum of CE over trained tokens / their count."""
-    model = GPT(CFG)
+def _each_document_alone(model: torch.nn.Module, logits_of, packing: bool) -> list[float]:
+    """SGD steps of `model` in one process, every document (segment) alone: sum of CE over trained
+    tokens / their count. `logits_of(model, ids)` gives a [1, T, vocab] tensor."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     order = _batches(packing, 1, 0, 1)
     layout, corpus, losses = order.layout, order.corpus, []
@@ -67,14 +66,22 @@ def _truth(packing: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
                 a, n = int(layout.seg_from[s]), int(layout.seg_len[s])
                 ids, mask = torch.as_tensor(ids[a:a + n]), torch.as_tensor(mask[a:a + n])
                 labels = torch.where(mask[1:] > 0, ids[1:], IGNORE)
-                logits = model(ids[None, :-1])
-                total = total + F.cross_entropy(logits[0], labels, ignore_index=IGNORE, reduction="sum")
+                logits = logits_of(model, ids[None, :-1])[0]
+                total = total + F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
                 count += int((labels != IGNORE).sum())
         loss = total / count
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+@functools.cache
+def _truth(packing: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The project's GPT on every document alone."""
+    model = GPT(CFG)
+    losses = _each_document_alone(model, lambda m, ids: m(ids), packing)
     return losses, {n: t.clone() for n, t in model.state_dict().items()}
 
 
@@ -154,26 +161,7 @@ def _hf_model():
 
 def _hf_truth() -> list[float]:
     """transformers' own model on every document alone."""
-    model = _hf_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    order = _batches(True, 1, 0, 1)
-    layout, corpus, losses = order.layout, order.corpus, []
-    for _ in range(STEPS):
-        total, count = 0.0, 0
-        for r in order.order.next_rows():
-            for s in range(layout.row_start[r], layout.row_start[r + 1]):
-                ids, mask = corpus.doc(int(layout.seg_doc[s]))
-                a, n = int(layout.seg_from[s]), int(layout.seg_len[s])
-                ids, mask = torch.as_tensor(ids[a:a + n]), torch.as_tensor(mask[a:a + n])
-                labels = torch.where(mask[1:] > 0, ids[1:], IGNORE)
-                logits = model(input_ids=ids[None, :-1]).logits[0]
-                total = total + F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
-                count += int((labels != IGNORE).sum())
-        (total / count).backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append((total / count).item())
-    return losses
+    return _each_document_alone(_hf_model(), lambda m, ids: m(input_ids=ids).logits, True)
 
 
 def _hf_packed(path: str) -> list[float]:
