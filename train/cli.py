@@ -46,9 +46,25 @@ def examples_dir() -> Path:
     return folder
 
 
+# the simulator's work grows with stages x (stages x microbatches x chunks); past these it runs for minutes
+MAX_SIM_STAGES = 1024
+MAX_SIM_CHUNK_RUNS = 1 << 18
+# past these the text grid is too wide or too long to read (the PNG still shows it)
+MAX_TEXT_RANKS, MAX_TEXT_ROWS = 32, 2000
+
+
+def _check_sim_size(args: argparse.Namespace) -> None:
+    runs = args.stages * args.microbatches * (args.chunks or 1)
+    if args.stages > MAX_SIM_STAGES or runs > MAX_SIM_CHUNK_RUNS:
+        raise SystemExit(f"pipezero simulate: --stages {args.stages} x --microbatches {args.microbatches} x "
+                         f"chunks {args.chunks or 1} is too large to simulate here (at most {MAX_SIM_STAGES} "
+                         f"stages and {MAX_SIM_CHUNK_RUNS} stage x microbatch x chunk runs); pass fewer")
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from pipezero import pipe
 
+    _check_sim_size(args)
     png = Path(args.png or f"{args.schedule}_p{args.stages}_m{args.microbatches}.png")
     try:
         schedule = pipe.make_schedule(args.schedule, args.microbatches, args.chunks)
@@ -57,8 +73,18 @@ def _simulate(args: argparse.Namespace) -> int:
         result = pipe.simulate(schedule, args.stages, costs=costs)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"pipezero simulate: {e}") from None
-    print(pipe.to_text(result))
-    peak = ", ".join(f"rank {r}: {n:g}" for r, n in sorted(result.peak_stage_activations().items()))
+    text = pipe.to_text(result) if args.stages <= MAX_TEXT_RANKS else ""
+    if text and text.count("\n") <= MAX_TEXT_ROWS:
+        print(text)
+    else:
+        print(f"(the text grid of {args.stages} ranks over makespan {result.makespan:g} is too large to print; "
+              f"the PNG shows it)")
+    peaks = sorted(result.peak_stage_activations().items())
+    if len(peaks) <= MAX_TEXT_RANKS:
+        peak = ", ".join(f"rank {r}: {n:g}" for r, n in peaks)
+    else:
+        top = max(peaks, key=lambda rn: rn[1])
+        peak = f"at most {top[1]:g} (rank {top[0]}), at least {min(n for _, n in peaks):g}"
     print(f"\n{schedule!r}: {args.stages} stages, {args.microbatches} microbatches, "
           f"makespan {result.makespan:g}, bubble {result.bubble:.3f}")
     print(f"peak live activations (whole-stage microbatches): {peak}")

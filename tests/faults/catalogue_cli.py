@@ -53,6 +53,10 @@ SIMULATE = [
     _sim("png in a missing folder", ("--png", "{tmp}/no/such/dir/x.png"),
          ("pipezero simulate", "--png", "no/such/dir/x.png")),
     _sim("png a folder", ("--png", "{tmp}"), ("pipezero simulate", "--png")),
+    _sim("stages too many to simulate", ("--stages", "100000", "--microbatches", "1"),
+         ("pipezero simulate", "--stages 100000", "at most 1024 stages")),
+    _sim("microbatches too many to simulate", ("--stages", "64", "--microbatches", "100000"),
+         ("pipezero simulate", "--microbatches 100000", "pass fewer")),
     _sim("unknown argument", ("--stage", "2", "--extra"), ("unknown arguments", "--extra")),
 ]
 
