@@ -56,3 +56,15 @@ def test_build_on_a_fresh_process_picks_the_process_groups_device(fresh_cuda_pro
         build_mod.build({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1},
                         model=torch.nn.Linear(2, 2))
     assert picked == [torch.device("cuda", 1)]
+
+
+def test_more_local_ranks_than_gpus_is_named_before_any_rendezvous(fresh_cuda_process, monkeypatch):
+    """Two processes on a one-GPU node: rank 1 used to fail inside set_device (or wait on a peer)."""
+    from pipezero.topology import env as env_mod
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(env_mod.dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(env_mod.dist, "init_process_group", lambda *a, **k: pytest.fail("rendezvous reached"))
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 but this node has 1 visible GPU.*--nproc-per-node 1"):
+        env_mod.init_distributed()

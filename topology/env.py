@@ -32,7 +32,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = default_backend()
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(_local_gpu())
     timeout = datetime.timedelta(seconds=timeout_s)
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         dist.init_process_group(backend, timeout=timeout)
@@ -43,6 +43,16 @@ def init_distributed(timeout_s: float = 600.0) -> None:
                           is_master=not agent_store and rank == 0, timeout=timeout)
     store = dist.PrefixStore(f"pipezero/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _local_gpu() -> int:
+    """LOCAL_RANK as a visible GPU index, checked before any rendezvous (a peer would wait for this one)."""
+    local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {count} visible GPU(s): start at most "
+                           f"{count} processes per node (torchrun --nproc-per-node {count}), or hide the GPUs "
+                           f"(CUDA_VISIBLE_DEVICES=) to run every process on the CPU with gloo")
+    return local_rank
 
 
 @functools.cache

@@ -59,7 +59,8 @@ JOB = textwrap.dedent('''
 def test_no_gloo_thread_outlives_the_exit_handler():
     import os
 
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+    # the CPU on every machine: two forked ranks on a machine with one GPU would ask for cuda:1
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "",
            **{k: os.environ[k] for k in ("PYTHONPATH", "HOME") if k in os.environ}}
     done = subprocess.run([sys.executable, "-c", JOB], capture_output=True, text=True, timeout=300, env=env)
     left = sorted(line for line in done.stdout.splitlines() if line.startswith("left"))
