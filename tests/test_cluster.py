@@ -203,7 +203,8 @@ def _sbatch(tmp_path: Path, **env: str) -> list[str]:
         (bin_dir / tool).chmod(0o755)
     slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu-node-[07-08]", "SLURM_JOB_ID": "4242",
              "SLURM_GPUS_ON_NODE": "2"}
-    full_env = {**os.environ, **slurm, **env, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    mine = {k: v for k, v in os.environ.items() if k != "OUT"}  # the script's own knob (some CI machines set it)
+    full_env = {**mine, **slurm, **env, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     subprocess.run(["bash", str(SBATCH), "--steps", "10"], check=True, env=full_env, cwd=ROOT,
                    capture_output=True, text=True, timeout=30)
     return (tmp_path / "srun.args").read_text().splitlines()

@@ -23,7 +23,7 @@ CASES = [SEED] * 10 + [
 
 def test_every_job_exits_with_code_zero():
     done = subprocess.run([sys.executable, str(JOB), *CASES], capture_output=True, text=True, timeout=600,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_pythonpath()})
+                          env=_env())
     codes = {}
     for line in done.stdout.splitlines():
         case, *ranks = line.split()
@@ -34,10 +34,12 @@ def test_every_job_exits_with_code_zero():
     assert "terminate called" not in done.stderr, done.stderr[-3000:]
 
 
-def _pythonpath() -> dict:
+def _env() -> dict:
+    """A bare environment on the CPU (gloo) everywhere: with a GPU visible the two ranks would ask for cuda:0, cuda:1."""
     import os
 
-    return {k: os.environ[k] for k in ("PYTHONPATH", "HOME") if k in os.environ}
+    return {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "",
+            **{k: os.environ[k] for k in ("PYTHONPATH", "HOME") if k in os.environ}}
 
 
 def test_the_process_group_is_gone_before_the_interpreter_finalises():
@@ -50,7 +52,7 @@ def test_the_process_group_is_gone_before_the_interpreter_finalises():
             "init_distributed()\n"
             "assert dist.is_initialized()\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_pythonpath()})
+                          env=_env())
     assert done.returncode == 0, done.stderr[-3000:]
     assert "initialised at exit: False" in done.stdout, (done.stdout, done.stderr[-3000:])
 
