@@ -65,3 +65,18 @@ def test_workers_are_reused_and_cheap():
         assert harness.run(_pid, 4) == first
     per_call = (time.perf_counter() - start) / 20
     assert per_call < 0.5, f"harness overhead {per_call * 1e3:.0f} ms per call"
+
+
+def _grid_and_threads():
+    from pipezero.topology import Grid
+
+    grid = Grid(pipe=2, data=2, tensor=1)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=grid.data_group)
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_tasks_process_groups_do_not_outlive_it():
+    """Every Grid makes subgroups; kept, a 4-rank worker held ~900 gloo threads after a suite."""
+    counts = [max(harness.run(_grid_and_threads, 4)) for _ in range(6)]
+    assert counts[-1] <= counts[1], counts  # flat after the first task (lazy threads start there)
