@@ -1,8 +1,11 @@
 """The optimizer chain: a link shares its inner optimizer's param_groups and forwards the rest.
 
-`ZeroOptimizer(LossScaler(MasterWeights(Adam(...))))`: each link is a torch.optim.Optimizer (so
-LR schedulers and optimizer hooks accept the outermost) whose `param_groups` is the very list
-object of the optimizer it wraps, so a learning-rate change anywhere is seen everywhere. The
+`ZeroOptimizer(LossScaler(Adam(...)))`, `LossScaler(MasterWeights(Adam(...)))`: each link is a
+torch.optim.Optimizer (so LR schedulers and optimizer hooks accept the outermost) whose
+`param_groups` is the very list object of the optimizer it wraps, so a learning-rate change
+anywhere is seen everywhere. The chain has one order: a link that reduces or partitions
+(ZeroOptimizer, `outermost = True`) is the outermost, and wrapping it is refused at construction
+(`LossScaler(ZeroOptimizer(...))`: a TypeError naming the order to use instead). The
 protocol is its own root module, in the bottom layer beside config_fields.py (it imports only
 torch), because precision/ and zero/ both implement it and neither may import the other;
 `ChainLink` writes it down, `ChainWrapper` is the base both packages' links derive from.
@@ -11,11 +14,12 @@ torch), because precision/ and zero/ both implement it and neither may import th
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
+from typing import Any, ClassVar, Iterator, Mapping, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["ChainLink", "ChainWrapper", "describe", "check_inner", "chain_step", "innermost", "links"]
+__all__ = ["ChainLink", "ChainWrapper", "describe", "check_inner", "check_not_outermost", "chain_step", "innermost",
+           "links"]
 
 _MAX_DEPTH = 32
 
@@ -26,9 +30,10 @@ class ChainLink(Protocol):
 
     `step()` returns False when the step was skipped (inf/nan, agreed by every rank); None
     (a plain torch optimizer) means it stepped. A ChainWrapper adds `scale(loss)`,
-    `prepare_grads()` (make `.grad` of the params in `param_groups` current; an outer link calls
-    it at the start of its step, before it reads any gradient) and its own state apart from the
-    inner optimizer's (`link_state_dict`, `load_link_state_dict`).
+    `prepare_grads()` (make `.grad` of the params in `param_groups` current; the link right
+    outside calls it at the start of its step, before it reads any gradient: LossScaler on
+    MasterWeights) and its own state apart from the inner optimizer's (`link_state_dict`,
+    `load_link_state_dict`).
     """
 
     param_groups: list
@@ -52,6 +57,19 @@ def check_inner(inner: Any, who: str) -> None:
         raise TypeError(f"{who}(inner={type(inner).__name__}) needs an optimizer to wrap (a torch.optim."
                         f"Optimizer or a chain link), but it lacks {missing or ['a param_groups list']}; "
                         f"build one first, e.g. {who}(torch.optim.Adam(model.parameters()))")
+
+
+def check_not_outermost(inner: Any, who: str) -> None:
+    """Raise TypeError when `inner` is a link that must be the outermost of its chain (ZeroOptimizer).
+
+    The chain has one order, ZeRO outside: `ZeroOptimizer(LossScaler(Adam(...)), stage=2, group=...)`.
+    """
+    if isinstance(inner, ChainWrapper) and inner.outermost:
+        name = type(inner).__name__
+        raise TypeError(f"{who}({describe(inner)}): {name} must be the outermost link of the optimizer chain "
+                        f"(it reduces the gradients the links inside it read); compose it the other way round, "
+                        f"{name}({who}(...)), e.g. ZeroOptimizer(LossScaler(torch.optim.Adam(model.parameters())), "
+                        f"stage=2, group=grid.data_group)")
 
 
 def links(opt: Any) -> Iterator["ChainWrapper"]:
@@ -92,10 +110,17 @@ class ChainWrapper(torch.optim.Optimizer):
     stale after every resume (an lr set here would then be ignored). `state_dict()`
     is `{"inner": inner.state_dict(), **link_state_dict()}`: each link serialises only its own
     state, the inner chain once.
+
+    `outermost = True` (ZeroOptimizer) says a link must be the outermost of its chain: it
+    reduces the gradients and hands them to the links inside it, so no link may read them
+    before it; wrapping it raises TypeError (`check_not_outermost`).
     """
+
+    outermost: ClassVar[bool] = False
 
     def __init__(self, inner: Any):
         check_inner(inner, type(self).__name__)
+        check_not_outermost(inner, type(self).__name__)
         super().__init__([torch.empty(0)], {})
         self.inner = inner
         self.defaults = getattr(inner, "defaults", {})

@@ -116,9 +116,12 @@ def find_link(optimizer: Any, protocol: type) -> Any:
 
 
 def step_listener(optimizer: Any) -> StepListener:
-    """The link of the optimizer chain that listens to the runner, else a no-op listener."""
-    link = find_link(optimizer, StepListener)
-    return _NoReadiness() if link is None else link
+    """The optimizer when it listens to the runner, else a no-op listener.
+
+    Only the outermost link is asked: a link that reduces or partitions (ZeroOptimizer) is the
+    outermost of its chain by the chain's one order (chain.py), so none sits further in.
+    """
+    return optimizer if isinstance(optimizer, StepListener) else _NoReadiness()
 
 
 grad_readiness = step_listener  # the name before the gathering events joined it (kept for imports)

@@ -53,6 +53,11 @@ class MasterWeights(ChainWrapper):
         self._pairs.append((param, master))
         return master
 
+    def master_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, its fp32 master) for each copied parameter (one already in master_dtype is
+        its own master and not listed): what a checkpoint by parameter name saves for the model's."""
+        return list(self._pairs)
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group of model params: their masters go to the inner optimizer."""
         if "inner" not in self.__dict__:  # torch's __init__ adding the placeholder

@@ -15,22 +15,32 @@ def _model():
     return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
 
 
-def test_readiness_is_found_anywhere_in_the_chain():
+def test_readiness_is_the_outermost_link_and_scaling_is_found_inside_it():
     model = _model()
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
     assert type(grad_readiness(plain)).__name__ == "_NoReadiness"
     assert loss_scaling(plain)(torch.tensor(3.0)) == 3.0
-    zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
-    scaler = LossScaler(zero, init_scale=8.0)
-    assert grad_readiness(zero) is zero and grad_readiness(scaler) is zero
-    assert loss_scaling(scaler)(torch.tensor(3.0)) == 24.0
+    scaler = LossScaler(torch.optim.SGD(model.parameters(), lr=0.1), init_scale=8.0)
+    zero = ZeroOptimizer(scaler, stage=2)
+    assert grad_readiness(zero) is zero and type(grad_readiness(scaler)).__name__ == "_NoReadiness"
+    assert loss_scaling(zero)(torch.tensor(3.0)) == 24.0
 
 
-def test_stage3_readiness_is_found_wherever_it_sits():
+def test_stage3_readiness_is_the_zero_optimizer():
     model = _model()
     zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3, module=model)
-    for opt in (zero, LossScaler(zero)):
-        assert grad_readiness(opt) is zero  # ZeRO-3 runs inside the pipeline (tests/test_zero3_pipe.py)
+    assert grad_readiness(zero) is zero  # ZeRO-3 runs inside the pipeline (tests/test_zero3_pipe.py)
+
+
+@pytest.mark.parametrize("outer", ["LossScaler", "MasterWeights", "ZeroOptimizer"])
+def test_a_link_around_zero_is_refused_naming_the_order_to_use(outer):
+    """The chain has one order, ZeRO outside (README): wrapping a ZeroOptimizer fails at construction."""
+    model = _model()
+    zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
+    make = {"LossScaler": LossScaler, "MasterWeights": MasterWeights, "ZeroOptimizer": ZeroOptimizer}[outer]
+    with pytest.raises(TypeError, match=rf"{outer}\(ZeroOptimizer\(stage=2, SGD\)\): ZeroOptimizer must be the "
+                                        rf"outermost link .*ZeroOptimizer\({outer}\(\.\.\.\)\)"):
+        make(zero)
 
 
 class _Counting(torch.optim.SGD):

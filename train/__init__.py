@@ -3,6 +3,7 @@
     parts = build("ds_config.json", specs=gpt_specs(cfg), loss_fn=gpt_loss)   # grid, module, chain, runner
     engine, optimizer, _, scheduler = initialize(model=model, config="ds_config.json")  # DeepSpeed-shaped
     save_state(parts, "ckpt", step, data.state_dict()); load_state(parts, "ckpt")  # any grid to any grid
+    save_state(HandParts(model, opt, sched), "ckpt", step)   # a job composed by hand, ZeRO or not
 """
 
 from pipezero.pipe.registry import make_schedule
@@ -14,8 +15,9 @@ from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.initialize import Engine, initialize
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger
 from pipezero.train.state import export_model, load_state, resume_if_any, save_state
+from pipezero.train.state_parts import HandParts
 
-__all__ = ["CheckpointError", "ConfigError", "Engine", "Parts", "Phase", "Progress", "ShardedBatches",
+__all__ = ["CheckpointError", "ConfigError", "Engine", "HandParts", "Parts", "Phase", "Progress", "ShardedBatches",
            "TensorBoardWriter", "Timers", "TokenData", "TrainConfig", "build", "build_optimizer",
            "build_scheduler", "export_consolidated", "export_model", "get_logger", "init_process_group",
            "initialize", "load_checkpoint", "load_state", "make_schedule", "parse_config", "resume_if_any",

@@ -1,11 +1,16 @@
 """Checkpoints of explicit, typed saveable things: any hand composition saves and resumes.
 
-`save_state(parts, ...)` is the grid-independent checkpoint of the parts `build` makes (state by
-global parameter name, through ZeroOptimizer's consolidation). A job composed by hand, e.g.
-`LossScaler(MasterWeights(Adam))` on a plain model with a torch scheduler and no ZeroOptimizer,
-checkpoints its pieces themselves: each is a `Saveable` (a `state_dict()` and a
-`load_state_dict()`, which ZeroOptimizer, LossScaler, MasterWeights, every torch optimizer, LR
-scheduler and nn.Module have), named by the caller:
+A `Saveable` is anything with a `state_dict()` and a `load_state_dict()`: ZeroOptimizer,
+LossScaler, MasterWeights, every torch optimizer, LR scheduler and nn.Module. Two checkpoints
+take them:
+
+* `save_state(HandParts(model, optimizer, scheduler), dir, step)` / `load_state(...)` (state.py):
+  grid-independent, state by global parameter name. The optimizer may be a ZeroOptimizer chain,
+  a LossScaler / MasterWeights chain or a plain torch optimizer: a chain without ZeRO is read
+  through its innermost optimizer's state_dict, the layout ZeroOptimizer consolidates into
+  (by_name.py), so the checkpoint loads onto another grid or data degree, with or without ZeRO.
+* `save_things` / `load_things` (here): per rank, any Saveable things named by the caller, for
+  what has no parameter names (a custom object's state); they load on the same grid only:
 
     save_things(dir, step, {"model": model, "optimizer": opt, "scheduler": sched}, meta={...})
     meta = load_things(dir, {"model": model, "optimizer": opt, "scheduler": sched})

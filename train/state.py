@@ -15,10 +15,16 @@ pipe 2 x data 2 checkpoint loads into pipe 1 x data 4, pipe 4 x data 1 or one pr
 data rank 0 of each stage writes weights and optimizer state (ZeRO's state is consolidated
 over the data group first); `export_model` maps the names onto the single-process model's
 (tied weights under every name that uses them) for `safetensors.torch.load_file`.
+
+The parts are `build`'s Parts or a job composed by hand (`HandParts(model, optimizer,
+scheduler)`): ZeroOptimizer gives its state by parameter itself, any other optimizer chain (a
+torch optimizer, LossScaler / MasterWeights over one) through its state_dict, in the same layout
+(train/by_name.py), so a plain job's checkpoint resumes under ZeRO of any degree and back.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -30,8 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pipezero.comm.chain import links
+from pipezero.chain import links
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
+from pipezero.train.by_name import by_name
 from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_consolidated, latest_step,
                                        load_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from pipezero.train.checkpoint_state import flatten_state, unflatten_state
@@ -49,6 +56,13 @@ def _param_names(parts: StateParts) -> dict[int, str]:
     return {id(p): n for n, p in parts.module.named_parameters()}
 
 
+def _by_name_parts(parts: StateParts) -> StateParts:
+    """The parts with an optimizer that gives its state by parameter (ZeroOptimizer, or a view of any chain)."""
+    view = copy.copy(parts)
+    view.optimizer = by_name(parts.optimizer)
+    return view
+
+
 def gather_state(parts: StateParts, data_state: Mapping[str, Any] | None, step: int, frozen: bool = True,
                  model_config: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(this rank's tensors, the JSON meta) of a checkpoint; a collective over the world.
@@ -56,6 +70,7 @@ def gather_state(parts: StateParts, data_state: Mapping[str, Any] | None, step: 
     `frozen=False` leaves out the parameters no optimizer holds (DeepSpeed's
     exclude_frozen_parameters); `model_config` (JSON) is recorded for load_state to check.
     """
+    parts = _by_name_parts(parts)
     zero, names = parts.optimizer, _param_names(parts)
     writer = parts.grid.data_rank == 0 and parts.grid.tensor_rank == 0
     tensors: dict[str, torch.Tensor] = {}
@@ -78,10 +93,11 @@ def gather_state(parts: StateParts, data_state: Mapping[str, Any] | None, step: 
     tensors.update(rng_tensors)
     chain_tensors, chain = _chain_state(zero)
     tensors.update(chain_tensors if parts.grid.rank == 0 else {})
-    meta = {"step": step, "data": dict(data_state or {}), "chain": chain, "rng": rng_json,
-            "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
+    meta = {"step": step, "data": dict(data_state or {}), "chain": chain, "chain_links": _link_names(zero),
+            "rng": rng_json, "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
             "grid": _grid_dict(parts.grid), "dtype": str(parts.dtype).removeprefix("torch."),
-            "batch": dataclasses.asdict(parts.config.batch), "param_groups": _group_settings(parts, writer),
+            "batch": dataclasses.asdict(parts.config.batch) if parts.config is not None else None,
+            "param_groups": _group_settings(parts, writer),
             "frozen": frozen, "model_config": _as_json(model_config)}
     return tensors, meta
 
@@ -143,8 +159,12 @@ def _check_model_config(path: Any, saved: dict[str, Any] | None, mine: Mapping[s
                           "model settings, or start afresh in another directory")
 
 
+def _link_names(zero: ByNameState) -> list[str]:
+    return [type(link).__name__ for link in links(zero.inner)]
+
+
 def _chain_state(zero: ByNameState) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    """The own state of each link between ZeRO and the torch optimizer (e.g. the loss scale)."""
+    """The own state of each link between ZeRO (or the outside) and the torch optimizer (e.g. the loss scale)."""
     tensors, skeletons = {}, []
     for i, link in enumerate(links(zero.inner)):
         part, skeleton = flatten_state(link.link_state_dict(), f"chain.{i}")
@@ -181,6 +201,7 @@ def load_state(parts: StateParts, directory: str | os.PathLike, step: int | None
     (moments, loss scale, param-group settings) as it is, `scheduler=False` the LR schedule's,
     `rng=False` the random generators'.
     """
+    parts = _by_name_parts(parts)
     names = _param_names(parts)
     local = set(names.values())
     rank_prefix = f"rng.{parts.grid.rank}."
@@ -198,7 +219,7 @@ def load_state(parts: StateParts, directory: str | os.PathLike, step: int | None
             expected = {k: v for k, v in expected.items() if id(params[k]) in shapes}
         ckpt = load_checkpoint(directory, step, names=wanted, expected=expected, strict=False)
         if optimizer:
-            _load_chain(parts.optimizer, ckpt.tensors, ckpt.meta["chain"])
+            _load_chain(parts.optimizer, ckpt.tensors, ckpt.meta["chain"], ckpt.meta.get("chain_links"))
         problem = None
     except (CheckpointError, ValueError, TypeError, KeyError) as err:
         problem = str(err)
@@ -248,7 +269,13 @@ def _load_weights(parts: StateParts, t: Mapping[str, torch.Tensor], names: dict[
                 local.copy_(local_slice(p, t[_MODEL + names[id(p)]]).to(p.dtype))
 
 
-def _load_chain(zero: ByNameState, t: Mapping[str, torch.Tensor], skeletons: list[Any]) -> None:
+def _load_chain(zero: ByNameState, t: Mapping[str, torch.Tensor], skeletons: list[Any],
+                saved_links: list[str] | None) -> None:
+    mine = _link_names(zero)
+    if (saved_links is not None and saved_links != mine) or len(skeletons) != len(mine):
+        raise ValueError(f"the checkpoint's optimizer chain has the links {saved_links} around its torch optimizer "
+                         f"(ZeroOptimizer aside), this one {mine}; resume with the same links (a ZeRO stage or "
+                         "degree may differ), or pass optimizer=False to load the weights alone")
     for link, skeleton in zip(links(zero.inner), skeletons, strict=True):
         link.load_link_state_dict(unflatten_state(dict(t), skeleton))
 

@@ -44,7 +44,12 @@ class ZeroOptimizer(ChainWrapper):
     Stage 0 averages gradients only (like DDP) and keeps fp32 masters for low-precision models.
     Works on a plain nn.Module (gradients are reduced as they become ready, like DDP) and
     under a pipeline runner, whose step events (pipe/readiness.py's StepListener) it implements.
+    It is the outermost link of its chain (`ZeroOptimizer(LossScaler(Adam(...)), stage=2,
+    group=...)`): the links inside see only reduced gradients of this rank's shards; wrapping
+    it (`LossScaler(ZeroOptimizer(...))`) is refused at construction.
     """
+
+    outermost = True  # chain.py: no link wraps it
 
     def __init__(self, inner: Any, stage: int | None = None, group=None, module: nn.Module | None = None, *,
                  config: ZeroConfig | None = None, elementwise: bool = False):
@@ -75,7 +80,7 @@ class ZeroOptimizer(ChainWrapper):
             module if self.stage == 3 else None, threshold)
         self._check_same_layout()
         self._build(module)
-        self._grads_ready = False    # prepare_grads() ran since the last step (an outer link called it)
+        self._reduced = False        # the user called prepare_grads() since the last step
 
     # -- construction -------------------------------------------------------------------
     @staticmethod
@@ -144,27 +149,29 @@ class ZeroOptimizer(ChainWrapper):
 
     # -- the optimizer chain -------------------------------------------------------------
     def prepare_grads(self) -> None:
-        """Finish the reductions: every master shard gets its reduced .grad (fp32).
+        """Finish the reductions now: every master shard gets its reduced .grad (fp32).
 
-        An outer link (LossScaler(ZeroOptimizer(...))) calls this before it reads the gradients;
-        step() does it itself when nobody did since the last step.
+        step() does it itself; call it to read the reduced gradients before stepping (step()
+        then reduces nothing twice). The links inside prepare their own in their step.
         """
+        self._reduce()
+        self._reduced = True
+
+    def _reduce(self) -> None:
         self.apply_delayed_update()
-        super().prepare_grads()
         self._unused.find(late_grads=self.stage > 0)
         self._sync.finish()
         self._unused.drop_grads()  # torch steps no parameter without a gradient
         if self._gatherer is not None:
             self._gatherer.release_all()
-        self._grads_ready = True
 
     def step(self, closure=None) -> bool:
         """Reduce gradients into the shards, step the inner chain, gather the new parameters."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step(closure=...) is not supported: run forward/backward first")
-        if not self._grads_ready:
+        if not self._reduced:
             with self._streaming():
-                self.prepare_grads()
+                self._reduce()
         with nvtx_range("optimizer.step"), self._offload.stepping(self._offload.start_upload) \
                 if self._offload else nullcontext():
             kept = self._unused.keep(innermost(self.inner)) if self._may_restore() else []
@@ -173,7 +180,7 @@ class ZeroOptimizer(ChainWrapper):
                 if self._offload is not None:  # it uploaded the stepped slice already
                     self._offload.start_upload(b)
         self.last_step_skipped = not stepped
-        self._grads_ready = False
+        self._reduced = False
         self._unused.clear()
         self._sync.end_step()
         if stepped and not self.config.delayed_param_update:
@@ -222,7 +229,7 @@ class ZeroOptimizer(ChainWrapper):
             self.inner.zero_grad(set_to_none=True)
         self._sync.zero_grad()
         self._unused.clear()
-        self._grads_ready = False
+        self._reduced = False
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused: the partition is fixed at construction."""

@@ -120,6 +120,8 @@ OPTIMIZER = [
     Case("optimizer", "zero stage 3 without module", _zero(_adam, stage=3), ("module=",)),
     Case("optimizer", "zero after the first step", _zero(_adam_with_state), ("already has state",)),
     Case("optimizer", "master weights wrap no optimizer", lambda: _master_of(42), ("MasterWeights", "int")),
+    Case("optimizer", "scaler around zero (the other chain order)", lambda: _scaler_of(_zero(_adam)()),
+         ("LossScaler(ZeroOptimizer(stage=", "outermost", "ZeroOptimizer(LossScaler(")),
 ]
 
 

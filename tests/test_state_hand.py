@@ -1,0 +1,138 @@
+"""Issue 29 item 4: a job composed by hand checkpoints through save_state / load_state, no ZeroOptimizer needed.
+
+A plain torch optimizer, a LossScaler or a LossScaler(MasterWeights) chain, with an LR scheduler, in
+`HandParts`: a resume equals the uninterrupted run bitwise (losses, parameters, loss scale). A plain
+optimizer's state is written in the layout ZeroOptimizer consolidates into, so a checkpoint of a plain
+job on one process resumes under ZeRO-1 over data 2, and ZeRO-1's checkpoint resumes the plain job:
+both within 1e-6 of the uninterrupted plain run (two data ranks average their halves' gradients, one
+process takes the whole batch's: float rounding apart, the same numbers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness import run
+from pipezero.chain import ChainWrapper
+from pipezero.precision import LossScaler, MasterWeights
+from pipezero.train.checkpoint import CheckpointError
+from pipezero.train.state import load_state, save_state
+from pipezero.train.state_parts import HandParts
+from pipezero.zero import ZeroOptimizer
+
+BATCH = 8
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _job(kind: str, seed: int = 0) -> HandParts:
+    model = _model(seed)
+    if kind == "master":  # bf16 model, fp32 masters
+        model = model.to(torch.bfloat16)
+        opt = LossScaler(MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2)), check_finite=True)
+    elif kind == "scaler":  # fp16's dynamic scaler on an fp32 model: its scale moves and must resume
+        opt = LossScaler(torch.optim.AdamW(model.parameters(), lr=1e-2), init_scale=2.0 ** 8, scale_window=2)
+    elif kind == "zero1":
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), stage=1, group=dist.group.WORLD)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return HandParts(model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7))
+
+
+def _train(parts: HandParts, start: int, stop: int) -> list[float]:
+    """Steps start..stop-1 on batch i (this data rank's share of it); the whole batch's mean loss per step."""
+    rank, world = parts.grid.data_rank, parts.grid.data_size
+    dtype = next(parts.module.parameters()).dtype
+    share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    losses = []
+    for i in range(start, stop):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(BATCH, 8, generator=g)[share], torch.randn(BATCH, 4, generator=g)[share]
+        loss = (parts.module(x.to(dtype)).float() - y).square().mean()
+        if isinstance(parts.optimizer, ChainWrapper):
+            parts.optimizer.backward(loss)
+        else:
+            loss.backward()
+        parts.optimizer.step()
+        parts.scheduler.step()
+        parts.optimizer.zero_grad()
+        whole = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(whole)
+            whole /= world
+        losses.append(whole.item())
+    return losses
+
+
+def _params(parts: HandParts) -> list[torch.Tensor]:
+    return [p.detach().float().clone() for p in parts.module.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["plain", "scaler", "master"])
+def test_a_hand_composed_job_resumes_as_if_never_stopped(tmp_path, kind):
+    straight = _job(kind)
+    _train(straight, 0, 3)
+    save_state(straight, tmp_path, 3)
+    losses = _train(straight, 3, 6)
+    resumed = _job(kind, seed=1)
+    meta = load_state(resumed, tmp_path)
+    assert meta["step"] == 3 and meta["chain_links"] == {"plain": [], "scaler": ["LossScaler"],
+                                                          "master": ["LossScaler", "MasterWeights"]}[kind]
+    assert _train(resumed, 3, 6) == losses
+    for a, b in zip(_params(straight), _params(resumed), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert resumed.scheduler.get_last_lr() == straight.scheduler.get_last_lr()
+    if kind != "plain":
+        assert resumed.optimizer.loss_scale == straight.optimizer.loss_scale
+    weights_only = _job(kind, seed=1)  # the optimizer state matters: without it the run differs
+    load_state(weights_only, tmp_path, optimizer=False)
+    assert _train(weights_only, 3, 6) != losses
+
+
+def test_another_chain_is_refused_naming_its_links(tmp_path):
+    plain = _job("plain")
+    _train(plain, 0, 1)
+    save_state(plain, tmp_path, 1)
+    with pytest.raises(CheckpointError, match=r"the links \[\] .* this one \['LossScaler'\]"):
+        load_state(_job("scaler"), tmp_path)
+    with pytest.raises(TypeError, match="HandParts\\(optimizer=Sequential\\)"):
+        HandParts(_model(), _model())
+
+
+def _zero_leg(directory: str) -> tuple[list[float], list[torch.Tensor], list]:
+    """ZeRO-1 over data 2 resumes the plain job's step-2 checkpoint, trains steps 2-3 and saves step 4."""
+    parts = _job("zero1", seed=1)
+    load_state(parts, f"{directory}/plain")
+    losses = _train(parts, 2, 4)
+    save_state(parts, f"{directory}/zero", 4)
+    state = [(torch.as_tensor(s["exp_avg"]).clone(), float(s["step"])) for _, s in parts.optimizer.per_parameter_state()]
+    return losses, _params(parts), state
+
+
+def test_a_plain_checkpoint_resumes_under_zero1_data2_and_back(tmp_path):
+    straight = _job("plain")
+    _train(straight, 0, 2)
+    save_state(straight, tmp_path / "plain", 2)
+    losses = _train(straight, 2, 4)
+    after_zero = _params(straight)
+    moments = [(s["exp_avg"].clone(), float(s["step"])) for s in straight.optimizer.state.values()]
+    losses += _train(straight, 4, 6)
+    results = run(_zero_leg, 2, str(tmp_path))
+    for zero_losses, params, state in results:
+        torch.testing.assert_close(zero_losses, losses[:2], rtol=1e-6, atol=1e-6)
+        for a, b in zip(params, after_zero, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        for (m, step), (ref_m, ref_step) in zip(state, moments, strict=True):
+            torch.testing.assert_close(m, ref_m, rtol=1e-5, atol=1e-6)
+            assert step == ref_step == 4.0
+    back = _job("plain", seed=1)
+    assert load_state(back, tmp_path / "zero")["grid"] == {"pipe": 1, "data": 2, "tensor": 1}
+    torch.testing.assert_close(_train(back, 4, 6), losses[2:], rtol=1e-6, atol=1e-6)
+    for a, b in zip(_params(back), _params(straight), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
