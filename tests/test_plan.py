@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import run
 from pipezero.pipe import costs
-from pipezero.pipe.registry import make_schedule
+from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.train.cli import main
 from pipezero.train.config import parse_config
 from pipezero.train.plan import ds_config, plan, predict

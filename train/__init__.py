@@ -5,7 +5,7 @@
     save_state(parts, "ckpt", step, data.state_dict()); load_state(parts, "ckpt")  # any grid to any grid
 """
 
-from pipezero.pipe.registry import make_schedule
+from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.train.build import Parts, build, init_process_group
 from pipezero.train.checkpoint import CheckpointError, export_consolidated, load_checkpoint, save_checkpoint
 from pipezero.train.config import ConfigError, TrainConfig, parse_config

@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from pipezero.pipe.module import PipelineModule
-from pipezero.pipe.registry import make_schedule
+from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
 from pipezero.precision import LossScaler
 from pipezero.topology import Grid, init_distributed, process_device

@@ -116,7 +116,7 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from pipezero.pipe.registry import schedule_names
+    from pipezero.pipe.schedule.registry import schedule_names
 
     parser = argparse.ArgumentParser(prog="pipezero", description="pipeline-parallel training toolkit")
     sub = parser.add_subparsers(dest="command", required=True)

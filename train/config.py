@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from pipezero.config_fields import ConfigError, ConfigTypeError, Ignored, Section
-from pipezero.pipe.registry import schedule_entry, schedule_names
+from pipezero.pipe.schedule.registry import schedule_entry, schedule_names
 from pipezero.precision.config import Precision, read_precision
 from pipezero.train.config_auto import fill_auto
 from pipezero.pipe.compile import CompileConfig
@@ -72,7 +72,7 @@ class PipelineConfig:
     """ds_config["pipeline"]: what DeepSpeed keeps in code (PipelineModule's arguments)."""
 
     stages: int = 1
-    schedule: str = "1f1b"                   # a name of pipe/registry.py's SCHEDULES
+    schedule: str = "1f1b"                   # a name of pipe/schedule/registry.py's SCHEDULES
     chunks: int = 1                          # virtual stages per rank (the schedule's default)
     micro_batches: int | None = None         # = gradient_accumulation_steps when given
     activation_checkpoint_interval: int = 0  # 0: no activation checkpointing

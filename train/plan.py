@@ -4,7 +4,7 @@
                  h200(nodes=1), global_batch=512, precision="bf16")
     print(format_table(preds[:10])); print(explain(preds[0])); ds_config(preds[0])
 
-Each layout (plan_layout.py) is timed by plan_time.py (pipe/simulate.py per rank with
+Each layout (plan_layout.py) is timed by plan_time.py (pipe/schedule/simulate.py per rank with
 compute, p2p, tensor- and data-parallel traffic) and sized by plan_memory.py (the ZeRO
 formulas, the simulator's peak live micro-batches); layouts over the device's memory are
 dropped and the rest ranked by tokens/s (less memory breaks ties). Why a layout wins is in
@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pipezero.pipe.registry import schedule_entry
+from pipezero.pipe.schedule.registry import schedule_entry
 from pipezero.train.plan_hardware import Hardware
 from pipezero.train.plan_layout import Layout, enumerate_layouts
 from pipezero.train.plan_memory import MemoryBreakdown, rank_memory

@@ -16,7 +16,7 @@
   shrink with the micro-batch or the tensor degree;
 * p2p: one activation (tokens x d_model) per hop, latency + bytes / bandwidth of the link
   between neighbouring stages (inter-node when a stage's tensor x data ranks fill a node);
-* pipe/simulate.py runs the schedule with those per-(rank, chunk) costs: makespan, bubble,
+* pipe/schedule/simulate.py runs the schedule with those per-(rank, chunk) costs: makespan, bubble,
   peak live micro-batches;
 * data parallel (per pipeline rank, its own parameters): ZeRO 0 all-reduces the gradients,
   1-2 reduce-scatter them and all-gather the updated parameters, 3 gathers parameters twice
@@ -40,11 +40,11 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple, Sequence
 
-from pipezero.pipe.actions import Op
+from pipezero.pipe.schedule.actions import Op
 from pipezero.pipe.partition import partition
-from pipezero.pipe.placement import owner
-from pipezero.pipe.registry import make_schedule, schedule_entry
-from pipezero.pipe.simulate import Costs, SimResult, simulate
+from pipezero.pipe.schedule.placement import owner
+from pipezero.pipe.schedule.registry import make_schedule, schedule_entry
+from pipezero.pipe.schedule.simulate import Costs, SimResult, simulate
 from pipezero.train.plan_hardware import Hardware
 from pipezero.train.plan_layout import Layout
 from pipezero.train.plan_model import LayerProfile, bytes_per_element, held_params

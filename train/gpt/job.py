@@ -36,7 +36,7 @@ import torch
 from pipezero.comm import TRAFFIC, is_peer_lost
 from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names
 from pipezero.pipe import simulate, to_image, to_png, to_text
-from pipezero.pipe.timeline import chrome_trace, gather_events
+from pipezero.pipe.schedule.timeline import chrome_trace, gather_events
 from pipezero.precision import LossScaler, global_grad_norm
 from pipezero.topology import Grid, process_device
 from pipezero.train import Parts, build_optimizer, build_scheduler, parse_config

@@ -304,7 +304,7 @@ def gpt_from_pipeline(module: nn.Module, cfg: GPTConfig) -> "GPT":
     its own with the KV cache; free the returned model after the generation phase.
     """
     import torch.distributed as dist
-    from pipezero.pipe.placement import owner
+    from pipezero.pipe.schedule.placement import owner
 
     grid = module.grid
     if module.bounds[-1] != len(gpt_layers(cfg)):
