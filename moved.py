@@ -27,9 +27,13 @@ MOVED: dict[str, str] = {
     # pipe/schedule/: schedules as data, apart from the executor
     **{f"pipezero.pipe.{m}": f"pipezero.pipe.schedule.{m}" for m in
        ("actions", "placement", "schedules", "registry", "validate", "simulate", "render", "timeline")},
+    # pipe/hf/: the Hugging Face adapter
+    **{f"pipezero.pipe.hf_{m}": f"pipezero.pipe.hf.{m}" for m in ("generate", "match", "tensor", "weights")},
 }
 
-BECAME_PACKAGES: dict[str, str] = {}
+BECAME_PACKAGES: dict[str, str] = {  # old module -> the module of the package that holds its code now
+    "pipezero.pipe.hf": "pipezero.pipe.hf.specs",
+}
 
 
 class _KeepsItsNames(types.ModuleType):

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pipezero.pipe.hf_generate import Sampling, hf_generate
+from pipezero.pipe.hf.generate import Sampling, hf_generate
 from pipezero.train.rl.advantages import batch_baseline, group_advantages
 from pipezero.train.rl.loss import GRPOConfig, PolicyLoss, RolloutTarget, completion_logprobs
 from pipezero.train.rl.reference import Reference
