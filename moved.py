@@ -29,10 +29,13 @@ MOVED: dict[str, str] = {
        ("actions", "placement", "schedules", "registry", "validate", "simulate", "render", "timeline")},
     # pipe/hf/: the Hugging Face adapter
     **{f"pipezero.pipe.hf_{m}": f"pipezero.pipe.hf.{m}" for m in ("generate", "match", "tensor", "weights")},
+    # train/config/: ds_config -> the parts' configs
+    **{f"pipezero.train.config_{m}": f"pipezero.train.config.{m}" for m in ("auto", "batch", "compile", "keys", "optim")},
 }
 
 BECAME_PACKAGES: dict[str, str] = {  # old module -> the module of the package that holds its code now
     "pipezero.pipe.hf": "pipezero.pipe.hf.specs",
+    "pipezero.train.config": "pipezero.train.config.parse",
 }
 
 

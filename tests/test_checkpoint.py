@@ -255,7 +255,7 @@ def test_flatten_state_round_trip_without_pickle(tmp_path):
 def _train(steps, directory=None, save_at=None, resume=False):
     from pipezero.train.checkpoint_state import flatten_state, unflatten_state
     from pipezero.train.config import parse_config
-    from pipezero.train.config_optim import build_optimizer, build_scheduler
+    from pipezero.train.config.optim import build_optimizer, build_scheduler
     from pipezero.train.data import ShardedBatches, TokenData
     from gpt import gpt_loss
 

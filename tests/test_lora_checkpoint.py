@@ -19,7 +19,7 @@ from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
 from pipezero.pipe.lora import LoraConfig, adapter_state_dict, lora_specs, trainable_parameters  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.train.checkpoint import load_checkpoint  # noqa: E402
-from pipezero.train.config_batch import BatchConfig  # noqa: E402
+from pipezero.train.config.batch import BatchConfig  # noqa: E402
 from pipezero.train.lora_state import load_adapters, save_adapters  # noqa: E402
 from pipezero.zero import ZeroOptimizer  # noqa: E402
 

@@ -9,7 +9,7 @@ from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.train.build import Parts, build, init_process_group
 from pipezero.train.checkpoint import CheckpointError, export_consolidated, load_checkpoint, save_checkpoint
 from pipezero.train.config import ConfigError, TrainConfig, parse_config
-from pipezero.train.config_optim import build_optimizer, build_scheduler
+from pipezero.train.config.optim import build_optimizer, build_scheduler
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.initialize import Engine, initialize
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger

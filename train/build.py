@@ -28,7 +28,7 @@ from pipezero.pipe.runner import PipelineRunner
 from pipezero.precision import LossScaler
 from pipezero.topology import Grid, init_distributed, process_device
 from pipezero.train.config import TrainConfig, parse_config
-from pipezero.train.config_optim import OptimizerConfig, build_optimizer, build_scheduler
+from pipezero.train.config.optim import OptimizerConfig, build_optimizer, build_scheduler
 from pipezero.train.log import get_logger, warn_once
 from pipezero.zero import ZeroOptimizer
 

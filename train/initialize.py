@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipezero.train.build import Parts, build
 from pipezero.train.config import TrainConfig
-from pipezero.train.config_optim import OptimizerConfig, build_optimizer
+from pipezero.train.config.optim import OptimizerConfig, build_optimizer
 from pipezero.train.log import get_logger, warn_once
 from pipezero.train.state import load_state, save_state
 

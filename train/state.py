@@ -35,7 +35,7 @@ from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_consolidated, latest_step,
                                        load_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from pipezero.train.checkpoint_state import flatten_state, unflatten_state
-from pipezero.train.config_batch import BatchConfig
+from pipezero.train.config.batch import BatchConfig
 from pipezero.train.state_parts import ByNameState, StateParts
 from pipezero.train.tensor_state import local_slice, whole
 

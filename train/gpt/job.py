@@ -43,7 +43,7 @@ from pipezero.train import Parts, build_optimizer, build_scheduler, parse_config
 from pipezero.train.checkpoint import prune_checkpoints, step_dir_name
 from pipezero.train.cli import DefaultsHelp
 from pipezero.train.config import TrainConfig
-from pipezero.train.config_batch import BatchConfig, keep_global_batch
+from pipezero.train.config.batch import BatchConfig, keep_global_batch
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once

@@ -27,12 +27,12 @@ import torch
 from pipezero.config_fields import ConfigError, ConfigTypeError, Ignored, Section
 from pipezero.pipe.schedule.registry import schedule_entry, schedule_names
 from pipezero.precision.config import Precision, read_precision
-from pipezero.train.config_auto import fill_auto
+from pipezero.train.config.auto import fill_auto
 from pipezero.pipe.compile import CompileConfig
-from pipezero.train.config_batch import BatchConfig, resolve_batch
-from pipezero.train.config_compile import read_compile
-from pipezero.train.config_keys import TOP_KEYS, TOP_RULES
-from pipezero.train.config_optim import OptimizerConfig, SchedulerConfig
+from pipezero.train.config.batch import BatchConfig, resolve_batch
+from pipezero.train.config.compile import read_compile
+from pipezero.train.config.keys import TOP_KEYS, TOP_RULES
+from pipezero.train.config.optim import OptimizerConfig, SchedulerConfig
 from pipezero.zero.config import ZeroConfig
 
 __all__ = ["BatchConfig", "ConfigError", "ConfigTypeError", "PipelineConfig", "TensorBoardConfig", "TrainConfig",
