@@ -31,11 +31,15 @@ MOVED: dict[str, str] = {
     **{f"pipezero.pipe.hf_{m}": f"pipezero.pipe.hf.{m}" for m in ("generate", "match", "tensor", "weights")},
     # train/config/: ds_config -> the parts' configs
     **{f"pipezero.train.config_{m}": f"pipezero.train.config.{m}" for m in ("auto", "batch", "compile", "keys", "optim")},
+    # train/plan/: the planner
+    **{f"pipezero.train.plan_{m}": f"pipezero.train.plan.{m}" for m in ("cli", "hardware", "layout", "memory", "model")},
+    "pipezero.train.plan_time": "pipezero.train.plan.step_time",
 }
 
 BECAME_PACKAGES: dict[str, str] = {  # old module -> the module of the package that holds its code now
     "pipezero.pipe.hf": "pipezero.pipe.hf.specs",
     "pipezero.train.config": "pipezero.train.config.parse",
+    "pipezero.train.plan": "pipezero.train.plan.planner",
 }
 
 

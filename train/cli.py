@@ -131,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--backward-input", type=cost, default=1.0, help="cost of I (B = I + W)")
     sim.add_argument("--backward-weight", type=cost, default=1.0, help="cost of W")
     sim.add_argument("--png", default=None, help="where to write the picture")
-    from pipezero.train.plan_cli import add_plan_parser
+    from pipezero.train.plan.cli import add_plan_parser
 
     add_plan_parser(sub, DefaultsHelp)
     train = sub.add_parser("train", help="train the main job's GPT (examples/train_gpt.py's flags) with a ds_config")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         if rest:
             raise SystemExit(f"pipezero plan: unknown arguments {rest}")
-        from pipezero.train.plan_cli import run_plan
+        from pipezero.train.plan.cli import run_plan
 
         return run_plan(args)
     if args.command == "finetune":  # in this process, or each of torchrun's

@@ -17,7 +17,7 @@ __all__ = ["TOP_KEYS", "TOP_RULES"]
 
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16",
-            "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline", "compile")  # compile: config_compile.py
+            "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline", "compile")  # compile: compile.py
 
 
 def _off(value: Any) -> bool:

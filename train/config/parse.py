@@ -4,9 +4,9 @@ DeepSpeed users' configs are accepted with DeepSpeed 0.19.8's meaning. Each sect
 reader, owned by the package that uses it: precision/ reads fp16/bf16 (`read_precision`), zero/
 reads zero_optimization (`ZeroConfig.from_dict`), and this module reads the rest (batch keys,
 gradient_clipping, optimizer, scheduler, tensorboard, steps_per_print, wall_clock_breakdown,
-pipezero's pipeline section) and sorts the top-level keys (config_keys.py). Hugging Face's
+pipezero's pipeline section) and sorts the top-level keys (keys.py). Hugging Face's
 "auto" values are resolved first, from what the caller knows (`auto_values`, `hidden_size`,
-config_auto.py), so every rank reaches the same verdict without communicating.
+auto.py), so every rank reaches the same verdict without communicating.
 
     cfg = parse_config("ds_config.json", world_size=4, hidden_size=768)
     scaler = LossScaler.from_config(inner, cfg.precision.scaler)
@@ -141,7 +141,7 @@ class TrainConfig:
     gradient_clipping: float = 1.0   # max global grad norm (DeepSpeed's default 1.0); 0 disables clipping
     steps_per_print: int | None = None  # None: DeepSpeed's default, no periodic print
     wall_clock_breakdown: bool = False
-    compile: CompileConfig | bool | None = None   # "compile" (config_compile.py); None: pipezero's default
+    compile: CompileConfig | bool | None = None   # "compile" (compile.py); None: pipezero's default
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     @property
