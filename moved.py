@@ -34,12 +34,17 @@ MOVED: dict[str, str] = {
     # train/plan/: the planner
     **{f"pipezero.train.plan_{m}": f"pipezero.train.plan.{m}" for m in ("cli", "hardware", "layout", "memory", "model")},
     "pipezero.train.plan_time": "pipezero.train.plan.step_time",
+    # train/checkpoint/: checkpoints and exports
+    "pipezero.train.checkpoint_state": "pipezero.train.checkpoint.flatten",
+    **{f"pipezero.train.{m}": f"pipezero.train.checkpoint.{m}" for m in
+       ("state", "state_parts", "saveable", "tensor_state", "lora_state", "hf_export", "lora_export")},
 }
 
 BECAME_PACKAGES: dict[str, str] = {  # old module -> the module of the package that holds its code now
     "pipezero.pipe.hf": "pipezero.pipe.hf.specs",
     "pipezero.train.config": "pipezero.train.config.parse",
     "pipezero.train.plan": "pipezero.train.plan.planner",
+    "pipezero.train.checkpoint": "pipezero.train.checkpoint.files",
 }
 
 

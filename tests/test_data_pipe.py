@@ -25,7 +25,7 @@ from harness import run
 from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
 from pipezero.topology import Grid
 from pipezero.train.data import IGNORE, MemoryCorpus, PackedBatches, pack, token_mean_loss
-from pipezero.train.state import single_process_names
+from pipezero.train.checkpoint.state import single_process_names
 from pipezero.zero import ZeroConfig, ZeroOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

@@ -87,7 +87,7 @@ def _pipeline(family: str, root: str):
     from pipezero.pipe import PipelineModule
     from pipezero.pipe.hf.specs import _HFLayer
     from pipezero.topology import Grid
-    from pipezero.train.hf_export import export_hf
+    from pipezero.train.checkpoint.hf_export import export_hf
 
     model = _model(family)
     model.save_pretrained(f"{root}/{family}")

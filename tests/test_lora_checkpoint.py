@@ -20,7 +20,7 @@ from pipezero.pipe.lora import LoraConfig, adapter_state_dict, lora_specs, train
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.train.checkpoint import load_checkpoint  # noqa: E402
 from pipezero.train.config.batch import BatchConfig  # noqa: E402
-from pipezero.train.lora_state import load_adapters, save_adapters  # noqa: E402
+from pipezero.train.checkpoint.lora_state import load_adapters, save_adapters  # noqa: E402
 from pipezero.zero import ZeroOptimizer  # noqa: E402
 
 _LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,

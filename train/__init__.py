@@ -13,7 +13,7 @@ from pipezero.train.config.optim import build_optimizer, build_scheduler
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.initialize import Engine, initialize
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger
-from pipezero.train.state import export_model, load_state, resume_if_any, save_state
+from pipezero.train.checkpoint.state import export_model, load_state, resume_if_any, save_state
 
 __all__ = ["CheckpointError", "ConfigError", "Engine", "Parts", "Phase", "Progress", "ShardedBatches",
            "TensorBoardWriter", "Timers", "TokenData", "TrainConfig", "build", "build_optimizer",

@@ -49,7 +49,7 @@ from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_s
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars
 from pipezero.train.run_dir import claim_run_dir, export_done, record_loss, recorded_loss
-from pipezero.train.state import export_model, load_state, resume_if_any, save_state, saved_batch
+from pipezero.train.checkpoint.state import export_model, load_state, resume_if_any, save_state, saved_batch
 from pipezero.zero import ZeroOptimizer
 
 __all__ = ["ds_config", "main", "parse_args", "resume", "run", "train_config"]

@@ -1,11 +1,11 @@
 """What save_state / load_state need from a job's parts, written down as protocols instead of `Any`.
 
-The grid-independent checkpoint (train/state.py) stores every parameter and its optimizer state
+The grid-independent checkpoint (train/checkpoint/state.py) stores every parameter and its optimizer state
 whole, under its global name, so the optimizer that owns the parameters must hand them over whole
 and take them back by parameter: `ByNameState`, which ZeroOptimizer implements at every stage (its
 shards gathered over the data group). `StateParts` is the rest of a job that a checkpoint records:
 `pipezero.train.Parts` satisfies it, and so does any small object a hand composition makes with
-these fields. (Per-rank checkpoints of arbitrary Saveable things: train/saveable.py.)
+these fields. (Per-rank checkpoints of arbitrary Saveable things: train/checkpoint/saveable.py.)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ByNameState(Protocol):
 
 
 class _Config(Protocol):
-    batch: Any              # train.config_batch.BatchConfig: the sizes a resume on another data degree keeps
+    batch: Any              # train.config.batch.BatchConfig: the sizes a resume on another data degree keeps
 
 
 class _Grid(Protocol):

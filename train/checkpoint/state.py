@@ -34,10 +34,10 @@ from pipezero.comm.chain import links
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_consolidated, latest_step,
                                        load_checkpoint, rng_state, save_checkpoint, set_rng_state)
-from pipezero.train.checkpoint_state import flatten_state, unflatten_state
+from pipezero.train.checkpoint.flatten import flatten_state, unflatten_state
 from pipezero.train.config.batch import BatchConfig
-from pipezero.train.state_parts import ByNameState, StateParts
-from pipezero.train.tensor_state import local_slice, whole
+from pipezero.train.checkpoint.state_parts import ByNameState, StateParts
+from pipezero.train.checkpoint.tensor_state import local_slice, whole
 
 __all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_state", "saved_batch",
            "single_process_names"]
