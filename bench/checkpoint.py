@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from pipezero.train import checkpoint as ck
+from pipezero.train.checkpoint import files as ck
 from launch import finish_rank, init_rank  # bench/launch.py (bench/ is on sys.path when run as a script)
 
 

@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--layers", type=int, default=4, help="GPT blocks (without --hf-layers)")
     p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--hf-layers", type=int, default=0, help="a Llama of this many layers through pipe/hf.py")
+    p.add_argument("--hf-layers", type=int, default=0, help="a Llama of this many layers through pipe/hf/specs.py")
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pipezero-bench-data-"))

@@ -8,7 +8,7 @@ The same Llama-shaped model (random weights from one config), the same prompts, 
 fixed number of new tokens (no stop token), tokens/s per rank:
   pipezero, gathered ZeRO-3    the training policy (PipelineModule of hf_layer_specs under
                                ZeroOptimizer(stage=3)) inside gathered(opt, dtype=bf16): one
-                               all-gather, then pipe/hf_generate.py's DynamicCache decode
+                               all-gather, then pipe/hf/generate.py's DynamicCache decode
   pipezero, ZeRO-3 hooks       the same without gathered: the stage-3 hooks gather each layer
                                for every token (--naive; slow)
   transformers, ZeRO-3         transformers' generate on the model itself wrapped by
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from pipezero.pipe import PipelineModule
 from pipezero.pipe.hf import hf_layer_specs
-from pipezero.pipe.hf_generate import Sampling, hf_generate
+from pipezero.pipe.hf.generate import Sampling, hf_generate
 from pipezero.topology import Grid
 from pipezero.topology.env import init_distributed
 from pipezero.train.rl import GRPOConfig, PolicyLoss, rollout, train_step

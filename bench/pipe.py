@@ -39,8 +39,8 @@ from bench.launch import init_rank  # noqa: E402
 from examples.gpt import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
 from pipezero.pipe import (Action, Costs, DualPipeV, GPipe, Interleaved1F1B, LayerSpec, OneFOneB,  # noqa: E402
                            PipelineModule, PipelineRunner, ZeroBubbleV, measure_layer_costs, simulate)
-from pipezero.pipe.placement import owner  # noqa: E402
-from pipezero.pipe.timeline import chrome_trace, gather_events  # noqa: E402
+from pipezero.pipe.schedule.placement import owner  # noqa: E402
+from pipezero.pipe.schedule.timeline import chrome_trace, gather_events  # noqa: E402
 from pipezero.precision import MasterWeights  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 

@@ -33,9 +33,9 @@ from gpt import GPTConfig, gpt_loss, gpt_specs, gpt_tensor_plan  # noqa: E402
 
 from pipezero.train import build  # noqa: E402
 from pipezero.train.plan import ds_config, predict  # noqa: E402
-from pipezero.train.plan_hardware import h200, local_cpu  # noqa: E402
-from pipezero.train.plan_layout import Layout  # noqa: E402
-from pipezero.train.plan_model import ModelShape, measure_profile  # noqa: E402
+from pipezero.train.plan.hardware import h200, local_cpu  # noqa: E402
+from pipezero.train.plan.layout import Layout  # noqa: E402
+from pipezero.train.plan.model import ModelShape, measure_profile  # noqa: E402
 
 CPU_LAYOUTS = [  # (pipe, data, tensor, schedule, chunks, microbatches, size, zero)
     (1, 4, 1, "1f1b", 1, 2, 1, 0), (1, 4, 1, "1f1b", 1, 2, 1, 2), (2, 2, 1, "1f1b", 1, 4, 1, 1),

@@ -8,7 +8,7 @@ efficiency 0.55, i.e. 544 TFLOP/s achieved in every layer), 141 GB per GPU of wh
 reserved, 8 GPUs per node on NVLink (450 GB/s per direction, 3 us), one 400 Gb/s NIC per GPU
 between nodes (50 GB/s, 8 us), a 30 us launch overhead per layer action, Adam at 98 bytes per
 parameter at 3.2 TB/s (what one H200 stepped), offloaded Adam at 1 ns per parameter plus PCIe at 25 GB/s
-(plan_hardware.py). Global batch: the model's own (1.3B: 512 x 2048 tokens = 1M, as GPT-3 XL;
+(train/plan/hardware.py). Global batch: the model's own (1.3B: 512 x 2048 tokens = 1M, as GPT-3 XL;
 7B and 70B: 1024 x 4096 = 4M, as Llama 2) or 1024 tokens per GPU, whichever is larger (Llama 3
 405B: 16M tokens on 16K GPUs), so the 8-512 GPU rows are strong scaling and 1.3B at 4096
 GPUs gets 4M tokens; micro-batches of 1 or 2 sequences. Each row is the planner's first pick
@@ -22,8 +22,8 @@ import sys
 import time
 
 from pipezero.train.plan import plan
-from pipezero.train.plan_hardware import h200
-from pipezero.train.plan_model import ModelShape, flops_profile, total_params
+from pipezero.train.plan.hardware import h200
+from pipezero.train.plan.model import ModelShape, flops_profile, total_params
 
 MODELS = [  # (shape, the model's own global batch in sequences)
     (ModelShape(layers=24, d_model=2048, heads=16, seq_len=2048, vocab=50304, name="1.3B"), 512),

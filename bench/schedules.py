@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from pipezero.pipe import (Action, Costs, DualPipeV, GPipe, Interleaved1F1B, OneFOneB, Op, ScheduleError,
                            ZeroBubbleH1, ZeroBubbleV, simulate, validate)
-from pipezero.pipe.placement import owner
+from pipezero.pipe.schedule.placement import owner
 
 try:
     import torch.distributed.pipelining.schedules as tps

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from pipezero.pipe import PipelineModule
 from pipezero.pipe.hf import hf_layer_specs
-from pipezero.pipe.hf_generate import Sampling
+from pipezero.pipe.hf.generate import Sampling
 from pipezero.topology import Grid
 from pipezero.topology.env import init_distributed
 from pipezero.train.log import TensorBoardWriter

@@ -1,7 +1,7 @@
 """PipelineModule: this rank's share of a model given as a list of layers.
 
 The layer list is split into `pipe x num_chunks` contiguous virtual stages (pipe/partition.py),
-placed on ranks looped or V-shaped (pipe/placement.py), and only the local layers are ever
+placed on ranks looped or V-shaped (pipe/schedule/placement.py), and only the local layers are ever
 built. Each layer is built under its own seed (seed + its index), so every stage builds the
 same values a single process would: a parameter's name ("layers.3.weight",
 "tied.embed.weight") is the same as in the whole model, which is what lets a checkpoint
@@ -22,7 +22,7 @@ from pipezero.comm import all_reduce_coalesced, mark_replica
 from pipezero.pipe.compile import CompileConfig, compile_layers, repeated_classes
 from pipezero.pipe.deferred_linear import defer_linear_weights
 from pipezero.pipe.partition import partition, partition_table
-from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
+from pipezero.pipe.schedule.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.shared_layers import check_shared_layers
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec, layer_name
 from pipezero.pipe.stage_errors import LayerError, describe_input, layer_error

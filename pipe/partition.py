@@ -17,7 +17,7 @@ import re
 from typing import Any, Sequence
 
 from pipezero.checks import is_number
-from pipezero.pipe.placement import owner
+from pipezero.pipe.schedule.placement import owner
 from pipezero.pipe.spec import count_parameters, layer_name
 
 __all__ = ["partition", "partition_uniform", "partition_balanced", "balance_ranks", "partition_table"]

@@ -25,20 +25,20 @@ import torch
 import torch.distributed as dist
 
 from pipezero.comm import P2P, CommTimeout, PeerLost, nvtx_range
-from pipezero.pipe.actions import Op
+from pipezero.pipe.schedule.actions import Op
 from pipezero.pipe.batch_check import check_batch, split_batch
 from pipezero.pipe.dealloc import free, freeable, saved_storages
 from pipezero.pipe.deferred_linear import WeightSink, collecting, has_deferring_linear
 from pipezero.pipe.gathering import chunk_gatherings
 from pipezero.pipe.groups import cpu_world_group, side_group
 from pipezero.pipe.module import PipelineModule
-from pipezero.pipe.placement import owner
+from pipezero.pipe.schedule.placement import owner
 from pipezero.pipe.readiness import loss_scaling, step_listener
 from pipezero.pipe.split_backward import WeightGrad, backward_input
 from pipezero.pipe.stage_errors import LayerError
 from pipezero.pipe.step_plan import Message, PipelineSchedule, Step, plan_steps
-from pipezero.pipe.timeline import Timeline, bubble_fraction, gather_events
-from pipezero.pipe.validate import Transfer
+from pipezero.pipe.schedule.timeline import Timeline, bubble_fraction, gather_events
+from pipezero.pipe.schedule.validate import Transfer
 
 __all__ = ["PipelineRunner", "PipelineTimeout"]
 

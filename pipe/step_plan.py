@@ -1,7 +1,7 @@
 """The executor's plan of one rank: each action with the messages it receives and sends.
 
 Built once, when the runner is made, from the validated schedule and validate's transfer
-table (pipe/validate.py), so the runner and the validator cannot disagree about who sends
+table (pipe/schedule/validate.py), so the runner and the validator cannot disagree about who sends
 what. Messages between two ranks are received in the order they were sent (nccl matches
 point-to-point operations by order), so an action that needs a message first receives every
 earlier message of that sender it has not received yet, and the runner keeps those until
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
-from pipezero.pipe.actions import Action, Op, PipelineSchedule
+from pipezero.pipe.schedule.actions import Action, Op, PipelineSchedule
 from pipezero.pipe.module import PipelineModule
-from pipezero.pipe.placement import virtual_stage
-from pipezero.pipe.validate import Move, Transfer, channel_order, transfer_table, validate
+from pipezero.pipe.schedule.placement import virtual_stage
+from pipezero.pipe.schedule.validate import Move, Transfer, channel_order, transfer_table, validate
 
 __all__ = ["Message", "Step", "StepPlan", "plan_steps"]
 
@@ -81,7 +81,7 @@ def _check_schedule(schedule: PipelineSchedule, model: PipelineModule) -> None:
     if not isinstance(schedule, PipelineSchedule):
         missing = [m for m in ("num_microbatches", "num_chunks", "placement", "actions") if not hasattr(schedule, m)]
         raise TypeError(f"PipelineRunner: schedule {schedule!r} has no {missing}; expected a PipelineSchedule "
-                        "(pipe/actions.py): an object with num_microbatches, num_chunks, placement and "
+                        "(pipe/schedule/actions.py): an object with num_microbatches, num_chunks, placement and "
                         "actions(num_stages)")
     m = schedule.num_microbatches
     if not isinstance(m, int) or m < 1:

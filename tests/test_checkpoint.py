@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness import run
-from pipezero.train import checkpoint as ck
+from pipezero.train.checkpoint import files as ck
 from pipezero.train.checkpoint import CheckpointError, export_consolidated, load_checkpoint, save_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -236,7 +236,7 @@ def test_rng_state_round_trip(tmp_path):
 # -- exact resume of a single-process run: model, AdamW, LR schedule, data position, RNG ----------
 
 def test_flatten_state_round_trip_without_pickle(tmp_path):
-    from pipezero.train.checkpoint_state import flatten_state, unflatten_state
+    from pipezero.train.checkpoint.flatten import flatten_state, unflatten_state
 
     state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
              "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0], "foreach": None}],
@@ -253,9 +253,9 @@ def test_flatten_state_round_trip_without_pickle(tmp_path):
 
 
 def _train(steps, directory=None, save_at=None, resume=False):
-    from pipezero.train.checkpoint_state import flatten_state, unflatten_state
+    from pipezero.train.checkpoint.flatten import flatten_state, unflatten_state
     from pipezero.train.config import parse_config
-    from pipezero.train.config_optim import build_optimizer, build_scheduler
+    from pipezero.train.config.optim import build_optimizer, build_scheduler
     from pipezero.train.data import ShardedBatches, TokenData
     from gpt import gpt_loss
 

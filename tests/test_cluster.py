@@ -25,7 +25,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from harness import run
 from pipezero.topology import rank_coords
-from pipezero.train.config_batch import BatchConfig, keep_global_batch
+from pipezero.train.config.batch import BatchConfig, keep_global_batch
 from pipezero.config_fields import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

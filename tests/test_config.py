@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipezero.train.config import ConfigError, parse_config
-from pipezero.train.config_optim import (SchedulerConfig, SchedulerType, WarmupType, build_optimizer,
+from pipezero.train.config.optim import (SchedulerConfig, SchedulerType, WarmupType, build_optimizer,
                                          build_scheduler, lr_at)
 
 SEED = Path(__file__).resolve().parents[1] / "examples" / "configs" / "seed_ds_config.json"

@@ -169,7 +169,7 @@ def test_lr_schedules_equal_deepspeeds_own(section):
     built as its engine builds it (the section's params as keyword arguments)."""
     from deepspeed.runtime import lr_schedules
 
-    from pipezero.train.config_optim import build_optimizer, build_scheduler
+    from pipezero.train.config.optim import build_optimizer, build_scheduler
 
     def optimizer():
         return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.03)

@@ -25,7 +25,7 @@ from harness import run
 from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
 from pipezero.topology import Grid
 from pipezero.train.data import IGNORE, MemoryCorpus, PackedBatches, pack, token_mean_loss
-from pipezero.train.state import single_process_names
+from pipezero.train.checkpoint.state import single_process_names
 from pipezero.zero import ZeroConfig, ZeroOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -165,7 +165,7 @@ def _hf_truth() -> list[float]:
 
 
 def _hf_packed(path: str) -> list[float]:
-    """The same packed rows through pipe/hf.py's layers (transformers builds the block-diagonal
+    """The same packed rows through pipe/hf/specs.py's layers (transformers builds the block-diagonal
     mask from position ids that restart), pipe 2 x data 2, 1F1B, ZeRO-1."""
     from pipezero.pipe.hf import hf_layer_specs
     grid = Grid(pipe=2)

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from harness import run  # noqa: E402
 from pipezero.pipe import PipelineModule  # noqa: E402
 from pipezero.pipe.hf import hf_layer_specs, hf_state_dict  # noqa: E402
-from pipezero.pipe.hf_generate import Sampling  # noqa: E402
+from pipezero.pipe.hf.generate import Sampling  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.train.rl import (FrozenCopy, GRPOConfig, PolicyLoss, Reduction, Rollout,  # noqa: E402
                                RolloutTarget, completion_mask, group_advantages, grpo_token_loss, policy_inputs,

@@ -24,7 +24,7 @@ from harness import run  # noqa: E402
 from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
 from pipezero.pipe.hf import HFDecoderLayer, causal_lm_loss, hf_layer_specs, hf_state_dict, hf_tensor_plan  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
-from pipezero.train.hf_export import export_hf  # noqa: E402
+from pipezero.train.checkpoint.hf_export import export_hf  # noqa: E402
 from pipezero.zero import ZeroOptimizer, gathered  # noqa: E402
 from pipezero.zero.config import ZeroConfig  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 A tiny Qwen2 (tied embedding and head, so the tie crosses stages on some grids) is built by
 `build` from its save_pretrained directory through hf_layer_specs, trains K steps on pipe 2 x
-data 2 with ZeRO-2 and saves with train/state.py; its own continuation is the run that never
+data 2 with ZeRO-2 and saves with train/checkpoint/state.py; its own continuation is the run that never
 stopped. The checkpoint then continues on pipe 1 x data 2 at ZeRO-3, on pipe 4 x data 1 at
 ZeRO-1 and in one process. Every continuation must give the losses of transformers' own model
 trained straight through in one process with plain AdamW, and its final parameters, under the
@@ -55,7 +55,7 @@ def _params(parts) -> dict[str, torch.Tensor]:
 
 def _save_then_continue(path: str, directory: str):
     """pipe 2 x data 2, ZeRO-2: K steps, save, then the steps after K of the run that never stopped."""
-    from pipezero.train.state import save_state
+    from pipezero.train.checkpoint.state import save_state
 
     parts = _parts(path, 2, 2)
     _train(parts, 0, K)
@@ -65,7 +65,7 @@ def _save_then_continue(path: str, directory: str):
 
 def _continue(path: str, directory: str, pipe: int, zero: int):
     """A fresh job on another grid: load the checkpoint, train the steps after K."""
-    from pipezero.train.state import load_state
+    from pipezero.train.checkpoint.state import load_state
 
     parts = _parts(path, pipe, zero)
     meta = load_state(parts, directory)

@@ -85,9 +85,9 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _pipeline(family: str, root: str):
     """Logits (plain, masked), loss, gradients and stepped parameters by Hugging Face name; exported logits."""
     from pipezero.pipe import PipelineModule
-    from pipezero.pipe.hf import _HFLayer
+    from pipezero.pipe.hf.specs import _HFLayer
     from pipezero.topology import Grid
-    from pipezero.train.hf_export import export_hf
+    from pipezero.train.checkpoint.hf_export import export_hf
 
     model = _model(family)
     model.save_pretrained(f"{root}/{family}")

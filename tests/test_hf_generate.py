@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from harness import run  # noqa: E402
 from pipezero.pipe import GPipe, PipelineModule, PipelineRunner  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
-from pipezero.pipe.hf_generate import Sampling, hf_generate  # noqa: E402
+from pipezero.pipe.hf.generate import Sampling, hf_generate  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.zero import ZeroConfig, ZeroOptimizer, gathered  # noqa: E402
 from pipezero.zero.gathered import parameter_bytes  # noqa: E402

@@ -26,7 +26,7 @@ from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict, hf_t
 from pipezero.pipe.lora import LoraConfig, adapter_state_dict, lora_specs, trainable_parameters  # noqa: E402
 from pipezero.pipe.lora_tensor import lora_tensor_plan  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
-from pipezero.train.lora_export import export_merged_hf, export_peft_adapter, load_peft_adapter  # noqa: E402
+from pipezero.train.checkpoint.lora_export import export_merged_hf, export_peft_adapter, load_peft_adapter  # noqa: E402
 from pipezero.zero import ZeroOptimizer  # noqa: E402
 from pipezero.zero.config import ZeroConfig  # noqa: E402
 

@@ -19,8 +19,8 @@ from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
 from pipezero.pipe.lora import LoraConfig, adapter_state_dict, lora_specs, trainable_parameters  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.train.checkpoint import load_checkpoint  # noqa: E402
-from pipezero.train.config_batch import BatchConfig  # noqa: E402
-from pipezero.train.lora_state import load_adapters, save_adapters  # noqa: E402
+from pipezero.train.config.batch import BatchConfig  # noqa: E402
+from pipezero.train.checkpoint.lora_state import load_adapters, save_adapters  # noqa: E402
 from pipezero.zero import ZeroOptimizer  # noqa: E402
 
 _LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,

@@ -113,10 +113,19 @@ def test_the_architecture_note_names_every_folder_and_event():
 
     note = (ROOT / "ARCHITECTURE.md").read_text()
     folders = [f"`{d}/`" for d in PACKAGES] + [f"`{p.name}`" for p in ROOT.glob("*.py") if p.name != "__init__.py"]
-    folders += [f"`train/{p.parent.name}/`" for p in ROOT.glob("train/*/__init__.py")]
+    folders += [f"`{p.parent.parent.name}/{p.parent.name}/`" for d in PACKAGES for p in ROOT.glob(f"{d}/*/__init__.py")]
     events = [name for name in vars(StepListener) if not name.startswith("_")]
     missing = [f for f in folders if f not in note] + [e for e in events if f"{e}(" not in note]
     assert len(events) >= 8 and not missing, missing
+
+
+def test_the_wheel_lists_every_subpackage():
+    """pyproject.toml's package list names every folder with an __init__.py: one left out is not in the wheel."""
+    listed = (ROOT / "pyproject.toml").read_text()
+    folders = ["pipezero." + ".".join(p.parent.relative_to(ROOT).parts) for d in PACKAGES
+               for p in (ROOT / d).rglob("__init__.py")]
+    missing = [f for f in folders if f'"{f}"' not in listed]
+    assert len(folders) > len(PACKAGES) and not missing, missing
 
 
 @pytest.mark.timeout(900)  # a wheel build and a 2-process job: minutes on a loaded 2-core machine

@@ -93,7 +93,7 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from harness import run  # noqa: E402
-from pipezero.pipe.actions import Action, Op  # noqa: E402
+from pipezero.pipe.schedule.actions import Action, Op  # noqa: E402
 from pipezero.pipe.module import PipelineModule  # noqa: E402
 from pipezero.pipe.runner import PipelineRunner  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
@@ -114,7 +114,7 @@ class HandGPipe:
 
 
 def make_schedule(name, m):
-    from pipezero.pipe import schedules
+    from pipezero.pipe.schedule import schedules
 
     if name == "HandGPipe":
         return HandGPipe(m)
@@ -246,7 +246,7 @@ def test_parity_features(world, pipe, name, m, optim, ckpt, wrap):
 
 # -- eval, timeline, errors ----------------------------------------------------------------------
 def eval_and_trace(pipe, name, m, blocks, size, path):
-    from pipezero.pipe.timeline import chrome_trace, gather_events
+    from pipezero.pipe.schedule.timeline import chrome_trace, gather_events
 
     grid = Grid(pipe=pipe)
     sched = make_schedule(name, m)
@@ -286,7 +286,7 @@ def test_eval_step_and_timeline(tmp_path):
 
 
 def test_chrome_trace_has_a_memory_counter_where_events_carry_memory():
-    from pipezero.pipe.timeline import Event, chrome_trace
+    from pipezero.pipe.schedule.timeline import Event, chrome_trace
 
     events = [Event("0F0", "compute", 0, 1.0, 1.002, memory=3 * 2**29), Event("wait", "comm", 1, 1.0, 1.001)]
     counters = [e for e in chrome_trace(events)["traceEvents"] if e["ph"] == "C"]

@@ -20,14 +20,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import run
 from pipezero.pipe import costs
-from pipezero.pipe.registry import make_schedule
+from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.train.cli import main
 from pipezero.train.config import parse_config
 from pipezero.train.plan import ds_config, plan, predict
-from pipezero.train.plan_hardware import h200
-from pipezero.train.plan_layout import Layout, enumerate_layouts
-from pipezero.train.plan_memory import model_state_bytes
-from pipezero.train.plan_model import ModelShape, flops_profile
+from pipezero.train.plan.hardware import h200
+from pipezero.train.plan.layout import Layout, enumerate_layouts
+from pipezero.train.plan.memory import model_state_bytes
+from pipezero.train.plan.model import ModelShape, flops_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import Block, GPTConfig, gpt_loss, gpt_specs  # noqa: E402
@@ -108,7 +108,7 @@ def test_winner_ds_config_parses_and_layouts_that_do_not_fit_are_dropped():
 
 
 def test_cli_plan_prints_the_table_and_writes_the_config(tmp_path, capsys, monkeypatch):
-    from pipezero.train import plan_hardware
+    from pipezero.train.plan import hardware as plan_hardware
 
     monkeypatch.setattr(plan_hardware, "_measure_ranks", lambda processes: (2.0, 1e-3, 1e9))  # spawns: own test
     path = tmp_path / "ds.json"
@@ -125,7 +125,7 @@ def test_cli_plan_prints_the_table_and_writes_the_config(tmp_path, capsys, monke
 @pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2),
                                          ("dualpipev", 2)])
 def test_extrapolated_simulation_matches_the_full_one(name, chunks):
-    from pipezero.train import plan_time
+    from pipezero.train.plan import step_time as plan_time
 
     layout = Layout(4, 2, 1, name, chunks, 24, 1, 0)
     sim, held, _ = plan_time.simulate_layout(PROFILE, layout, HW, "bf16", SMALL.d_model, SMALL.seq_len)
@@ -140,7 +140,7 @@ def test_extrapolated_simulation_matches_the_full_one(name, chunks):
 
 
 def test_the_floor_bounds_every_prediction_and_top_equals_the_full_ranking():
-    from pipezero.train.plan_time import step_time_floor
+    from pipezero.train.plan.step_time import step_time_floor
 
     for lay in enumerate_layouts(8, 8, 32, len(PROFILE), SMALL.heads, checkpoints=(0,)):
         floor = step_time_floor(PROFILE, lay, HW, "bf16", SMALL.d_model, SMALL.seq_len)
@@ -157,7 +157,7 @@ def test_an_extrapolated_schedule_never_ends_before_its_busiest_rank():
 
 
 def test_local_cpu_measures_contention_and_gloo_with_spawned_ranks():
-    from pipezero.train.plan_hardware import _measure_ranks
+    from pipezero.train.plan.hardware import _measure_ranks
 
     slowdown, latency, bandwidth = _measure_ranks(2, seconds=0.2)
     assert slowdown >= 1.0 and 0 < latency < 1.0 and bandwidth > 1e6, (slowdown, latency, bandwidth)
@@ -316,7 +316,7 @@ def test_checkpointing_adds_the_measured_recompute_to_the_backward():
 def test_a_split_schedule_pays_what_the_runners_split_measured():
     """ZB-V at micro-batch 1 on 2 H200s ran at twice 1F1B while the planner assumed I + W = B:
     under a split schedule I and W take measure_profile's split time, other schedules B's."""
-    from pipezero.train.plan_time import simulate_layout
+    from pipezero.train.plan.step_time import simulate_layout
 
     zbv, one_f_one_b = Layout(2, 1, 1, "zbv", 2, 8, 1, 0), Layout(2, 1, 1, "1f1b", 1, 8, 1, 0)
     hw = replace(HW, layer_overhead_us=0.0)
@@ -330,7 +330,7 @@ def test_a_split_schedule_pays_what_the_runners_split_measured():
 
 
 def test_measured_profile_times_the_split_backward():
-    from pipezero.train.plan_model import measure_profile
+    from pipezero.train.plan.model import measure_profile
 
     profile = measure_profile(ModelShape(layers=2, d_model=32, heads=2, seq_len=16, vocab=64), microbatch=1, rounds=1)
     assert all(p.split_seconds > 0 and p.tensor_overhead > 0 for p in profile if p.kind == "Block")
@@ -341,7 +341,7 @@ def test_tensor_parallel_layouts_pay_dtensor_dispatch_per_block_and_microbatch()
     """Tensor 2 on 2 H200s ran 8x its prediction, CPU-bound on DTensor's dispatch (~30 operators
     per block): a fixed cost per block and micro-batch that neither the micro-batch nor the
     tensor degree shrinks."""
-    from pipezero.train.plan_time import simulate_layout
+    from pipezero.train.plan.step_time import simulate_layout
 
     tp2, tp1 = Layout(1, 1, 2, "1f1b", 1, 8, 1, 0), Layout(1, 1, 1, "1f1b", 1, 8, 1, 0)
     hw = replace(HW, layer_overhead_us=0.0)

@@ -269,7 +269,7 @@ def test_executor_models():
 
 def _torch_order(cls_name: str, p: int, m: int, placement: str) -> dict[int, list[Action]]:
     """torch.distributed.pipelining's order for the same schedule (private API: skip if gone)."""
-    from pipezero.pipe.placement import owner
+    from pipezero.pipe.schedule.placement import owner
     tps = pytest.importorskip("torch.distributed.pipelining.schedules")
     try:
         sched = object.__new__(getattr(tps, cls_name))

@@ -9,7 +9,7 @@ import pytest
 
 from pipezero.pipe import (Costs, Custom, DualPipeV, GPipe, Interleaved1F1B, OneFOneB, Op, ZeroBubbleH1,
                            ZeroBubbleV, simulate, to_chrome_trace, to_image, to_png, to_text)
-from pipezero.pipe.render import COLORS
+from pipezero.pipe.schedule.render import COLORS
 
 P_RANGE = range(1, 9)
 M_RANGE = range(1, 33)
@@ -165,7 +165,7 @@ def test_image_colours_ops_and_shades_chunks():
 
 
 def test_picture_has_rank_labels_a_time_axis_and_a_legend():
-    from pipezero.pipe.render import text_size
+    from pipezero.pipe.schedule.render import text_size
 
     res = simulate(ZeroBubbleH1(4), 2)
     bare = to_image(res, px_per_unit=10, row_height=12, gap=2, labels=False)
@@ -232,8 +232,8 @@ def test_per_chunk_costs_errors():
 def test_measured_bubble_has_the_simulators_definition():
     """The runner's bubble_fraction over a simulated timeline is the simulator's bubble, also
     when a rank finishes early (1F1B's last stage idles while the first runs its last B)."""
-    from pipezero.pipe.timeline import Event as Span
-    from pipezero.pipe.timeline import bubble_fraction
+    from pipezero.pipe.schedule.timeline import Event as Span
+    from pipezero.pipe.schedule.timeline import bubble_fraction
     costs = {(0, 0): Costs(forward=1, backward_input=1, backward_weight=1),
              (1, 0): Costs(forward=2, backward_input=1.5, backward_weight=1.5)}
     for sched in (GPipe(4), OneFOneB(4)):

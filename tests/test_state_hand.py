@@ -19,8 +19,8 @@ from harness import run
 from pipezero.chain import ChainWrapper
 from pipezero.precision import LossScaler, MasterWeights
 from pipezero.train.checkpoint import CheckpointError
-from pipezero.train.state import load_state, save_state
-from pipezero.train.state_parts import HandParts
+from pipezero.train.checkpoint.state import load_state, save_state
+from pipezero.train.checkpoint.state_parts import HandParts
 from pipezero.zero import ZeroOptimizer
 
 BATCH = 8

@@ -20,7 +20,7 @@ from harness import run
 from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
 from pipezero.precision import LossScaler
 from pipezero.topology import Grid
-from pipezero.train.state import single_process_names
+from pipezero.train.checkpoint.state import single_process_names
 from pipezero.zero import ZeroOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -150,7 +150,7 @@ def _whole_params(parts) -> dict[str, torch.Tensor]:
 def _save_then_reload(directory: str):
     """Train 2 steps at tensor 2 x data 2, save; continue one step there and on two reloaded grids."""
     from pipezero.train.build import build
-    from pipezero.train.state import load_state, save_state
+    from pipezero.train.checkpoint.state import load_state, save_state
 
     def parts_of(pipe, tensor):
         return build(_config(pipe), specs=gpt_specs(CFG), loss_fn=gpt_loss, tensor=tensor,

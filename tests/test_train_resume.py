@@ -61,7 +61,7 @@ def _train(parts, batches, steps: int) -> list[float]:
 
 def _stop_and_resume(directory: str, pipe: int, bf16: bool) -> tuple[list[float], list[float]]:
     """(uninterrupted losses 1..N, losses 1..K then resumed K+1..N)."""
-    from pipezero.train.state import load_state, save_state
+    from pipezero.train.checkpoint.state import load_state, save_state
 
     parts, batches = _parts(pipe, bf16=bf16)
     straight = _train(parts, batches, N)
@@ -84,7 +84,7 @@ def test_resume_is_exact(tmp_path, world, pipe, bf16):
 
 
 def _continue(directory: str, pipe: int) -> list[float]:
-    from pipezero.train.state import load_state
+    from pipezero.train.checkpoint.state import load_state
 
     parts, batches = _parts(pipe)
     batches.load_state_dict(load_state(parts, directory)["data"])
@@ -102,7 +102,7 @@ def saved_2x2(tmp_path_factory):
 
 
 def _save_then_continue(directory: str) -> list[float]:
-    from pipezero.train.state import save_state
+    from pipezero.train.checkpoint.state import save_state
 
     parts, batches = _parts(2)
     _train(parts, batches, K)
@@ -118,7 +118,7 @@ def test_reshard_continues_identically(saved_2x2, world, pipe):
 
 
 def test_export_loads_into_single_process_gpt(saved_2x2, tmp_path):
-    from pipezero.train.state import export_model
+    from pipezero.train.checkpoint.state import export_model
 
     directory, _ = saved_2x2
     path = export_model(directory, tmp_path / "gpt.safetensors", gpt_specs(MODEL))
@@ -133,7 +133,7 @@ def test_export_loads_into_single_process_gpt(saved_2x2, tmp_path):
 
 def _load_wrong_model(directory: str) -> str:
     from pipezero.train.build import build
-    from pipezero.train.state import load_state
+    from pipezero.train.checkpoint.state import load_state
 
     other = GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=8)
     parts = build(_config(1), specs=gpt_specs(other), loss_fn=gpt_loss)

@@ -11,7 +11,7 @@ import torch
 from harness import run
 from pipezero.pipe.gathering import plan_gathers
 from pipezero.pipe.module import PipelineModule
-from pipezero.pipe.registry import make_schedule
+from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
 from pipezero.topology import Grid
 from pipezero.zero import ZeroConfig, ZeroOptimizer

@@ -15,7 +15,7 @@ from test_train_resume import K, N, _parts, _train
 
 def _save_then_continue(directory: str, save_zero: int, load_zero: int) -> tuple[list[float], list[float]]:
     """(the saving job's losses K+1..N, a fresh job at load_zero on the same grid from the checkpoint)."""
-    from pipezero.train.state import load_state, save_state
+    from pipezero.train.checkpoint.state import load_state, save_state
 
     parts, batches = _parts(2, save_zero)
     _train(parts, batches, K)
@@ -27,7 +27,7 @@ def _save_then_continue(directory: str, save_zero: int, load_zero: int) -> tuple
 
 
 def _continue(directory: str, pipe: int, zero: int) -> list[float]:
-    from pipezero.train.state import load_state
+    from pipezero.train.checkpoint.state import load_state
 
     parts, batches = _parts(pipe, zero)
     batches.load_state_dict(load_state(parts, directory)["data"])

@@ -14,7 +14,7 @@ from torch import nn
 
 from harness import run
 from pipezero.pipe import LayerSpec, PipelineModule, PipelineRunner
-from pipezero.pipe.registry import make_schedule
+from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.topology import Grid
 from pipezero.zero import ZeroConfig, ZeroOptimizer
 from test_zero_memory import _storages, expected

@@ -23,12 +23,12 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from pipezero.pipe.module import PipelineModule
-from pipezero.pipe.registry import make_schedule
+from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
 from pipezero.precision import LossScaler
 from pipezero.topology import Grid, init_distributed, process_device
 from pipezero.train.config import TrainConfig, parse_config
-from pipezero.train.config_optim import OptimizerConfig, build_optimizer, build_scheduler
+from pipezero.train.config.optim import OptimizerConfig, build_optimizer, build_scheduler
 from pipezero.train.log import get_logger, warn_once
 from pipezero.zero import ZeroOptimizer
 

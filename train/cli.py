@@ -142,7 +142,7 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from pipezero.pipe.registry import schedule_names
+    from pipezero.pipe.schedule.registry import schedule_names
 
     parser = argparse.ArgumentParser(prog="pipezero", description="pipeline-parallel training toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--backward-input", type=cost, default=1.0, help="cost of I (B = I + W)")
     sim.add_argument("--backward-weight", type=cost, default=1.0, help="cost of W")
     sim.add_argument("--png", default=None, help="where to write the picture")
-    from pipezero.train.plan_cli import add_plan_parser
+    from pipezero.train.plan.cli import add_plan_parser
 
     add_plan_parser(sub, DefaultsHelp)
     train = sub.add_parser("train", help="train the main job's GPT (examples/train_gpt.py's flags) with a ds_config")
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         if rest:
             raise SystemExit(f"pipezero plan: unknown arguments {rest}")
-        from pipezero.train.plan_cli import run_plan
+        from pipezero.train.plan.cli import run_plan
 
         return run_plan(args)
     if args.command == "finetune":  # in this process, or each of torchrun's

@@ -35,12 +35,12 @@ from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
 from pipezero.train.build import Parts, build
 from pipezero.train.checkpoint import prune_checkpoints
 from pipezero.train.config import parse_config
-from pipezero.train.config_batch import keep_global_batch
+from pipezero.train.config.batch import keep_global_batch
 from pipezero.train.data import (MemoryCorpus, PackedBatches, load_tokenizer, pack, stdlib_files, token_mean_loss,
                                  tokenized_corpus)
-from pipezero.train.hf_export import export_hf
+from pipezero.train.checkpoint.hf_export import export_hf
 from pipezero.train.log import TensorBoardWriter, get_logger
-from pipezero.train.state import resume_if_any, save_state, saved_batch
+from pipezero.train.checkpoint.state import resume_if_any, save_state, saved_batch
 
 __all__ = ["main", "parse_args"]
 

@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipezero.train.build import Parts, build
 from pipezero.train.config import TrainConfig
-from pipezero.train.config_optim import OptimizerConfig, build_optimizer
+from pipezero.train.config.optim import OptimizerConfig, build_optimizer
 from pipezero.train.log import get_logger, warn_once
-from pipezero.train.state import load_state, save_state
+from pipezero.train.checkpoint.state import load_state, save_state
 
 __all__ = ["Engine", "initialize"]
 
@@ -88,7 +88,7 @@ class Engine:
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
                         client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> Path:
-        """DeepSpeed's save_checkpoint on pipezero's checkpoints (train/state.py: every rank calls it;
+        """DeepSpeed's save_checkpoint on pipezero's checkpoints (train/checkpoint/state.py: every rank calls it;
         it loads onto another grid). `tag` names the checkpoint: None (this optimizer step), a number or
         DeepSpeed's "global_step<N>"; the step counters are saved apart from it, as DeepSpeed's are.
         `client_state`: JSON values, returned by load_checkpoint. `save_latest=False` leaves `latest`

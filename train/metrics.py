@@ -14,10 +14,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from pipezero.pipe.actions import Action
-from pipezero.pipe.simulate import Event as SimEvent
-from pipezero.pipe.simulate import SimResult, idle_fraction
-from pipezero.pipe.timeline import Event
+from pipezero.pipe.schedule.actions import Action
+from pipezero.pipe.schedule.simulate import Event as SimEvent
+from pipezero.pipe.schedule.simulate import SimResult, idle_fraction
+from pipezero.pipe.schedule.timeline import Event
 
 __all__ = ["mfu", "peak_memory_bytes", "timeline_result", "traffic_scalars"]
 

@@ -200,7 +200,7 @@ def _per_chunk(*keys, p2p=(0.0, 0.0)):
 
 def _render(fn_name: str, arg):
     def run():
-        from pipezero.pipe import render
+        from pipezero.pipe.schedule import render
         return getattr(render, fn_name)(arg() if callable(arg) else arg)
     return run
 

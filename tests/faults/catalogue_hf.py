@@ -174,7 +174,7 @@ def _source(obj):
 def _export_plain(tmp: Path):
     from torch import nn
 
-    from pipezero.train.hf_export import export_hf
+    from pipezero.train.checkpoint.hf_export import export_hf
     return export_hf(nn.Linear(2, 2), tmp / "out")
 
 

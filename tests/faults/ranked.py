@@ -150,7 +150,7 @@ def parameter_shared_by_layers_on_two_stages():
 def _build(layers: int, ckpt: str | None = None):
     from pipezero.pipe import LayerSpec
     from pipezero.train.build import build
-    from pipezero.train.state import load_state, save_state
+    from pipezero.train.checkpoint.state import load_state, save_state
     parts = build({"train_batch_size": 4, "pipeline": {"stages": 2, "partition_method": "uniform"},
                    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}},
                   specs=[LayerSpec(nn.Linear, 4, 4) for _ in range(layers)], loss_fn=F.mse_loss)
@@ -179,7 +179,7 @@ def checkpoint_with_nan_loss_scale():
 
     import torch.distributed as dist
 
-    from pipezero.train.checkpoint import _manifest_digest
+    from pipezero.train.checkpoint.files import _manifest_digest
     box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box)
     parts, save = _build(4)

@@ -2,7 +2,7 @@
 
 Every manifest field edited or removed, files truncated, bit-flipped or missing, a process
 SIGKILLed at every write and rename of a save and of a re-save of the step `latest` names
-(train/checkpoint.py's PIPEZERO_CHECKPOINT_KILL_AT hook, in a forked child), a full disk and a
+(train/checkpoint/files.py's PIPEZERO_CHECKPOINT_KILL_AT hook, in a forked child), a full disk and a
 read-only folder: each is refused with a CheckpointError/OSError naming the file, and the
 checkpoints that were complete before stay loadable.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipezero.train import checkpoint as ck
-from pipezero.train.checkpoint import SAVE_POINTS, CheckpointError, load_checkpoint, save_checkpoint
+from pipezero.train.checkpoint import files as ck
+from pipezero.train.checkpoint.files import SAVE_POINTS, CheckpointError, load_checkpoint, save_checkpoint
 
 
 def _state(version: int) -> dict[str, torch.Tensor]:

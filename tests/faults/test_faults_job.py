@@ -64,7 +64,7 @@ def _lr_after_resume(out: str) -> tuple:
 
     from pipezero.pipe import LayerSpec
     from pipezero.train.build import build
-    from pipezero.train.state import load_state, save_state
+    from pipezero.train.checkpoint.state import load_state, save_state
     parts = build({"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
                   specs=[LayerSpec(nn.Linear, 4, 4) for _ in range(2)], loss_fn=F.mse_loss)
     save_state(parts, out, 1)

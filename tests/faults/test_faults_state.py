@@ -95,7 +95,7 @@ def _pipe_parts(seed: int):
 def _frozen_pipe(directory: str) -> list:
     """Item 2 in a pipeline: each stage saves its frozen layers; the export holds them all."""
     from pipezero.pipe import LayerSpec
-    from pipezero.train.state import export_model, load_state, save_state
+    from pipezero.train.checkpoint.state import export_model, load_state, save_state
 
     parts = _pipe_parts(0)
     g = torch.Generator().manual_seed(3)
@@ -320,7 +320,7 @@ def _model_config_checked(directory: str) -> dict:
     from pathlib import Path
 
     from pipezero.train.checkpoint import CheckpointError
-    from pipezero.train.state import load_state, save_state
+    from pipezero.train.checkpoint.state import load_state, save_state
 
     engine = _engine(0, _mlp())
     save_state(engine.parts, Path(directory) / "api", 1, model_config={"n_head": 2, "d_model": 16})
@@ -349,7 +349,7 @@ def _model_config_checked(directory: str) -> dict:
 def _hand_composed(directory: str, zero_stage: int | None) -> list:
     """Issue 29 item 4: a chain built by hand (no build(), no Parts) saves its things and resumes exactly."""
     from pipezero.precision import LossScaler, MasterWeights
-    from pipezero.train.saveable import load_things, save_things
+    from pipezero.train.checkpoint.saveable import load_things, save_things
     from pipezero.zero import ZeroOptimizer
 
     def job():

@@ -36,20 +36,20 @@ import torch
 from pipezero.comm import TRAFFIC, is_peer_lost
 from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names
 from pipezero.pipe import simulate, to_image, to_png, to_text
-from pipezero.pipe.timeline import chrome_trace, gather_events
+from pipezero.pipe.schedule.timeline import chrome_trace, gather_events
 from pipezero.precision import LossScaler, global_grad_norm
 from pipezero.topology import Grid, process_device
 from pipezero.train import Parts, build_optimizer, build_scheduler, parse_config
 from pipezero.train.checkpoint import prune_checkpoints, step_dir_name
 from pipezero.train.cli import DefaultsHelp
 from pipezero.train.config import TrainConfig
-from pipezero.train.config_batch import BatchConfig, keep_global_batch
+from pipezero.train.config.batch import BatchConfig, keep_global_batch
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars
 from pipezero.train.run_dir import claim_run_dir, export_done, record_loss, recorded_loss
-from pipezero.train.state import export_model, load_state, resume_if_any, save_state, saved_batch
+from pipezero.train.checkpoint.state import export_model, load_state, resume_if_any, save_state, saved_batch
 from pipezero.zero import ZeroOptimizer
 
 __all__ = ["ds_config", "main", "parse_args", "resume", "run", "train_config"]

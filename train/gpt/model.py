@@ -15,7 +15,7 @@ Radford et al. 2019 (GPT-2), as in karpathy/nanoGPT.
 
 Generation (`generate(layers, idx, n)`, `GPT.generate`) lives in pipezero/train/gpt/generate.py
 (KV cache, left-padded batches, a CUDA-graph decode step). This is the model of the main job
-(pipezero/train/gpt/job.py, `pipezero train`) and of the planner (train/plan_model.py), so it
+(pipezero/train/gpt/job.py, `pipezero train`) and of the planner (train/plan/model.py), so it
 ships in the package; examples/gpt.py re-exports it.
 gpt_from_pipeline and gpt_stage_layers give it the layers
 of a pipeline.
@@ -304,7 +304,7 @@ def gpt_from_pipeline(module: nn.Module, cfg: GPTConfig) -> "GPT":
     its own with the KV cache; free the returned model after the generation phase.
     """
     import torch.distributed as dist
-    from pipezero.pipe.placement import owner
+    from pipezero.pipe.schedule.placement import owner
 
     grid = module.grid
     if module.bounds[-1] != len(gpt_layers(cfg)):

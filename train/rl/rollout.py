@@ -2,7 +2,7 @@
 
 One call is the experience phase of DeepSpeed-Chat's hybrid engine: the ZeRO shards are
 gathered once (`gathered(opt, dtype)`: whole weights, optionally bf16), the policy generates
-with its KV cache (pipe/hf_generate.py) and, if asked, scores the old log-probs while the
+with its KV cache (pipe/hf/generate.py) and, if asked, scores the old log-probs while the
 weights are whole, the copies are freed, then the user's reward function scores each completion and the
 advantages follow (group-relative for GRPO, a batch baseline for REINFORCE). The returned
 `Rollout` feeds `train_step` (or a PipelineRunner: its inputs and target are tensors split
@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pipezero.pipe.hf_generate import Sampling, hf_generate
+from pipezero.pipe.hf.generate import Sampling, hf_generate
 from pipezero.train.rl.advantages import batch_baseline, group_advantages
 from pipezero.train.rl.loss import GRPOConfig, PolicyLoss, RolloutTarget, completion_logprobs
 from pipezero.train.rl.reference import Reference

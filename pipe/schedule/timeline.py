@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from pipezero.pipe.simulate import idle_fraction
+from pipezero.pipe.schedule.simulate import idle_fraction
 
 __all__ = ["Event", "Timeline", "bubble_fraction", "chrome_trace", "gather_events"]
 

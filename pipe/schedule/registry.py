@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipezero.checks import is_int
-from pipezero.pipe.schedules import DualPipeV, GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1, ZeroBubbleV
+from pipezero.pipe.schedule.schedules import DualPipeV, GPipe, Interleaved1F1B, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 
 __all__ = ["SCHEDULES", "ScheduleEntry", "make_schedule", "schedule_entry", "schedule_names"]
 
@@ -32,7 +32,7 @@ class ScheduleEntry:
 
     @property
     def placement(self) -> str:
-        """How chunks map to virtual stages: "looped" or "v" (pipe/placement.py)."""
+        """How chunks map to virtual stages: "looped" or "v" (pipe/schedule/placement.py)."""
         return self.cls.placement
 
     @property

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pipezero.chain import innermost, links
-from pipezero.train.state_parts import ByNameState
+from pipezero.train.checkpoint.state_parts import ByNameState
 
 __all__ = ["ChainByName", "HoldsMasters", "by_name"]
 

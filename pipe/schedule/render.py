@@ -14,12 +14,12 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipezero.pipe.actions import Action, Op
+from pipezero.pipe.schedule.actions import Action, Op
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from pipezero.pipe.simulate import SimResult
+    from pipezero.pipe.schedule.simulate import SimResult
 
 __all__ = ["to_text", "to_chrome_trace", "to_image", "to_png", "text_size", "COLORS"]
 

@@ -6,7 +6,7 @@ the Hugging Face model + ".lora_A.weight"), which `PeftModel.from_pretrained(bas
 loads onto the base model. The adapters are small, so every rank sends its own to rank 0,
 which writes the directory (replicas over the data axis are equal; tensor-parallel adapters
 are gathered whole first). A merged export folds scaling * B A into each adapted weight
-(pipe/lora.py's `merged`) and writes what train/hf_export.py writes for a full model. Under
+(pipe/lora.py's `merged`) and writes what train/checkpoint/hf_export.py writes for a full model. Under
 ZeRO-3 (a model passed as module=) call these inside `with gathered(opt):`. peft itself is
 not needed to write or read the directory.
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipezero.pipe.lora import LoraConfig, LoraLinear, adapter_state_dict, load_adapter_state_dict, merged
-from pipezero.train.hf_export import export_hf
+from pipezero.train.checkpoint.hf_export import export_hf
 
 __all__ = ["PEFT_PREFIX", "export_merged_hf", "export_peft_adapter", "load_peft_adapter"]
 

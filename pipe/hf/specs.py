@@ -33,8 +33,8 @@ from torch import nn
 
 from pipezero.comm import is_replica
 from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
-from pipezero.pipe.hf_match import check_checkpoint, keeps_tie, size_fields
-from pipezero.pipe.hf_weights import CheckpointTensors, ModelTensors
+from pipezero.pipe.hf.match import check_checkpoint, keeps_tie, size_fields
+from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 
 __all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
@@ -308,7 +308,7 @@ class HFDecoderLayer(_HFLayer):
 
     def forward(self, x: tuple) -> tuple:
         hidden, positions, *rest = x
-        cache = rest[1] if len(rest) > 1 else None  # a transformers Cache: pipe/hf_generate.py's decode path
+        cache = rest[1] if len(rest) > 1 else None  # a transformers Cache: pipe/hf/generate.py's decode path
         sized = {} if cache is None else {"layer_idx": self.index}
         mask = self.make_mask(config=self.model.config, inputs_embeds=hidden, attention_mask=rest[0] if rest else None,
                               cache=cache, position_ids=positions, **sized)
@@ -472,4 +472,4 @@ def hf_config(source: nn.Module | list[LayerSpec]) -> Any:
     raise ValueError(f"{type(source).__name__} holds no layer of hf_layer_specs")
 
 
-from pipezero.pipe.hf_tensor import hf_tensor_plan  # noqa: E402 - it reads HFDecoderLayer above
+from pipezero.pipe.hf.tensor import hf_tensor_plan  # noqa: E402 - it reads HFDecoderLayer above

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator
 
-from pipezero.pipe.registry import SCHEDULES, make_schedule
+from pipezero.pipe.schedule.registry import SCHEDULES, make_schedule
 
 __all__ = ["Layout", "divisors", "enumerate_layouts"]
 

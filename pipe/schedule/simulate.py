@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple
 
 from pipezero.checks import is_number
-from pipezero.pipe.actions import Action, Op
-from pipezero.pipe.validate import check_static, execute, raise_deadlock
+from pipezero.pipe.schedule.actions import Action, Op
+from pipezero.pipe.schedule.validate import check_static, execute, raise_deadlock
 
 __all__ = ["Costs", "Event", "SimResult", "simulate", "idle_fraction"]
 

@@ -4,9 +4,9 @@ DeepSpeed users' configs are accepted with DeepSpeed 0.19.8's meaning. Each sect
 reader, owned by the package that uses it: precision/ reads fp16/bf16 (`read_precision`), zero/
 reads zero_optimization (`ZeroConfig.from_dict`), and this module reads the rest (batch keys,
 gradient_clipping, optimizer, scheduler, tensorboard, steps_per_print, wall_clock_breakdown,
-pipezero's pipeline section) and sorts the top-level keys (config_keys.py). Hugging Face's
+pipezero's pipeline section) and sorts the top-level keys (keys.py). Hugging Face's
 "auto" values are resolved first, from what the caller knows (`auto_values`, `hidden_size`,
-config_auto.py), so every rank reaches the same verdict without communicating.
+auto.py), so every rank reaches the same verdict without communicating.
 
     cfg = parse_config("ds_config.json", world_size=4, hidden_size=768)
     scaler = LossScaler.from_config(inner, cfg.precision.scaler)
@@ -25,14 +25,14 @@ from typing import Any, Mapping
 import torch
 
 from pipezero.config_fields import ConfigError, ConfigTypeError, Ignored, Section
-from pipezero.pipe.registry import schedule_entry, schedule_names
+from pipezero.pipe.schedule.registry import schedule_entry, schedule_names
 from pipezero.precision.config import Precision, read_precision
-from pipezero.train.config_auto import fill_auto
+from pipezero.train.config.auto import fill_auto
 from pipezero.pipe.compile import CompileConfig
-from pipezero.train.config_batch import BatchConfig, resolve_batch
-from pipezero.train.config_compile import read_compile
-from pipezero.train.config_keys import TOP_KEYS, TOP_RULES
-from pipezero.train.config_optim import OptimizerConfig, SchedulerConfig
+from pipezero.train.config.batch import BatchConfig, resolve_batch
+from pipezero.train.config.compile import read_compile
+from pipezero.train.config.keys import TOP_KEYS, TOP_RULES
+from pipezero.train.config.optim import OptimizerConfig, SchedulerConfig
 from pipezero.zero.config import ZeroConfig
 
 __all__ = ["BatchConfig", "ConfigError", "ConfigTypeError", "PipelineConfig", "TensorBoardConfig", "TrainConfig",
@@ -72,7 +72,7 @@ class PipelineConfig:
     """ds_config["pipeline"]: what DeepSpeed keeps in code (PipelineModule's arguments)."""
 
     stages: int = 1
-    schedule: str = "1f1b"                   # a name of pipe/registry.py's SCHEDULES
+    schedule: str = "1f1b"                   # a name of pipe/schedule/registry.py's SCHEDULES
     chunks: int = 1                          # virtual stages per rank (the schedule's default)
     micro_batches: int | None = None         # = gradient_accumulation_steps when given
     activation_checkpoint_interval: int = 0  # 0: no activation checkpointing
@@ -141,7 +141,7 @@ class TrainConfig:
     gradient_clipping: float = 1.0   # max global grad norm (DeepSpeed's default 1.0); 0 disables clipping
     steps_per_print: int | None = None  # None: DeepSpeed's default, no periodic print
     wall_clock_breakdown: bool = False
-    compile: CompileConfig | bool | None = None   # "compile" (config_compile.py); None: pipezero's default
+    compile: CompileConfig | bool | None = None   # "compile" (compile.py); None: pipezero's default
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     @property

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from pipezero.pipe.hf import HFDecoderLayer, hf_config
-from pipezero.pipe.placement import owner
+from pipezero.pipe.schedule.placement import owner
 
 __all__ = ["Sampling", "hf_generate"]
 

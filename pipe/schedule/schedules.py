@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from pipezero.checks import is_int
-from pipezero.pipe.actions import Action, ActionTable, Op
-from pipezero.pipe.placement import PLACEMENTS
+from pipezero.pipe.schedule.actions import Action, ActionTable, Op
+from pipezero.pipe.schedule.placement import PLACEMENTS
 
 __all__ = ["GPipe", "OneFOneB", "Interleaved1F1B", "ZeroBubbleH1", "ZeroBubbleV", "DualPipeV",
            "Custom"]

@@ -78,7 +78,7 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _hardware(args: argparse.Namespace):
-    from pipezero.train.plan_hardware import h200, local_cpu
+    from pipezero.train.plan.hardware import h200, local_cpu
 
     if args.hardware == "local":
         hw = local_cpu(args.gpus_per_node or 4, args.memory_gb)
@@ -95,8 +95,8 @@ def run_plan(args: argparse.Namespace) -> int:
     """Measure or model the layers, rank the layouts, print the table, the winner's parts and config."""
     import torch
 
-    from pipezero.train.plan import ds_config, explain, format_table, plan, torchrun_command, write_config
-    from pipezero.train.plan_model import ModelShape, flops_profile, measure_profile
+    from pipezero.train.plan.planner import ds_config, explain, format_table, plan, torchrun_command, write_config
+    from pipezero.train.plan.model import ModelShape, flops_profile, measure_profile
 
     _check_flags(args)
     start = time.perf_counter()

@@ -31,9 +31,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from pipezero.pipe.actions import Action, Op
-from pipezero.pipe.placement import PLACEMENTS, owner, virtual_stage
-from pipezero.pipe.render import to_text
+from pipezero.pipe.schedule.actions import Action, Op
+from pipezero.pipe.schedule.placement import PLACEMENTS, owner, virtual_stage
+from pipezero.pipe.schedule.render import to_text
 
 __all__ = ["ScheduleError", "validate", "check_static", "execute", "raise_deadlock", "Transfer",
            "transfers", "transfer_table", "channel_order", "dependencies", "normalize", "resolve_placement"]

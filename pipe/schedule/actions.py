@@ -49,8 +49,8 @@ Schedule = ActionTable  # the table's name before a schedule object had its own 
 class PipelineSchedule(Protocol):
     """What the runner, the validator and the simulator read from a schedule object.
 
-    pipe/schedules.py's classes are schedules; so is any user object with these four members
-    (tests/test_pipe_runner.py's HandGPipe). `placement` is "looped" or "v" (pipe/placement.py).
+    pipe/schedule/schedules.py's classes are schedules; so is any user object with these four members
+    (tests/test_pipe_runner.py's HandGPipe). `placement` is "looped" or "v" (pipe/schedule/placement.py).
     """
 
     num_microbatches: int

@@ -1,13 +1,13 @@
 """What save_state / load_state need from a job's parts, written down as protocols instead of `Any`.
 
-The grid-independent checkpoint (train/state.py) stores every parameter and its optimizer state
+The grid-independent checkpoint (train/checkpoint/state.py) stores every parameter and its optimizer state
 whole, under its global name, so the optimizer that owns the parameters must hand them over whole
 and take them back by parameter: `ByNameState`, which ZeroOptimizer implements at every stage (its
 shards gathered over the data group); any other optimizer (a torch one, a LossScaler /
-MasterWeights chain over one) is seen through train/by_name.py's view of its state_dict, the same
+MasterWeights chain over one) is seen through train/checkpoint/by_name.py's view of its state_dict, the same
 layout. `StateParts` is the rest of a job that a checkpoint records: `pipezero.train.Parts`
 satisfies it, and so does `HandParts(module, optimizer, scheduler)`, a job composed by hand.
-(Per-rank checkpoints of arbitrary Saveable things: train/saveable.py.)
+(Per-rank checkpoints of arbitrary Saveable things: train/checkpoint/saveable.py.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipezero.train.saveable import Saveable
+from pipezero.train.checkpoint.saveable import Saveable
 
 __all__ = ["ByNameState", "HandParts", "StateParts", "WorldGrid"]
 
@@ -44,7 +44,7 @@ class ByNameState(Protocol):
 
 
 class _Config(Protocol):
-    batch: Any              # train.config_batch.BatchConfig: the sizes a resume on another data degree keeps
+    batch: Any              # train.config.batch.BatchConfig: the sizes a resume on another data degree keeps
                             # (a config of None: no batch sizes recorded)
 
 

@@ -17,7 +17,7 @@ __all__ = ["TOP_KEYS", "TOP_RULES"]
 
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16",
-            "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline", "compile")  # compile: config_compile.py
+            "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline", "compile")  # compile: compile.py
 
 
 def _off(value: Any) -> bool:
@@ -56,7 +56,7 @@ TOP_RULES = {
         'with "pipeline": {"activation_checkpoint_interval": N}', noop=_off),
     "aio": Ignored("only for NVMe offload, which pipezero does not offer", noop=_anything),
     "checkpoint": Ignored("pipezero's checkpoints have their own manifest", noop=_off),
-    "datastates_ckpt": Ignored("pipezero's checkpoints are written by train/checkpoint.py", noop=_off),
+    "datastates_ckpt": Ignored("pipezero's checkpoints are written by train/checkpoint/files.py", noop=_off),
     "model_info": Ignored("only DeepSpeed's autotuner reads it", noop=_anything),
     "data_types": Ignored("gradients accumulate in the fp32 masters", noop=_off),
     "log_level": Ignored(_KNOB, noop=_anything),

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import torch.distributed as dist
 
 from pipezero.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from pipezero.train.checkpoint_state import flatten_state, unflatten_state
+from pipezero.train.checkpoint.flatten import flatten_state, unflatten_state
 
 __all__ = ["Saveable", "load_things", "save_things"]
 

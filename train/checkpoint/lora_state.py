@@ -1,6 +1,6 @@
 """Checkpoints of a LoRA fine-tune that hold the adapters only, and resume exactly (onto any grid).
 
-A full checkpoint (train/state.py) writes every parameter, frozen ones included: for LoRA that
+A full checkpoint (train/checkpoint/state.py) writes every parameter, frozen ones included: for LoRA that
 is the whole base model again at every save, though the base never changes and is rebuilt
 from its own checkpoint at start-up. Here the same writer and reader run on a view of the
 parts whose module shows only the trainable parameters (same objects, same global names as
@@ -22,8 +22,8 @@ from typing import Any, Iterator, Mapping
 
 from torch import nn
 
-from pipezero.train.checkpoint import checkpoint_meta, latest_step, save_checkpoint
-from pipezero.train.state import gather_state, load_state
+from pipezero.train.checkpoint.files import checkpoint_meta, latest_step, save_checkpoint
+from pipezero.train.checkpoint.state import gather_state, load_state
 
 __all__ = ["load_adapters", "resume_adapters_if_any", "save_adapters"]
 
@@ -31,7 +31,7 @@ _FLAG = "adapters_only"
 
 
 class _Trainable:
-    """A module seen through its trainable parameters only (what train/state.py reads of it)."""
+    """A module seen through its trainable parameters only (what train/checkpoint/state.py reads of it)."""
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -54,7 +54,7 @@ def save_adapters(parts: Any, directory: str | os.PathLike, step: int,
     """Save the trainable parameters and the rest of the training state as checkpoint `step` (every rank)."""
     if not any(p.requires_grad for p in parts.module.parameters()):
         raise ValueError(f"save_adapters: {type(parts.module).__name__} on rank {parts.grid.rank} has no trainable "
-                         "parameter; build it with pipe/lora.py's lora_specs (or use train/state.py's save_state)")
+                         "parameter; build it with pipe/lora.py's lora_specs (or use train/checkpoint/state.py's save_state)")
     tensors, meta = gather_state(_view(parts), data_state, step)
     meta[_FLAG] = True
     return save_checkpoint(directory, step, tensors, meta, rank=parts.grid.rank,
@@ -65,7 +65,7 @@ def load_adapters(parts: Any, directory: str | os.PathLike, step: int | None = N
     """Load a save_adapters checkpoint (any grid's) into these parts; the base stays as built. Returns its meta."""
     if not checkpoint_meta(directory, step).get(_FLAG):
         raise ValueError(f"load_adapters({str(directory)!r}): that checkpoint was not written by save_adapters; "
-                         "load a full checkpoint with train/state.py's load_state")
+                         "load a full checkpoint with train/checkpoint/state.py's load_state")
     return load_state(_view(parts), directory, step)
 
 

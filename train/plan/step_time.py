@@ -16,7 +16,7 @@
   shrink with the micro-batch or the tensor degree;
 * p2p: one activation (tokens x d_model) per hop, latency + bytes / bandwidth of the link
   between neighbouring stages (inter-node when a stage's tensor x data ranks fill a node);
-* pipe/simulate.py runs the schedule with those per-(rank, chunk) costs: makespan, bubble,
+* pipe/schedule/simulate.py runs the schedule with those per-(rank, chunk) costs: makespan, bubble,
   peak live micro-batches;
 * data parallel (per pipeline rank, its own parameters): ZeRO 0 all-reduces the gradients,
   1-2 reduce-scatter them and all-gather the updated parameters, 3 gathers parameters twice
@@ -29,7 +29,7 @@
   fp32 copy of the reduced gradient (read 2, write 4 bytes), the clipping norm (4) and scale
   (8), torch's foreach AdamW (lerp of m 12, v x beta2 8, v + g^2 12, sqrt(v) 8, / bias
   correction 8, + eps 8, the update 16: 72), the master copied into the bf16 parameter (6),
-  the gradient buffer zeroed (2): 98 bytes (plan_hardware.H200_STEP_BYTES), four times the
+  the gradient buffer zeroed (2): 98 bytes (hardware.H200_STEP_BYTES), four times the
   36 of one fused pass, which is what the GPU measured (41 ms for 1.32B parameters).
 """
 
@@ -40,14 +40,14 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple, Sequence
 
-from pipezero.pipe.actions import Op
+from pipezero.pipe.schedule.actions import Op
 from pipezero.pipe.partition import partition
-from pipezero.pipe.placement import owner
-from pipezero.pipe.registry import make_schedule, schedule_entry
-from pipezero.pipe.simulate import Costs, SimResult, simulate
-from pipezero.train.plan_hardware import Hardware
-from pipezero.train.plan_layout import Layout
-from pipezero.train.plan_model import LayerProfile, bytes_per_element, held_params
+from pipezero.pipe.schedule.placement import owner
+from pipezero.pipe.schedule.registry import make_schedule, schedule_entry
+from pipezero.pipe.schedule.simulate import Costs, SimResult, simulate
+from pipezero.train.plan.hardware import Hardware
+from pipezero.train.plan.layout import Layout
+from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_params
 
 __all__ = ["TimeBreakdown", "buckets", "chunk_layers", "data_parallel_seconds", "optimizer_seconds", "ring_seconds",
            "Sim", "simulate_layout", "step_time", "step_time_floor"]

@@ -19,7 +19,7 @@ from pipezero.checks import is_int
 __all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "h200", "local_cpu"]
 
 # Bytes one optimizer step moves per parameter in bf16 with fp32 masters, ZeRO 0-2 (pass by
-# pass: plan_time's module docstring), on a GPU at two thirds of its memory bandwidth: one H200
+# pass: step_time's module docstring), on a GPU at two thirds of its memory bandwidth: one H200
 # stepped the 1.32B GPT in 40-42 ms (bench/RESULTS.md, planner, first GPU run), 3.2 TB/s of 4.8.
 H200_STEP_BYTES = 98.0
 
@@ -99,7 +99,7 @@ def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
 def _measure_ranks(processes: int, seconds: float = 1.5) -> tuple[float, float, float]:
     """(compute slowdown, collective latency s, bytes/s) of `processes` one-thread gloo ranks here, now.
 
-    The layer times are the least of several runs in one process (plan_model.measure_profile);
+    The layer times are the least of several runs in one process (model.measure_profile);
     a training step runs `processes` ranks on this machine's cores beside whatever else runs
     here. processes / cores would assume nothing else does; the slowdown is measured instead:
     a copy's mean matmul iteration while all run at once (wall time over iterations done) over
@@ -196,7 +196,7 @@ def _adam_ns(torch) -> float:
     p.grad = torch.ones_like(p)
     opt = torch.optim.AdamW([p])
     best = float("inf")
-    for _ in range(16):  # the least of many, as for the layers (plan_model.measure_profile)
+    for _ in range(16):  # the least of many, as for the layers (model.measure_profile)
         start = time.perf_counter()
         opt.step()
         best = min(best, time.perf_counter() - start)

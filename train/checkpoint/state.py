@@ -19,7 +19,7 @@ over the data group first); `export_model` maps the names onto the single-proces
 The parts are `build`'s Parts or a job composed by hand (`HandParts(model, optimizer,
 scheduler)`): ZeroOptimizer gives its state by parameter itself, any other optimizer chain (a
 torch optimizer, LossScaler / MasterWeights over one) through its state_dict, in the same layout
-(train/by_name.py), so a plain job's checkpoint resumes under ZeRO of any degree and back.
+(train/checkpoint/by_name.py), so a plain job's checkpoint resumes under ZeRO of any degree and back.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ from torch.distributed.tensor import DTensor
 
 from pipezero.chain import links
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
-from pipezero.train.by_name import by_name
+from pipezero.train.checkpoint.by_name import by_name
 from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_consolidated, latest_step,
                                        load_checkpoint, rng_state, save_checkpoint, set_rng_state)
-from pipezero.train.checkpoint_state import flatten_state, unflatten_state
-from pipezero.train.config_batch import BatchConfig
-from pipezero.train.state_parts import ByNameState, StateParts
-from pipezero.train.tensor_state import local_slice, whole
+from pipezero.train.checkpoint.flatten import flatten_state, unflatten_state
+from pipezero.train.config.batch import BatchConfig
+from pipezero.train.checkpoint.state_parts import ByNameState, StateParts
+from pipezero.train.checkpoint.tensor_state import local_slice, whole
 
 __all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_state", "saved_batch",
            "single_process_names"]

@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from pipezero.train.plan_hardware import Hardware
-from pipezero.train.plan_layout import Layout
-from pipezero.train.plan_model import LayerProfile, bytes_per_element, held_params
+from pipezero.train.plan.hardware import Hardware
+from pipezero.train.plan.layout import Layout
+from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_params
 
 __all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "model_state_bytes", "rank_memory", "step_bytes"]
 

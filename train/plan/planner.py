@@ -4,8 +4,8 @@
                  h200(nodes=1), global_batch=512, precision="bf16")
     print(format_table(preds[:10])); print(explain(preds[0])); ds_config(preds[0])
 
-Each layout (plan_layout.py) is timed by plan_time.py (pipe/simulate.py per rank with
-compute, p2p, tensor- and data-parallel traffic) and sized by plan_memory.py (the ZeRO
+Each layout (layout.py) is timed by step_time.py (pipe/schedule/simulate.py per rank with
+compute, p2p, tensor- and data-parallel traffic) and sized by memory.py (the ZeRO
 formulas, the simulator's peak live micro-batches); layouts over the device's memory are
 dropped and the rest ranked by tokens/s (less memory breaks ties). Why a layout wins is in
 its parts: compute, bubble, exposed communication, the optimizer, the memory breakdown.
@@ -17,12 +17,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pipezero.pipe.registry import schedule_entry
-from pipezero.train.plan_hardware import Hardware
-from pipezero.train.plan_layout import Layout, enumerate_layouts
-from pipezero.train.plan_memory import MemoryBreakdown, rank_memory
-from pipezero.train.plan_model import LayerProfile, ModelShape
-from pipezero.train.plan_time import TimeBreakdown, chunk_layers, step_time, step_time_floor
+from pipezero.pipe.schedule.registry import schedule_entry
+from pipezero.train.plan.hardware import Hardware
+from pipezero.train.plan.layout import Layout, enumerate_layouts
+from pipezero.train.plan.memory import MemoryBreakdown, rank_memory
+from pipezero.train.plan.model import LayerProfile, ModelShape
+from pipezero.train.plan.step_time import TimeBreakdown, chunk_layers, step_time, step_time_floor
 
 __all__ = ["Prediction", "ds_config", "explain", "format_table", "plan", "predict", "torchrun_command"]
 
@@ -54,7 +54,7 @@ class Prediction:
 
 def predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape: ModelShape,
             precision: str, memo: dict | None = None) -> Prediction:
-    """Step time and peak memory of one layout (`memo`: see plan_time.simulate_layout)."""
+    """Step time and peak memory of one layout (`memo`: see step_time.simulate_layout)."""
     time, result, held = step_time(profile, layout, hw, precision, shape.d_model, shape.seq_len, memo)
     live = result.live
     worst = None
@@ -75,7 +75,7 @@ def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, globa
     """Every layout that fits, best tokens/s first (with keep_unfit, the rest after them).
 
     With `top`, only the `top` best that fit, found without simulating every layout: layouts
-    are predicted in the order of their step-time floor (plan_time.step_time_floor) and the
+    are predicted in the order of their step-time floor (step_time.step_time_floor) and the
     search stops once a floor exceeds the step time of the `top`-th best so far; layouts whose
     memory without activations already exceeds the device are never simulated. The answer is
     the same as the full ranking's first `top` rows (every floor is a true lower bound), which

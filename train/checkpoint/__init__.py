@@ -1,0 +1,14 @@
+"""Checkpoints and exports: the crash-safe files (files.py: safetensors per rank + a manifest), nested
+state without pickle (flatten.py), training state by global parameter name onto any grid (state.py,
+what it needs of the parts: state_parts.py, tensor-parallel slices: tensor_state.py), typed saveable
+things (saveable.py), LoRA adapters only (lora_state.py), and Hugging Face / peft exports
+(hf_export.py, lora_export.py).
+
+`pipezero.train.checkpoint` was one module (now files.py) before it was this folder: its names are
+here as they were, whatever files.py's `__all__` lists.
+"""
+
+from pipezero.train.checkpoint import files as _files
+from pipezero.train.checkpoint.files import *  # noqa: F401,F403 - the old module's names
+
+__all__ = list(_files.__all__)
