@@ -232,6 +232,8 @@ def _forward(module: Any, mb: _Microbatch, stage: int, chunk: int, hidden: torch
         hidden = inbox
 
     def run() -> torch.Tensor:
+        if mb.static is not None:
+            mb.static.fresh_masks()  # inside the capture: every replay makes this step's masks
         x = (mb.feed, mb.mask, mb.positions, cache) if stage == 0 else (hidden, mb.positions, mb.mask, cache)
         out = module(x, chunk=chunk)
         if not last:

@@ -66,7 +66,7 @@ class StaticKVCache:
         return keys, values
 
     def attention_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """[b, 1, T, capacity]: the keys each of this step's queries sees (made once per step and window)."""
+        """[b, 1, T, capacity]: the keys each of this step's queries sees (made once per fresh_masks and window)."""
         key = (window, dtype)
         if key not in self._masks:
             queries = self.index[:, None]
@@ -81,18 +81,21 @@ class StaticKVCache:
         return self._masks[key]
 
     # -- what the decode loop calls ----------------------------------------------------------
+    def fresh_masks(self) -> None:
+        """Masks are made again from `valid` and `index` by the layers that follow. Called at the start
+        of every step's forward, inside what a CUDA graph captures: a mask made outside (by the
+        warm-up) would be a tensor the graph reads but nothing updates."""
+        self._masks.clear()
+
     def start_decoding(self, prompt: int) -> None:
         """After the prefill: `index` becomes the fixed one-column tensor every decode step reads."""
         self.index = torch.full((1,), prompt, dtype=torch.long, device=self.valid.device)
         self.valid[:, prompt] = True
-        self._masks.clear()
 
     def advance(self) -> None:
-        """The next column, in place (the addresses a graph replays stay put); masks are made again
-        from `valid` and `index` by the next step (a captured graph makes them in every replay)."""
+        """The next column, in place (the addresses a graph replays stay put)."""
         self.index.add_(1)
         self.valid.index_fill_(1, self.index, True)
-        self._masks.clear()
 
     def free(self) -> None:
         self.keys.clear()

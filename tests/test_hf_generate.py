@@ -214,6 +214,10 @@ def _pipe2(path: str, stop: int, microbatches: int):
                        static_cache=static) for static in STATIC]
     sampled = [hf_generate(module, ids, NEW, mask, Sampling(**SAMPLE), generator=torch.Generator().manual_seed(5),
                            microbatches=microbatches, static_cache=static) for static in STATIC]
+    with pytest.raises(ValueError, match=r"cuda_graph=True\): input_ids are on cpu"):
+        hf_generate(module, ids, NEW, mask, cuda_graph=True)
+    with pytest.raises(ValueError, match=r"cuda_graph=True\) replays the static decode step.*static_cache=False"):
+        hf_generate(module, ids, NEW, mask, static_cache=False, cuda_graph=True)
     return out, sampled, len(list(module.parameters()))
 
 
@@ -239,3 +243,34 @@ def test_sampling_top_k_one_is_greedy_and_bad_input_is_named():
         Sampling(temperature=-1.0)
     with pytest.raises(TypeError, match="PipelineModule of hf_layer_specs"):
         hf_generate(torch.nn.Linear(2, 2), torch.zeros(1, 2, dtype=torch.long), 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graph_decode_equals_transformers_and_follows_new_weights():
+    """ZeRO-3 on one GPU: each gathered phase captures its own graph, so after a training step the
+    tokens are the new weights' (a graph kept from the last phase would replay freed weights)."""
+    from pipezero.topology.env import init_distributed
+
+    init_distributed()  # a world of one
+    device = torch.device("cuda", torch.cuda.current_device())
+    grid = Grid(pipe=1)
+    module = PipelineModule(hf_layer_specs(_model("llama")), grid=grid, loss_fn=causal_lm_loss, device=device)
+    opt = ZeroOptimizer(torch.optim.AdamW(module.parameters(), lr=0.05, weight_decay=0.0), group=grid.data_group,
+                        module=module, config=ZeroConfig(stage=3))
+    ids, mask = (t.to(device) for t in _prompts())
+    tokens = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with gathered(opt):
+            out = hf_generate(module, ids, NEW, mask, pad_token_id=PAD, cuda_graph=True)
+            weights = {name: t.cpu() for name, t in hf_state_dict(module).items()}
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - before < 8192, "KV caches or the graph's pool left behind"
+        want = _greedy(_model("llama", weights), _prompts())  # transformers on the CPU, the same weights
+        assert torch.equal(out.cpu(), want), ("stale or wrong graph", out, want)
+        tokens.append(out)
+        opt.backward(causal_lm_loss(module(ids), ids))
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(tokens[0], tokens[1]), "the training step changed no token: the test shows nothing"
