@@ -214,8 +214,8 @@ def _step(module: Any, route: _Route, mb: _Microbatch, config: Any, sampling: Sa
         if last:
             return sampling.choose(out, generator)
         hidden = out
-        if route.rank_of_stage[stage + 1] != route.me:
-            route.send(hidden, stage + 1)
+        if route.rank_of_stage[stage + 1] != route.me:  # a graph's output is overwritten by its next replay,
+            route.send(hidden.clone() if mb.decoding else hidden, stage + 1)  # maybe before the send read it
     return None
 
 
