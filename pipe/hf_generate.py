@@ -2,15 +2,15 @@
 
 The RLHF actor (examples/grpo_arithmetic.py) samples from the very parameters it trains: no
 second copy, no weight sync to an inference engine. `hf_generate(module, ids, n)` runs the
-pipeline's own layers with a transformers `DynamicCache` per microbatch and per local chunk
-(each decoder layer's keys and values, at its global layer index, so one cache serves all
-the layers a stage holds), and masks built by transformers' own causal / sliding-window
-functions sized from that cache. Greedy (temperature=0) or sampled (temperature, top-k,
+pipeline's own layers with a KV cache per microbatch (each decoder layer's keys and values at
+its global layer index, so one cache serves all the layers a stage holds): the static cache
+below, or with static_cache=False a transformers `DynamicCache` per local chunk and masks
+built by transformers' own causal / sliding-window functions sized from it. Greedy (temperature=0) or sampled (temperature, top-k,
 top-p), left-padded batches (positions from the attention mask, as `model.generate` counts
 them), stop tokens (a finished row emits pad_token_id; a microbatch whose rows all finished
 stops running).
 
-The decode path (static_cache, the default where the layers allow it): each microbatch's keys
+The static decode path (the default where the layers allow it): each microbatch's keys
 and values live in a preallocated pipe/hf_static_cache.StaticKVCache of prompt + n columns,
 the step's token, positions and cache column are device tensors updated in place, so every
 decode step has the same shapes; on CUDA each local chunk's decode step is captured once per
@@ -176,12 +176,12 @@ def hf_generate(module: Any, input_ids: torch.Tensor, max_new_tokens: int,
     pending: list[tuple[_Microbatch, torch.Tensor | None]] = []  # tokens picked, not yet shared (FIFO)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            if all(mb.finished for mb in batches):
+            if stop_tokens and all(mb.finished for mb in batches):  # (a host sync: only when a row can stop)
                 break
             for mb in batches:
                 while any(waiting is mb for waiting, _ in pending):  # mb's last tokens, and all picked before
                     _share(route, *pending.pop(0), stops, pad)
-                if mb.finished:
+                if stop_tokens and mb.finished:
                     continue
                 pending.append((mb, _step(module, route, mb, config, sampling, generator, cuda_graph)))
                 if route.me == route.root:  # the root shares at once, the others when they need the tokens
