@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from harness import run  # noqa: E402
 from pipezero.pipe import GPipe, PipelineModule, PipelineRunner  # noqa: E402
-from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict  # noqa: E402
+from pipezero.pipe.hf import causal_lm_loss, hf_config, hf_layer_specs, hf_state_dict  # noqa: E402
 from pipezero.pipe.hf_generate import Sampling, hf_generate  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.zero import ZeroConfig, ZeroOptimizer, gathered  # noqa: E402
@@ -218,6 +218,14 @@ def _pipe2(path: str, stop: int, microbatches: int):
         hf_generate(module, ids, NEW, mask, cuda_graph=True)
     with pytest.raises(ValueError, match=r"cuda_graph=True\) replays the static decode step.*static_cache=False"):
         hf_generate(module, ids, NEW, mask, static_cache=False, cuda_graph=True)
+    config = hf_config(module)
+    config._attn_implementation = "eager"  # the static cache's additive float mask
+    out.append(hf_generate(module, ids, NEW, mask, stop_tokens=[stop], pad_token_id=PAD, microbatches=microbatches,
+                           static_cache=True))
+    config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match=r"static_cache=True\): config._attn_implementation='flex_attention'"):
+        hf_generate(module, ids, NEW, mask, static_cache=True)
+    config._attn_implementation = "sdpa"
     return out, sampled, len(list(module.parameters()))
 
 
@@ -228,7 +236,7 @@ def test_pipe2_equals_transformers_generate(family, microbatches, tmp_path_facto
     results = run(_pipe2, 2, path, stop, microbatches, timeout=300)
     assert results[0][2] != results[1][2] or family != "llama"  # each stage held only its own layers
     for rank, (out, sampled, _) in enumerate(results):
-        for static, o in zip(STATIC, out):
+        for static, o in zip([*STATIC, "static, eager attention"], out, strict=True):
             assert torch.equal(o, want), (rank, static, o, want)
         assert torch.equal(sampled[0], sampled[1]) and torch.equal(sampled[0], results[0][1][0])
         assert not torch.equal(sampled[0][:, 6:], want[:, 6:])
