@@ -43,7 +43,9 @@ def capture_step(step: Callable[[], torch.Tensor], module: nn.Module, device: to
     why = "some weights are ZeRO-3 shards or DTensors" if before is None else ""
     with torch.cuda.device(device):
         if before is not None:
-            side = _SIDE_STREAMS.setdefault(device.index, torch.cuda.Stream())
+            if device.index not in _SIDE_STREAMS:
+                _SIDE_STREAMS[device.index] = torch.cuda.Stream()
+            side = _SIDE_STREAMS[device.index]
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 step()
