@@ -266,6 +266,8 @@ def test_cuda_graph_decode_equals_transformers_and_follows_new_weights():
     opt = ZeroOptimizer(torch.optim.AdamW(module.parameters(), lr=0.05, weight_decay=0.0), group=grid.data_group,
                         module=module, config=ZeroConfig(stage=3))
     ids, mask = (t.to(device) for t in _prompts())
+    with gathered(opt):  # lazy state that stays: the side stream's cuBLAS workspace
+        hf_generate(module, ids, NEW, mask, pad_token_id=PAD, cuda_graph=True)
     tokens = []
     for _ in range(2):
         torch.cuda.synchronize()
