@@ -304,7 +304,8 @@ class HFDecoderLayer(_HFLayer):
         self.rotary = type(model.rotary)(config=model.config) if model.rotary is not None else None
         self.attention_kind = _mask_kind(model.config, index)
         self.make_mask = getattr(_masking_utils(), _MASKS[self.attention_kind])
-        self.window = model.config.sliding_window if self.attention_kind == "sliding_attention" else None
+        sliding = self.attention_kind == "sliding_attention"
+        self.window = getattr(model.config, "sliding_window", None) if sliding else None  # the static cache's mask
         takes_kind = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.rotary_args = (model.config.layer_types[index],) if takes_kind else ()
         model.fill(self, self.prefix)

@@ -4,11 +4,11 @@ The RLHF actor (examples/grpo_arithmetic.py) samples from the very parameters it
 second copy, no weight sync to an inference engine. `hf_generate(module, ids, n)` runs the
 pipeline's own layers with a KV cache per microbatch (each decoder layer's keys and values at
 its global layer index, so one cache serves all the layers a stage holds): the static cache
-below, or with static_cache=False a transformers `DynamicCache` per local chunk and masks
-built by transformers' own causal / sliding-window functions sized from it. Greedy (temperature=0) or sampled (temperature, top-k,
-top-p), left-padded batches (positions from the attention mask, as `model.generate` counts
-them), stop tokens (a finished row emits pad_token_id; a microbatch whose rows all finished
-stops running).
+below, or with static_cache=False a transformers `DynamicCache` per local chunk and masks built
+by transformers' own causal / sliding-window functions sized from it. Greedy (temperature=0) or
+sampled (temperature, top-k, top-p), left-padded batches (positions from the attention mask, as
+`model.generate` counts them), stop tokens (a finished row emits pad_token_id; a microbatch
+whose rows all finished stops running).
 
 The static decode path (the default where the layers allow it): each microbatch's keys
 and values live in a preallocated pipe/hf_static_cache.StaticKVCache of prompt + n columns,

@@ -27,8 +27,8 @@ from pipezero.pipe.hf_generate import Sampling  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.pipe.lora import LoraConfig, LoraLinear, lora_specs  # noqa: E402
 from pipezero.train.rl import (AdaptersOff, FrozenCopy, GRPOConfig, PolicyLoss, Reduction, Rollout,  # noqa: E402
-                               RolloutTarget, completion_logprobs, completion_mask, group_advantages, grpo_token_loss, policy_inputs,
-                               reduce_tokens, rollout, train_step)
+                               RolloutTarget, completion_logprobs, completion_mask, group_advantages,
+                               grpo_token_loss, policy_inputs, reduce_tokens, rollout, train_step)
 from pipezero.zero import ZeroConfig, ZeroOptimizer  # noqa: E402
 from pipezero.zero.gathered import parameter_bytes  # noqa: E402
 
