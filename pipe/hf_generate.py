@@ -53,6 +53,8 @@ from pipezero.pipe.placement import owner
 
 __all__ = ["Sampling", "hf_generate"]
 
+_CHECK_EVERY = 8  # steps between checks whether every row has stopped (each check waits for the device)
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Sampling:
@@ -100,6 +102,8 @@ class _Microbatch:
     decoding: bool = False               # static: feed, positions and the cache column are fixed buffers now
     inbox: dict[int, torch.Tensor] = field(default_factory=dict)  # stage -> fixed buffer of its input hidden
     graphs: dict[int, Callable[[], torch.Tensor] | None] = field(default_factory=dict)  # chunk -> replay
+
+    stopped: bool = False  # every row had stopped when last checked (a host sync, every _CHECK_EVERY steps)
 
     @property
     def finished(self) -> bool:
@@ -175,13 +179,16 @@ def hf_generate(module: Any, input_ids: torch.Tensor, max_new_tokens: int,
     config = hf_config(module)
     pending: list[tuple[_Microbatch, torch.Tensor | None]] = []  # tokens picked, not yet shared (FIFO)
     with torch.no_grad():
-        for _ in range(max_new_tokens):
-            if stop_tokens and all(mb.finished for mb in batches):  # (a host sync: only when a row can stop)
+        for step in range(max_new_tokens):
+            if all(mb.stopped for mb in batches):
                 break
+            check = bool(stop_tokens) and step % _CHECK_EVERY == 0  # a host sync: only every few steps
             for mb in batches:
                 while any(waiting is mb for waiting, _ in pending):  # mb's last tokens, and all picked before
                     _share(route, *pending.pop(0), stops, pad)
-                if stop_tokens and mb.finished:
+                if check:  # here every rank has shared mb's tokens so far: all decide alike
+                    mb.stopped = mb.finished
+                if mb.stopped:
                     continue
                 pending.append((mb, _step(module, route, mb, config, sampling, generator, cuda_graph)))
                 if route.me == route.root:  # the root shares at once, the others when they need the tokens
@@ -189,7 +196,7 @@ def hf_generate(module: Any, input_ids: torch.Tensor, max_new_tokens: int,
         while pending:
             _share(route, *pending.pop(0), stops, pad)
     route.finish()
-    out = _assemble(input_ids, batches, pad)
+    out = _assemble(input_ids, batches, pad, stops)
     for mb in batches:  # the graphs' memory and the KV caches go now, not when the caller drops them
         mb.graphs.clear()
         if mb.static is not None:
@@ -283,13 +290,20 @@ def _start(ids: torch.Tensor, mask: torch.Tensor, capacity: int, attention: str 
                        done=torch.zeros(ids.size(0), dtype=torch.bool, device=ids.device))
 
 
-def _assemble(input_ids: torch.Tensor, batches: list[_Microbatch], pad: int) -> torch.Tensor:
+def _assemble(input_ids: torch.Tensor, batches: list[_Microbatch], pad: int, stops: torch.Tensor) -> torch.Tensor:
+    """Prompts and new tokens, cut after the step where the last row stopped (as transformers' generate
+    ends): stops are checked every few steps, so a batch may have run a few all-pad steps more."""
     steps = max(len(mb.new) for mb in batches)
     rows = []
     for mb in batches:
         new = torch.stack(mb.new, 1) if mb.new else input_ids.new_empty(mb.done.size(0), 0)
         rows.append(torch.nn.functional.pad(new, (0, steps - new.size(1)), value=pad))
-    return torch.cat([input_ids, torch.cat(rows)], dim=1)
+    new = torch.cat(rows)
+    if stops.numel() and new.size(1):
+        hit = torch.isin(new, stops)
+        if bool(hit.any(-1).all()):  # every row stopped: keep up to the last row's first stop token
+            new = new[:, :int(hit.float().argmax(-1).max()) + 1]
+    return torch.cat([input_ids, new], dim=1)
 
 
 def _static_attention(module: Any, static_cache: bool | None, cuda_graph: bool | None,

@@ -106,6 +106,17 @@ def _truth(family: str) -> tuple[torch.Tensor, int]:
     return want, stop
 
 
+@functools.cache
+def _truth_all_stop(family: str) -> tuple[torch.Tensor, list[int]]:
+    """transformers' greedy tokens with stop tokens that end every row within 3 new tokens (it stops early)."""
+    model, (ids, mask) = _model(family), _prompts()
+    stops = sorted({int(t) for t in _truth(family)[0][:, 6 + 2]} | {int(t) for t in _truth(family)[0][:1, 6:7]})
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                          eos_token_id=stops)
+    assert 6 < want.shape[1] < 6 + NEW, want  # the batch ended early
+    return want, stops
+
+
 def _live_tensor_bytes() -> int:
     gc.collect()
     storages = {}
@@ -206,7 +217,7 @@ def test_data2_zero3_gathered_hooks_and_zero2_equal_transformers_generate(family
 
 
 # -- pipe 2: each stage its own layers and KV cache ------------------------------------------------
-def _pipe2(path: str, stop: int, microbatches: int):
+def _pipe2(path: str, stop: int, microbatches: int, all_stops: list[int]):
     ids, mask = _prompts()
     module = PipelineModule(hf_layer_specs(path), grid=Grid(pipe=2), loss_fn=causal_lm_loss,
                             partition_method="uniform")
@@ -218,6 +229,8 @@ def _pipe2(path: str, stop: int, microbatches: int):
         hf_generate(module, ids, NEW, mask, cuda_graph=True)
     with pytest.raises(ValueError, match=r"cuda_graph=True\) replays the static decode step.*static_cache=False"):
         hf_generate(module, ids, NEW, mask, static_cache=False, cuda_graph=True)
+    ended = [hf_generate(module, ids, NEW, mask, stop_tokens=all_stops, pad_token_id=PAD, microbatches=microbatches,
+                         static_cache=static) for static in STATIC]
     config = hf_config(module)
     config._attn_implementation = "eager"  # the static cache's additive float mask
     out.append(hf_generate(module, ids, NEW, mask, stop_tokens=[stop], pad_token_id=PAD, microbatches=microbatches,
@@ -226,16 +239,19 @@ def _pipe2(path: str, stop: int, microbatches: int):
     with pytest.raises(ValueError, match=r"static_cache=True\): config._attn_implementation='flex_attention'"):
         hf_generate(module, ids, NEW, mask, static_cache=True)
     config._attn_implementation = "sdpa"
-    return out, sampled, len(list(module.parameters()))
+    return out, sampled, len(list(module.parameters())), ended
 
 
 @pytest.mark.parametrize("family, microbatches", [("llama", 2), ("qwen2", None), ("gpt2", 1)])
 def test_pipe2_equals_transformers_generate(family, microbatches, tmp_path_factory):
     want, stop = _truth(family)
     path = _checkpoint(family, str(tmp_path_factory.getbasetemp()))
-    results = run(_pipe2, 2, path, stop, microbatches, timeout=300)
+    ended_want, all_stops = _truth_all_stop(family)
+    results = run(_pipe2, 2, path, stop, microbatches, all_stops, timeout=300)
     assert results[0][2] != results[1][2] or family != "llama"  # each stage held only its own layers
-    for rank, (out, sampled, _) in enumerate(results):
+    for rank, (out, sampled, _, ended) in enumerate(results):
+        for static, e in zip(STATIC, ended):
+            assert torch.equal(e, ended_want), (rank, static, "every row stopped early", e, ended_want)
         for static, o in zip([*STATIC, "static, eager attention"], out, strict=True):
             assert torch.equal(o, want), (rank, static, o, want)
         assert torch.equal(sampled[0], sampled[1]) and torch.equal(sampled[0], results[0][1][0])
