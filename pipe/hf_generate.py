@@ -8,7 +8,8 @@ below, or with static_cache=False a transformers `DynamicCache` per local chunk 
 by transformers' own causal / sliding-window functions sized from it. Greedy (temperature=0) or
 sampled (temperature, top-k, top-p), left-padded batches (positions from the attention mask, as
 `model.generate` counts them), stop tokens (a finished row emits pad_token_id; a microbatch
-whose rows all finished stops running).
+whose rows all finished stops running, checked every 8 steps so that the device is not waited
+for every token; the output ends where transformers' generate ends it).
 
 The static decode path (the default where the layers allow it): each microbatch's keys
 and values live in a preallocated pipe/hf_static_cache.StaticKVCache of prompt + n columns,
