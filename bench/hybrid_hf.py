@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--naive", action="store_true", help="also time ZeRO-3 hooks without gathered (slow)")
     p.add_argument("--no-static", action="store_true", help="skip transformers' static cache")
+    p.add_argument("--cuda-graph", choices=["on", "auto", "off"], default="on",
+                   help="our static decode step on CUDA: on (a step that cannot be captured fails the row, "
+                        "named), auto (falls back to eager), off")
     args = p.parse_args(argv)
     args.shape = "cpu" if args.tiny else args.device
     big = args.shape == "cuda"
@@ -136,7 +139,7 @@ def main(argv=None) -> None:
 
     tokens: dict[str, torch.Tensor] = {}
 
-    graph = True if device.type == "cuda" else None  # True: a step that cannot be captured fails the row, named
+    graph = {"on": device.type == "cuda" or None, "auto": None, "off": False}[args.cuda_graph]
 
     def ours(static: bool):
         with gathered(opt, dtype=dtype):
