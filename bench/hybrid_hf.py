@@ -1,14 +1,19 @@
 """Generation from the training weights of a Hugging Face model vs transformers' own generate, one run.
 
-    python bench/hybrid_hf.py                        # CPU, a tiny Llama, fp32 (a smoke run)
-    python bench/hybrid_hf.py --device cuda          # one GPU: a ~0.7B Llama built from a config, bf16
+    python bench/hybrid_hf.py                        # CPU, a tiny Llama, fp32 (a smoke run; --tiny)
+    python bench/hybrid_hf.py --device cuda          # one GPU: a 1.1B Llama built from a config, bf16
+    python bench/hybrid_hf.py --device cuda --tiny   # one GPU, the tiny Llama (does it run at all)
     torchrun --nproc-per-node 2 bench/hybrid_hf.py --device cuda   # ZeRO-3 shards over 2 GPUs
 
 The same Llama-shaped model (random weights from one config), the same prompts, greedy, a
 fixed number of new tokens (no stop token), tokens/s per rank:
   pipezero, gathered ZeRO-3    the training policy (PipelineModule of hf_layer_specs under
                                ZeroOptimizer(stage=3)) inside gathered(opt, dtype=bf16): one
-                               all-gather, then pipe/hf/generate.py's DynamicCache decode
+                               all-gather, then pipe/hf/generate.py's static-cache decode step,
+                               captured as a CUDA graph once per call (the graph's capture and
+                               the gather are inside the time)
+  pipezero, gathered, dynamic  the same with static_cache=False (transformers' DynamicCache,
+                               every step launched from Python)
   pipezero, ZeRO-3 hooks       the same without gathered: the stage-3 hooks gather each layer
                                for every token (--naive; slow)
   transformers, ZeRO-3         transformers' generate on the model itself wrapped by
@@ -16,10 +21,12 @@ fixed number of new tokens (no stop token), tokens/s per rank:
                                its hybrid engine with (per-layer gathers, default cache)
   transformers, whole          transformers' generate on a whole bf16 copy, default DynamicCache
   transformers, static         the same with cache_implementation="static" (transformers
-                               compiles the decode step for a static cache on CUDA)
+                               compiles the decode step for a static cache on CUDA; the
+                               compile happens in the warm-up, outside the time)
 Then the split of one GRPO iteration (train/rl rollout + train_step, group 4): gather /
 generate / score / train seconds. Prints a Markdown table; ratios are vs "transformers,
-whole" and vs "transformers, ZeRO-3".
+whole", vs the fastest transformers row and vs "transformers, ZeRO-3"; and how many of our
+greedy tokens equal transformers' (bf16 kernels differ, so a few rows may part after a near tie).
 """
 
 from __future__ import annotations
@@ -51,14 +58,19 @@ SHAPES = {
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--tiny", action="store_true", help="the tiny CPU shape on any device (a smoke run)")
     p.add_argument("--batch", type=int)
     p.add_argument("--prompt", type=int)
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--naive", action="store_true", help="also time ZeRO-3 hooks without gathered (slow)")
     p.add_argument("--no-static", action="store_true", help="skip transformers' static cache")
+    p.add_argument("--cuda-graph", choices=["on", "auto", "off"], default="on",
+                   help="our static decode step on CUDA: on (a step that cannot be captured fails the row, "
+                        "named), auto (falls back to eager), off")
     args = p.parse_args(argv)
-    big = args.device == "cuda"
+    args.shape = "cpu" if args.tiny else args.device
+    big = args.shape == "cuda"
     for key, value in dict(batch=32 if big else 4, prompt=128 if big else 16, new_tokens=128 if big else 16).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -96,7 +108,7 @@ def _models(args, device: torch.device):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(max_position_embeddings=args.prompt + args.new_tokens + 8, pad_token_id=0,
-                         bos_token_id=None, eos_token_id=None, tie_word_embeddings=False, **SHAPES[args.device])
+                         bos_token_id=None, eos_token_id=None, tie_word_embeddings=False, **SHAPES[args.shape])
     torch.manual_seed(0)
     with device:
         whole = AutoModelForCausalLM.from_config(config).eval()
@@ -125,22 +137,30 @@ def main(argv=None) -> None:
     n = args.new_tokens
     hf = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    def ours():
-        with gathered(opt, dtype=dtype):
-            hf_generate(policy, prompts, n)
+    tokens: dict[str, torch.Tensor] = {}
 
-    runs = {"pipezero, gathered ZeRO-3": ours}
+    graph = {"on": device.type == "cuda" or None, "auto": None, "off": False}[args.cuda_graph]
+
+    def ours(static: bool):
+        with gathered(opt, dtype=dtype):
+            tokens[f"ours {static}"] = hf_generate(policy, prompts, n, static_cache=static,
+                                                   cuda_graph=graph if static else False)
+
+    runs = {"pipezero, gathered ZeRO-3": lambda: ours(True), "pipezero, gathered, dynamic": lambda: ours(False)}
     if args.naive:
         runs["pipezero, ZeRO-3 hooks"] = lambda: hf_generate(policy, prompts, n)
     runs["transformers, ZeRO-3"] = lambda: wrapped.generate(prompts, **hf)
-    runs["transformers, whole"] = lambda: whole.generate(prompts, **hf)
+    runs["transformers, whole"] = lambda: tokens.__setitem__("transformers", whole.generate(prompts, **hf))
     if not args.no_static:
         runs["transformers, static"] = lambda: whole.generate(prompts, cache_implementation="static", **hf)
     with torch.no_grad():
         seconds = _timed(runs, device, args.repeats)
     split = _iteration_split(args, policy, opt, prompts, dtype)
+    same = {name: float((tokens[key] == tokens["transformers"]).all(-1).float().mean())
+            for name, key in [("static", "ours True"), ("dynamic", "ours False")]
+            if key in tokens and "transformers" in tokens}
     if dist.get_rank() == 0:
-        _report(args, sum(p.numel() for p in whole.parameters()), seconds, split, dtype)
+        _report(args, sum(p.numel() for p in whole.parameters()), seconds, split, dtype, same)
     dist.barrier()
 
 
@@ -167,17 +187,21 @@ def _iteration_split(args, policy, opt, prompts, dtype) -> dict[str, float]:
     return {key: statistics.median(values[1:]) for key, values in splits.items()}
 
 
-def _report(args, params: int, seconds: dict, split: dict, dtype) -> None:
+def _report(args, params: int, seconds: dict, split: dict, dtype, same: dict[str, float]) -> None:
     tokens = args.batch * args.new_tokens
-    print(f"\nLlama {SHAPES[args.device]['num_hidden_layers']} x {SHAPES[args.device]['hidden_size']} "
+    print(f"\nLlama {SHAPES[args.shape]['num_hidden_layers']} x {SHAPES[args.shape]['hidden_size']} "
           f"({params / 1e6:.0f}M params), {dist.get_world_size()} ranks, {args.device}, {str(dtype).split('.')[-1]}, "
           f"batch {args.batch} per rank, prompt {args.prompt}, {args.new_tokens} new tokens, greedy, "
           f"median of {args.repeats}\n")
-    print("| run | s | tokens/s per rank | vs transformers whole | vs transformers ZeRO-3 |")
-    print("|---|---|---|---|---|")
-    base, zero3 = seconds.get("transformers, whole", float("nan")), seconds.get("transformers, ZeRO-3", float("nan"))
+    print("| run | s | tokens/s per rank | vs transformers whole | vs fastest transformers | vs transformers ZeRO-3 |")
+    print("|---|---|---|---|---|---|")
+    nan = float("nan")
+    base, zero3 = seconds.get("transformers, whole", nan), seconds.get("transformers, ZeRO-3", nan)
+    fastest = min((s for name, s in seconds.items() if name.startswith("transformers")), default=nan)
     for name, s in seconds.items():
-        print(f"| {name} | {s:.3f} | {tokens / s:.0f} | {base / s:.2f} | {zero3 / s:.2f} |")
+        print(f"| {name} | {s:.3f} | {tokens / s:.0f} | {base / s:.2f} | {fastest / s:.2f} | {zero3 / s:.2f} |")
+    print("\nRows whose greedy tokens equal transformers' whole-model generate: "
+          + ", ".join(f"{k} {v:.0%}" for k, v in same.items()))
     print("\nOne GRPO iteration (rollout of batch/4 prompts x 4, then one step), seconds: "
           + ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in split.items()))
 

@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 2 examples/grpo_arithmetic.py --zero 3     # data 2, ZeRO-3 shards
     python examples/grpo_arithmetic.py --model llama-0.7b --gen-dtype bf16 --iters 200   # one GPU
     python examples/grpo_arithmetic.py --algo reinforce                  # REINFORCE, batch baseline
+    python examples/grpo_arithmetic.py --lora 8 --lr 1e-2                # LoRA adapters; the KL reference is
+                                                                         # the base with adapters off (no copy)
 
 Prompts are "a+b=" in a character vocabulary (digits, '+', '=', pad, end); the policy
 answers and ends with the end token. The reward is computed from the prompt's own text: 1
@@ -13,7 +15,8 @@ digit, 0.1 for a digit answer that ends within the budget) so a random policy se
    samples `--group` completions per prompt with its KV cache and scores their log-probs
    while whole, then the copies are freed; rewards; GRPO's group-relative advantages;
 2. training: one step of the GRPO loss (clipped ratio, KL to a frozen copy of the starting
-   policy) or of REINFORCE, under the chosen ZeRO stage.
+   policy, or with --lora to the base model with the adapters switched off) or of REINFORCE,
+   under the chosen ZeRO stage.
 The model is built from a config (random weights), never downloaded. TensorBoard (--tensorboard):
 reward, accuracy, KL, loss, and the gather / generate / score / train seconds per iteration.
 """
@@ -30,10 +33,11 @@ import torch.distributed as dist
 from pipezero.pipe import PipelineModule
 from pipezero.pipe.hf import hf_layer_specs
 from pipezero.pipe.hf.generate import Sampling
+from pipezero.pipe.lora import LoraConfig, lora_specs, trainable_parameters
 from pipezero.topology import Grid
 from pipezero.topology.env import init_distributed
 from pipezero.train.log import TensorBoardWriter
-from pipezero.train.rl import FrozenCopy, GRPOConfig, PolicyLoss, rollout, train_step
+from pipezero.train.rl import AdaptersOff, FrozenCopy, GRPOConfig, PolicyLoss, rollout, train_step
 from pipezero.zero import ZeroConfig, ZeroOptimizer
 
 CHARS = "0123456789+="
@@ -60,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--beta", type=float, default=0.04, help="KL weight (0: no reference copy)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=1)
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank on every projection (0: train every weight)")
     p.add_argument("--gen-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of the gathered weights while generating (training stays fp32)")
     p.add_argument("--seed", type=int, default=0)
@@ -108,9 +113,16 @@ def build(args: argparse.Namespace, grid: Grid):
 
     config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=PAD, bos_token_id=None,
                          eos_token_id=END, tie_word_embeddings=False, **MODELS[args.model])
-    policy = PipelineModule(hf_layer_specs(config), grid=grid, seed=args.seed)
-    reference = FrozenCopy(policy) if args.beta > 0 else None  # before ZeRO-3 partitions the policy
-    opt = ZeroOptimizer(torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0), group=grid.data_group,
+    specs = hf_layer_specs(config)
+    if args.lora:
+        specs = lora_specs(specs, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    policy = PipelineModule(specs, grid=grid, seed=args.seed)
+    reference = None
+    if args.beta > 0:  # the frozen copy before ZeRO-3 partitions the policy
+        reference = AdaptersOff(policy) if args.lora else FrozenCopy(policy)
+    params = trainable_parameters(policy) if args.lora else policy.parameters()
+    opt = ZeroOptimizer(torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0), group=grid.data_group,
                         module=policy if args.zero == 3 else None, config=ZeroConfig(stage=args.zero))
     return policy, reference, opt
 

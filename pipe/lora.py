@@ -34,8 +34,8 @@ from torch import nn
 
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 
-__all__ = ["LoraConfig", "LoraLinear", "adapter_state_dict", "apply_lora", "load_adapter_state_dict",
-           "lora_specs", "merged", "trainable_parameters"]
+__all__ = ["LoraConfig", "LoraLinear", "adapter_state_dict", "adapters_disabled", "apply_lora",
+           "load_adapter_state_dict", "lora_specs", "merged", "trainable_parameters"]
 
 _PEFT_DEFAULTS = {"use_dora": False, "bias": "none", "modules_to_save": None, "layers_to_transform": None,
                   "init_lora_weights": True, "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
@@ -351,4 +351,21 @@ def merged(module: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, w, a, b in saved:
             m.weight = w
+            m.lora_A, m.lora_B = a, b
+
+
+@contextmanager
+def adapters_disabled(module: nn.Module) -> Iterator[nn.Module]:
+    """Inside: each LoraLinear of `module` computes its frozen base alone (the model before
+    fine-tuning, with no copy of it: GRPO's reference, train/rl/reference.py); on exit the
+    same adapter modules are back. Raises when `module` holds no LoraLinear."""
+    adapted = [m for m in module.modules() if isinstance(m, LoraLinear) and "lora_A" in m._modules]
+    if not adapted:
+        raise ValueError(f"adapters_disabled: {type(module).__name__} holds no LoraLinear with adapters; build it "
+                         "from lora_specs(...) (a model without adapters is its own base)")
+    saved = [(m, m._modules.pop("lora_A"), m._modules.pop("lora_B")) for m in adapted]
+    try:
+        yield module
+    finally:
+        for m, a, b in saved:
             m.lora_A, m.lora_B = a, b

@@ -25,9 +25,10 @@ from pipezero.pipe import PipelineModule  # noqa: E402
 from pipezero.pipe.hf import hf_layer_specs, hf_state_dict  # noqa: E402
 from pipezero.pipe.hf.generate import Sampling  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
-from pipezero.train.rl import (FrozenCopy, GRPOConfig, PolicyLoss, Reduction, Rollout,  # noqa: E402
-                               RolloutTarget, completion_mask, group_advantages, grpo_token_loss, policy_inputs,
-                               reduce_tokens, rollout, train_step)
+from pipezero.pipe.lora import LoraConfig, LoraLinear, lora_specs  # noqa: E402
+from pipezero.train.rl import (AdaptersOff, FrozenCopy, GRPOConfig, PolicyLoss, Reduction, Rollout,  # noqa: E402
+                               RolloutTarget, completion_logprobs, completion_mask, group_advantages,
+                               grpo_token_loss, policy_inputs, reduce_tokens, rollout, train_step)
 from pipezero.zero import ZeroConfig, ZeroOptimizer  # noqa: E402
 from pipezero.zero.gathered import parameter_bytes  # noqa: E402
 
@@ -178,6 +179,40 @@ def test_rollout_under_zero3_returns_memory_and_leaves_optimizer_state():
         assert after == before and untouched
         assert old_shape[0] == 8 and old_shape[1] >= 1
         assert timings == ["gather_s", "generate_s", "reward_s", "score_s"]
+
+
+# -- the LoRA reference: the policy's own base, adapters off ----------------------------------------
+def _lora_reference():
+    grid = Grid(pipe=1)
+    config = transformers.LlamaConfig(**CONFIG)
+    base = PipelineModule(hf_layer_specs(config), grid=grid)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    policy = PipelineModule(lora_specs(hf_layer_specs(config), lora), grid=grid)
+    with torch.no_grad():
+        for m in policy.modules():
+            if isinstance(m, LoraLinear):
+                m.lora_B.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+    plain, adapted_state = hf_state_dict(base), hf_state_dict(policy)
+    same_base = all(torch.equal(t, adapted_state[name]) for name, t in plain.items())
+    ids = torch.randint(2, VOCAB, (B, P), generator=torch.Generator().manual_seed(3))
+    completion = torch.randint(2, VOCAB, (B, N), generator=torch.Generator().manual_seed(4))
+    inputs = policy_inputs(ids, torch.ones_like(ids), completion)
+    with torch.no_grad():
+        adapted = completion_logprobs(policy(inputs), completion)
+    off = AdaptersOff(policy).completion_logprobs(inputs, completion)
+    with torch.no_grad():
+        adapted_after = completion_logprobs(policy(inputs), completion)
+    with pytest.raises(ValueError, match="holds no LoraLinear"):
+        AdaptersOff(base)
+    return same_base, off, FrozenCopy(base).completion_logprobs(inputs, completion), adapted, adapted_after
+
+
+def test_lora_reference_is_the_frozen_base():
+    same_base, off, frozen, adapted, adapted_after = run(_lora_reference, 1)[0]
+    assert same_base, "the LoRA policy's base weights differ from the plain model's: the comparison shows nothing"
+    torch.testing.assert_close(off, frozen, rtol=1e-5, atol=1e-5)
+    assert (adapted - frozen).abs().max() > 1e-2, "the adapters change nothing: the test would pass without them"
+    assert torch.equal(adapted, adapted_after), "the adapters were not put back"
 
 
 # -- the example learns -----------------------------------------------------------------------------

@@ -2,13 +2,22 @@
 
 The RLHF actor (examples/grpo_arithmetic.py) samples from the very parameters it trains: no
 second copy, no weight sync to an inference engine. `hf_generate(module, ids, n)` runs the
-pipeline's own layers with a transformers `DynamicCache` per microbatch and per local chunk
-(each decoder layer's keys and values, at its global layer index, so one cache serves all
-the layers a stage holds), and masks built by transformers' own causal / sliding-window
-functions sized from that cache. Greedy (temperature=0) or sampled (temperature, top-k,
-top-p), left-padded batches (positions from the attention mask, as `model.generate` counts
-them), stop tokens (a finished row emits pad_token_id; a microbatch whose rows all finished
-stops running).
+pipeline's own layers with a KV cache per microbatch (each decoder layer's keys and values at
+its global layer index, so one cache serves all the layers a stage holds): the static cache
+below, or with static_cache=False a transformers `DynamicCache` per local chunk and masks built
+by transformers' own causal / sliding-window functions sized from it. Greedy (temperature=0) or
+sampled (temperature, top-k, top-p), left-padded batches (positions from the attention mask, as
+`model.generate` counts them), stop tokens (a finished row emits pad_token_id; a microbatch
+whose rows all finished stops running, checked every 8 steps so that the device is not waited
+for every token; the output ends where transformers' generate ends it).
+
+The static decode path (the default where the layers allow it): each microbatch's keys
+and values live in a preallocated pipe/hf/static_cache.StaticKVCache of prompt + n columns,
+the step's token, positions and cache column are device tensors updated in place, so every
+decode step has the same shapes; on CUDA each local chunk's decode step is captured once per
+call as a CUDA graph (pipe/cuda_graph.py) and replayed for every further token. The graphs
+and caches live only for the call: under ZeRO-3 a graph of one `gathered(opt)` phase is never
+replayed on weights freed at its end. On CPU the same static step runs eagerly.
 
 Where the weights are:
 - ZeRO 0-2, pipe=1: whole on every rank; just call it.
@@ -33,15 +42,19 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from pipezero.pipe.cuda_graph import capture_step
 from pipezero.pipe.hf import HFDecoderLayer, hf_config
+from pipezero.pipe.hf.static_cache import STATIC_ATTENTION, StaticKVCache
 from pipezero.pipe.schedule.placement import owner
 
 __all__ = ["Sampling", "hf_generate"]
+
+_CHECK_EVERY = 8  # steps between checks whether every row has stopped (each check waits for the device)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -86,6 +99,12 @@ class _Microbatch:
     done: torch.Tensor            # [b] bool: the row emitted a stop token
     caches: dict[int, Any] = field(default_factory=dict)  # local chunk -> DynamicCache
     new: list[torch.Tensor] = field(default_factory=list)  # [b] per step
+    static: StaticKVCache | None = None  # the static decode path: every local layer's keys and values
+    decoding: bool = False               # static: feed, positions and the cache column are fixed buffers now
+    inbox: dict[int, torch.Tensor] = field(default_factory=dict)  # stage -> fixed buffer of its input hidden
+    graphs: dict[int, Callable[[], torch.Tensor] | None] = field(default_factory=dict)  # chunk -> replay
+
+    stopped: bool = False  # every row had stopped when last checked (a host sync, every _CHECK_EVERY steps)
 
     @property
     def finished(self) -> bool:
@@ -112,8 +131,9 @@ class _Route:
         hidden = hidden.contiguous()
         self.sends.append((dist.isend(hidden, dst=self.global_rank(self.rank_of_stage[stage])), hidden))
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, stage: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=device)
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, stage: int,
+             into: torch.Tensor | None = None) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=device) if into is None else into
         dist.recv(buf, src=self.global_rank(self.rank_of_stage[stage]))
         return buf
 
@@ -134,7 +154,8 @@ class _Route:
 def hf_generate(module: Any, input_ids: torch.Tensor, max_new_tokens: int,
                 attention_mask: torch.Tensor | None = None, sampling: Sampling = Sampling(),
                 stop_tokens: Sequence[int] = (), pad_token_id: int | None = None,
-                microbatches: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                microbatches: int | None = None, generator: torch.Generator | None = None,
+                static_cache: bool | None = None, cuda_graph: bool | None = None) -> torch.Tensor:
     """[B, P] prompts (left-padded; attention_mask 1 = token) -> [B, P + n] prompts and new tokens.
 
     module: a PipelineModule of hf_layer_specs (tensor=1); every pipe rank of one data replica
@@ -142,57 +163,97 @@ def hf_generate(module: Any, input_ids: torch.Tensor, max_new_tokens: int,
     when every row has emitted one of stop_tokens; rows that stopped earlier are filled with
     pad_token_id (default: the first stop token, else 0), as transformers' generate fills them.
     generator: the sampling RNG, used on the rank holding the LM head.
+    static_cache: the preallocated cache with static-shape decode steps (None: where the
+    layers allow it, sdpa or eager attention without chunked layers; False: DynamicCache).
+    cuda_graph: replay each decode step as a CUDA graph (None: on for CUDA with the static
+    cache, off where the weights are not whole for the call; True raises instead).
     """
     mask = _check(module, input_ids, max_new_tokens, attention_mask, microbatches)
+    attention = _static_attention(module, static_cache, cuda_graph, input_ids)
     route = _Route(module)
     pad = pad_token_id if pad_token_id is not None else (stop_tokens[0] if stop_tokens else 0)
     n_micro = microbatches or min(input_ids.size(0), max(module.grid.pipe_size, 1))
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
-    batches = [_start(ids, m) for ids, m in zip(input_ids.tensor_split(n_micro), mask.tensor_split(n_micro))]
+    capacity = input_ids.size(1) + max_new_tokens
+    batches = [_start(ids, m, capacity, attention) for ids, m in zip(input_ids.tensor_split(n_micro),
+                                                                        mask.tensor_split(n_micro))]
     config = hf_config(module)
     pending: list[tuple[_Microbatch, torch.Tensor | None]] = []  # tokens picked, not yet shared (FIFO)
     with torch.no_grad():
-        for _ in range(max_new_tokens):
-            if all(mb.finished for mb in batches):
+        for step in range(max_new_tokens):
+            if all(mb.stopped for mb in batches):
                 break
+            check = bool(stop_tokens) and step % _CHECK_EVERY == 0  # a host sync: only every few steps
             for mb in batches:
                 while any(waiting is mb for waiting, _ in pending):  # mb's last tokens, and all picked before
                     _share(route, *pending.pop(0), stops, pad)
-                if mb.finished:
+                if check:  # here every rank has shared mb's tokens so far: all decide alike
+                    mb.stopped = mb.finished
+                if mb.stopped:
                     continue
-                pending.append((mb, _step(module, route, mb, config, sampling, generator)))
+                pending.append((mb, _step(module, route, mb, config, sampling, generator, cuda_graph)))
                 if route.me == route.root:  # the root shares at once, the others when they need the tokens
                     _share(route, *pending.pop(0), stops, pad)
         while pending:
             _share(route, *pending.pop(0), stops, pad)
     route.finish()
-    return _assemble(input_ids, batches, pad)
+    out = _assemble(input_ids, batches, pad, stops)
+    for mb in batches:  # the graphs' memory and the KV caches go now, not when the caller drops them
+        mb.graphs.clear()
+        if mb.static is not None:
+            mb.static.free()
+    return out
 
 
 # -- one step of one microbatch ---------------------------------------------------------
 def _step(module: Any, route: _Route, mb: _Microbatch, config: Any, sampling: Sampling,
-          generator: torch.Generator | None) -> torch.Tensor | None:
+          generator: torch.Generator | None, cuda_graph: bool | None) -> torch.Tensor | None:
     """Run mb's feed through this rank's virtual stages; the root returns the chosen tokens [b]."""
     from transformers import DynamicCache
 
     hidden = None
     for stage, chunk in sorted(route.chunk_of_stage.items()):
-        cache = mb.caches.setdefault(chunk, DynamicCache(config=config))
-        if stage == 0:
-            x = (mb.feed, mb.mask, mb.positions, cache)
-        else:
-            if route.rank_of_stage[stage - 1] != route.me:
-                shape = (*mb.feed.shape, config.hidden_size)
-                hidden = route.recv(shape, _dtype(module), mb.feed.device, stage - 1)
-            x = (hidden, mb.positions, mb.mask, cache)
-        out = module(x, chunk=chunk)
-        if stage == route.stages - 1:
-            logits = out.logits() if hasattr(out, "logits") else out  # HeadLogits (fused_loss=True)
-            return sampling.choose(logits[:, -1], generator)
-        hidden = out[0]
-        if route.rank_of_stage[stage + 1] != route.me:
-            route.send(hidden, stage + 1)
+        cache = mb.static if mb.static is not None else mb.caches.setdefault(chunk, DynamicCache(config=config))
+        if stage > 0 and route.rank_of_stage[stage - 1] != route.me:
+            shape = (*mb.feed.shape, config.hidden_size)
+            hidden = route.recv(shape, _dtype(module), mb.feed.device, stage - 1, into=mb.inbox.get(stage))
+        last = stage == route.stages - 1
+        out = _forward(module, mb, stage, chunk, hidden, cache, last, cuda_graph)
+        if last:
+            return sampling.choose(out, generator)
+        hidden = out
+        if route.rank_of_stage[stage + 1] != route.me:  # a graph's output is overwritten by its next replay,
+            route.send(hidden.clone() if mb.decoding else hidden, stage + 1)  # maybe before the send read it
     return None
+
+
+def _forward(module: Any, mb: _Microbatch, stage: int, chunk: int, hidden: torch.Tensor | None, cache: Any,
+             last: bool, cuda_graph: bool | None) -> torch.Tensor:
+    """One chunk of one step: the hidden states it passes on, or (last) the last position's logits [b, vocab].
+
+    A static decode step reads only fixed buffers, so on CUDA it is captured at its first run
+    (the warm-up before the capture is that run) and replayed after."""
+    if mb.decoding and stage > 0:  # the input at a fixed address (a graph replays it)
+        inbox = mb.inbox.setdefault(stage, torch.empty_like(hidden))
+        if inbox is not hidden:
+            inbox.copy_(hidden)
+        hidden = inbox
+
+    def run() -> torch.Tensor:
+        if mb.static is not None:
+            mb.static.fresh_masks()  # inside the capture: every replay makes this step's masks
+        x = (mb.feed, mb.mask, mb.positions, cache) if stage == 0 else (hidden, mb.positions, mb.mask, cache)
+        out = module(x, chunk=chunk)
+        if not last:
+            return out[0]
+        logits = out.logits() if hasattr(out, "logits") else out  # HeadLogits (fused_loss=True)
+        return logits[:, -1]
+    if not (mb.decoding and mb.feed.is_cuda and cuda_graph is not False):
+        return run()
+    if chunk not in mb.graphs:
+        mb.graphs[chunk] = capture_step(run, module, mb.feed.device, required=cuda_graph is True)
+    replay = mb.graphs[chunk]
+    return replay() if replay is not None else run()
 
 
 def _share(route: _Route, mb: _Microbatch, tokens: torch.Tensor | None, stops: torch.Tensor, pad: int) -> None:
@@ -208,24 +269,61 @@ def _advance(mb: _Microbatch, tokens: torch.Tensor, stops: torch.Tensor, pad: in
     tokens = torch.where(mb.done, torch.full_like(tokens, pad), tokens)
     mb.new.append(tokens)
     mb.done = mb.done | torch.isin(tokens, stops)
+    if mb.decoding:  # the static decode step's buffers, in place
+        mb.feed.copy_(tokens[:, None])
+        mb.positions.add_(1)
+        mb.static.advance()
+        return
     mb.feed = tokens[:, None]
     mb.positions = mb.positions[:, -1:] + 1
+    if mb.static is not None:  # after the prefill: from now on fixed buffers
+        mb.feed = mb.feed.clone()
+        mb.static.start_decoding(mb.mask.size(1))
+        mb.decoding = True
+        return
     mb.mask = torch.cat([mb.mask, mb.mask.new_ones(mb.mask.size(0), 1)], dim=1)
 
 
-def _start(ids: torch.Tensor, mask: torch.Tensor) -> _Microbatch:
+def _start(ids: torch.Tensor, mask: torch.Tensor, capacity: int, attention: str | None) -> _Microbatch:
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as transformers' generate counts them
-    return _Microbatch(feed=ids, mask=mask, positions=positions,
+    static = StaticKVCache(mask, capacity, attention) if attention is not None else None
+    return _Microbatch(feed=ids, mask=mask, positions=positions, static=static,
                        done=torch.zeros(ids.size(0), dtype=torch.bool, device=ids.device))
 
 
-def _assemble(input_ids: torch.Tensor, batches: list[_Microbatch], pad: int) -> torch.Tensor:
+def _assemble(input_ids: torch.Tensor, batches: list[_Microbatch], pad: int, stops: torch.Tensor) -> torch.Tensor:
+    """Prompts and new tokens, cut after the step where the last row stopped (as transformers' generate
+    ends): stops are checked every few steps, so a batch may have run a few all-pad steps more."""
     steps = max(len(mb.new) for mb in batches)
     rows = []
     for mb in batches:
         new = torch.stack(mb.new, 1) if mb.new else input_ids.new_empty(mb.done.size(0), 0)
         rows.append(torch.nn.functional.pad(new, (0, steps - new.size(1)), value=pad))
-    return torch.cat([input_ids, torch.cat(rows)], dim=1)
+    new = torch.cat(rows)
+    if stops.numel() and new.size(1):
+        hit = torch.isin(new, stops)
+        if bool(hit.any(-1).all()):  # every row stopped: keep up to the last row's first stop token
+            new = new[:, :int(hit.float().argmax(-1).max()) + 1]
+    return torch.cat([input_ids, new], dim=1)
+
+
+def _static_attention(module: Any, static_cache: bool | None, cuda_graph: bool | None,
+                      ids: torch.Tensor) -> str | None:
+    """The attention implementation the static cache builds masks for, or None: the DynamicCache path."""
+    attention = hf_config(module)._attn_implementation
+    chunked = sorted({layer.index for layer in module.modules()
+                      if isinstance(layer, HFDecoderLayer) and layer.attention_kind == "chunked_attention"})
+    why = (f"config._attn_implementation={attention!r} (it builds masks for {STATIC_ATTENTION})"
+           if attention not in STATIC_ATTENTION else f"layers {chunked} use chunked attention" if chunked else "")
+    if static_cache and why:
+        raise ValueError(f"hf_generate(static_cache=True): {why}; pass static_cache=None or False (DynamicCache)")
+    if cuda_graph and (static_cache is False or why):
+        raise ValueError(f"hf_generate(cuda_graph=True) replays the static decode step, which is off "
+                         f"({why or 'static_cache=False'}); pass cuda_graph=None or False")
+    if cuda_graph and not ids.is_cuda:
+        raise ValueError(f"hf_generate(cuda_graph=True): input_ids are on {ids.device}, CUDA graphs need CUDA "
+                         "tensors; pass cuda_graph=None (on only for CUDA)")
+    return None if static_cache is False or why else attention
 
 
 def _dtype(module: Any) -> torch.dtype:

@@ -25,7 +25,7 @@ import copy
 import inspect
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from torch import nn
 from pipezero.comm import is_replica
 from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
 from pipezero.pipe.hf.match import check_checkpoint, keeps_tie, size_fields
+from pipezero.pipe.hf.static_cache import StaticKVCache
 from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 
@@ -301,7 +302,10 @@ class HFDecoderLayer(_HFLayer):
         self.prefix = model.path(model.layers[index])
         self.inner = type(model.layers[index])(model.config, layer_idx=index)
         self.rotary = type(model.rotary)(config=model.config) if model.rotary is not None else None
-        self.make_mask = _mask_function(model.config, index)
+        self.attention_kind = _mask_kind(model.config, index)
+        self.make_mask = getattr(_masking_utils(), _MASKS[self.attention_kind])
+        sliding = self.attention_kind == "sliding_attention"
+        self.window = getattr(model.config, "sliding_window", None) if sliding else None  # the static cache's mask
         takes_kind = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.rotary_args = (model.config.layer_types[index],) if takes_kind else ()
         model.fill(self, self.prefix)
@@ -309,9 +313,13 @@ class HFDecoderLayer(_HFLayer):
     def forward(self, x: tuple) -> tuple:
         hidden, positions, *rest = x
         cache = rest[1] if len(rest) > 1 else None  # a transformers Cache: pipe/hf/generate.py's decode path
-        sized = {} if cache is None else {"layer_idx": self.index}
-        mask = self.make_mask(config=self.model.config, inputs_embeds=hidden, attention_mask=rest[0] if rest else None,
-                              cache=cache, position_ids=positions, **sized)
+        if isinstance(cache, StaticKVCache):  # pipe/hf/generate.py's static decode step
+            mask = cache.attention_mask(self.window, hidden.dtype)
+        else:
+            sized = {} if cache is None else {"layer_idx": self.index}
+            mask = self.make_mask(config=self.model.config, inputs_embeds=hidden,
+                                  attention_mask=rest[0] if rest else None, cache=cache, position_ids=positions,
+                                  **sized)
         extra = dict(self.model.layer_nones, **({} if cache is None else {"cache": cache, "use_cache": True}))
         if self.rotary is not None:
             extra["position_embeddings"] = self.rotary(hidden, positions, *self.rotary_args)
@@ -323,16 +331,19 @@ _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_s
           "chunked_attention": "create_chunked_causal_mask"}  # config.layer_types -> transformers.masking_utils
 
 
-def _mask_function(config: Any, index: int) -> Callable:
-    """transformers' causal, sliding-window or chunked mask builder for layer `index`, as the model picks it."""
-    from transformers import masking_utils
-
+def _mask_kind(config: Any, index: int) -> str:
+    """Layer `index`'s attention kind (a key of _MASKS), as the model picks its mask builder."""
     kinds = getattr(config, "layer_types", None)
     if kinds is not None:
-        kind = kinds[index]
-    else:
-        kind = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
-    return getattr(masking_utils, _MASKS[kind])
+        return kinds[index]
+    return "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+
+
+def _masking_utils() -> Any:
+    """transformers.masking_utils (imported on first use: transformers is an optional extra)."""
+    from transformers import masking_utils as module
+
+    return module
 
 
 class HFFinalNorm(_HFLayer):

@@ -1,10 +1,10 @@
-"""The reference policy of GRPO's KL penalty: a frozen copy of the starting policy.
+"""The reference policy of GRPO's KL penalty: the starting policy, as a frozen copy or as the LoRA base.
 
 GRPO keeps the policy near a reference (usually the model it started from). `FrozenCopy`
 holds a whole, frozen copy: the simplest reference, at the cost of one more set of weights
-per rank. A LoRA-trained policy needs no copy: the base model with its adapters disabled
-is the reference; that implementation (pipe/lora.py, in progress) plugs in here by
-implementing `Reference` (run the policy's own module with the adapters switched off).
+per rank. A LoRA-trained policy needs no copy: its frozen base is the starting model, so
+`AdaptersOff` runs the policy's own module with the adapters switched off
+(pipe/lora.py's adapters_disabled), under no_grad: no memory beyond the forward's.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from pipezero.pipe.lora import adapters_disabled
 from pipezero.train.rl.loss import completion_logprobs
 
-__all__ = ["FrozenCopy", "Reference"]
+__all__ = ["AdaptersOff", "FrozenCopy", "Reference"]
 
 
 class Reference(Protocol):
@@ -45,3 +46,26 @@ class FrozenCopy:
     @torch.no_grad()
     def completion_logprobs(self, inputs: tuple[torch.Tensor, ...], completion: torch.Tensor) -> torch.Tensor:
         return completion_logprobs(self.module(inputs), completion)
+
+
+class AdaptersOff:
+    """The policy module itself with its LoRA adapters disabled: the base model, no second copy.
+
+    Exactly the starting policy as long as only the adapters train (lora_specs freezes the
+    base). It runs in eval mode (no dropout), as FrozenCopy does; the module's mode is put back.
+    Under ZeRO-3 the forward gathers as any forward does."""
+
+    def __init__(self, module: nn.Module):
+        with adapters_disabled(module):  # a ValueError now when the module has no adapters
+            pass
+        self.module = module
+
+    @torch.no_grad()
+    def completion_logprobs(self, inputs: tuple[torch.Tensor, ...], completion: torch.Tensor) -> torch.Tensor:
+        training = self.module.training
+        self.module.eval()
+        try:
+            with adapters_disabled(self.module):
+                return completion_logprobs(self.module(inputs), completion)
+        finally:
+            self.module.train(training)
