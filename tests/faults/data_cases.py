@@ -75,6 +75,13 @@ def _unwritable_out(tmp: Path):
     return main(["--out", str(tmp / "file" / "run")])
 
 
+def _out_model_a_file(tmp: Path):
+    from pipezero.train.finetune import main
+    (tmp / "run").mkdir()
+    _write(tmp, "run/model", "x")  # export_hf's folder: found only after training before issue 28's round 3
+    return main(["--out", str(tmp / "run"), "--steps", "1"])
+
+
 def _resume_global_batch():
     from pipezero.train.data import GlobalOrder
     GlobalOrder(100, 4).load_state_dict({"epoch": 0, "step": 3, "global_batch": 8})
@@ -120,6 +127,7 @@ CASES = [
     Case("data", "micro-batches do not divide the batch", _microbatches_do_not_divide,
          ("batch_size=3", "num_microbatches=2")),
     Case("finetune", "out not writable", _unwritable_out, ("--out", "not writable")),
+    Case("finetune", "out/model a file", _out_model_a_file, ("'model'", "move the file away")),
     Case("finetune", "seq-len beyond the positions", _finetune("--out", "TMP/o", "--seq-len", "5000"),
          ("--seq-len 5000", "1024 positions")),
     Case("finetune", "data without a model", _finetune("--out", "TMP/o", "--data", "TMP", "--seq-len", "64"),
