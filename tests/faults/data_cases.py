@@ -33,6 +33,14 @@ def _tokens(name: str, data: bytes | str):
     return load
 
 
+def _negative_ids(tmp: Path):
+    import numpy as np
+
+    from pipezero.train.data import load_tokens
+    np.save(tmp / "neg.npy", -np.ones(8, dtype=np.int64))
+    return load_tokens(tmp / "neg.npy")
+
+
 def _tokenized(name: str, records: list, chat: bool = True):
     def build(tmp: Path):
         from data_tokenizer import make_tokenizer
@@ -119,6 +127,9 @@ CASES = [
     Case("data", "ids beyond the vocabulary", _vocab, ("v.jsonl:1", "beyond the model's vocabulary of 4")),
     Case("data", "data-path empty", _tokens("e.bin", b""), ("e.bin", "empty")),
     Case("data", "data-path one token", _tokens("one.txt", b"x"), ("one.txt", "1 token", "at least 2")),
+    Case("data", "data-path ids of a larger vocabulary", _tokens("gpt2.bin", b"\x10\x27" * 8),  # 10000 as uint16
+         ("gpt2.bin", "[10000, 10000]", "in [0, 256)", "--data TEXT")),  # the fix offered was a --data .bin: refused
+    Case("data", "data-path negative ids", _negative_ids, ("neg.npy", "[-1, -1]", "in [0, 256)")),
     Case("data", "data-path npy not numpy", _tokens("fake.npy", b"hello, not an array"),
          ("fake.npy", "not a NumPy .npy file", "numpy.save")),
     Case("data", "long documents policy unknown", _pack(seq_len=8, long_docs="drop"), ("long_docs='drop'",)),
