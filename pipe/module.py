@@ -139,6 +139,10 @@ class PipelineModule(nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # backward needs one number per microbatch
             raise LayerError(f"loss_fn returned {describe_input(loss)} on output {describe_input(output)}; "
                              "expected a scalar tensor (reduce it, e.g. .mean() or reduction='mean')")
+        if not loss.is_floating_point():  # backward would say only "does not require grad"
+            raise LayerError(f"loss_fn returned {describe_input(loss)} on output {describe_input(output)}; expected "
+                             "a floating-point scalar: an integer or bool loss has no gradient (a .long(), argmax or "
+                             "count in loss_fn cut it from the graph)")
         return loss
 
     def _run(self, lo: int, hi: int, x: Any, chunk: int = 0) -> Any:

@@ -40,9 +40,12 @@ def check_shared_layers(layers: Sequence[Any], bounds: Sequence[int], ranks: Seq
 
 def _refuse(first: tuple[int, int, str], second: tuple[int, int, str]) -> None:
     (i, a, what_i), (j, b, what_j) = first, second
-    same = "the same module object" if "parameter" not in what_i else f"share {what_i.split(' of ')[0]}"
+    same = "are the same module object"
+    if "parameter" in what_i:  # one tensor under each layer's own name ('0.weight' and '1.weight')
+        name_i, name_j = what_i.split(" of ")[0], what_j.split(" of ")[0].split(" ", 1)[1]
+        same = f"share {name_i}" + (f" (layers[{j}]'s {name_j})" if name_i.split(" ", 1)[1] != name_j else "")
     raise ValueError(f"layers[{i}] ({what_i.split(' of ')[-1]}) and layers[{j}] ({what_j.split(' of ')[-1]}) "
-                     f"are {same}, placed on pipeline ranks {a} and {b}: each rank would train its own copy and "
+                     f"{same}, placed on pipeline ranks {a} and {b}: each rank would train its own copy and "
                      f"the copies would diverge. To share a layer between stages, give both places "
                      f"TiedLayerSpec(key, ...) (the stages holding it all-reduce its gradients); otherwise pass "
                      f"separate modules")

@@ -55,13 +55,25 @@ def claim_run_dir(out: str | os.PathLike, grid: Any = None) -> Iterator[Path]:
 
 
 def export_done(out: str | os.PathLike, step: int, files: tuple[str, ...] = ("model.safetensors",)) -> bool:
-    """Whether `out` holds the export of step `step`: its files, and a summary.json (written last) for that step."""
+    """Whether `out` holds the export of step `step`: its files (a .safetensors one readable: a truncated or
+    damaged export is written again), and a summary.json (written last) for that step."""
     out = Path(out)
     try:
         summary = json.loads((out / "summary.json").read_text())
     except (OSError, ValueError):
         return False
-    return summary.get("steps") == step and all((out / f).is_file() for f in files)
+    return summary.get("steps") == step and all(_readable(out / f) for f in files)
+
+
+def _readable(path: Path) -> bool:
+    if path.suffix != ".safetensors":
+        return path.is_file()
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), "pt"):  # the header, and that it covers the file
+            return True
+    except Exception:  # noqa: BLE001 - SafetensorError, OSError: not a usable export either way
+        return False
 
 
 def record_loss(out: str | os.PathLike, step: int, loss: float) -> None:

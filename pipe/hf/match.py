@@ -91,10 +91,11 @@ def _check_shapes(meta: nn.Module, config: Any, shards: Any) -> None:
 
 
 def size_fields(config: Any, sizes: set[int]) -> str:
-    """The config fields that set these sizes: one whose value is the size ('config.hidden_size=64'),
-    or two whose product is ('config.num_key_value_heads=4 x config.head_dim=8')."""
-    values = {k: v for k, v in config.to_dict().items()
-              if isinstance(v, int) and not isinstance(v, bool) and re.search(r"(size|heads|dim|embd|experts)$", k)}
+    """The config fields that set these sizes: one whose value is the size ('config.hidden_size=64',
+    GPT-2's 'config.n_inner=64' and 'config.n_positions=32'), or two whose product is
+    ('config.num_key_value_heads=4 x config.head_dim=8')."""
+    values = {k: v for k, v in config.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)
+              and re.search(r"(size|heads|dim|embd|experts|inner|positions|embeddings)$", k)}
     hits = [f"config.{k}={v}" for k, v in values.items() if v in sizes]
     hits += [f"config.{a}={values[a]} x config.{b}={values[b]}" for a in values for b in values
              if a < b and values[a] * values[b] in sizes]

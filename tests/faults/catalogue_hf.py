@@ -220,3 +220,33 @@ MOE = [
 ]
 
 ALL += MOE
+
+
+@functools.cache
+def _saved_gpt2() -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=4, n_positions=64)
+    path = Path(tempfile.mkdtemp(prefix="pz-hf-gpt2-"))
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def _gpt2(edit):
+    def run(tmp: Path):
+        from pipezero.pipe.hf import hf_layer_specs
+        path = tmp / "gpt2"
+        shutil.copytree(_saved_gpt2(), path)
+        edit(path)
+        return hf_layer_specs(str(path))
+    return run
+
+
+GPT2 = [  # issue 28 round 3: GPT-2's size fields (n_inner, n_positions) were not among those named
+    Case("hf", "gpt2 config MLP width set", _gpt2(_config(n_inner=64)), ("c_fc.weight", "(32, 128)", "config.n_inner=64")),
+    Case("hf", "gpt2 config fewer positions", _gpt2(_config(n_positions=48)), ("wpe.weight", "config.n_positions=48")),
+]
+
+ALL += GPT2

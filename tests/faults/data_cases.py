@@ -33,6 +33,14 @@ def _tokens(name: str, data: bytes | str):
     return load
 
 
+def _negative_ids(tmp: Path):
+    import numpy as np
+
+    from pipezero.train.data import load_tokens
+    np.save(tmp / "neg.npy", -np.ones(8, dtype=np.int64))
+    return load_tokens(tmp / "neg.npy")
+
+
 def _tokenized(name: str, records: list, chat: bool = True):
     def build(tmp: Path):
         from data_tokenizer import make_tokenizer
@@ -75,6 +83,13 @@ def _unwritable_out(tmp: Path):
     return main(["--out", str(tmp / "file" / "run")])
 
 
+def _out_model_a_file(tmp: Path):
+    from pipezero.train.finetune import main
+    (tmp / "run").mkdir()
+    _write(tmp, "run/model", "x")  # export_hf's folder: found only after training before issue 28's round 3
+    return main(["--out", str(tmp / "run"), "--steps", "1"])
+
+
 def _resume_global_batch():
     from pipezero.train.data import GlobalOrder
     GlobalOrder(100, 4).load_state_dict({"epoch": 0, "step": 3, "global_batch": 8})
@@ -112,6 +127,9 @@ CASES = [
     Case("data", "ids beyond the vocabulary", _vocab, ("v.jsonl:1", "beyond the model's vocabulary of 4")),
     Case("data", "data-path empty", _tokens("e.bin", b""), ("e.bin", "empty")),
     Case("data", "data-path one token", _tokens("one.txt", b"x"), ("one.txt", "1 token", "at least 2")),
+    Case("data", "data-path ids of a larger vocabulary", _tokens("gpt2.bin", b"\x10\x27" * 8),  # 10000 as uint16
+         ("gpt2.bin", "[10000, 10000]", "in [0, 256)", "--data TEXT")),  # the fix offered was a --data .bin: refused
+    Case("data", "data-path negative ids", _negative_ids, ("neg.npy", "[-1, -1]", "in [0, 256)")),
     Case("data", "data-path npy not numpy", _tokens("fake.npy", b"hello, not an array"),
          ("fake.npy", "not a NumPy .npy file", "numpy.save")),
     Case("data", "long documents policy unknown", _pack(seq_len=8, long_docs="drop"), ("long_docs='drop'",)),
@@ -120,6 +138,7 @@ CASES = [
     Case("data", "micro-batches do not divide the batch", _microbatches_do_not_divide,
          ("batch_size=3", "num_microbatches=2")),
     Case("finetune", "out not writable", _unwritable_out, ("--out", "not writable")),
+    Case("finetune", "out/model a file", _out_model_a_file, ("'model'", "move the file away")),
     Case("finetune", "seq-len beyond the positions", _finetune("--out", "TMP/o", "--seq-len", "5000"),
          ("--seq-len 5000", "1024 positions")),
     Case("finetune", "data without a model", _finetune("--out", "TMP/o", "--data", "TMP", "--seq-len", "64"),

@@ -137,7 +137,7 @@ def same_module_object_on_two_stages():
     PipelineModule([shared, nn.Linear(4, 4), nn.Linear(4, 4), shared], Grid(pipe=2), partition_method="uniform")
 
 
-@case(("share parameter 'weight'", "pipeline ranks 0 and 1", "TiedLayerSpec"))
+@case(("and layers[3] (Linear) share parameter 'weight'", "pipeline ranks 0 and 1", "TiedLayerSpec"))
 def parameter_shared_by_layers_on_two_stages():
     """A head whose weight is the embedding's, both passed as modules on different stages."""
     from pipezero.pipe import PipelineModule
@@ -229,6 +229,17 @@ def loss_fn_returns_a_tensor_per_sample():
     from pipezero.topology import Grid
     model = PipelineModule([LayerSpec(nn.Linear, 4, 4) for _ in range(4)], Grid(pipe=2),
                            loss_fn=lambda out, target: (out - target) ** 2, partition_method="uniform")
+    runner = PipelineRunner(model, OneFOneB(num_microbatches=2), timeout_s=3.0)
+    _timed(lambda: runner.train_step(_x(), _x()))
+
+
+@case(("loss_fn returned () int64", "floating-point scalar"), solo=True)
+def loss_fn_returns_an_integer():
+    """Issue 28 round 3: a loss cast to an integer got torch's "does not require grad" on the last stage."""
+    from pipezero.pipe import LayerSpec, OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.topology import Grid
+    model = PipelineModule([LayerSpec(nn.Linear, 4, 4) for _ in range(4)], Grid(pipe=2),
+                           loss_fn=lambda out, target: (out - target).square().sum().long(), partition_method="uniform")
     runner = PipelineRunner(model, OneFOneB(num_microbatches=2), timeout_s=3.0)
     _timed(lambda: runner.train_step(_x(), _x()))
 

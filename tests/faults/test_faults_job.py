@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from harness import run
@@ -33,6 +34,12 @@ def _finished_rerun_and_resume_from(out: str) -> tuple:
         (Path(out) / name).unlink()
     loss = train_gpt.main(args)
     exported = loss, (Path(out) / "model.safetensors").is_file(), (Path(out) / "summary.json").read_text()
+    model = Path(out) / "model.safetensors"  # issue 28 round 3: a truncated export was "already complete"
+    whole = model.read_bytes()
+    model.write_bytes(whole[:len(whole) // 2])
+    train_gpt.main(args)
+    before, after = safetensors.torch.load(whole), safetensors.torch.load_file(model)  # a truncated file raises
+    repaired = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     lock = Path(out) / "pipezero.lock"  # another job, alive on this host (the harness' parent), holds --out
     lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "argv": ["train_gpt.py"]}))
     try:
@@ -42,17 +49,19 @@ def _finished_rerun_and_resume_from(out: str) -> tuple:
         refused = str(err)
     lock.unlink()
     resumed = train_gpt.main([*args, "--resume-from", "step_00000002"])
-    return first, again, kept, exported, refused, resumed, json.loads((Path(out) / "summary.json").read_text())
+    summary = json.loads((Path(out) / "summary.json").read_text())
+    return first, again, kept, exported, repaired, refused, resumed, summary
 
 
 def test_finished_run_is_not_rewritten_and_resume_from_a_chosen_step(tmp_path):
     """Issue 16 item 5; issue 28 item 8 (a rerun finishes an export the job stopped before) and item 10 (a
     second job on a held --out is refused, naming the holder)."""
-    first, again, kept, exported, refused, resumed, summary = run(_finished_rerun_and_resume_from, 1, str(tmp_path),
-                                                                  timeout=240)[0]
+    first, again, kept, exported, repaired, refused, resumed, summary = run(_finished_rerun_and_resume_from, 1,
+                                                                            str(tmp_path), timeout=240)[0]
     assert again == first and kept  # issue 16 item 5: no NaN summary, the real final loss kept
     loss, model, text = exported
     assert loss == first and model and json.loads(text) == {"steps": 4, "resumed_from": 4, "final_loss": first}
+    assert repaired  # the truncated model.safetensors written again, the same tensors
     assert "pid " in refused and socket.gethostname() in refused, refused
     assert "in use by another job" in refused and "another --out" in refused, refused
     assert resumed == first and summary["resumed_from"] == 2  # exact: same grid, same batches

@@ -76,8 +76,9 @@ def load_tokens(path: str | os.PathLike, vocab_size: int = 256) -> torch.Tensor:
                          f"input and its next-token target), in practice more than one window of --seq-len + 1")
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
         raise ValueError(f"{path}: token ids span [{int(tokens.min())}, {int(tokens.max())}] but the "
-                         f"vocabulary has {vocab_size} entries: pass ids below {vocab_size} (the built-in GPT reads bytes), or "
-                         f"fine-tune a model of that vocabulary: examples/train_hf.py --model DIR --data {path}")
+                         f"vocabulary has {vocab_size} entries: pass ids in [0, {vocab_size}) (the built-in GPT reads "
+                         f"bytes); for a model of a larger vocabulary give its text, not its token ids, to "
+                         f"examples/train_hf.py --model DIR --data TEXT (--data reads no .bin/.npy token files)")
     return tokens
 
 

@@ -290,7 +290,8 @@ def finish_export(args: argparse.Namespace, gpt: GPTConfig, grid: Grid, step: in
         log.info("the run in %s is already complete (step %d of --steps %d): nothing to train; pass --steps "
                  "above %d to train longer, or another --out to start afresh", args.out, step, args.steps, step)
         return _summary_loss(args.out)
-    log.info("the run in %s trained to step %d but stopped before its export: exporting it now", args.out, step)
+    log.info("the run in %s trained to step %d but its export is missing or damaged (the job stopped before "
+             "it, or the file was changed): exporting it now", args.out, step)
     loss = recorded_loss(args.out, step)
     loss = float("nan") if loss is None else loss
     if grid.rank == 0:
