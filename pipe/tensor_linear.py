@@ -1,0 +1,94 @@
+"""Column- and row-parallel nn.Linear on plain local tensors, the collectives explicit.
+
+Megatron-LM's split (Shoeybi et al. 2019), without DTensor: the weight shard is an ordinary
+nn.Parameter holding this tensor rank's rows (column-parallel) or columns (row-parallel),
+marked with a comm.TensorShard so checkpoints and the optimizer know the whole tensor. The
+module itself is untouched (its class, forward and names stay; DeferringLinear and compile
+see a plain Linear); two hooks put the communication around it:
+
+* column-parallel: the input passes `_ToTensorGroup` (identity forward, all-reduce of the
+  input gradient backward: every rank's rows contribute to it); the output stays this rank's
+  slice of the features, as ColwiseParallel's local output;
+* row-parallel: the input is already this rank's slice of the features; the output passes
+  `_FromTensorGroup` (all-reduce forward, identity backward). The bias is whole on every rank
+  and the Linear adds it on each, so the sum holds it `degree` times: the reduce takes the
+  extra copies off (as a constant, so the bias gradient stays the Linear's own, whole).
+
+DTensor runs ~30 operators per Linear through its dispatcher; here a Linear costs one hook
+and one small autograd node more than the plain one (bench/tp_dispatch.py measures both).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipezero.comm import TensorShard, mark_tensor_shard
+
+__all__ = ["shard_columns", "shard_rows"]
+
+
+class _ToTensorGroup(torch.autograd.Function):
+    """Identity forward; the gradient all-reduced over the tensor group backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _FromTensorGroup(torch.autograd.Function):
+    """All-reduce forward (less `extra` copies of the bias); identity backward."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, extra: int, group) -> torch.Tensor:
+        if y.is_contiguous():
+            ctx.mark_dirty(y)  # reduced in place: the Linear's output is its own fresh tensor
+        else:
+            y = y.contiguous()
+        dist.all_reduce(y, group=group)
+        if bias is not None and extra:
+            y.sub_(bias.to(y.dtype), alpha=extra)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None, None
+
+
+def _shard(module: nn.Module, name: str, dim: int, group, degree: int, rank: int) -> None:
+    """Replace module.<name> by its part `rank` of `degree` along `dim`, a plain marked nn.Parameter."""
+    whole = getattr(module, name)
+    part = nn.Parameter(whole.detach().chunk(degree, dim=dim)[rank].clone(), requires_grad=whole.requires_grad)
+    mark_tensor_shard(part, TensorShard(dim, degree, rank, whole.shape, group))
+    setattr(module, name, part)
+
+
+def shard_columns(linear: nn.Linear, group, degree: int, rank: int) -> None:
+    """Make `linear` column-parallel in place: its output features split `degree` ways."""
+    _shard(linear, "weight", 0, group, degree, rank)
+    if linear.bias is not None:
+        _shard(linear, "bias", 0, group, degree, rank)
+    linear.out_features //= degree
+
+    def to_group(_module: nn.Module, args: tuple) -> tuple:
+        return (_ToTensorGroup.apply(args[0], group),) + args[1:]
+    linear.register_forward_pre_hook(to_group)
+
+
+def shard_rows(linear: nn.Linear, group, degree: int, rank: int) -> None:
+    """Make `linear` row-parallel in place: its input features split `degree` ways, the output summed."""
+    _shard(linear, "weight", 1, group, degree, rank)
+    linear.in_features //= degree
+
+    def from_group(module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        bias = module.bias
+        return _FromTensorGroup.apply(out, None if bias is None else bias.detach(), degree - 1, group)
+    linear.register_forward_hook(from_group)
