@@ -5,7 +5,7 @@ Each grid builds the same layers through PipelineModule with gpt_tensor_plan() (
 qkv/fc column-wise, proj/out row-wise over the tensor axis), wraps Adam in a LossScaler (with
 clipping, so the global grad norm must count every tensor shard once and every replicated
 weight once) and a ZeroOptimizer over the data axis, and must give the same loss every step
-and the same final parameters (DTensors compared whole, through full_tensor()).
+and the same final parameters (split ones compared whole, through whole_tensor()).
 """
 
 import functools
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from harness import run
 from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+from pipezero.pipe.tensor_parallel import is_replicated, whole_tensor
 from pipezero.precision import LossScaler
 from pipezero.topology import Grid
 from pipezero.train.state import single_process_names
@@ -57,7 +57,7 @@ def _train(pipe: int, tensor: int, stage: int):
     model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss, tensor_plan=gpt_tensor_plan())
     opt = LossScaler(torch.optim.Adam(model.parameters(), lr=LR), dynamic=False, init_scale=1.0,
                      clip_grad_norm=CLIP)
-    if stage is not None:   # else Adam and the clipping see the DTensor parameters themselves
+    if stage is not None:   # else Adam and the clipping see the split parameters themselves
         opt = ZeroOptimizer(opt, stage=stage, group=grid.data_group)
     runner = PipelineRunner(model, OneFOneB(num_microbatches=2), optimizer=opt)
     losses, share = [], BATCH // grid.data_size
@@ -67,9 +67,8 @@ def _train(pipe: int, tensor: int, stage: int):
         losses.append(runner.train_step(ids[mine], targets[mine]).item())
         assert opt.step() is True
         opt.zero_grad()
-    sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for n, p in model.named_parameters()}
+    sharded = sorted(n for n, p in model.named_parameters() if not is_replicated(p))
+    params = {n: whole_tensor(p).detach().clone() for n, p in model.named_parameters()}
     return losses, params, sharded
 
 
@@ -89,10 +88,10 @@ def _check(results, tensor: int) -> None:
 
 
 @pytest.mark.parametrize("world, pipe, tensor, stage", [
-    (2, 1, 2, None),  # tensor 2, no ZeRO: the clip norm over DTensor grads' local shards
+    (2, 1, 2, None),  # tensor 2, no ZeRO: the clip norm over the grads' local shards
     (4, 1, 2, 2),   # tensor 2 x data 2, ZeRO-2
     (4, 2, 2, 1),   # pipe 2 x tensor 2, ZeRO-1 over a data group of one
-    (4, 1, 2, 0),   # tensor 2 x data 2, ZeRO-0: DTensor .grad are views of the all-reduce buffer
+    (4, 1, 2, 0),   # tensor 2 x data 2, ZeRO-0: the shards' .grad are views of the all-reduce buffer
     (8, 2, 2, 2),   # pipe 2 x data 2 x tensor 2
 ])
 def test_3d_parity(world, pipe, tensor, stage):
@@ -143,8 +142,7 @@ def _step(parts, step: int) -> float:
 
 
 def _whole_params(parts) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in parts.module.named_parameters()}
+    return {n: whole_tensor(p).detach().clone() for n, p in parts.module.named_parameters()}
 
 
 def _save_then_reload(directory: str):
