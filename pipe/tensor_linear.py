@@ -49,10 +49,10 @@ class _FromTensorGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, extra: int, group) -> torch.Tensor:
-        if y.is_contiguous():
+        if y.is_contiguous() and y._base is None:
             ctx.mark_dirty(y)  # reduced in place: the Linear's output is its own fresh tensor
-        else:
-            y = y.contiguous()
+        else:  # a view (DeferringLinear's node returns one) cannot be changed in place: a copy
+            y = y.contiguous() if not y.is_contiguous() else y.clone()
         dist.all_reduce(y, group=group)
         if bias is not None and extra:
             y.sub_(bias.to(y.dtype), alpha=extra)

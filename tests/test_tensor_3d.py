@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness import run
-from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
 from pipezero.pipe.tensor_parallel import is_replicated, whole_tensor
 from pipezero.precision import LossScaler
 from pipezero.topology import Grid
@@ -52,14 +52,16 @@ def _truth() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: t.clone() for n, t in model.state_dict().items()}  # the tied weight under both names
 
 
-def _train(pipe: int, tensor: int, stage: int):
+def _train(pipe: int, tensor: int, stage: int, schedule: str):
     grid = Grid(pipe=pipe, tensor=tensor)
-    model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss, tensor_plan=gpt_tensor_plan())
+    sched = make_schedule(schedule, 2 if schedule == "1f1b" else 4)
+    model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss, tensor_plan=gpt_tensor_plan(),
+                           num_chunks=sched.num_chunks, placement=sched.placement)
     opt = LossScaler(torch.optim.Adam(model.parameters(), lr=LR), dynamic=False, init_scale=1.0,
                      clip_grad_norm=CLIP)
     if stage is not None:   # else Adam and the clipping see the split parameters themselves
         opt = ZeroOptimizer(opt, stage=stage, group=grid.data_group)
-    runner = PipelineRunner(model, OneFOneB(num_microbatches=2), optimizer=opt)
+    runner = PipelineRunner(model, sched, optimizer=opt)
     losses, share = [], BATCH // grid.data_size
     for step in range(STEPS):
         ids, targets = _batch(step)
@@ -87,15 +89,15 @@ def _check(results, tensor: int) -> None:
     assert seen == set(params), set(params) - seen
 
 
-@pytest.mark.parametrize("world, pipe, tensor, stage", [
-    (2, 1, 2, None),  # tensor 2, no ZeRO: the clip norm over the grads' local shards
-    (4, 1, 2, 2),   # tensor 2 x data 2, ZeRO-2
-    (4, 2, 2, 1),   # pipe 2 x tensor 2, ZeRO-1 over a data group of one
-    (4, 1, 2, 0),   # tensor 2 x data 2, ZeRO-0: the shards' .grad are views of the all-reduce buffer
-    (8, 2, 2, 2),   # pipe 2 x data 2 x tensor 2
+@pytest.mark.parametrize("world, pipe, tensor, stage, schedule", [
+    (2, 1, 2, None, "1f1b"),  # tensor 2, no ZeRO: the clip norm over the grads' local shards
+    (4, 1, 2, 2, "1f1b"),   # tensor 2 x data 2, ZeRO-2
+    (4, 2, 2, 1, "zbv"),    # pipe 2 x tensor 2, ZeRO-1 over a data group of one; the shards' weight GEMMs deferred to W
+    (4, 1, 2, 0, "1f1b"),   # tensor 2 x data 2, ZeRO-0: the shards' .grad are views of the all-reduce buffer
+    (8, 2, 2, 2, "1f1b"),   # pipe 2 x data 2 x tensor 2
 ])
-def test_3d_parity(world, pipe, tensor, stage):
-    _check(run(_train, world, pipe, tensor, stage, timeout=120), tensor)
+def test_3d_parity(world, pipe, tensor, stage, schedule):
+    _check(run(_train, world, pipe, tensor, stage, schedule, timeout=120), tensor)
 
 
 def _bad_plans(tensor: int) -> list[str]:
