@@ -15,7 +15,9 @@ see a plain Linear); two hooks put the communication around it:
   extra copies off (as a constant, so the bias gradient stays the Linear's own, whole).
 
 DTensor runs ~30 operators per Linear through its dispatcher; here a Linear costs one hook
-and one small autograd node more than the plain one (bench/tp_dispatch.py measures both).
+and one small autograd node more than the plain one (bench/tp_dispatch.py measures both). On
+a group of one (a one-rank mesh, as the benchmarks and the planner split a block) the
+all-reduces are skipped, as Megatron-LM does: they would sum one tensor.
 """
 
 from __future__ import annotations
@@ -33,15 +35,16 @@ class _ToTensorGroup(torch.autograd.Function):
     """Identity forward; the gradient all-reduced over the tensor group backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group, degree: int) -> torch.Tensor:
+        ctx.group, ctx.degree = group, degree
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        if ctx.degree > 1:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
 
 
 class _FromTensorGroup(torch.autograd.Function):
@@ -49,12 +52,14 @@ class _FromTensorGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, extra: int, group) -> torch.Tensor:
+        if not extra:  # a group of one (the benchmarks' one-rank mesh): nothing to sum
+            return y.view_as(y)
         if y.is_contiguous() and y._base is None:
             ctx.mark_dirty(y)  # reduced in place: the Linear's output is its own fresh tensor
         else:  # a view (DeferringLinear's node returns one) cannot be changed in place: a copy
             y = y.contiguous() if not y.is_contiguous() else y.clone()
         dist.all_reduce(y, group=group)
-        if bias is not None and extra:
+        if bias is not None:
             y.sub_(bias.to(y.dtype), alpha=extra)
         return y
 
@@ -79,7 +84,7 @@ def shard_columns(linear: nn.Linear, group, degree: int, rank: int) -> None:
     linear.out_features //= degree
 
     def to_group(_module: nn.Module, args: tuple) -> tuple:
-        return (_ToTensorGroup.apply(args[0], group),) + args[1:]
+        return (_ToTensorGroup.apply(args[0], group, degree),) + args[1:]
     linear.register_forward_pre_hook(to_group)
 
 
