@@ -22,13 +22,15 @@ all-reduces are skipped, as Megatron-LM does: they would sum one tensor.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipezero.comm import TensorShard, mark_tensor_shard
 
-__all__ = ["shard_columns", "shard_rows"]
+__all__ = ["SharedInput", "shard_columns", "shard_rows"]
 
 
 class _ToTensorGroup(torch.autograd.Function):
@@ -76,16 +78,41 @@ def _shard(module: nn.Module, name: str, dim: int, group, degree: int, rank: int
     setattr(module, name, part)
 
 
-def shard_columns(linear: nn.Linear, group, degree: int, rank: int) -> None:
-    """Make `linear` column-parallel in place: its output features split `degree` ways."""
+class SharedInput:
+    """One `_ToTensorGroup` node for the column-parallel Linears of a layer that read the same tensor.
+
+    q/k/v (or gate/up) read one input: each would all-reduce its own part of the input
+    gradient; through one node autograd sums the parts first and one all-reduce moves them
+    (the all-reduce is linear). Weak references: the cache keeps no activation alive.
+    """
+
+    def __init__(self, group, degree: int) -> None:
+        self.group, self.degree = group, degree
+        self._x: weakref.ref | None = None
+        self._y: weakref.ref | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return _ToTensorGroup.apply(x, self.group, self.degree)
+        y = self._y() if self._x is not None and self._x() is x else None
+        if y is None:
+            y = _ToTensorGroup.apply(x, self.group, self.degree)
+            self._x, self._y = weakref.ref(x), weakref.ref(y)
+        return y
+
+
+def shard_columns(linear: nn.Linear, group, degree: int, rank: int, shared: SharedInput | None = None) -> None:
+    """Make `linear` column-parallel in place: its output features split `degree` ways
+    (`shared`: the node its layer's other column-parallel Linears use for the same input)."""
     _shard(linear, "weight", 0, group, degree, rank)
     if linear.bias is not None:
         _shard(linear, "bias", 0, group, degree, rank)
     linear.out_features //= degree
+    to_group = shared if shared is not None else SharedInput(group, degree)
 
-    def to_group(_module: nn.Module, args: tuple) -> tuple:
-        return (_ToTensorGroup.apply(args[0], group, degree),) + args[1:]
-    linear.register_forward_pre_hook(to_group)
+    def pre_hook(_module: nn.Module, args: tuple) -> tuple:
+        return (to_group(args[0]),) + args[1:]
+    linear.register_forward_pre_hook(pre_hook)
 
 
 def shard_rows(linear: nn.Linear, group, degree: int, rank: int) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from pipezero.comm import mark_replica, tensor_shard, whole_of_shard
-from pipezero.pipe.tensor_linear import shard_columns, shard_rows
+from pipezero.pipe.tensor_linear import SharedInput, shard_columns, shard_rows
 
 TensorPlan = Mapping[str, ParallelStyle]  # submodule path (relative to the layer) -> style
 # what PipelineModule(tensor_plan=) takes: {layer class: plan}, or a callable built layer -> plan or None
@@ -132,12 +132,13 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, plan: TensorPlan, dtensor:
     measure): Linears under the plain styles on local tensors, the rest through DTensor.
     `dtensor=True` sends every style to torch's parallelize_module (the old path, for comparison)."""
     group, degree, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    shared = SharedInput(group, degree)  # q/k/v reading one input: one all-reduce of its gradient
     rest = {}
     for path, style in plan.items():
         sub = module.get_submodule(path)
         split = None if dtensor else _local_split(sub, style)
         if split == "columns":
-            shard_columns(sub, group, degree, rank)
+            shard_columns(sub, group, degree, rank, shared)
         elif split == "rows":
             shard_rows(sub, group, degree, rank)
         else:

@@ -56,3 +56,26 @@ def test_bad_plans_are_clear_errors():
         check_tensor_plan(MLP(), PLAN, 3)
     with pytest.raises(ValueError, match="names 'gate'"):
         check_tensor_plan(MLP(), {"gate": ColwiseParallel()}, 2)
+
+
+def test_column_linears_reading_one_input_share_one_all_reduce():
+    """q/k/v reading the same tensor pass one _ToTensorGroup node (one all-reduce of the summed input
+    gradient, not three); a new input gets a new node. No process group: degree 1 moves nothing."""
+    from pipezero.pipe.tensor_linear import SharedInput, shard_columns
+
+    shared = SharedInput(None, 1)
+    q, k, v = (nn.Linear(8, 8) for _ in range(3))
+    for m in (q, k, v):
+        shard_columns(m, None, 1, 0, shared)
+
+    def nodes(out: torch.Tensor) -> int:
+        seen, todo = set(), [out.grad_fn]
+        while todo:
+            fn = todo.pop()
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                todo += [f for f, _ in fn.next_functions]
+        return sum(type(fn).__name__ == "_ToTensorGroupBackward" for fn in seen)
+    x = torch.randn(2, 8, requires_grad=True)
+    assert nodes(q(x) + k(x) + v(x)) == 1
+    assert nodes(q(x) + k(x.clone())) == 2
