@@ -8,7 +8,9 @@ see a plain Linear); two hooks put the communication around it:
 
 * column-parallel: the input passes `_ToTensorGroup` (identity forward, all-reduce of the
   input gradient backward: every rank's rows contribute to it); the output stays this rank's
-  slice of the features, as ColwiseParallel's local output;
+  slice of the features, as ColwiseParallel's local output; a layer's column-parallel Linears
+  that read the same tensor (q/k/v, gate/up) share one such node (`SharedInput`): one
+  all-reduce of their summed input gradient;
 * row-parallel: the input is already this rank's slice of the features; the output passes
   `_FromTensorGroup` (all-reduce forward, identity backward). The bias is whole on every rank
   and the Linear adds it on each, so the sum holds it `degree` times: the reduce takes the
