@@ -60,7 +60,7 @@ def _train(pipe: int, tensor: int, stage: int, schedule: str):
     opt = LossScaler(torch.optim.Adam(model.parameters(), lr=LR), dynamic=False, init_scale=1.0,
                      clip_grad_norm=CLIP)
     if stage is not None:   # else Adam and the clipping see the split parameters themselves
-        opt = ZeroOptimizer(opt, stage=stage, group=grid.data_group)
+        opt = ZeroOptimizer(opt, stage=stage, group=grid.data_group, module=model if stage == 3 else None)
     runner = PipelineRunner(model, sched, optimizer=opt)
     losses, share = [], BATCH // grid.data_size
     for step in range(STEPS):
@@ -95,6 +95,7 @@ def _check(results, tensor: int) -> None:
     (4, 2, 2, 1, "zbv"),    # pipe 2 x tensor 2, ZeRO-1 over a data group of one; the shards' weight GEMMs deferred to W
     (4, 1, 2, 0, "1f1b"),   # tensor 2 x data 2, ZeRO-0: the shards' .grad are views of the all-reduce buffer
     (8, 2, 2, 2, "1f1b"),   # pipe 2 x data 2 x tensor 2
+    (4, 1, 2, 3, "1f1b"),   # tensor 2 x data 2, ZeRO-3: each tensor rank's shards partitioned over data
 ])
 def test_3d_parity(world, pipe, tensor, stage, schedule):
     _check(run(_train, world, pipe, tensor, stage, schedule, timeout=120), tensor)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipezero.comm import all_gather, group_size, is_replica, mark_replica, nvtx_range, tensor_shard
+from pipezero.comm import all_gather, group_size, is_replica, mark_replica, nvtx_range
 from pipezero.chain import ChainWrapper, describe, innermost
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
@@ -53,11 +53,11 @@ class ZeroOptimizer(ChainWrapper):
             config = replace(config, stage=stage)
         self.config, self.stage, self.group = config, config.stage, group
         self._check_inner(inner, elementwise)
-        if self.stage == 3 and any(isinstance(p, DTensor) or tensor_shard(p) is not None
-                                   for g in inner.param_groups for p in g["params"]):
-            raise ValueError("ZeroOptimizer(stage=3) does not take tensor-parallel parameters; use "
-                             "stage 1 or 2 with a tensor degree > 1 (each tensor rank's slice is sharded over "
-                             "the data group)")
+        if self.stage == 3 and any(isinstance(p, DTensor) for g in inner.param_groups for p in g["params"]):
+            raise ValueError("ZeroOptimizer(stage=3) does not take tensor-parallel DTensor parameters (styles "
+                             "other than plain ColwiseParallel / RowwiseParallel on an nn.Linear, e.g. "
+                             "lora_tensor_plan's); use stage 1 or 2 with a tensor degree > 1 (each tensor rank's "
+                             "slice is sharded over the data group)")
         if self.stage == 3 and module is None:
             raise ValueError("ZeroOptimizer(stage=3) needs module=: the model whose submodules gather their "
                              "parameters before running (ZeroOptimizer(inner, stage=3, module=model))")
