@@ -21,7 +21,8 @@ layer's input and output gradient and computes the weight gradient later). Here:
 
 Everything else (LayerNorm, embeddings, tensor-parallel DTensor weights, autocast regions,
 frozen weights, a Linear whose input needs no gradient) keeps its gradient in the ordinary
-backward. Double backward is not supported.
+backward; pipe/tensor_linear.py's plain tensor-parallel shards do defer (their all-reduces sit
+in hooks around the Linear). Double backward is not supported.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ whole update is sliced where it is added; row-wise: A x is a partial sum reduced
 base's output), and a hook makes each adapter gradient whole before it accumulates (DTensor
 would leave it sharded or partial, and the optimizer reads the local tensor). The adapters are small, so keeping them
 whole costs little; what the split saves is the base.
+
+These wrapped styles are not the plain ColwiseParallel / RowwiseParallel that
+pipe/tensor_linear.py splits on local tensors, so an adapted Linear stays on DTensor (its
+per-operator dispatch cost included); the layer's other Linears are split on local tensors.
 """
 
 from __future__ import annotations

@@ -1,31 +1,36 @@
-"""Tensor parallelism for one stage's layers, through torch's DTensor.
+"""Tensor parallelism for one stage's layers: torch's plan vocabulary, plain local tensors where it can.
 
-pipezero does not re-implement column/row-parallel layers: a layer's plan is a dict of
-submodule paths to torch ParallelStyles (ColwiseParallel, RowwiseParallel, ...), applied
-with `parallelize_module` on the grid's "tensor" sub-mesh (Megatron-LM's split, Shoeybi et
-al. 2019). What this file adds is checking the plan before any collective (a dimension that
-does not divide by the tensor degree is a ValueError naming the layer and the numbers) and
-marking the parameters that stay replicated across the tensor group as duplicates, so the
-global gradient norm counts them once.
+A layer's plan is a dict of submodule paths to torch ParallelStyles (ColwiseParallel,
+RowwiseParallel, ...), applied over the grid's "tensor" sub-mesh (Megatron-LM's split,
+Shoeybi et al. 2019). An nn.Linear under a plain ColwiseParallel / ColwiseHeads /
+RowwiseParallel (default layouts) is split on plain local tensors with explicit collectives
+(pipe/tensor_linear.py): DTensor's per-operator dispatch cost ~8x on small blocks. Any other
+style or module (an Embedding, custom layouts, SequenceParallel, lora_tensor_plan's styles)
+goes to torch's `parallelize_module` and becomes DTensors, as before. This file also checks the
+plan before any collective (a dimension that does not divide by the tensor degree is a
+ValueError naming the layer and the numbers) and marks the parameters that stay replicated
+across the tensor group as duplicates, so the global gradient norm counts them once.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Mapping, Union
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from pipezero.comm import mark_replica
+from pipezero.comm import mark_replica, tensor_shard, whole_of_shard
+from pipezero.pipe.tensor_linear import SharedInput, shard_columns, shard_rows
 
 TensorPlan = Mapping[str, ParallelStyle]  # submodule path (relative to the layer) -> style
 # what PipelineModule(tensor_plan=) takes: {layer class: plan}, or a callable built layer -> plan or None
 PlanSource = Union[Mapping[type, TensorPlan], Callable[[nn.Module], "TensorPlan | None"]]
 
 __all__ = ["ColwiseHeads", "PlanSource", "TensorPlan", "apply_tensor_plan", "check_tensor_plan", "is_replicated",
-           "mark_tensor_duplicates", "plan_for"]
+           "mark_tensor_duplicates", "plan_for", "shard_module", "whole_tensor"]
 
 
 class ColwiseHeads(ColwiseParallel):
@@ -52,10 +57,23 @@ def plan_for(source: PlanSource | None, module: nn.Module) -> TensorPlan | None:
 
 
 def is_replicated(p) -> bool:
-    """Is `p` whole on every tensor rank (a plain tensor, or a DTensor placed Replicate everywhere)?"""
+    """Is `p` whole on every tensor rank (a plain unsharded tensor, or a DTensor placed Replicate everywhere)?"""
     if isinstance(p, DTensor):
         return all(isinstance(pl, Replicate) for pl in p.placements)
-    return True
+    return tensor_shard(p) is None
+
+
+def whole_tensor(p: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
+    """`value` (default: p itself; e.g. p.grad), laid out like p on this tensor rank, made whole.
+
+    A collective over the tensor group for a split parameter (a TensorShard or a sharded
+    DTensor), every tensor rank taking part; a whole parameter's value comes back as it is.
+    """
+    value = p if value is None else value
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    shard = tensor_shard(p)
+    return value if shard is None else whole_of_shard(shard, value)
 
 
 def mark_tensor_duplicates(module: nn.Module, tensor_rank: int) -> None:
@@ -104,6 +122,39 @@ def apply_tensor_plan(module: nn.Module, mesh: DeviceMesh, plan: TensorPlan, whe
     check_tensor_plan(module, plan, degree, where)
     if degree == 1 or not plan:
         return module
-    parallelize_module(module, mesh, dict(plan))
+    shard_module(module, mesh, plan)
     mark_tensor_duplicates(module, mesh.get_local_rank())  # replicated over the tensor group: counted once
     return module
+
+
+def shard_module(module: nn.Module, mesh: DeviceMesh, plan: TensorPlan, dtensor: bool = False) -> None:
+    """Split `module` by `plan` over `mesh` (unchecked; also on a one-rank mesh, as the benchmarks
+    measure): Linears under the plain styles on local tensors, the rest through DTensor.
+    `dtensor=True` sends every style to torch's parallelize_module (the old path, for comparison)."""
+    group, degree, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    shared = SharedInput(group, degree)  # q/k/v reading one input: one all-reduce of its gradient
+    rest = {}
+    for path, style in plan.items():
+        sub = module.get_submodule(path)
+        split = None if dtensor else _local_split(sub, style)
+        if split == "columns":
+            shard_columns(sub, group, degree, rank, shared)
+        elif split == "rows":
+            shard_rows(sub, group, degree, rank)
+        else:
+            rest[path] = style
+    if rest:
+        parallelize_module(module, mesh, rest)
+
+
+def _local_split(sub: nn.Module, style: ParallelStyle) -> str | None:
+    """"columns" / "rows" when `style` on `sub` is what tensor_linear.py does; None: DTensor's path."""
+    if type(sub) is not nn.Linear or type(style) not in (ColwiseParallel, ColwiseHeads, RowwiseParallel):
+        return None
+    # the layouts a default style has: column (Replicate in, local Shard(-1) out), row (the reverse)
+    column = isinstance(style, ColwiseParallel)
+    into, out = (Replicate(), Shard(-1)) if column else (Shard(-1), Replicate())
+    if (tuple(style.input_layouts) != (into,) or tuple(style.output_layouts) != (out,)
+            or not style.use_local_output):
+        return None
+    return "columns" if column else "rows"

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from harness import run
 from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
+from pipezero.pipe.tensor_parallel import whole_tensor
 from pipezero.topology import Grid
 from pipezero.train.data import IGNORE, MemoryCorpus, PackedBatches, pack, token_mean_loss
 from pipezero.train.checkpoint.state import single_process_names
@@ -109,8 +110,7 @@ def _train(schedule: str, stage: int, packing: bool, m: int, steps: range, state
         opt.step()
         opt.zero_grad()
     with opt.gathered_parameters() if stage == 3 else _nothing():
-        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                  for n, p in model.named_parameters()}
+        params = {n: whole_tensor(p).detach().clone() for n, p in model.named_parameters()}
     return losses, params, data.state_dict(), data.efficiency()
 
 

@@ -116,15 +116,17 @@ def _train_pipe(path: str, pipe: int, tensor: int, schedule: str, stage: int, ex
 
 
 def _check_sharded(model: PipelineModule, tensor: int) -> None:
-    """Every projection of the local decoder layers holds 1/tensor of its weight (torch's parallelize_module)."""
-    from torch.distributed.tensor import DTensor
+    """Every projection of the local decoder layers holds 1/tensor of its weight, a plain local tensor
+    marked with its shard (pipe/tensor_linear.py)."""
+    from pipezero.comm import tensor_shard
 
     for layer in model.modules():
         if isinstance(layer, HFDecoderLayer):
             for name, m in layer.named_modules():
                 if isinstance(m, torch.nn.Linear):
-                    w = m.weight
-                    assert isinstance(w, DTensor) and w.to_local().numel() * tensor == w.numel(), name
+                    w, shard = m.weight, tensor_shard(m.weight)
+                    assert type(w) is torch.nn.Parameter and shard is not None, name
+                    assert w.numel() * tensor == shard.full_shape.numel(), name
 
 
 def _count_decoder_forwards(model: PipelineModule) -> dict[int, int]:

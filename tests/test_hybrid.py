@@ -262,7 +262,7 @@ def _tensor_parallel_generate():
     _sharpen(module)
     idx, mask = _prompts()
     qkv = module.layers["1"].qkv.weight
-    local_rows = qkv.to_local().shape[0]
+    local_rows = qkv.shape[0]  # a plain local shard (pipe/tensor_linear.py)
     return generate(gpt_stage_layers(module), idx, NEW, temperature=0, attention_mask=mask), local_rows
 
 

@@ -5,7 +5,7 @@ Each grid builds the same layers through PipelineModule with gpt_tensor_plan() (
 qkv/fc column-wise, proj/out row-wise over the tensor axis), wraps Adam in a LossScaler (with
 clipping, so the global grad norm must count every tensor shard once and every replicated
 weight once) and a ZeroOptimizer over the data axis, and must give the same loss every step
-and the same final parameters (DTensors compared whole, through full_tensor()).
+and the same final parameters (split ones compared whole, through whole_tensor()).
 """
 
 import functools
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from harness import run
-from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
+from pipezero.pipe.tensor_parallel import is_replicated, whole_tensor
 from pipezero.precision import LossScaler
 from pipezero.topology import Grid
 from pipezero.train.checkpoint.state import single_process_names
@@ -52,14 +52,16 @@ def _truth() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: t.clone() for n, t in model.state_dict().items()}  # the tied weight under both names
 
 
-def _train(pipe: int, tensor: int, stage: int):
+def _train(pipe: int, tensor: int, stage: int, schedule: str):
     grid = Grid(pipe=pipe, tensor=tensor)
-    model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss, tensor_plan=gpt_tensor_plan())
+    sched = make_schedule(schedule, 2 if schedule == "1f1b" else 4)
+    model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss, tensor_plan=gpt_tensor_plan(),
+                           num_chunks=sched.num_chunks, placement=sched.placement)
     opt = LossScaler(torch.optim.Adam(model.parameters(), lr=LR), dynamic=False, init_scale=1.0,
                      clip_grad_norm=CLIP)
-    if stage is not None:   # else Adam and the clipping see the DTensor parameters themselves
-        opt = ZeroOptimizer(opt, stage=stage, group=grid.data_group)
-    runner = PipelineRunner(model, OneFOneB(num_microbatches=2), optimizer=opt)
+    if stage is not None:   # else Adam and the clipping see the split parameters themselves
+        opt = ZeroOptimizer(opt, stage=stage, group=grid.data_group, module=model if stage == 3 else None)
+    runner = PipelineRunner(model, sched, optimizer=opt)
     losses, share = [], BATCH // grid.data_size
     for step in range(STEPS):
         ids, targets = _batch(step)
@@ -67,9 +69,8 @@ def _train(pipe: int, tensor: int, stage: int):
         losses.append(runner.train_step(ids[mine], targets[mine]).item())
         assert opt.step() is True
         opt.zero_grad()
-    sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for n, p in model.named_parameters()}
+    sharded = sorted(n for n, p in model.named_parameters() if not is_replicated(p))
+    params = {n: whole_tensor(p).detach().clone() for n, p in model.named_parameters()}
     return losses, params, sharded
 
 
@@ -88,15 +89,16 @@ def _check(results, tensor: int) -> None:
     assert seen == set(params), set(params) - seen
 
 
-@pytest.mark.parametrize("world, pipe, tensor, stage", [
-    (2, 1, 2, None),  # tensor 2, no ZeRO: the clip norm over DTensor grads' local shards
-    (4, 1, 2, 2),   # tensor 2 x data 2, ZeRO-2
-    (4, 2, 2, 1),   # pipe 2 x tensor 2, ZeRO-1 over a data group of one
-    (4, 1, 2, 0),   # tensor 2 x data 2, ZeRO-0: DTensor .grad are views of the all-reduce buffer
-    (8, 2, 2, 2),   # pipe 2 x data 2 x tensor 2
+@pytest.mark.parametrize("world, pipe, tensor, stage, schedule", [
+    (2, 1, 2, None, "1f1b"),  # tensor 2, no ZeRO: the clip norm over the grads' local shards
+    (4, 1, 2, 2, "1f1b"),   # tensor 2 x data 2, ZeRO-2
+    (4, 2, 2, 1, "zbv"),    # pipe 2 x tensor 2, ZeRO-1 over a data group of one; the shards' weight GEMMs deferred to W
+    (4, 1, 2, 0, "1f1b"),   # tensor 2 x data 2, ZeRO-0: the shards' .grad are views of the all-reduce buffer
+    (8, 2, 2, 2, "1f1b"),   # pipe 2 x data 2 x tensor 2
+    (4, 1, 2, 3, "1f1b"),   # tensor 2 x data 2, ZeRO-3: each tensor rank's shards partitioned over data
 ])
-def test_3d_parity(world, pipe, tensor, stage):
-    _check(run(_train, world, pipe, tensor, stage, timeout=120), tensor)
+def test_3d_parity(world, pipe, tensor, stage, schedule):
+    _check(run(_train, world, pipe, tensor, stage, schedule, timeout=120), tensor)
 
 
 def _bad_plans(tensor: int) -> list[str]:
@@ -143,8 +145,7 @@ def _step(parts, step: int) -> float:
 
 
 def _whole_params(parts) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in parts.module.named_parameters()}
+    return {n: whole_tensor(p).detach().clone() for n, p in parts.module.named_parameters()}
 
 
 def _save_then_reload(directory: str):

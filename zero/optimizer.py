@@ -59,9 +59,10 @@ class ZeroOptimizer(ChainWrapper):
         self.config, self.stage, self.group = config, config.stage, group
         self._check_inner(inner, elementwise)
         if self.stage == 3 and any(isinstance(p, DTensor) for g in inner.param_groups for p in g["params"]):
-            raise ValueError("ZeroOptimizer(stage=3) does not take tensor-parallel (DTensor) parameters; use "
-                             "stage 1 or 2 with a tensor degree > 1 (each tensor rank's slice is sharded over "
-                             "the data group)")
+            raise ValueError("ZeroOptimizer(stage=3) does not take tensor-parallel DTensor parameters (styles "
+                             "other than plain ColwiseParallel / RowwiseParallel on an nn.Linear, e.g. "
+                             "lora_tensor_plan's); use stage 1 or 2 with a tensor degree > 1 (each tensor rank's "
+                             "slice is sharded over the data group)")
         if self.stage == 3 and module is None:
             raise ValueError("ZeroOptimizer(stage=3) needs module=: the model whose submodules gather their "
                              "parameters before running (ZeroOptimizer(inner, stage=3, module=model))")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from pipezero.comm import all_gather
+from pipezero.comm import all_gather, tensor_shard
 from pipezero.chain import innermost
 from pipezero.zero.partition import Bucket
 
@@ -155,10 +155,16 @@ def full_parameters(opt: "ZeroOptimizer") -> list[tuple[torch.Tensor, torch.Tens
 def full_shapes(opt: "ZeroOptimizer") -> dict[int, torch.Size]:
     """id(parameter) -> its whole shape, also while stage 3 has released it (an empty tensor then).
 
-    A tensor-parallel parameter (a DTensor, never released) keeps its global shape.
+    A tensor-parallel parameter has the shape of the whole tensor it is part of (a DTensor's
+    global shape, a comm.TensorShard's full shape).
     """
-    return {id(p): p.shape if isinstance(p, DTensor) else shape
+    return {id(p): p.shape if isinstance(p, DTensor) else _whole_shape(p, shape)
             for b in opt.buckets for p, shape in zip(b.params, b.shapes)}
+
+
+def _whole_shape(p: torch.Tensor, shape: torch.Size) -> torch.Size:
+    shard = tensor_shard(p)
+    return shape if shard is None else shard.full_shape
 
 
 def load_full_parameters(opt: "ZeroOptimizer", value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:

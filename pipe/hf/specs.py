@@ -448,16 +448,18 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters (and persistent buffers) under their Hugging Face names, whole.
 
-    A collective over the tensor group when tensor-parallel (DTensor shards gathered); a
-    tied weight appears only on its first owner (the copies are marked with comm.mark_replica).
+    A collective over the tensor group when tensor-parallel (the split weights gathered); a
+    tied weight or a tensor-replicated one appears only on its first owner (the copies are
+    marked with comm.mark_replica).
     """
+    from pipezero.pipe.tensor_parallel import is_replicated, whole_tensor
+
     out = {}
     for layer in module.modules():
         if isinstance(layer, _HFLayer):
             for name, p in layer.hf_parameters():
-                whole = p.full_tensor() if hasattr(p, "full_tensor") else p
-                if not (is_replica(p) and not hasattr(p, "full_tensor")):
-                    out[name] = whole.detach()
+                if not is_replicated(p) or not is_replica(p):  # split: every tensor rank takes part
+                    out[name] = whole_tensor(p).detach()
             out.update((name, t.detach()) for name, t in layer.hf_buffers())
     return out
 

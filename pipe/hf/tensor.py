@@ -1,6 +1,6 @@
 """hf_tensor_plan: Megatron-LM's tensor-parallel split of a Hugging Face decoder layer.
 
-Split from pipe/hf.py, which re-exports it (so it imports the layer class when called).
+Split from pipe/hf/specs.py, which re-exports it (so it imports the layer class when called).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from pipezero.pipe.hf import HFDecoderLayer  # here: pipe/hf.py re-exports this module's function
+    from pipezero.pipe.hf import HFDecoderLayer  # here: pipe/hf/specs.py re-exports this module's function
 
     def plan(layer: nn.Module) -> TensorPlan | None:
         if not isinstance(layer, HFDecoderLayer):

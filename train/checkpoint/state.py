@@ -44,7 +44,7 @@ from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_
 from pipezero.train.checkpoint.flatten import flatten_state, unflatten_state
 from pipezero.train.config.batch import BatchConfig
 from pipezero.train.checkpoint.state_parts import ByNameState, StateParts
-from pipezero.train.checkpoint.tensor_state import local_slice, whole
+from pipezero.train.checkpoint.tensor_state import local_slice, whole, whole_shape
 
 __all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_state", "saved_batch",
            "single_process_names"]
@@ -210,7 +210,7 @@ def load_state(parts: StateParts, directory: str | os.PathLike, step: int | None
             return True
         return "/" in key and key.split("/")[1] in local
     shapes = parts.optimizer.full_shapes()  # stage 3's released parameters are empty tensors
-    expected = {_MODEL + n: shapes.get(id(p), p.shape) for n, p in parts.module.named_parameters()}
+    expected = {_MODEL + n: shapes.get(id(p), whole_shape(p)) for n, p in parts.module.named_parameters()}
     try:  # the chain's state (loss scale...) is the same on every rank; its links validate it first
         meta = checkpoint_meta(directory, step)
         _check_model_config(directory, meta.get("model_config"), model_config)

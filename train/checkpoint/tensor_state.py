@@ -2,10 +2,11 @@
 
 A checkpoint stores every parameter (and its optimizer state) whole, under the name it has
 in the single-process model, so a tensor degree is just another grid axis to reshard
-across: saving gathers each DTensor's local shards over its tensor group (every tensor rank
-takes part, one rank writes), loading cuts this rank's slice out of the whole tensor by the
-parameter's placements, with no communication. Simplest correct layout first; a per-shard
-layout would save the gather at large scale.
+across: saving gathers each split parameter's local parts over its tensor group (every
+tensor rank takes part, one rank writes), loading cuts this rank's slice out of the whole
+tensor with no communication. A split parameter is a plain tensor marked with a
+comm.TensorShard (pipe/tensor_linear.py's Linears) or a DTensor (the styles torch applies).
+Simplest correct layout first; a per-shard layout would save the gather at large scale.
 """
 
 from __future__ import annotations
@@ -13,11 +14,24 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["whole", "local_slice"]
+from pipezero.comm import slice_of_whole, tensor_shard, whole_of_shard
+
+__all__ = ["whole", "local_slice", "whole_shape"]
+
+
+def whole_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the whole tensor `param` is part of (its own shape when it is not split)."""
+    shard = tensor_shard(param)
+    return shard.full_shape if shard is not None else param.shape
 
 
 def whole(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` (shaped like param's local shard) made whole over param's mesh; collective for a DTensor."""
+    """`local` (shaped like param's local part) made whole over param's tensor group; collective when split."""
+    shard = tensor_shard(param)
+    if shard is not None:
+        if local.shape != shard.shape or shard.degree == 1:  # a scalar (Adam's step)
+            return local
+        return whole_of_shard(shard, local)
     if not isinstance(param, DTensor):
         return local
     shard_shape = param.to_local().shape
@@ -29,7 +43,10 @@ def whole(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of a whole tensor shaped like `param` (the tensor itself when it is plain)."""
+    """This rank's slice of a whole tensor shaped like `param`'s whole (the tensor itself when it is plain)."""
+    shard = tensor_shard(param)
+    if shard is not None:
+        return slice_of_whole(shard, full) if full.shape == shard.full_shape else full
     if not isinstance(param, DTensor) or full.shape != param.shape:
         return full
     coords = param.device_mesh.get_coordinate()

@@ -230,11 +230,14 @@ def _generate_cached(layers, idx, valid, new_tokens: int, blocks: int, pick: Cal
 
 
 def _weights(layers) -> list[int] | None:
-    """Addresses of every parameter, or None if one is not whole and local (a ZeRO-3 shard, a DTensor)."""
+    """Addresses of every parameter, or None if one is not whole and local (a ZeRO-3 shard, a
+    tensor-parallel one: its layer's all-reduces stay out of a captured graph)."""
     from torch.distributed.tensor import DTensor
 
+    from pipezero.comm import tensor_shard
+
     params = [p for m in layers if isinstance(m, nn.Module) for p in m.parameters()]
-    if any(isinstance(p, DTensor) or p.numel() == 0 for p in params):
+    if any(isinstance(p, DTensor) or tensor_shard(p) is not None or p.numel() == 0 for p in params):
         return None
     return [p.data_ptr() for p in params]
 
@@ -266,7 +269,7 @@ def _captured(step: Callable[[], torch.Tensor], layers, device: torch.device,
                 raise ValueError("generate(cuda_graph=True): the weights must stay put for the whole call (a "
                                  "graph replays fixed addresses), but some are ZeRO-3 shards gathered per "
                                  "layer (use one `with gathered(opt)` without layers_at_a_time) or tensor-"
-                                 "parallel DTensors; pass cuda_graph=None or False")
+                                 "parallel shards; pass cuda_graph=None or False")
             return None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):

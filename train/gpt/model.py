@@ -305,6 +305,7 @@ def gpt_from_pipeline(module: nn.Module, cfg: GPTConfig) -> "GPT":
     """
     import torch.distributed as dist
     from pipezero.pipe.schedule.placement import owner
+    from pipezero.pipe.tensor_parallel import whole_tensor
 
     grid = module.grid
     if module.bounds[-1] != len(gpt_layers(cfg)):
@@ -321,8 +322,7 @@ def gpt_from_pipeline(module: nn.Module, cfg: GPTConfig) -> "GPT":
         prefix = f"tied.{TIED_KEY}." if index == 0 else f"layers.{index}."
         for name, p in layer.named_parameters():
             if src == grid.rank:
-                mine = local[prefix + name].detach()
-                p.data.copy_(mine.full_tensor() if hasattr(mine, "full_tensor") else mine)  # TP: whole
+                p.data.copy_(whole_tensor(local[prefix + name]).detach())  # TP: whole, a collective
             if module.num_stages > 1:
                 dist.broadcast(p.data, src=src, group=grid.pipe_group)
     full.layers[-1].weight = full.layers[0].weight

@@ -89,7 +89,8 @@ class LayerProfile:
     split_seconds: float | None = None      # per token, forward + backward split into I and W as zero-bubble
                                             # schedules run it; None: `seconds`
     tensor_overhead: float = 0.0            # seconds per micro-batch (not per token) that tensor parallelism's
-                                            # DTensor dispatch adds to the layer's forward + backward
+                                            # hooks, autograd nodes and collective calls add to the layer's
+                                            # forward + backward
 
     def act_bytes(self, precision: str, tensor: int = 1) -> float:
         """Saved bytes per token on one tensor rank."""
@@ -197,12 +198,12 @@ def _split(block):
 
 
 def _tensor_overhead_ms(cfg, dtype, hidden, repeats: int, rounds: int) -> float:
-    """Milliseconds DTensor adds to one block's forward + backward: the block split by its tensor
-    plan over a one-rank mesh (every operator dispatched as under tensor parallelism, each
-    collective over one rank) less the same block whole. On a GPU at small micro-batches this
-    host work, not the kernels, sets a tensor-parallel step's pace (bench/RESULTS.md, plan on 2 x
-    H200). Measured only when this process has no process group of its own (0 otherwise: a
-    one-rank group cannot be made without the other ranks)."""
+    """Milliseconds the split adds to one block's forward + backward: the block split by its tensor
+    plan over a one-rank mesh as PipelineModule splits it (pipe/tensor_linear.py's local tensors;
+    each collective over one rank) less the same block whole. Under DTensor this host work, not
+    the kernels, set a tensor-parallel step's pace on GPUs (bench/RESULTS.md, plan on 2 x H200).
+    Measured only when this process has no process group of its own (0 otherwise: a one-rank
+    group cannot be made without the other ranks)."""
     import torch
     import torch.distributed as dist
 
@@ -212,7 +213,8 @@ def _tensor_overhead_ms(cfg, dtype, hidden, repeats: int, rounds: int) -> float:
         return 0.0
     from pipezero.train.gpt.model import gpt_specs, gpt_tensor_plan
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import parallelize_module
+
+    from pipezero.pipe.tensor_parallel import shard_module
 
     device = hidden.device
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
@@ -220,7 +222,7 @@ def _tensor_overhead_ms(cfg, dtype, hidden, repeats: int, rounds: int) -> float:
     try:
         with torch.device(device):
             whole, split = (gpt_specs(cfg)[1].build().to(dtype) for _ in range(2))
-        parallelize_module(split, DeviceMesh(device.type, [0]), dict(gpt_tensor_plan()(split)))
+        shard_module(split, DeviceMesh(device.type, [0]), gpt_tensor_plan()(split))
         times = [(measure_layer_costs([whole], hidden, repeats=repeats)[0],  # apart: one call would reuse
                   measure_layer_costs([split], hidden, repeats=repeats)[0]) for _ in range(rounds)]  # a Block's time
         plain, sharded = (min(t) for t in zip(*times))

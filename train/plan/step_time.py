@@ -11,9 +11,9 @@
   timed a checkpointed block to add (on a GPU at small micro-batches the recompute's launches
   and torch.utils.checkpoint's own work cost more than the forward's kernels);
 * tensor parallel: Megatron's two all-reduces of the block's output in forward and two in
-  backward, ring time 2(t-1)/t x bytes / bandwidth, not overlapped; plus what DTensor's
-  dispatch adds to a block per micro-batch (measure_profile), which is host time that does not
-  shrink with the micro-batch or the tensor degree;
+  backward, ring time 2(t-1)/t x bytes / bandwidth, not overlapped; plus what the split's hooks
+  and collective calls add to a block per micro-batch (measure_profile), which is host time that
+  does not shrink with the micro-batch or the tensor degree;
 * p2p: one activation (tokens x d_model) per hop, latency + bytes / bandwidth of the link
   between neighbouring stages (inter-node when a stage's tensor x data ranks fill a node);
 * pipe/schedule/simulate.py runs the schedule with those per-(rank, chunk) costs: makespan, bubble,
@@ -110,7 +110,7 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
     if schedule_entry(layout.schedule).cls.split_backward:  # I + W as the runner's own split measured
         backward = seconds(lambda p: p.seconds if p.split_seconds is None else p.split_seconds) - sec / 3
     launches = len(layers) * hw.layer_overhead_us * 1e-6
-    if t > 1:  # DTensor's dispatch, per layer and micro-batch whatever its size, a third per action
+    if t > 1:  # the split's host work, per layer and micro-batch whatever its size, a third per action
         launches += sum(profile[i].tensor_overhead for i in layers if not profile[i].tied) * hw.compute_slowdown / 3
     blocks = sum(1 for i in layers if not profile[i].tied and profile[i].flops > 0)
     bw, lat = hw.link(t)
