@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -333,9 +334,34 @@ def test_measured_profile_times_the_split_backward():
     from pipezero.train.plan.model import measure_profile
 
     profile = measure_profile(ModelShape(layers=2, d_model=32, heads=2, seq_len=16, vocab=64), microbatch=1, rounds=1)
-    # the local-tensor split costs a few hooks: measured, it may round to 0 on a busy machine
+    # the local-tensor split costs a few hooks: measured, it may round to 0 on a busy machine (below)
     assert all(p.split_seconds > 0 and p.tensor_overhead >= 0 for p in profile if p.kind == "Block")
     assert all(p.split_seconds is None and p.tensor_overhead == 0 for p in profile if p.kind != "Block")
+
+
+def test_tensor_overhead_is_the_split_block_as_the_pipeline_runs_it_less_the_whole(monkeypatch):
+    """The planner's tensor cost: the Block split over a one-rank mesh into local-tensor shards (what
+    PipelineModule runs, not DTensor) timed against the same Block whole, per round the fastest."""
+    from pipezero import pipe
+    from pipezero.comm.tensor_shard import tensor_shard
+    from pipezero.train.plan.model import measure_profile
+
+    seen, fake_ms = [], iter([2.0, 5.0, 1.0, 4.5] * 2)  # whole, split per round: min 1.0 and 4.5
+
+    def timed(layers, hidden, repeats):
+        block = layers[0]
+        shards = [tensor_shard(m.weight) for m in block.modules() if isinstance(m, torch.nn.Linear)]
+        seen.append((any(isinstance(p, DTensor) for p in block.parameters()), sum(s is not None for s in shards)))
+        return [next(fake_ms)]
+
+    monkeypatch.setattr(pipe, "measure_layer_costs", timed)
+    from pipezero.train.plan import model as plan_model
+
+    ms = plan_model._tensor_overhead_ms(GPTConfig(n_layer=1, n_head=2, d_model=32, seq_len=16, vocab_size=64),
+                                        torch.float32, torch.randn(1, 16, 32), repeats=1, rounds=2)
+    assert ms == 3.5, ms
+    whole, split = seen[0], seen[1]
+    assert whole == (False, 0) and split[0] is False and split[1] >= 2, seen  # plain tensors, marked shards
 
 
 def test_tensor_parallel_layouts_pay_dtensor_dispatch_per_block_and_microbatch():
