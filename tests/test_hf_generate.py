@@ -5,6 +5,7 @@ a stop token that ends one row early): pipe 1 x data 2 under ZeRO-3 inside `gath
 then with ZeRO-2's whole weights, and with the stage-3 hooks alone), and a pipeline of 2
 stages (each stage its own layers and KV cache, prompts in 2 microbatches), for Llama
 (untied), Qwen2 (tied embedding and head on different stages) and GPT-2 (learned positions).
+With LoRA adapters (peft's, loaded into lora_specs) the pipeline gives peft's generate.
 Each runs the static-cache decode step (pipe/hf/static_cache.py, the default) and transformers'
 DynamicCache; sampled tokens equal transformers' sampled generate from the same global seed,
 and after a training step the gathered phase generates the new weights' tokens.
@@ -300,3 +301,46 @@ def test_cuda_graph_decode_equals_transformers_and_follows_new_weights():
         opt.step()
         opt.zero_grad()
     assert not torch.equal(tokens[0], tokens[1]), "the training step changed no token: the test shows nothing"
+
+
+# -- LoRA adapters applied: the policy RL trains is usually base + adapters ---------------------------
+_LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+@functools.cache
+def _lora_truth(root: str) -> tuple[str, str, torch.Tensor, torch.Tensor]:
+    """The base checkpoint and a peft adapter directory; peft's greedy tokens and the base's."""
+    peft = pytest.importorskip("peft")
+    base_tokens = _greedy(_model("llama"), _prompts())
+    base = _model("llama")
+    base.save_pretrained(f"{root}/lora-base")
+    model = peft.get_peft_model(base, peft.LoraConfig(**_LORA))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(7))
+    model.save_pretrained(f"{root}/lora-adapter")
+    return f"{root}/lora-base", f"{root}/lora-adapter", _greedy(model.eval(), _prompts()), base_tokens
+
+
+def _pipe2_lora(base: str, adapter: str):
+    from pipezero.pipe.lora import LoraConfig, lora_specs
+    from pipezero.train.checkpoint.lora_export import load_peft_adapter
+
+    module = PipelineModule(lora_specs(hf_layer_specs(base), LoraConfig(**_LORA)), grid=Grid(pipe=2),
+                            loss_fn=causal_lm_loss, partition_method="uniform")
+    loaded = load_peft_adapter(module, adapter)
+    ids, mask = _prompts()
+    return loaded, [hf_generate(module, ids, NEW, mask, pad_token_id=PAD, microbatches=2, static_cache=static)
+                    for static in STATIC]
+
+
+def test_pipe2_with_lora_adapters_equals_peft_generate(tmp_path_factory):
+    base, adapter, want, base_tokens = _lora_truth(str(tmp_path_factory.getbasetemp()))
+    assert not torch.equal(want, base_tokens), "the adapters change no token: the test would pass without them"
+    results = run(_pipe2_lora, 2, base, adapter, timeout=300)
+    loaded = [name for names, _ in results for name in names]
+    assert len(loaded) == len(set(loaded)) == 2 * 3 * 2, loaded  # 2 layers x 3 targets x (A, B), once each
+    for rank, (_, outs) in enumerate(results):
+        for static, out in zip(STATIC, outs, strict=True):
+            assert torch.equal(out, want), (rank, static, out, want)
