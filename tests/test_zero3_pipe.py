@@ -39,8 +39,10 @@ def train_zero(stage: int, name: str, m: int, reshard: bool, every_microbatch: b
             assert all(p.numel() == 0 for p in model.parameters()), [p.shape for p in model.parameters()]
         opt.step()
         opt.zero_grad()
-    with opt.gathered_parameters():
-        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    with opt.gathered_parameters():  # an evaluation inside must leave the parameters whole
+        ids, targets = batch(STEPS, SIZE, SEQS[0])
+        evaluated = runner.eval_step(ids[mine], targets[mine]).item()
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, evaluated
 
 
 def both_stages(name: str, m: int, reshard: bool, every_microbatch: bool = False):
@@ -57,10 +59,10 @@ def both_stages(name: str, m: int, reshard: bool, every_microbatch: bool = False
 ])
 def test_stage3_pipeline_equals_one_process_and_stage2(name, m, reshard, every_microbatch):
     results = run(both_stages, 4, name, m, reshard, every_microbatch, timeout=300)
-    stage3 = [r[0] for r in results]
+    stage3 = [r[0][:2] for r in results]
     assert_parity(stage3, BLOCKS, STEPS, SIZE, LR, "adam", SEQS)
-    for (losses3, params3), (losses2, params2) in results:
-        torch.testing.assert_close(torch.tensor(losses3), torch.tensor(losses2), rtol=1e-6, atol=1e-6)
+    for (losses3, params3, eval3), (losses2, params2, eval2) in results:
+        torch.testing.assert_close(torch.tensor(losses3 + [eval3]), torch.tensor(losses2 + [eval2]), rtol=1e-6, atol=1e-6)
         for n, value in params3.items():
             torch.testing.assert_close(value, params2[n], rtol=1e-6, atol=1e-6, msg=n)
 

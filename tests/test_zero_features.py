@@ -359,3 +359,22 @@ def test_uninitialised_padding_never_reaches_the_gradients(stage):
     results = run(_poisoned_empty, 2, stage)
     assert [stepped for stepped, _ in results] == [[True] * 3] * 2
     _assert_params([params for _, params in results], want, f"stage {stage}")
+
+
+def _forward_inside_gathered():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3, module=model,
+                        config=ZeroConfig(stage=3, stage3_param_persistence_threshold=0))
+    with opt.gathered_parameters():
+        model(torch.randn(2, 8))  # the stage-3 hooks used to free each layer after its forward
+        inside = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return whole, inside, [p.numel() for p in model.parameters()]
+
+
+def test_a_forward_inside_gathered_parameters_leaves_them_whole():
+    for whole, inside, after in run(_forward_inside_gathered, 2):
+        for name, value in whole.items():
+            torch.testing.assert_close(inside[name], value, rtol=0, atol=0, msg=name)
+        assert sum(after) < sum(v.numel() for v in whole.values()), after  # partitioned again after the block

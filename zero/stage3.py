@@ -64,10 +64,13 @@ class ParamGatherer:
         self._driven = False
         self._upload = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
         self._full: dict[Bucket, torch.Tensor] = {}   # see _full_buffer
+        self._whole = 0  # open gathered_parameters() / paused() blocks: nothing is gathered or freed inside
 
     # -- gather / release ------------------------------------------------------------
     def _launch(self, buckets: list[Bucket]) -> None:
         """Start the all-gathers of the buckets that are neither whole nor on their way."""
+        if self._whole:
+            return
         for b in buckets:
             if b.flat is None:
                 b.flat = self._full_buffer(b)
@@ -121,6 +124,8 @@ class ParamGatherer:
                 b.attach()
 
     def release(self, b: Bucket) -> None:
+        if self._whole:  # a forward or a runner's step inside gathered_parameters() / paused() frees nothing
+            return
         handle = self._pending.pop(b, None)
         if handle is not None:
             handle.wait()
@@ -148,9 +153,11 @@ class ParamGatherer:
     def gathered(self) -> Iterator[None]:
         """Every parameter whole inside the block (to read or save them); partitioned again after."""
         self.gather(self.partitioned)
+        self._whole += 1
         try:
             yield
         finally:
+            self._whole -= 1
             self.release_all()
 
     @contextmanager
@@ -158,9 +165,11 @@ class ParamGatherer:
         """The hooks gather nothing inside the block (someone else holds the weights whole);
         yields the units (module, its partitioned buckets) in registration order."""
         needs, self._needs = self._needs, {m: [] for m in self._needs}
+        self._whole += 1
         try:
             yield list(needs.items())
         finally:
+            self._whole -= 1
             self._needs = needs
 
     # -- driven by a caller (the pipeline runner) -------------------------------------------
