@@ -172,7 +172,8 @@ class PipelineModule(nn.Module):
                 self.tied[layer.key] = self._seeded_build(layer, first, tied=True)
             module = self.tied[layer.key]
             fn = layer.forward_fn
-            self._calls[index] = (lambda x, m=module, f=fn: f(m, x)) if fn is not None else module
+            self._calls[index] = (lambda x, m=module, f=fn, k=layer.key: _tied_call(m, f, k, x)) \
+                if fn is not None else module
         elif isinstance(layer, LayerSpec):
             self.layers[str(index)] = self._seeded_build(layer, index)
             self._calls[index] = self.layers[str(index)]
@@ -310,3 +311,14 @@ def _check_args(layers: Sequence[Any], num_chunks: int, interval: int, placement
         raise ValueError(f"activation_checkpoint_interval={interval!r}: expected 0 (off) or a positive integer")
     if not isinstance(deferred_linear, bool):
         raise TypeError(f"PipelineModule(deferred_linear={deferred_linear!r}): expected True or False")
+
+
+def _tied_call(module: nn.Module, fn: Callable, key: str, x: Any) -> Any:
+    """A tied layer's second use: `fn(module, x)` runs no module hooks, so a ZeRO-3 weight that the
+    first use's hooks freed again arrives empty; name that instead of a matmul's size mismatch."""
+    if any(p.numel() == 0 for p in module.parameters()):
+        raise RuntimeError(f"tied layer {key!r}: its weights are partitioned (ZeRO-3) and a tied forward_fn "
+                           "runs no stage-3 hook; run the model through PipelineRunner (train_step / eval_step), "
+                           "or inside opt.gathered_parameters()")
+    return fn(module, x)
+

@@ -378,3 +378,28 @@ def test_a_forward_inside_gathered_parameters_leaves_them_whole():
         for name, value in whole.items():
             torch.testing.assert_close(inside[name], value, rtol=0, atol=0, msg=name)
         assert sum(after) < sum(v.numel() for v in whole.values()), after  # partitioned again after the block
+
+
+def _tied_gpt_outside_the_runner():
+    from pipezero.pipe import PipelineModule
+    from pipezero.train.gpt.model import GPTConfig, gpt_loss, gpt_specs
+
+    grid = Grid(pipe=1)
+    model = PipelineModule(gpt_specs(GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16)), grid=grid,
+                           loss_fn=gpt_loss)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    want = model(x).detach()
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters()), group=grid.data_group, module=model,
+                        config=ZeroConfig(stage=3, stage3_param_persistence_threshold=0))
+    with pytest.raises(Exception, match=r"tied layer .*partitioned \(ZeRO-3\).*gathered_parameters"):
+        model(x)
+    with opt.gathered_parameters():
+        inside = model(x).detach()
+    return want, inside
+
+
+def test_a_tied_head_outside_the_runner_is_named_and_runs_inside_gathered_parameters():
+    """The GPT's head reuses the embedding's weight through a forward_fn, which runs no stage-3
+    hook: outside the runner it used to fail with a matmul's size mismatch against an empty weight."""
+    for want, inside in run(_tied_gpt_outside_the_runner, 2):
+        torch.testing.assert_close(inside, want, rtol=0, atol=0)
