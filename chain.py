@@ -113,10 +113,14 @@ class ChainWrapper(torch.optim.Optimizer):
 
     `outermost = True` (ZeroOptimizer) says a link must be the outermost of its chain: it
     reduces the gradients and hands them to the links inside it, so no link may read them
-    before it; wrapping it raises TypeError (`check_not_outermost`).
+    before it; wrapping it raises TypeError (`check_not_outermost`). `holds_copies = True`
+    (MasterWeights) says the param_groups hold copies of the model's parameters.
     """
 
     outermost: ClassVar[bool] = False
+    # True for a link whose param_groups hold copies of the model's parameters (MasterWeights'
+    # fp32 masters): a link outside it that reduces gradients would find none on those copies
+    holds_copies: ClassVar[bool] = False
 
     def __init__(self, inner: Any):
         check_inner(inner, type(self).__name__)

@@ -29,6 +29,8 @@ class MasterWeights(ChainWrapper):
     copies the masters back into the model.
     """
 
+    holds_copies = True  # param_groups hold the masters, not the model's parameters
+
     def __init__(self, inner: Any, master_dtype: torch.dtype = torch.float32):
         super().__init__(inner)
         if not isinstance(master_dtype, torch.dtype) or not master_dtype.is_floating_point:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipezero.comm import all_gather, group_size, is_replica, mark_replica, nvtx_range
-from pipezero.chain import ChainWrapper, describe, innermost
+from pipezero.chain import ChainWrapper, describe, innermost, links
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_strategies import make_grad_sync
@@ -89,6 +89,12 @@ class ZeroOptimizer(ChainWrapper):
         if not hasattr(inner, "param_groups") or not hasattr(inner, "step"):
             raise TypeError(f"ZeroOptimizer wraps an optimizer (or a chain ending in one); got "
                             f"{type(inner).__name__}")
+        copying = next((link for link in links(inner) if link.holds_copies), None)
+        if copying is not None:
+            raise TypeError(f"ZeroOptimizer({describe(inner)}): {type(copying).__name__}'s param_groups hold copies "
+                            "of the model's parameters, so ZeroOptimizer would reduce no gradient (each rank "
+                            "would step on its own); ZeroOptimizer keeps fp32 masters of its shards itself: drop "
+                            f"{type(copying).__name__}, e.g. ZeroOptimizer(LossScaler(torch.optim.Adam(...)), stage=...)")
         core = innermost(inner)
         if not elementwise and not isinstance(core, ELEMENTWISE_OPTIMIZERS):
             names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
