@@ -321,4 +321,3 @@ def _tied_call(module: nn.Module, fn: Callable, key: str, x: Any) -> Any:
                            "runs no stage-3 hook; run the model through PipelineRunner (train_step / eval_step), "
                            "or inside opt.gathered_parameters()")
     return fn(module, x)
-
