@@ -11,7 +11,7 @@ read freed memory, so each generate call captures its own (see pipe/hf/generate.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -21,17 +21,20 @@ __all__ = ["capture_step"]
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the warm-up and capture stream
 
 
-def _addresses(module: nn.Module) -> list[int] | None:
-    """Addresses of every parameter and buffer, or None if one is not whole and local (a shard, a DTensor)."""
+def _addresses(modules: Sequence[nn.Module]) -> list[int] | None:
+    """Addresses of every parameter and buffer, or None if one is not whole and local (a ZeRO-3
+    shard, a DTensor, a tensor-parallel shard: its layer's all-reduces stay out of a graph)."""
     from torch.distributed.tensor import DTensor
 
-    tensors = [*module.parameters(), *module.buffers()]
-    if any(isinstance(t, DTensor) or t.numel() == 0 for t in tensors):
+    from pipezero.comm import tensor_shard
+
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    if any(isinstance(t, DTensor) or tensor_shard(t) is not None or t.numel() == 0 for t in tensors):
         return None
     return [t.data_ptr() for t in tensors]
 
 
-def capture_step(step: Callable[[], torch.Tensor], module: nn.Module, device: torch.device,
+def capture_step(step: Callable[[], torch.Tensor], modules: Sequence[nn.Module], device: torch.device,
                  required: bool) -> Callable[[], torch.Tensor] | None:
     """step captured into a CUDA graph, as replay() -> step's output; None where it cannot be.
 
@@ -39,8 +42,8 @@ def capture_step(step: Callable[[], torch.Tensor], module: nn.Module, device: to
     writes what the first replay writes again). Warm-up and capture share one side stream per
     device, as torch.cuda.graphs documents. required: raise instead of returning None.
     """
-    before = _addresses(module)
-    why = "some weights are ZeRO-3 shards or DTensors" if before is None else ""
+    before = _addresses(modules)
+    why = "some weights are ZeRO-3 shards, DTensors or tensor-parallel shards" if before is None else ""
     with torch.cuda.device(device):
         if before is not None:
             if device.index not in _SIDE_STREAMS:
@@ -50,7 +53,7 @@ def capture_step(step: Callable[[], torch.Tensor], module: nn.Module, device: to
             with torch.cuda.stream(side):
                 step()
             torch.cuda.current_stream().wait_stream(side)
-            if _addresses(module) != before:
+            if _addresses(modules) != before:
                 why = "the weights moved during the step (ZeRO-3 hooks gathering each layer)"
         if not why:
             graph = torch.cuda.CUDAGraph()

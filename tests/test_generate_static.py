@@ -93,14 +93,14 @@ def test_every_decode_step_sees_the_same_shapes():
 
 
 def test_warm_up_before_capture_leaves_the_tokens_unchanged(monkeypatch):
-    """A stand-in for _captured: the warm-up run, then the step for every token, as a replay would."""
+    """A stand-in for capture_step: the warm-up run, then the step for every token, as a replay would."""
     calls = []
 
     def fake_capture(step, layers, device, required):
         calls.append(required)
         step()  # the warm-up: a real run of the first step
         return step
-    monkeypatch.setattr(generation, "_captured", fake_capture)
+    monkeypatch.setattr(generation, "capture_step", fake_capture)
     model = _model()
     idx, mask = _prompts()
     out = generation._generate_cached(model.layers, idx, mask.bool(), NEW, CFG.n_layer,

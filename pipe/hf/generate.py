@@ -251,7 +251,7 @@ def _forward(module: Any, mb: _Microbatch, stage: int, chunk: int, hidden: torch
     if not (mb.decoding and mb.feed.is_cuda and cuda_graph is not False):
         return run()
     if chunk not in mb.graphs:
-        mb.graphs[chunk] = capture_step(run, module, mb.feed.device, required=cuda_graph is True)
+        mb.graphs[chunk] = capture_step(run, [module], mb.feed.device, required=cuda_graph is True)
     replay = mb.graphs[chunk]
     return replay() if replay is not None else run()
 

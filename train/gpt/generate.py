@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pipezero.pipe.cuda_graph import capture_step
 from pipezero.train.gpt.model import GPT, Block, Embedding, FinalNorm, GPTConfig
 
 __all__ = ["KVCache", "LayerCache", "StaticLayerCache", "generate", "load_exported", "main"]
@@ -224,61 +225,10 @@ def _generate_cached(layers, idx, valid, new_tokens: int, blocks: int, pick: Cal
         torch.add(count, p - t, out=pos)
         mask[:, 0, 0, p] = True
         if p == t and graphed:  # captured with the first step's inputs in place
-            run = _captured(step, layers, device, required=cuda_graph is True) or step
+            run = capture_step(step, [m for m in layers if isinstance(m, nn.Module)], device,
+                               required=cuda_graph is True) or step
         out[:, p + 1:p + 2] = pick(run())
     return out
-
-
-def _weights(layers) -> list[int] | None:
-    """Addresses of every parameter, or None if one is not whole and local (a ZeRO-3 shard, a
-    tensor-parallel one: its layer's all-reduces stay out of a captured graph)."""
-    from torch.distributed.tensor import DTensor
-
-    from pipezero.comm import tensor_shard
-
-    params = [p for m in layers if isinstance(m, nn.Module) for p in m.parameters()]
-    if any(isinstance(p, DTensor) or tensor_shard(p) is not None or p.numel() == 0 for p in params):
-        return None
-    return [p.data_ptr() for p in params]
-
-
-_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}  # device index -> the warm-up and capture stream
-
-
-def _captured(step: Callable[[], torch.Tensor], layers, device: torch.device,
-              required: bool) -> Callable[[], torch.Tensor] | None:
-    """step captured into a CUDA graph, as replay() -> step's output; None if the weights move.
-
-    The warm-up before the capture is a real run of the step with the current inputs: it
-    writes the keys and values the first replay writes again, at the same position. Warm-up
-    and capture share one side stream per device (its cuBLAS workspace is made once, outside
-    the capture). The graph and its memory pool are freed with replay, at the end of generate().
-    """
-    before = _weights(layers)
-    with torch.cuda.device(device):
-        if before is not None:  # warm-up on a side stream, as torch.cuda.graphs documents
-            if device.index not in _SIDE_STREAMS:
-                _SIDE_STREAMS[device.index] = torch.cuda.Stream()
-            side = _SIDE_STREAMS[device.index]
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-        if before is None or _weights(layers) != before:
-            if required:
-                raise ValueError("generate(cuda_graph=True): the weights must stay put for the whole call (a "
-                                 "graph replays fixed addresses), but some are ZeRO-3 shards gathered per "
-                                 "layer (use one `with gathered(opt)` without layers_at_a_time) or tensor-"
-                                 "parallel shards; pass cuda_graph=None or False")
-            return None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            logits = step()
-
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return logits
-    return replay
 
 
 # -- the sampling command -------------------------------------------------------------------------
