@@ -2,7 +2,7 @@
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
-#                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|tp-dispatch ...]
+#                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|tp-dispatch|attention ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -70,6 +70,7 @@ for w in $what; do
                      i=$((i + 1)); run tp-dispatch-$i 180 python3 bench/tp_dispatch.py --device cuda $shape $c --rounds 21 --repeats 20
                    done
                  done ;;
+    attention) run attention 200 python3 bench/attention.py --device cuda ;;  # issue 31: SDPA kernels, Llama/GPT shapes
     plan) run plan 420 python3 bench/plan.py --device cuda --steps 3 ;;  # planner: predicted vs measured (1 GPU: 8 layouts, ~6 min)
     precision) run precision 120 python3 bench/precision.py --device cuda ;;
     train) run train 300 python3 bench/train.py --device cuda --world 2 ;;
