@@ -7,8 +7,9 @@ attention's glue) and leaves everything between blocks eager: the p2p sends, the
 parameters and modules (only the layer's `forward` is compiled, its module hooks run around
 it), tied weights (the tied embedding and head are not compiled), activation checkpointing
 (torch.utils.checkpoint re-runs the compiled forward) and zero-bubble's deferred weight GEMMs
-(DeferringLinear's forward is not traced: each Linear is a break between graphs, so its weight
-GEMM can still wait for W).
+(under a schedule that splits backward, DeferringLinear's deferring path is not traced: each
+Linear is a break between graphs, so its weight GEMM can still wait for W; under any other
+schedule it is a plain Linear and the block compiles as one graph).
 
 Compiled for training: a call without gradients (evaluation, generation with a KV cache, whose
 shapes change from call to call) runs the eager forward, so decoding never recompiles.

@@ -109,9 +109,13 @@ class _LinearKeepingWeightGrad(torch.autograd.Function):
 class DeferringLinear(nn.Linear):
     """nn.Linear whose weight gradient is deferred into the collecting WeightSink, if any."""
 
-    @torch.compiler.disable  # a compiled layer (pipe/compile.py) breaks its graph here: W still gets the GEMM
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sink = _collecting
+        if _collecting is None:  # no split backward: a plain Linear, traced into a compiled layer's graph
+            return F.linear(x, self.weight, self.bias)
+        return self._deferring(x, _collecting)
+
+    @torch.compiler.disable  # a compiled layer (pipe/compile.py) breaks its graph here: W still gets the GEMM
+    def _deferring(self, x: torch.Tensor, sink: WeightSink) -> torch.Tensor:
         if (sink is None or not torch.is_grad_enabled() or not x.requires_grad or not self.weight.requires_grad
                 or type(self.weight) is not nn.Parameter or type(x) is not torch.Tensor
                 or torch.is_autocast_enabled(x.device.type)):
