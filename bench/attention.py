@@ -14,6 +14,7 @@ S^2 x D / 2, backward 2.5 x that.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -67,21 +68,13 @@ def measure(shape: dict, backend: str, gqa: str, device, dtype, rounds: int, rep
 
     chosen = BACKENDS[backend]
     try:
-        with sdpa_kernel([chosen]) if chosen is not None else _Null():
+        with sdpa_kernel([chosen]) if chosen is not None else contextlib.nullcontext():
             step()
             times = [_time(step, device, repeats) for _ in range(rounds)]
     except RuntimeError as err:
         print(f"  {backend} / {gqa}: not available ({str(err).splitlines()[0][:120]})")
         return None
     return statistics.median(times)
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main() -> None:

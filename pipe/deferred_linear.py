@@ -116,7 +116,7 @@ class DeferringLinear(nn.Linear):
 
     @torch.compiler.disable  # a compiled layer (pipe/compile.py) breaks its graph here: W still gets the GEMM
     def _deferring(self, x: torch.Tensor, sink: WeightSink) -> torch.Tensor:
-        if (sink is None or not torch.is_grad_enabled() or not x.requires_grad or not self.weight.requires_grad
+        if (not torch.is_grad_enabled() or not x.requires_grad or not self.weight.requires_grad
                 or type(self.weight) is not nn.Parameter or type(x) is not torch.Tensor
                 or torch.is_autocast_enabled(x.device.type)):
             return F.linear(x, self.weight, self.bias)
