@@ -2,7 +2,8 @@
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
-#                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|tp-dispatch|attention ...]
+#                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|
+#                      tp-dispatch|attention ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -90,6 +91,16 @@ for w in $what; do
            run speed-gpt 230 python3 bench/train.py --device cuda --world 1 --layers 24 --d-model 2048 --heads 16 \
              --seq-len 2048 --vocab 32000 --global-batch 32 --micro-batches 8 --steps 5 --warmup 2 \
              --runs torch-compiled pipezero-1-fast pipezero-1 torch-eager pipezero-1-compile ;;  # issue 31, 1 GPU (needs transformers)
+    speed-profile) run speed-hf-profile 240 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
+                     pipezero-1-compile pipe-1f1b-compile --profile "$out/prof"
+                   run speed-gpt-profile 200 python3 bench/train.py --device cuda --world 1 "${gpt[@]/--seq/--seq-len}" \
+                     --global-batch 32 --micro-batches 8 --steps 4 --warmup 2 --runs torch-compiled pipezero-1-compile \
+                     pipezero-1-fast --profile "$out/prof"
+                   for c in "" --compile; do
+                     run tp-dispatch-profile$c 70 python3 bench/tp_dispatch.py --device cuda --d-model 2048 --heads 16 \
+                       --seq 2048 --batch 1 --dtype bfloat16 --rounds 11 --repeats 20 $c --profile "$out/prof"
+                   done  # issue 31: where the time goes (one step of each under torch.profiler, in profiles.txt)
+                   cat "$out"/prof/*.txt > "$out/profiles.txt" && rm -r "$out/prof" ;;
     one-gpu) run one-gpu-zero 240 python3 bench/zero.py --device cuda --nproc 1 --runs pipezero-1 deepspeed-1 --steps 3 ;;
     generate-test) run generate-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_generate_static.py ;;
     profile) run zero-profile 240 python3 bench/zero.py --device cuda --runs pipezero-0 pipezero-1 --steps 3 \

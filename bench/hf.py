@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import finish_rank, init_rank  # noqa: E402
+from profiling import profiled  # noqa: E402
 
 from pipezero.pipe import PipelineModule, PipelineRunner, TiedLayerSpec, make_schedule, schedule_names  # noqa: E402
 from pipezero.pipe.compile import CompileConfig, compile_layers  # noqa: E402
@@ -288,6 +289,8 @@ def measure(name: str, args, cfg, device: torch.device) -> tuple[float, float, s
         _sync(device)
         times.append(time.perf_counter() - start)
     peak = (torch.cuda.max_memory_allocated(device) - held) / 2**20 if device.type == "cuda" else 0.0
+    with profiled(args.profile, f"hf-{name}"):  # one more step, when --profile names a folder
+        run.step(batches)
     precision = run.precision
     del run, batches
     gc.collect()
@@ -366,6 +369,8 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=["dualpipev", "interleaved_1f1b"], choices=schedule_names())
     parser.add_argument("--runs", nargs="*", default=None, help="only these runs (e.g. pipe-dualpipev fsdp2)")
     parser.add_argument("--port", type=int, default=29731)
+    parser.add_argument("--profile", default=None, help="a folder: one more step of each run under torch.profiler "
+                        "(bench/profiling.py writes hf-<run>.txt there)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     args.seq = args.seq or (2048 if cuda else 32)

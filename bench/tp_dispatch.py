@@ -29,6 +29,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import Block, GPTConfig, gpt_tensor_plan  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profiling import profiled  # noqa: E402
+
 
 def _time(block, x, device, repeats: int) -> float:
     start = time.perf_counter()
@@ -67,6 +70,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--compile", action="store_true", help="every Block torch.compile'd")
+    p.add_argument("--profile", default=None, help="a folder: one more forward + backward of each block under "
+                   "torch.profiler (bench/profiling.py)")
     args = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29771")
@@ -88,6 +93,9 @@ def main() -> None:
         for name, block in blocks.items():
             times[name].append(_time(block, x, device, args.repeats))
     median = {name: statistics.median(t) for name, t in times.items()}
+    for name, block in blocks.items():  # --profile: one more forward + backward of each, under torch.profiler
+        with profiled(args.profile, f"tp-dispatch-{name.replace(' ', '-')}{'-compiled' if args.compile else ''}"):
+            _time(block, x, device, 1)
     print(f"GPT Block d {args.d_model}, {args.heads} heads, seq {args.seq}, batch {args.batch}, {args.dtype}, "
           f"{args.device}{', compiled' if args.compile else ''}, torch {torch.__version__}; forward + backward, "
           f"median of {args.rounds} x {args.repeats}")

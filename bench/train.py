@@ -34,6 +34,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig, flops_per_token, gpt_loss, gpt_specs  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profiling import profiled  # noqa: E402
+
 PEAK_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
 
 
@@ -43,7 +46,7 @@ def _batch(step: int, size: int, seq: int, device) -> tuple[torch.Tensor, torch.
     return rows[:, :-1].to(device), rows[:, 1:].to(device)
 
 
-def _ddp_steps(args, cfg: GPTConfig, device, compiled: bool = False) -> list[float]:
+def _ddp_steps(args, cfg: GPTConfig, device, compiled: bool = False, label: str = "ddp") -> list[float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = GPT(cfg).to(device)
@@ -56,12 +59,9 @@ def _ddp_steps(args, cfg: GPTConfig, device, compiled: bool = False) -> list[flo
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = args.global_batch // world
     micro = per_rank // args.micro_batches
-    times = []
-    for step in range(args.steps):
-        x, y = _batch(step, args.global_batch, cfg.seq_len, device)
+
+    def one_step(x, y) -> None:
         x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-        _sync(device)
-        t0 = time.perf_counter()
         for m in range(args.micro_batches):
             sl = slice(m * micro, (m + 1) * micro)
             ctx = ddp.no_sync() if m < args.micro_batches - 1 else _null()
@@ -69,13 +69,11 @@ def _ddp_steps(args, cfg: GPTConfig, device, compiled: bool = False) -> list[flo
                 (gpt_loss(ddp(x[sl]), y[sl]) / args.micro_batches).backward()
         opt.step()
         opt.zero_grad()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
+    return _timed(args, cfg, device, one_step, label)
 
 
 def _pipezero_steps(args, cfg: GPTConfig, device, pipe: int, stage: int = 2, compiled: bool = False,
-                    fused: bool = False) -> list[float]:
+                    fused: bool = False, label: str = "pipezero") -> list[float]:
     from pipezero.train.build import build
 
     world = dist.get_world_size()
@@ -88,17 +86,27 @@ def _pipezero_steps(args, cfg: GPTConfig, device, pipe: int, stage: int = 2, com
     parts = build(config, specs=gpt_specs(cfg, fused_loss=fused), loss_fn=gpt_loss, device=device, compile=compiled)
     per_rank = args.global_batch // data
     r = parts.grid.data_rank
+
+    def one_step(x, y) -> None:
+        parts.runner.train_step(x[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank])
+        parts.optimizer.step()
+        parts.optimizer.zero_grad()
+    return _timed(args, cfg, device, one_step, label)
+
+
+def _timed(args, cfg: GPTConfig, device, one_step, label: str) -> list[float]:
+    """Seconds of each of args.steps steps (one_step(x, y) on that step's global batch); then, with
+    --profile, one more step under torch.profiler (bench/profiling.py)."""
     times = []
     for step in range(args.steps):
         x, y = _batch(step, args.global_batch, cfg.seq_len, device)
-        x, y = x[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank]
         _sync(device)
         t0 = time.perf_counter()
-        parts.runner.train_step(x, y)
-        parts.optimizer.step()
-        parts.optimizer.zero_grad()
+        one_step(x, y)
         _sync(device)
         times.append(time.perf_counter() - t0)
+    with profiled(args.profile, f"train-{label}"):
+        one_step(*_batch(args.steps, args.global_batch, cfg.seq_len, device))
     return times
 
 
@@ -140,11 +148,11 @@ def _worker(rank: int, args, port: int, queue) -> None:
             held = torch.cuda.memory_allocated(device)  # left by earlier runs: the peak is counted above it
         try:
             if name.startswith("torch-"):
-                results[name] = _ddp_steps(args, cfg, device, compiled=name == "torch-compiled")
+                results[name] = _ddp_steps(args, cfg, device, compiled=name == "torch-compiled", label=name)
             else:
                 results[name] = _pipezero_steps(args, cfg, device, 1, int(name.split("-")[1]),
                                                 compiled=name.endswith(("-fast", "-compile")),
-                                                fused=name.endswith(("-fast", "-fused")))
+                                                fused=name.endswith(("-fast", "-fused")), label=name)
         except Exception as err:  # noqa: BLE001 - one failing contender must not hide the others' numbers
             if rank == 0:
                 print(f"{name} failed: {type(err).__name__}: {err}"[:2000], flush=True)
@@ -175,6 +183,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--profile", default=None, help="a folder: one more step of each run under torch.profiler "
+                   "(bench/profiling.py writes train-<run>.txt there)")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,6 +35,7 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import threading
 import time
 import warnings
@@ -45,7 +46,10 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
-from pipezero.zero import ZeroConfig, ZeroOptimizer
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profiling import profiled  # noqa: E402
+
+from pipezero.zero import ZeroConfig, ZeroOptimizer  # noqa: E402
 
 
 # -- the model: a GPT ---------------------------------------------------------------------
@@ -323,23 +327,12 @@ def measure_cuda(names: list[str], args, device) -> dict:
         out[name] = (statistics.median(times), torch.cuda.max_memory_allocated(device) / 2**20, run.precision,
                      host.peak / 2**30)
         if args.profile:
-            _profile(name, run, batches, device, args.profile)
+            with profiled(args.profile, f"zero-{name}"):
+                _timed_step(run, batches, device)
         del run, batches
         gc.collect()
         _empty_host_cache()  # pinned host buffers go back to the system before the next run
     return out
-
-
-def _profile(name: str, run: Run, batches, device, folder: str) -> None:
-    """One more step under torch.profiler: rank 0 writes the kernels by total GPU time."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _timed_step(run, batches, device)
-    if dist.get_rank() == 0:
-        os.makedirs(folder, exist_ok=True)
-        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
-        with open(os.path.join(folder, f"zero-{name}.txt"), "w") as f:
-            f.write(table)
 
 
 def _sync(device: torch.device) -> None:

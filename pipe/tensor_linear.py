@@ -11,15 +11,18 @@ see a plain Linear); two hooks put the communication around it:
   slice of the features, as ColwiseParallel's local output; a layer's column-parallel Linears
   that read the same tensor (q/k/v, gate/up) share one such node (`SharedInput`): one
   all-reduce of their summed input gradient;
-* row-parallel: the input is already this rank's slice of the features; the output passes
-  `_FromTensorGroup` (all-reduce forward, identity backward). The bias is whole on every rank
-  and the Linear adds it on each, so the sum holds it `degree` times: the reduce takes the
-  extra copies off (as a constant, so the bias gradient stays the Linear's own, whole).
+* row-parallel: the input is already this rank's slice of the features; the output is
+  all-reduced in place (its gradient is the identity, so no autograd node is needed: the
+  Linear's own output is fresh and nothing saved it; a view, which DeferringLinear's node
+  returns, goes through `_FromTensorGroup` instead). The bias is whole on every rank and the
+  Linear adds it on each, so the sum holds it `degree` times: the reduce takes the extra
+  copies off (as a constant, so the bias gradient stays the Linear's own, whole).
 
 DTensor runs ~30 operators per Linear through its dispatcher; here a Linear costs one hook
-and one small autograd node more than the plain one (bench/tp_dispatch.py measures both). On
-a group of one (a one-rank mesh, as the benchmarks and the planner split a block) the
-all-reduces are skipped, as Megatron-LM does: they would sum one tensor.
+more than the plain one, and a column-parallel input one small autograd node
+(bench/tp_dispatch.py measures both). On a group of one (a one-rank mesh, as the benchmarks
+and the planner split a block) the all-reduces are skipped, as Megatron-LM does: they would
+sum one tensor.
 """
 
 from __future__ import annotations
@@ -51,20 +54,35 @@ class _ToTensorGroup(torch.autograd.Function):
         return grad, None, None
 
 
+def _reduce_output(y: torch.Tensor, bias: torch.Tensor | None, extra: int, group) -> torch.Tensor:
+    """A row-parallel Linear's output summed over the tensor group (less `extra` copies of the bias).
+
+    The sum's gradient is the identity, so a fresh output (a plain Linear's) is reduced in place
+    outside autograd: no node, nothing saved it. A view (DeferringLinear's node returns one)
+    cannot be changed in place and goes through `_FromTensorGroup`, which reduces a copy.
+    """
+    if not extra:  # a group of one (the benchmarks' one-rank mesh): nothing to sum
+        return y
+    if not y.is_contiguous() or y._base is not None:
+        return _FromTensorGroup.apply(y, bias, extra, group)
+    with torch.no_grad():
+        _sum_less_bias(y, bias, extra, group)
+    return y
+
+
+def _sum_less_bias(y: torch.Tensor, bias: torch.Tensor | None, extra: int, group) -> None:
+    dist.all_reduce(y, group=group)
+    if bias is not None:
+        y.sub_(bias.to(y.dtype), alpha=extra)
+
+
 class _FromTensorGroup(torch.autograd.Function):
-    """All-reduce forward (less `extra` copies of the bias); identity backward."""
+    """All-reduce forward of a copy (less `extra` copies of the bias); identity backward."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, extra: int, group) -> torch.Tensor:
-        if not extra:  # a group of one (the benchmarks' one-rank mesh): nothing to sum
-            return y.view_as(y)
-        if y.is_contiguous() and y._base is None:
-            ctx.mark_dirty(y)  # reduced in place: the Linear's output is its own fresh tensor
-        else:  # a view (DeferringLinear's node returns one) cannot be changed in place: a copy
-            y = y.contiguous() if not y.is_contiguous() else y.clone()
-        dist.all_reduce(y, group=group)
-        if bias is not None:
-            y.sub_(bias.to(y.dtype), alpha=extra)
+        y = y.clone(memory_format=torch.contiguous_format)
+        _sum_less_bias(y, bias, extra, group)
         return y
 
     @staticmethod
@@ -124,5 +142,5 @@ def shard_rows(linear: nn.Linear, group, degree: int, rank: int) -> None:
 
     def from_group(module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
         bias = module.bias
-        return _FromTensorGroup.apply(out, None if bias is None else bias.detach(), degree - 1, group)
+        return _reduce_output(out, None if bias is None else bias.detach(), degree - 1, group)
     linear.register_forward_hook(from_group)

@@ -1,0 +1,44 @@
+"""One step under torch.profiler: its operators by GPU time, written where the benchmark is told.
+
+    with profiled(args.profile, "hf-torch-compiled"):
+        run.step(batches)
+
+Writes <folder>/<name>.txt on rank 0: the wall time of the block, the sum of its device time
+(below the wall time: the GPU waited on the host) and the top operators by self device time,
+then by self CPU time. No folder: the block runs as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def profiled(folder: str | None, name: str, rows: int = 40) -> Iterator[None]:
+    if not folder:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    events = prof.key_averages()
+    device_ms = sum(e.self_device_time_total for e in events) / 1e3
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{name}.txt"), "w") as f:
+        f.write(f"{name}: wall {wall * 1e3:.1f} ms under the profiler, device time {device_ms:.1f} ms\n\n")
+        for key in ("self_device_time_total", "self_cpu_time_total"):
+            f.write(events.table(sort_by=key, row_limit=rows, max_name_column_width=80) + "\n")
