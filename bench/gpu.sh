@@ -86,11 +86,15 @@ for w in $what; do
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
     data) run data 600 python3 bench/data.py --device cuda --hf-layers 22 --hidden 2048 --seq-len 2048 --batch 8 \
             --max-docs 400 --workers 8 ;;  # the loader's share of a 1.1B Llama step (needs transformers)
-    speed) run speed-hf 330 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
-             pipezero-1-fast pipe-1f1b-fast torch-eager pipezero-1 pipezero-1-compile pipezero-1-fused pipe-1f1b
-           run speed-gpt 230 python3 bench/train.py --device cuda --world 1 --layers 24 --d-model 2048 --heads 16 \
+    speed) run speed-hf 300 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
+             pipezero-1-compile pipe-1f1b-compile pipe-1f1b-fast pipe-1f1b
+           run speed-gpt 220 python3 bench/train.py --device cuda --world 1 --layers 24 --d-model 2048 --heads 16 \
              --seq-len 2048 --vocab 32000 --global-batch 32 --micro-batches 8 --steps 5 --warmup 2 \
-             --runs torch-compiled pipezero-1-fast pipezero-1 torch-eager pipezero-1-compile ;;  # issue 31, 1 GPU (needs transformers)
+             --runs torch-compiled pipezero-1-compile pipezero-1-fast  # issue 31, 1 GPU (needs transformers)
+           for b in 1 4; do
+             run tp-dispatch-batch$b 40 python3 bench/tp_dispatch.py --device cuda --d-model 2048 --heads 16 --seq 2048 \
+               --batch $b --dtype bfloat16 --rounds 11 --repeats 10
+           done ;;
     speed-profile) run speed-hf-profile 240 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
                      pipezero-1-compile pipe-1f1b-compile --profile "$out/prof"
                    run speed-gpt-profile 200 python3 bench/train.py --device cuda --world 1 "${gpt[@]/--seq/--seq-len}" \

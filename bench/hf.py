@@ -8,12 +8,12 @@ The same transformers model (random weights, built from a config; nothing downlo
 same tokens per step, one run after the other in the same processes:
   pipe-<Schedule>  pipezero's pipeline over all ranks (hf_layer_specs, one stage per rank,
                    `--microbatches` = accum x ranks micro-batches), Adam on fp32 masters
-  pipe-<Schedule>-fast  the same with compiled decoder layers and the fused head + loss
+  pipe-<Schedule>-fast  the same with compiled decoder layers and loss and the fused head + loss
                    (PipelineModule(compile=True), hf_layer_specs(fused_loss=True))
   pipezero-1/2/3   ZeroOptimizer on the model itself (module=), data parallel over all ranks
-  pipezero-1-fast  ZeRO-1 on the model with each decoder layer compiled (pipe/compile.py) and the
-                   fused head + loss (pipe/fused_loss.py: the logits never whole); -compile / -fused:
-                   one of the two (any pipezero-S or pipe-<Schedule> run takes these suffixes)
+  pipezero-1-fast  ZeRO-1 on the model with each decoder layer and the loss compiled (pipe/compile.py)
+                   and the fused head + loss (pipe/fused_loss.py: the logits never whole); -compile /
+                   -fused: one of the two (any pipezero-S or pipe-<Schedule> run takes these suffixes)
   torch-eager      plain PyTorch, no pipezero: the model's loss, AdamW on fp32 masters kept by hand
   torch-compiled   the same with each decoder layer torch.compile'd (`layer.compile()`)
   deepspeed-pipe   DeepSpeed's PipelineModule (1F1B, ZeRO-1) over hf_layer_specs as its LayerSpecs, one
@@ -49,8 +49,8 @@ from launch import finish_rank, init_rank  # noqa: E402
 from profiling import profiled  # noqa: E402
 
 from pipezero.pipe import PipelineModule, PipelineRunner, TiedLayerSpec, make_schedule, schedule_names  # noqa: E402
-from pipezero.pipe.compile import CompileConfig, compile_layers  # noqa: E402
-from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy  # noqa: E402
+from pipezero.pipe.compile import CompileConfig, compile_layers, compile_loss  # noqa: E402
+from pipezero.pipe.fused_loss import HeadLogits  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
 from pipezero.precision import MasterWeights  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
@@ -106,10 +106,12 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
         zero = ZeroConfig(stage=stage, overlap_comm=True, reduce_every_microbatch=stage == 2,
                           stage3_param_persistence_threshold=10 * cfg.hidden_size)
         opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), module=model, config=zero)
-        if compiled:
+        loss_fn = causal_lm_loss
+        if compiled:  # as PipelineModule(compile=True) does: each decoder layer and the loss
             layers = list(model.model.layers)
             compile_layers(layers, CompileConfig(), {type(layers[0])})
-        return Run(lambda batches: _accumulate(model, opt, batches, fused), masters)
+            loss_fn = compile_loss(causal_lm_loss, CompileConfig())
+        return Run(lambda batches: _accumulate(model, opt, batches, fused, loss_fn), masters)
     if name == "deepspeed-pipe":
         return _deepspeed_pipe(args, cfg, device, dtype, masters)
     if name.startswith("deepspeed-"):
@@ -136,20 +138,20 @@ def _pipeline(schedule: str, args, cfg, device, dtype, masters, compiled: bool =
     return Run(step, masters)
 
 
-def _accumulate(model, opt, batches: list, fused: bool = False) -> None:
+def _accumulate(model, opt, batches: list, fused: bool = False, loss_fn: Callable = causal_lm_loss) -> None:
     for i, (x, y) in enumerate(batches):
         with opt.no_sync() if i < len(batches) - 1 else _Null():
-            opt.backward(_loss(model, x, y, fused) / len(batches))
+            opt.backward(_loss(model, x, y, fused, loss_fn) / len(batches))
     opt.step()
     opt.zero_grad()
 
 
-def _loss(model, x, y, fused: bool) -> torch.Tensor:
+def _loss(model, x, y, fused: bool, loss_fn: Callable) -> torch.Tensor:
     """The model's loss; fused: its head and the loss in chunks (pipe/fused_loss.py; a Llama has no logit scale)."""
     if not fused:
-        return causal_lm_loss(model(x).logits, y)
+        return loss_fn(model(x).logits, y)
     hidden = model.model(x).last_hidden_state
-    return fused_cross_entropy(HeadLogits(hidden, model.lm_head.weight, model.lm_head.bias), y)
+    return loss_fn(HeadLogits(hidden, model.lm_head.weight, model.lm_head.bias), y)
 
 
 def _plain(cfg, device, dtype, masters_note: str, compiled: bool) -> Run:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipezero.comm import all_reduce_coalesced, mark_replica
-from pipezero.pipe.compile import CompileConfig, compile_layers, repeated_classes
+from pipezero.pipe.compile import CompileConfig, compile_layers, compile_loss, repeated_classes
 from pipezero.pipe.deferred_linear import defer_linear_weights
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.schedule.placement import PLACEMENTS, owner, virtual_stage
@@ -42,7 +42,7 @@ class PipelineModule(nn.Module):
     `tensor_plan` ({layer class: plan} or a callable module -> plan or None) shards each built
     layer over grid.mesh["tensor"] (pipe/tensor_parallel.py); tied layers stay replicated.
     `compile` (True or a CompileConfig; default: on CUDA without tensor parallelism; False: off)
-    torch.compiles each repeated layer's forward for training (pipe/compile.py).
+    torch.compiles each repeated layer's forward and the loss for training (pipe/compile.py).
     `deferred_linear=True` builds the plain nn.Linear layers as DeferringLinear: under a schedule
     that splits backward their weight GEMMs run in W (pipe/deferred_linear.py); False leaves
     them to torch's graph split (pipe/split_backward.py).
@@ -83,6 +83,8 @@ class PipelineModule(nn.Module):
         self.compile_config = CompileConfig.of(compile, self.device, grid.tensor_size)  # None: on CUDA
         if self.compile_config is not None:
             compile_layers(self.layers.values(), self.compile_config, repeated_classes(self._specs))
+            if loss_fn is not None and self.num_virtual_stages - 1 in self.stage_ids:
+                self.loss_fn = compile_loss(loss_fn, self.compile_config)
 
     # -- structure --------------------------------------------------------------------
     def chunk_range(self, chunk: int) -> tuple[int, int]:

@@ -106,7 +106,8 @@ def test_compiled_equals_eager_without_recompiling():
         assert graphs[0] > 0, f"{name}: nothing was compiled"
         assert graphs[-1] == graphs[0], f"{name}: graphs compiled after step 1: {graphs}"
         if CASES[name][1] != "zbv":  # no split backward: each block one whole graph (its Linears traced,
-            assert graphs[0] == 1, f"{name}: {graphs[0]} graphs for one block class"  # not 5 or 9 pieces)
+            # not 5 or 9 pieces), and the loss one more
+            assert graphs[0] == 2, f"{name}: {graphs[0]} graphs for one block class and the loss"
         torch.testing.assert_close(c_losses, losses, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} losses: {m}")
         assert c_params.keys() == params.keys()
         for n in params:
@@ -159,6 +160,40 @@ def test_calls_without_gradients_run_eager():
     assert counting.graphs == 0
     block(x).sum().backward()
     assert counting.graphs == 1
+
+
+def test_hf_decoder_layers_make_one_causal_mask_per_micro_batch_outside_the_graph():
+    """Compiling an HF stage compiles the transformers layer alone: the stage's layers share one mask
+    and one cos/sin per micro-batch, made eagerly, and the mask of unpadded sequences is None (SDPA's
+    causal kernel; traced, transformers' checks cannot decide and build a dense mask)."""
+    transformers = pytest.importorskip("transformers")
+    from pipezero.pipe.compile import compiled_part
+    from pipezero.pipe.hf import HFDecoderLayer, hf_layer_specs
+
+    torch._dynamo.reset()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   pad_token_id=None, bos_token_id=None, eos_token_id=None, use_cache=False)
+    specs = hf_layer_specs(cfg)
+    torch.manual_seed(0)
+    layers = [spec.build() for spec in specs]
+    decoders = [layer for layer in layers if isinstance(layer, HFDecoderLayer)]
+    counting = _Counting()
+    compile_layers(layers, CompileConfig(backend=counting), repeated_classes(specs))
+    assert [compiled_part(d) for d in decoders] == [d.inner for d in decoders]
+    masks, rotaries = [], []
+    for d in decoders:
+        make_mask, rotary = d.make_mask, d.rotary.forward
+        d.make_mask = lambda *a, _f=make_mask, **k: masks.append(_f(*a, **k)) or masks[-1]
+        d.rotary.forward = lambda *a, _f=rotary, **k: rotaries.append(_f(*a, **k)) or rotaries[-1]
+    for step in range(2):  # two micro-batches
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+        for layer in layers[:-2]:  # embedding, decoder layers (not the final norm and head)
+            x = layer(x)
+        x[0].sum().backward()
+    assert len(masks) == 2 and masks == [None, None], masks
+    assert len(rotaries) == 2
+    assert counting.graphs == 1  # one graph for the decoder layer class, reused by all three
 
 
 def test_ds_config_compile_section():

@@ -306,6 +306,9 @@ def test_adam_means_adamw_unless_adam_w_mode_false():
         "lr": 0.01, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.5}}}).optimizer, p)
     g = built.param_groups[0]
     assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (0.01, (0.8, 0.9), 1e-6, 0.5)
+    assert not g["fused"]  # torch's fused kernel on CUDA only (DeepSpeed's FusedAdam); its default elsewhere
+    if torch.cuda.is_available():
+        assert build_optimizer(opt, [torch.nn.Parameter(torch.zeros(2, device="cuda"))]).param_groups[0]["fused"]
 
 
 def test_lr_schedules_run_step_s_at_iteration_s_minus_1():

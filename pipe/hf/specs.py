@@ -13,9 +13,10 @@ Cohere, Granite; a logit soft cap: Gemma 2/3), and a model whose structure diffe
 error naming what was expected.
 
 Between stages travels `(hidden, position_ids)` or `(hidden, position_ids, attention_mask)`
-(the 2-D padding mask, 1 = token). Each decoder layer computes its own rotary cos/sin and
-builds its causal, sliding-window or chunked mask (config.layer_types) with transformers'
-own mask functions, so the layer is called exactly as the model's forward calls it.
+(the 2-D padding mask, 1 = token). The decoder layers compute the rotary cos/sin and build
+the causal, sliding-window or chunked mask (config.layer_types) with transformers' own mask
+functions, once per micro-batch and stage, so each layer is called exactly as the model's
+forward calls it.
 transformers is imported here only: it is an optional extra (`pip install -e ".[hf]"`).
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -71,6 +73,7 @@ class _Model:
         self.layer_nones = _layer_nones(self)
         self.head_bias = self.tied and self.head.bias is not None
         self.fused_loss = False  # the head returns HeadLogits (hf_layer_specs(fused_loss=True))
+        self.per_micro_batch = _PerMicroBatch()  # the decoder layers' mask and cos/sin, made once
 
     def path(self, module: nn.Module) -> str:
         """The module's name in the whole model, with a trailing dot ('model.layers.3.')."""
@@ -294,7 +297,14 @@ class HFDecoderLayer(_HFLayer):
 
     A rotary embedding whose forward takes a `layer_type` (Gemma 3, OLMo 3: other frequencies
     for sliding-window layers) gets config.layer_types[index], as the model passes it.
+
+    The mask and cos/sin are made eagerly, once per micro-batch for all the stage's layers
+    (`_PerMicroBatch`), as the model's forward makes them once for all its layers; compiling
+    compiles the transformers layer alone (`compiled_part`): traced, the mask functions could
+    not see that the mask is plain causal and would hand SDPA a dense mask.
     """
+
+    compiled_part = "inner"  # pipe/compile.py compiles self.inner; the mask and rotary stay eager
 
     def __init__(self, model: _Model, index: int):
         super().__init__()
@@ -313,18 +323,60 @@ class HFDecoderLayer(_HFLayer):
     def forward(self, x: tuple) -> tuple:
         hidden, positions, *rest = x
         cache = rest[1] if len(rest) > 1 else None  # a transformers Cache: pipe/hf/generate.py's decode path
+        padding = rest[0] if rest else None
         if isinstance(cache, StaticKVCache):  # pipe/hf/generate.py's static decode step
             mask = cache.attention_mask(self.window, hidden.dtype)
-        else:
-            sized = {} if cache is None else {"layer_idx": self.index}
-            mask = self.make_mask(config=self.model.config, inputs_embeds=hidden,
-                                  attention_mask=rest[0] if rest else None, cache=cache, position_ids=positions,
-                                  **sized)
+        elif cache is not None:
+            mask = self._mask(hidden, positions, padding, cache)
+        else:  # training, evaluation: one mask per micro-batch and kind for the stage's layers
+            key = ("mask", self.attention_kind, hidden.dtype)
+            mask = self.model.per_micro_batch.get(positions, padding, key,
+                                                  lambda: self._mask(hidden, positions, padding, None))
         extra = dict(self.model.layer_nones, **({} if cache is None else {"cache": cache, "use_cache": True}))
         if self.rotary is not None:
-            extra["position_embeddings"] = self.rotary(hidden, positions, *self.rotary_args)
+            if cache is None:
+                key = ("rotary", self.rotary_args, hidden.dtype, hidden.device)
+                extra["position_embeddings"] = self.model.per_micro_batch.get(
+                    positions, padding, key, lambda: self.rotary(hidden, positions, *self.rotary_args))
+            else:
+                extra["position_embeddings"] = self.rotary(hidden, positions, *self.rotary_args)
         out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
         return (out[0] if isinstance(out, tuple) else out, positions, *rest)
+
+    def _mask(self, hidden: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any) -> Any:
+        """transformers' mask for this layer's attention kind (None where SDPA's causal kernel does)."""
+        sized = {} if cache is None else {"layer_idx": self.index}
+        return self.make_mask(config=self.model.config, inputs_embeds=hidden, attention_mask=padding, cache=cache,
+                              position_ids=positions, **sized)
+
+
+class _PerMicroBatch:
+    """What every decoder layer of a stage derives alike from one micro-batch (its attention mask of
+    each kind, the rotary cos/sin), made by the first layer that asks and reused by the rest.
+
+    The micro-batch is known by its position ids and padding mask: the very tensors that pass from
+    layer to layer (weak references: nothing here keeps them alive). Neither result needs a
+    gradient. A new micro-batch (other tensors) clears the rest.
+    """
+
+    def __init__(self) -> None:
+        self._inputs: tuple = ()
+        self._values: dict = {}
+
+    def get(self, positions: torch.Tensor, padding: torch.Tensor | None, key: tuple, make: Any) -> Any:
+        if not self._same(positions, padding):
+            self._inputs = (weakref.ref(positions), None if padding is None else weakref.ref(padding))
+            self._values = {}
+        if key not in self._values:
+            self._values[key] = make()
+        return self._values[key]
+
+    def _same(self, positions: torch.Tensor, padding: torch.Tensor | None) -> bool:
+        if not self._inputs:
+            return False
+        held_positions, held_padding = self._inputs
+        return held_positions() is positions and (padding is None if held_padding is None
+                                                  else held_padding() is padding)
 
 
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",

@@ -84,8 +84,8 @@ class OptimizerConfig:
 
 _ADAM_RULES = {
     "torch_adam": Ignored("torch's Adam is always used", noop=lambda v: True),
-    **{k: Ignored("torch picks its own kernel", noop=lambda v: True) for k in ("fused", "foreach",
-                                                                              "set_grad_none")},
+    **{k: Ignored("torch's fused kernel on CUDA, its default elsewhere", noop=lambda v: True)
+       for k in ("fused", "foreach", "set_grad_none")},
     "amsgrad": Unsupported("AMSGrad's running maximum of the second moment", "set it false", noop=False),
     "bias_correction": Unsupported("Adam without bias correction", "set it true", noop=True),
     "max_grad_norm": Ignored('clipping is the top-level "gradient_clipping" (DeepSpeed ignores it too)',
@@ -181,9 +181,21 @@ def lr_at(cfg: SchedulerConfig, step: int, base_lr: float) -> float:
 
 def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter] | Iterable[dict]
                     ) -> torch.optim.Optimizer:
-    """The plain torch Adam/AdamW a config describes: the innermost link of the optimizer chain."""
+    """The plain torch Adam/AdamW a config describes: the innermost link of the optimizer chain.
+
+    On CUDA torch's fused kernel (one pass over each tensor's parameter, gradient and moments),
+    as DeepSpeed's "Adam" means FusedAdam on a GPU: on one H200 a 1.34B model's step takes
+    ~25 ms in torch's default foreach kernels. Elsewhere torch's default.
+    """
+    params = list(params)
     cls = torch.optim.AdamW if cfg.decoupled_weight_decay else torch.optim.Adam
-    return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+               fused=_all_on_cuda(params) or None)
+
+
+def _all_on_cuda(params: list) -> bool:
+    tensors = [t for item in params for t in (item["params"] if isinstance(item, dict) else [item])]
+    return bool(tensors) and all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
 
 
 class _FunctionLR(LRScheduler):
