@@ -2,7 +2,7 @@
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
-#                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|
+#                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
@@ -95,6 +95,11 @@ for w in $what; do
              run tp-dispatch-batch$b 40 python3 bench/tp_dispatch.py --device cuda --d-model 2048 --heads 16 --seq 2048 \
                --batch $b --dtype bfloat16 --rounds 11 --repeats 10
            done ;;
+    speed-more) run speed-hf-init 240 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
+                  pipezero-initialize pipe-1f1b-compile
+                run speed-gpt-autotune 300 python3 bench/train.py --device cuda --world 1 "${gpt[@]/--seq/--seq-len}" \
+                  --global-batch 32 --micro-batches 8 --steps 5 --warmup 2 --runs torch-compiled pipezero-1-compile \
+                  --compile-mode max-autotune-no-cudagraphs ;;  # issue 31: the DeepSpeed-shaped loop; autotuned GEMMs
     speed-profile) run speed-hf-profile 240 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
                      pipezero-1-compile pipe-1f1b-compile --profile "$out/prof"
                    run speed-gpt-profile 200 python3 bench/train.py --device cuda --world 1 "${gpt[@]/--seq/--seq-len}" \

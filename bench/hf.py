@@ -14,6 +14,8 @@ same tokens per step, one run after the other in the same processes:
   pipezero-1-fast  ZeRO-1 on the model with each decoder layer and the loss compiled (pipe/compile.py)
                    and the fused head + loss (pipe/fused_loss.py: the logits never whole); -compile /
                    -fused: one of the two (any pipezero-S or pipe-<Schedule> run takes these suffixes)
+  pipezero-initialize  a DeepSpeed user's loop on pipezero.initialize over deepspeed-1's ds_config (on
+                   CUDA by default: the decoder layers compiled, ds_config's Adam on torch's fused kernel)
   torch-eager      plain PyTorch, no pipezero: the model's loss, AdamW on fp32 masters kept by hand
   torch-compiled   the same with each decoder layer torch.compile'd (`layer.compile()`)
   deepspeed-pipe   DeepSpeed's PipelineModule (1F1B, ZeRO-1) over hf_layer_specs as its LayerSpecs, one
@@ -99,7 +101,9 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
     if name.startswith("pipe-"):
         return _pipeline(name[5:], args, cfg, device, dtype, masters, compiled, fused)
     if name.startswith("torch-"):
-        return _plain(cfg, device, dtype, masters, compiled=name == "torch-compiled")
+        return _plain(cfg, device, dtype, masters, compiled=name == "torch-compiled", mode=args.compile_mode)
+    if name == "pipezero-initialize":
+        return _initialize(args, cfg, device, dtype, masters)
     if name.startswith("pipezero-"):
         stage = int(name[-1])
         model = _hf_model(cfg, device, dtype)
@@ -109,8 +113,8 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
         loss_fn = causal_lm_loss
         if compiled:  # as PipelineModule(compile=True) does: each decoder layer and the loss
             layers = list(model.model.layers)
-            compile_layers(layers, CompileConfig(), {type(layers[0])})
-            loss_fn = compile_loss(causal_lm_loss, CompileConfig())
+            compile_layers(layers, CompileConfig(mode=args.compile_mode), {type(layers[0])})
+            loss_fn = compile_loss(causal_lm_loss, CompileConfig(mode=args.compile_mode))
         return Run(lambda batches: _accumulate(model, opt, batches, fused, loss_fn), masters)
     if name == "deepspeed-pipe":
         return _deepspeed_pipe(args, cfg, device, dtype, masters)
@@ -124,7 +128,7 @@ def _pipeline(schedule: str, args, cfg, device, dtype, masters, compiled: bool =
     sched = make_schedule(schedule, args.accum * dist.get_world_size())
     model = PipelineModule(hf_layer_specs(cfg, fused_loss=fused), grid=grid, loss_fn=causal_lm_loss,
                            num_chunks=sched.num_chunks, placement=sched.placement, device=device,
-                           compile=compiled).to(dtype)
+                           compile=CompileConfig(mode=args.compile_mode) if compiled else False).to(dtype)
     opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=LR)) if dtype != torch.float32 \
         else torch.optim.AdamW(model.parameters(), lr=LR)
     runner = PipelineRunner(model, sched, optimizer=opt)
@@ -154,12 +158,12 @@ def _loss(model, x, y, fused: bool, loss_fn: Callable) -> torch.Tensor:
     return loss_fn(HeadLogits(hidden, model.lm_head.weight, model.lm_head.bias), y)
 
 
-def _plain(cfg, device, dtype, masters_note: str, compiled: bool) -> Run:
+def _plain(cfg, device, dtype, masters_note: str, compiled: bool, mode: str | None = None) -> Run:
     """What a user writes without pipezero: bf16 model, fp32 masters by hand, AdamW, accumulation."""
     model = _hf_model(cfg, device, dtype)
     if compiled:
         for layer in model.model.layers:
-            layer.compile()
+            layer.compile(mode=mode)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_() for p in params] if dtype != torch.float32 else params
     opt = torch.optim.AdamW(masters, lr=LR)
@@ -179,16 +183,38 @@ def _plain(cfg, device, dtype, masters_note: str, compiled: bool) -> Run:
     return Run(step, masters_note)
 
 
+def _ds_config(args, stage: int, low: bool) -> dict:
+    """The ds_config both DeepSpeed-shaped loops read (deepspeed-S and pipezero-initialize)."""
+    ds = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum,
+          "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}}
+    if low:
+        ds["bf16"] = {"enabled": True}
+    return ds
+
+
+def _initialize(args, cfg, device, dtype, masters) -> Run:
+    """A DeepSpeed user's loop on pipezero.initialize, the deepspeed-1 run's ds_config: what it gives
+    by default (on CUDA: the decoder layers compiled, build(model=...); ds_config's Adam fused)."""
+    from pipezero.train import initialize
+
+    model = _hf_model(cfg, device, torch.float32)
+    engine, *_ = initialize(model=model, model_parameters=model.parameters(),
+                            config=_ds_config(args, 1, dtype == torch.bfloat16))
+
+    def step(batches: list) -> None:  # the engine divides by the accumulation itself, as DeepSpeed's
+        for x, y in batches:
+            engine.backward(causal_lm_loss(engine(x).logits, y))
+            engine.step()
+    return Run(step, masters)
+
+
 def _deepspeed(stage, args, cfg, device, dtype, masters) -> Run:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     model = _hf_model(cfg, device, torch.float32)
-    ds = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum,
-          "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
-          "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}}
-    if dtype == torch.bfloat16:
-        ds["bf16"] = {"enabled": True}
+    ds = _ds_config(args, stage, dtype == torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 
     def step(batches: list) -> None:  # DeepSpeed divides by the accumulation itself
@@ -304,7 +330,7 @@ def _runs(args) -> list[str]:
     names += ["torch-eager", "torch-compiled", "pipezero-1-fast"]
     variants = ("", "-fast", "-compile", "-fused")
     named = [f"pipe-{s}{v}" for s in schedule_names() for v in variants]  # only when named in --runs
-    named += [f"pipezero-{stage}{v}" for stage in (1, 2, 3) for v in variants]
+    named += [f"pipezero-{stage}{v}" for stage in (1, 2, 3) for v in variants] + ["pipezero-initialize"]
     try:  # on CPU only when named: DeepSpeed's CPU accelerator first compiles its shm comm op (minutes, once)
         import deepspeed  # noqa: F401
         # the pipeline last: its engine leaves its grid in deepspeed's globals, which a later
@@ -371,6 +397,8 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=["dualpipev", "interleaved_1f1b"], choices=schedule_names())
     parser.add_argument("--runs", nargs="*", default=None, help="only these runs (e.g. pipe-dualpipev fsdp2)")
     parser.add_argument("--port", type=int, default=29731)
+    parser.add_argument("--compile-mode", default=None, help="torch.compile's mode for every compiled run, the "
+                        "plain one's too (e.g. max-autotune-no-cudagraphs)")
     parser.add_argument("--profile", default=None, help="a folder: one more step of each run under torch.profiler "
                         "(bench/profiling.py writes hf-<run>.txt there)")
     args = parser.parse_args()

@@ -52,7 +52,7 @@ def _ddp_steps(args, cfg: GPTConfig, device, compiled: bool = False, label: str 
     model = GPT(cfg).to(device)
     if compiled:
         for layer in model.layers[1:-2]:  # the Blocks
-            layer.compile()
+            layer.compile(mode=args.compile_mode)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", torch.bfloat16) if args.runs and device.type == "cuda" else _null()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -83,7 +83,10 @@ def _pipezero_steps(args, cfg: GPTConfig, device, pipe: int, stage: int = 2, com
               "pipeline": {"stages": pipe}}
     if args.runs and device.type == "cuda":
         config.update(bf16={"enabled": True}, gradient_clipping=0.0)
-    parts = build(config, specs=gpt_specs(cfg, fused_loss=fused), loss_fn=gpt_loss, device=device, compile=compiled)
+    from pipezero.pipe.compile import CompileConfig
+
+    compile = CompileConfig(mode=args.compile_mode) if compiled else False
+    parts = build(config, specs=gpt_specs(cfg, fused_loss=fused), loss_fn=gpt_loss, device=device, compile=compile)
     per_rank = args.global_batch // data
     r = parts.grid.data_rank
 
@@ -183,6 +186,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--compile-mode", default=None, help="torch.compile's mode for every compiled run, the plain "
+                   "one's too (e.g. max-autotune-no-cudagraphs)")
     p.add_argument("--profile", default=None, help="a folder: one more step of each run under torch.profiler "
                    "(bench/profiling.py writes train-<run>.txt there)")
     args = p.parse_args()

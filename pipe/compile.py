@@ -16,6 +16,10 @@ way instead of an fp32 copy, log-softmax and their backward. A layer whose glue 
 names the submodule to compile instead (`compiled_part`: the Hugging Face decoder layer builds
 its mask outside the graph).
 
+A whole model (build(model=...), initialize(model=...): no pipeline) is compiled the same way,
+its blocks found as the repeated members of its outermost nn.ModuleLists (`model_blocks`: a
+Hugging Face model's decoder layers); its forward and loss are the user's and stay eager.
+
 Compiled for training: a call without gradients (evaluation, generation with a KV cache, whose
 shapes change from call to call) runs the eager forward, so decoding never recompiles.
 
@@ -41,7 +45,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["CompileConfig", "compile_by_default", "compile_layers", "compile_loss", "compiled_part",
+__all__ = ["CompileConfig", "compile_by_default", "compile_layers", "compile_loss", "compiled_part", "model_blocks",
            "repeated_classes"]
 
 
@@ -115,6 +119,22 @@ def compile_layers(layers: Iterable[nn.Module], config: CompileConfig,
         layer._pipezero_compiled = True
         done.append(layer)
     return done
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """A whole model's repeated blocks: in each outermost nn.ModuleList, the members (modules with
+    submodules of their own, not a bare Linear) whose class it holds two or more of (a transformer's
+    layers; a block's own lists, experts say, are inside its graph)."""
+    blocks, lists = [], []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or any(name.startswith(prefix) for prefix in lists):
+            continue
+        repeated = repeated_classes(m)
+        found = [c for c in m if type(c) in repeated and next(c.children(), None) is not None]
+        if found:
+            blocks.extend(found)
+            lists.append(f"{name}." if name else "")  # the root itself: every list is inside
+    return blocks
 
 
 def compile_loss(loss_fn: Callable, config: CompileConfig) -> Callable:

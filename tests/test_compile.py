@@ -196,6 +196,54 @@ def test_hf_decoder_layers_make_one_causal_mask_per_micro_batch_outside_the_grap
     assert counting.graphs == 1  # one graph for the decoder layer class, reused by all three
 
 
+def _module_steps(backend) -> tuple[list[float], dict]:
+    """The single-process GPT (its Blocks in one ModuleList with the embedding and head) through
+    build(model=...): model_blocks finds the Blocks; three steps of four micro-batches."""
+    from gpt import GPT, GPTConfig, gpt_loss
+
+    from pipezero.pipe.compile import model_blocks
+    from pipezero.train.build import build
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=SEQ))
+    config = {"train_batch_size": BATCH, "gradient_accumulation_steps": 4, "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}}
+    parts = build(config, model=model, compile=CompileConfig(backend=backend) if backend else False)
+    blocks = model_blocks(model)
+    assert [type(b).__name__ for b in blocks] == ["Block", "Block"]
+    assert all(getattr(b, "_pipezero_compiled", False) for b in blocks) == (backend is not None)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(STEPS):
+        ids, targets = torch.randint(0, 64, (2, 4, BATCH // 4, SEQ), generator=g)
+        for x, y in zip(ids, targets):
+            loss = gpt_loss(parts.module(x), y) / 4
+            parts.optimizer.backward(loss)
+            losses.append(loss.item())
+        parts.optimizer.step()
+        parts.optimizer.zero_grad()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _module_cases():
+    try:
+        counting = _Counting()
+        return _module_steps(None), _module_steps(counting), counting.graphs
+    finally:
+        _forget_compiled()
+
+
+def test_build_with_a_model_compiles_its_blocks():
+    """build(model=...) / initialize compile the model's repeated blocks (model_blocks) as PipelineModule
+    compiles a stage's: the same losses and parameters as eager, one graph for the Block class."""
+    (losses, params), (c_losses, c_params), graphs = run(_module_cases, 1, timeout=200)[0]
+    assert graphs == 1
+    torch.testing.assert_close(c_losses, losses, rtol=1e-5, atol=1e-6)
+    for n in params:
+        torch.testing.assert_close(c_params[n], params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
 def test_ds_config_compile_section():
     base = {"train_batch_size": 8}
     assert parse_config(base).compile is None

@@ -339,6 +339,32 @@ def test_measured_profile_times_the_split_backward():
     assert all(p.split_seconds is None and p.tensor_overhead == 0 for p in profile if p.kind != "Block")
 
 
+def test_measured_profile_times_what_runs_compiled_or_not():
+    """With compile on (the default on CUDA) the planner times the block and the loss compiled, as
+    PipelineModule runs them; a counting backend sees them compiled, and nothing with compile=False."""
+    import torch
+
+    from pipezero.pipe.compile import CompileConfig
+    from pipezero.train.plan.model import measure_profile
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    shape = ModelShape(layers=2, d_model=32, heads=2, seq_len=16, vocab=64)
+    try:
+        torch._dynamo.reset()
+        profile = measure_profile(shape, microbatch=1, rounds=1, compile=CompileConfig(backend=counting))
+        assert len(graphs) >= 2, graphs  # the block (alone, checkpointed, split: one code object) and the loss
+        assert all(p.seconds > 0 for p in profile)
+        graphs.clear()
+        measure_profile(shape, microbatch=1, rounds=1, compile=False)
+        assert not graphs
+    finally:
+        torch._dynamo.reset()
+
+
 def test_tensor_overhead_is_the_split_block_as_the_pipeline_runs_it_less_the_whole(monkeypatch):
     """The planner's tensor cost: the Block split over a one-rank mesh into local-tensor shards (what
     PipelineModule runs, not DTensor) timed against the same Block whole, per round the fastest."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from pipezero.pipe.compile import CompileConfig, compile_layers, model_blocks
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
@@ -98,7 +99,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     as the innermost link instead of the config's "optimizer" section. `tensor` > 1 (with specs=)
     shards each layer by `tensor_plan` (PipelineModule's) over the grid's tensor axis.
     `compile` (True, False or a pipe.compile.CompileConfig; default: ds_config "compile", else
-    PipelineModule's default: on CUDA without tensor parallelism) compiles each repeated pipeline layer.
+    PipelineModule's default: on CUDA without tensor parallelism) compiles each repeated pipeline layer
+    and the loss, or with model= the model's repeated blocks (pipe/compile.py, model_blocks).
     """
     if hidden_size is None and isinstance(model, nn.Module):
         hidden_size = model_width(model)
@@ -121,6 +123,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                                 compile=cfg.compile if compile is None else compile)
     else:
         module = model.to(dev)
+        _compile_blocks(module, CompileConfig.of(cfg.compile if compile is None else compile, dev))
     module.to(dtype)
     inner = optimizer if optimizer is not None else build_optimizer(
         cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])
@@ -132,6 +135,13 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                             reshard_after_forward=cfg.pipeline.reshard_after_forward) if specs is not None else None
     return Parts(config=cfg, grid=grid, module=module, optimizer=zero, scaler=scaler, inner=inner,
                  scheduler=scheduler, schedule=schedule, runner=runner, dtype=dtype, device=dev)
+
+
+def _compile_blocks(model: nn.Module, config: CompileConfig | None) -> None:
+    """A whole model's repeated blocks compiled for training, as PipelineModule compiles a stage's."""
+    if config is not None:
+        blocks = model_blocks(model)
+        compile_layers(blocks, config, {type(b) for b in blocks})
 
 
 def _config(config: Any, hidden_size: int | None, tensor: int = 1,

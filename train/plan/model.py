@@ -26,7 +26,7 @@ of its input): 8 x vocab bytes per token of the one micro-batch being differenti
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from pipezero.checks import is_int
 
@@ -128,7 +128,7 @@ def flops_profile(shape: ModelShape, flops_per_second: float) -> list[LayerProfi
 
 
 def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int = 2,
-                    repeats: int = 2, device: str = "cpu", rounds: int = 5) -> list[LayerProfile]:
+                    repeats: int = 2, device: str = "cpu", rounds: int = 5, compile: Any = None) -> list[LayerProfile]:
     """Every layer timed on this machine: pipe.measure_layer_costs on one micro-batch, per token.
 
     Each layer's time is the least of `rounds` measurements: on a machine shared with other
@@ -136,11 +136,13 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
     (the reason timeit reports the minimum), and the least is what repeats from run to run.
     The blocks are alike, so a one-block model is timed: measure_layer_costs times one block
     and reuses it anyway, and building the others only cost their initialisation (on the CPU
-    generator: 1.2B numbers, about 10 s per round for the 1.3B GPT).
+    generator: 1.2B numbers, about 10 s per round for the 1.3B GPT). `compile` (PipelineModule's:
+    default on CUDA, pipe/compile.py) times the block and the loss compiled, as the pipeline runs them.
     """
     import torch
 
     from pipezero.pipe import measure_layer_costs
+    from pipezero.pipe.compile import CompileConfig, compile_layers, compile_loss
 
     from pipezero.train.gpt.model import GPTConfig, gpt_loss, gpt_specs
 
@@ -149,12 +151,18 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
     tokens = torch.randint(0, shape.vocab, (microbatch, shape.seq_len), generator=gen).to(device)
     cfg = GPTConfig(n_layer=1, n_head=shape.heads, d_model=shape.d_model, seq_len=shape.seq_len,
                     vocab_size=shape.vocab)  # the blocks are alike: one is timed, none other is built
+    specs, config = gpt_specs(cfg), CompileConfig.of(compile, torch.device(device))
     with torch.device(device):
-        checkpointed = _checkpointed(gpt_specs(cfg)[1].build().to(dtype))
+        blocks = [specs[1].build().to(dtype) for _ in range(3)]  # timed alone, checkpointed, split
         hidden = torch.randn(microbatch, shape.seq_len, shape.d_model, dtype=dtype)
-        split = _split(gpt_specs(cfg)[1].build().to(dtype))
+    split = _split(blocks[2])
+    loss_fn = gpt_loss
+    if config is not None:
+        compile_layers(blocks, config, {type(blocks[0])})
+        loss_fn = compile_loss(gpt_loss, config)
+    layers, checkpointed = [specs[0], blocks[0], *specs[2:]], _checkpointed(blocks[1])
     embed, block, norm, head, again, halves = (min(t) for t in zip(*(
-        measure_layer_costs(gpt_specs(cfg), tokens, loss_fn=gpt_loss, targets=tokens, dtype=dtype, repeats=repeats)
+        measure_layer_costs(layers, tokens, loss_fn=loss_fn, targets=tokens, dtype=dtype, repeats=repeats)
         + measure_layer_costs([checkpointed, split], hidden, repeats=repeats) for _ in range(rounds))))
     ms = [embed, *([block] * shape.layers), norm, head]
     per_token = microbatch * shape.seq_len
