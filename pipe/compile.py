@@ -24,9 +24,12 @@ Compiled for training: a call without gradients (evaluation, generation with a K
 shapes change from call to call) runs the eager forward, so decoding never recompiles.
 
 Blocks of one class share their code object, so torch compiles the class's forward once and
-every later block reuses it (parameters are graph inputs, not constants); shapes are static
-(dynamic=False): every micro-batch of a step has the same shape, so nothing recompiles per
-micro-batch or per step (tests/test_compile.py counts the compilations).
+every later block reuses it (parameters are graph inputs, not constants). Shapes follow torch's
+automatic dynamic (dynamic=None): compiled static on the first call, so fixed-shape training
+never recompiles, per micro-batch or per step; when a shape changes (variable-length data,
+train/data's pad="microbatch": each micro-batch as wide as its longest row) it recompiles once
+with that dimension symbolic, where dynamic=False would recompile for every new width until
+torch's recompile limit (8) and then run eager (tests/test_compile.py counts both).
 
 The default (`compile=None`) compiles where it measured faster: on CUDA, without tensor
 parallelism (bench/RESULTS.md, issue 31, one H200: the 1.34B GPT's step through build() 1.06x, a
@@ -56,7 +59,7 @@ class CompileConfig:
     backend: str | Callable = "inductor"   # torch.compile's backend ("aot_eager": tracing only, for tests)
     mode: str | None = None                # torch.compile's mode ("max-autotune", "reduce-overhead", ...)
     fullgraph: bool = False                # True: a graph break inside a layer is an error
-    dynamic: bool | None = False           # static shapes: micro-batches of a step share one shape
+    dynamic: bool | None = None            # torch's automatic dynamic: static, one recompile if a shape varies
     layers: str | None = None              # regex of layer class names; None: the classes used 2+ times
     options: dict[str, Any] = field(default_factory=dict)  # torch.compile(options=...), the backend's
 

@@ -162,6 +162,24 @@ def test_calls_without_gradients_run_eager():
     assert counting.graphs == 1
 
 
+def test_variable_widths_compile_twice_not_per_width():
+    """Micro-batches of varying width (train/data's pad="microbatch") recompile once, dynamically; with
+    dynamic=False each new width would recompile, up to torch's limit, then run eager."""
+    from gpt import Block, GPTConfig
+
+    graphs = {}
+    for dynamic in (None, False):
+        torch._dynamo.reset()
+        block, counting = Block(GPTConfig(d_model=16, n_head=2, seq_len=64), 0), _Counting()
+        compile_layers([block], CompileConfig(backend=counting, dynamic=dynamic), {Block})
+        for width in (8, 12, 16, 20, 9, 33):
+            block(torch.randn(2, width, 16)).sum().backward()
+        graphs[dynamic] = counting.graphs
+    torch._dynamo.reset()
+    assert CompileConfig().dynamic is None
+    assert graphs == {None: 2, False: 6}, graphs
+
+
 def test_hf_decoder_layers_make_one_causal_mask_per_micro_batch_outside_the_graph():
     """Compiling an HF stage compiles the transformers layer alone: the stage's layers share one mask
     and one cos/sin per micro-batch, made eagerly, and the mask of unpadded sequences is None (SDPA's
