@@ -20,8 +20,9 @@ Training", USENIX ATC 2021, section 4):
   backward;
 * the step runs on every host core this process may use (torchrun sets OMP_NUM_THREADS=1;
   the cores are split over the local processes). Build Adam/AdamW with `fused=True`: torch's
-  fused CPU kernel is one vectorised pass, 5.3x the foreach step measured on CPU (it is not
-  chosen for you because its rounding differs from foreach in the last bit);
+  fused CPU kernel is one vectorised pass, 5.3x the foreach step measured on CPU (a torch
+  optimizer of yours is not switched to it, its rounding differs from foreach in the last bit;
+  ds_config's Adam over CUDA parameters is built fused, train/config/optim.py);
 * optionally (`delayed=True`, the paper's delayed parameter update, DPU) the CPU step of step
   k's gradients runs in a background thread during step k+1's forward and backward, and its
   result reaches the model at step k+1's step(): the forward/backward of step k+1 uses
