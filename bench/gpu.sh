@@ -95,11 +95,9 @@ for w in $what; do
              run tp-dispatch-batch$b 40 python3 bench/tp_dispatch.py --device cuda --d-model 2048 --heads 16 --seq 2048 \
                --batch $b --dtype bfloat16 --rounds 11 --repeats 10
            done ;;
-    speed-more) run speed-hf-init 240 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
-                  pipezero-initialize pipe-1f1b-compile
-                run speed-gpt-autotune 300 python3 bench/train.py --device cuda --world 1 "${gpt[@]/--seq/--seq-len}" \
-                  --global-batch 32 --micro-batches 8 --steps 5 --warmup 2 --runs torch-compiled pipezero-1-compile \
-                  --compile-mode max-autotune-no-cudagraphs ;;  # issue 31: the DeepSpeed-shaped loop; autotuned GEMMs
+    speed-more) run speed-hf-init 420 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
+                  pipezero-initialize pipe-1f1b-compile deepspeed-1 ;;  # issue 31: the DeepSpeed-shaped loop beside
+                # DeepSpeed's (carry its wheel, built with DS_BUILD_OPS=0, and its dependencies in .whl)
     speed-profile) run speed-hf-profile 240 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
                      pipezero-1-compile pipe-1f1b-compile --profile "$out/prof"
                    run speed-gpt-profile 200 python3 bench/train.py --device cuda --world 1 "${gpt[@]/--seq/--seq-len}" \
