@@ -5,7 +5,7 @@
 
 Writes <folder>/<name>.txt on rank 0: the wall time of the block, the sum of its kernels' time
 (below the wall time: the GPU waited on the host) and the top operators by self device time,
-then by self CPU time. No folder: the block runs as it is.
+then by self CPU time, then by self device time per input shape. No folder: the block runs as it is.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def profiled(folder: str | None, name: str, rows: int = 40) -> Iterator[None]:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         start = time.perf_counter()
         yield
         if torch.cuda.is_available():
@@ -43,3 +43,5 @@ def profiled(folder: str | None, name: str, rows: int = 40) -> Iterator[None]:
         f.write(f"{name}: wall {wall * 1e3:.1f} ms under the profiler, kernels {device_ms:.1f} ms\n\n")
         for key in ("self_device_time_total", "self_cpu_time_total"):
             f.write(events.table(sort_by=key, row_limit=rows, max_name_column_width=80) + "\n")
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        f.write(by_shape.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60) + "\n")
