@@ -52,11 +52,14 @@ def _truth() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: t.clone() for n, t in model.state_dict().items()}  # the tied weight under both names
 
 
-def _train(pipe: int, tensor: int, stage: int, schedule: str):
+def _train(pipe: int, tensor: int, stage: int, schedule: str, compiled: bool = False):
+    from pipezero.pipe.compile import CompileConfig
+
     grid = Grid(pipe=pipe, tensor=tensor)
     sched = make_schedule(schedule, 2 if schedule == "1f1b" else 4)
     model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss, tensor_plan=gpt_tensor_plan(),
-                           num_chunks=sched.num_chunks, placement=sched.placement)
+                           num_chunks=sched.num_chunks, placement=sched.placement,
+                           compile=CompileConfig(backend="aot_eager") if compiled else False)
     opt = LossScaler(torch.optim.Adam(model.parameters(), lr=LR), dynamic=False, init_scale=1.0,
                      clip_grad_norm=CLIP)
     if stage is not None:   # else Adam and the clipping see the split parameters themselves
@@ -89,16 +92,17 @@ def _check(results, tensor: int) -> None:
     assert seen == set(params), set(params) - seen
 
 
-@pytest.mark.parametrize("world, pipe, tensor, stage, schedule", [
-    (2, 1, 2, None, "1f1b"),  # tensor 2, no ZeRO: the clip norm over the grads' local shards
-    (4, 1, 2, 2, "1f1b"),   # tensor 2 x data 2, ZeRO-2
-    (4, 2, 2, 1, "zbv"),    # pipe 2 x tensor 2, ZeRO-1 over a data group of one; the shards' weight GEMMs deferred to W
-    (4, 1, 2, 0, "1f1b"),   # tensor 2 x data 2, ZeRO-0: the shards' .grad are views of the all-reduce buffer
-    (8, 2, 2, 2, "1f1b"),   # pipe 2 x data 2 x tensor 2
-    (4, 1, 2, 3, "1f1b"),   # tensor 2 x data 2, ZeRO-3: each tensor rank's shards partitioned over data
+@pytest.mark.parametrize("world, pipe, tensor, stage, schedule, compiled", [
+    (2, 1, 2, None, "1f1b", False),  # tensor 2, no ZeRO: the clip norm over the grads' local shards
+    (4, 1, 2, 2, "1f1b", False),   # tensor 2 x data 2, ZeRO-2
+    (4, 2, 2, 1, "zbv", False),    # pipe 2 x tensor 2, ZeRO-1 over a data group of one; weight GEMMs deferred to W
+    (4, 1, 2, 0, "1f1b", False),   # tensor 2 x data 2, ZeRO-0: the shards' .grad are views of the all-reduce buffer
+    (8, 2, 2, 2, "1f1b", False),   # pipe 2 x data 2 x tensor 2
+    (4, 1, 2, 3, "1f1b", False),   # tensor 2 x data 2, ZeRO-3: each tensor rank's shards partitioned over data
+    (4, 1, 2, 2, "1f1b", True),    # the Blocks and the loss compiled (traced: the hooks' all-reduces in the graph)
 ])
-def test_3d_parity(world, pipe, tensor, stage, schedule):
-    _check(run(_train, world, pipe, tensor, stage, schedule, timeout=120), tensor)
+def test_3d_parity(world, pipe, tensor, stage, schedule, compiled):
+    _check(run(_train, world, pipe, tensor, stage, schedule, compiled, timeout=180), tensor)
 
 
 def _bad_plans(tensor: int) -> list[str]:
