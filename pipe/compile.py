@@ -35,7 +35,8 @@ The default (`compile=None`) compiles where it measured faster: on CUDA, without
 parallelism (bench/RESULTS.md, issue 31, one H200: the 1.34B GPT's step through build() 1.06x, a
 Hugging Face Llama's under ZeRO-1 1.36x, its 1F1B pipeline 1.38x, level with a plain PyTorch loop
 over compiled decoder layers); on CPU, where compiling costs more than it gives a short run, it
-stays off.
+stays off. With tensor parallelism it works (tests/test_tensor_3d.py: the column/row hooks'
+all-reduces trace into the block's one graph) but is off by default until measured on two GPUs.
 `compile=False` turns it off, `compile=True` or a CompileConfig on anywhere.
 """
 
