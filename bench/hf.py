@@ -112,9 +112,9 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
         opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), module=model, config=zero)
         loss_fn = causal_lm_loss
         if compiled:  # as PipelineModule(compile=True) does: each decoder layer and the loss
-            layers = list(model.model.layers)
-            compile_layers(layers, CompileConfig(mode=args.compile_mode), {type(layers[0])})
-            loss_fn = compile_loss(causal_lm_loss, CompileConfig(mode=args.compile_mode))
+            layers, how = list(model.model.layers), CompileConfig(mode=args.compile_mode)
+            compile_layers(layers, how, {type(layers[0])})
+            loss_fn = compile_loss(causal_lm_loss, how)
         return Run(lambda batches: _accumulate(model, opt, batches, fused, loss_fn), masters)
     if name == "deepspeed-pipe":
         return _deepspeed_pipe(args, cfg, device, dtype, masters)

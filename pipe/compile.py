@@ -117,9 +117,7 @@ def compile_layers(layers: Iterable[nn.Module], config: CompileConfig,
         if not _wanted(layer, config, repeated) or getattr(layer, "_pipezero_compiled", False):
             continue
         part = compiled_part(layer)
-        part.forward = _training_only(part.forward, torch.compile(
-            part.forward, backend=config.backend, mode=config.mode, fullgraph=config.fullgraph,
-            dynamic=config.dynamic, options=config.options or None))
+        part.forward = _training_only(part.forward, _compiled(part.forward, config))
         layer._pipezero_compiled = True
         done.append(layer)
     return done
@@ -148,9 +146,7 @@ def compile_loss(loss_fn: Callable, config: CompileConfig) -> Callable:
     backward as separate passes over them; compiled, each direction is one fused pass that reads
     the low-precision logits (torchtitan compiles its loss for the same reason).
     """
-    return _training_only(loss_fn, torch.compile(loss_fn, backend=config.backend, mode=config.mode,
-                                                 fullgraph=config.fullgraph, dynamic=config.dynamic,
-                                                 options=config.options or None))
+    return _training_only(loss_fn, _compiled(loss_fn, config))
 
 
 def compiled_part(layer: nn.Module) -> nn.Module:
@@ -163,6 +159,11 @@ def compiled_part(layer: nn.Module) -> nn.Module:
     """
     name = getattr(type(layer), "compiled_part", None)
     return layer.get_submodule(name) if name else layer
+
+
+def _compiled(fn: Callable, config: CompileConfig) -> Callable:
+    return torch.compile(fn, backend=config.backend, mode=config.mode, fullgraph=config.fullgraph,
+                         dynamic=config.dynamic, options=config.options or None)
 
 
 def _training_only(eager: Callable, compiled: Callable) -> Callable:
