@@ -25,9 +25,8 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +35,7 @@ from torch import nn
 from pipezero.comm import is_replica
 from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
 from pipezero.pipe.hf.match import check_checkpoint, keeps_tie, size_fields
+from pipezero.pipe.hf.layer_inputs import MASKS, PerMicroBatch, mask_builder, mask_kind
 from pipezero.pipe.hf.static_cache import StaticKVCache
 from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
@@ -73,7 +73,7 @@ class _Model:
         self.layer_nones = _layer_nones(self)
         self.head_bias = self.tied and self.head.bias is not None
         self.fused_loss = False  # the head returns HeadLogits (hf_layer_specs(fused_loss=True))
-        self.per_micro_batch = _PerMicroBatch()  # the decoder layers' mask and cos/sin, made once
+        self.per_micro_batch = PerMicroBatch()  # the decoder layers' mask and cos/sin, made once
 
     def path(self, module: nn.Module) -> str:
         """The module's name in the whole model, with a trailing dot ('model.layers.3.')."""
@@ -161,10 +161,10 @@ def _check_structure(model: _Model) -> None:
         raise ValueError(f"hf_layer_specs: {name}'s input embedding is {type(embed).__name__}; expected an "
                          "nn.Embedding, plain or scaled by a constant `scalar_embed_scale` as Gemma's (a factorised "
                          "or otherwise computed embedding is not the decoder structure it reads)")
-    odd = sorted(set(getattr(model.config, "layer_types", None) or ()) - set(_MASKS))
+    odd = sorted(set(getattr(model.config, "layer_types", None) or ()) - set(MASKS))
     if odd:
         raise ValueError(f"hf_layer_specs: {name}'s config.layer_types has {odd}; expected attention layers of the "
-                         f"kinds {sorted(_MASKS)} (a layer of another kind is not the decoder structure it reads)")
+                         f"kinds {sorted(MASKS)} (a layer of another kind is not the decoder structure it reads)")
     if getattr(model.config, "use_bidirectional_attention", False):
         raise ValueError(f"hf_layer_specs: {name} has use_bidirectional_attention=True; expected a causal LM")
     if model.head is None or type(model.head) is not nn.Linear:
@@ -298,10 +298,8 @@ class HFDecoderLayer(_HFLayer):
     A rotary embedding whose forward takes a `layer_type` (Gemma 3, OLMo 3: other frequencies
     for sliding-window layers) gets config.layer_types[index], as the model passes it.
 
-    The mask and cos/sin are made eagerly, once per micro-batch for all the stage's layers
-    (`_PerMicroBatch`), as the model's forward makes them once for all its layers; compiling
-    compiles the transformers layer alone (`compiled_part`): traced, the mask functions could
-    not see that the mask is plain causal and would hand SDPA a dense mask.
+    The mask and cos/sin are made eagerly, once per micro-batch for the stage's layers
+    (pipe/hf/layer_inputs.py); compiling compiles the transformers layer alone (`compiled_part`).
     """
 
     compiled_part = "inner"  # pipe/compile.py compiles self.inner; the mask and rotary stay eager
@@ -312,8 +310,8 @@ class HFDecoderLayer(_HFLayer):
         self.prefix = model.path(model.layers[index])
         self.inner = type(model.layers[index])(model.config, layer_idx=index)
         self.rotary = type(model.rotary)(config=model.config) if model.rotary is not None else None
-        self.attention_kind = _mask_kind(model.config, index)
-        self.make_mask = getattr(_masking_utils(), _MASKS[self.attention_kind])
+        self.attention_kind = mask_kind(model.config, index)
+        self.make_mask = mask_builder(self.attention_kind)
         sliding = self.attention_kind == "sliding_attention"
         self.window = getattr(model.config, "sliding_window", None) if sliding else None  # the static cache's mask
         takes_kind = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
@@ -324,78 +322,29 @@ class HFDecoderLayer(_HFLayer):
         hidden, positions, *rest = x
         cache = rest[1] if len(rest) > 1 else None  # a transformers Cache: pipe/hf/generate.py's decode path
         padding = rest[0] if rest else None
-        if isinstance(cache, StaticKVCache):  # pipe/hf/generate.py's static decode step
-            mask = cache.attention_mask(self.window, hidden.dtype)
-        elif cache is not None:
-            mask = self._mask(hidden, positions, padding, cache)
-        else:  # training, evaluation: one mask per micro-batch and kind for the stage's layers
-            key = ("mask", self.attention_kind, hidden.dtype)
-            mask = self.model.per_micro_batch.get(positions, padding, key,
-                                                  lambda: self._mask(hidden, positions, padding, None))
         extra = dict(self.model.layer_nones, **({} if cache is None else {"cache": cache, "use_cache": True}))
         if self.rotary is not None:
-            if cache is None:
-                key = ("rotary", self.rotary_args, hidden.dtype, hidden.device)
-                extra["position_embeddings"] = self.model.per_micro_batch.get(
-                    positions, padding, key, lambda: self.rotary(hidden, positions, *self.rotary_args))
-            else:
-                extra["position_embeddings"] = self.rotary(hidden, positions, *self.rotary_args)
+            extra["position_embeddings"] = self._shared(
+                ("rotary", self.rotary_args, hidden.dtype, hidden.device), positions, padding, cache,
+                lambda: self.rotary(hidden, positions, *self.rotary_args))
+        if isinstance(cache, StaticKVCache):  # pipe/hf/generate.py's static decode step
+            mask = cache.attention_mask(self.window, hidden.dtype)
+        else:
+            mask = self._shared(("mask", self.attention_kind, hidden.dtype), positions, padding, cache,
+                                lambda: self._mask(hidden, positions, padding, cache))
         out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
         return (out[0] if isinstance(out, tuple) else out, positions, *rest)
+
+    def _shared(self, key: tuple, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any,
+                make: Callable[[], Any]) -> Any:
+        """make(), once per micro-batch for the stage's layers; while decoding (a cache) every call."""
+        return make() if cache is not None else self.model.per_micro_batch.get(positions, padding, key, make)
 
     def _mask(self, hidden: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any) -> Any:
         """transformers' mask for this layer's attention kind (None where SDPA's causal kernel does)."""
         sized = {} if cache is None else {"layer_idx": self.index}
         return self.make_mask(config=self.model.config, inputs_embeds=hidden, attention_mask=padding, cache=cache,
                               position_ids=positions, **sized)
-
-
-class _PerMicroBatch:
-    """What every decoder layer of a stage derives alike from one micro-batch (its attention mask of
-    each kind, the rotary cos/sin), made by the first layer that asks and reused by the rest.
-
-    The micro-batch is known by its position ids and padding mask: the very tensors that pass from
-    layer to layer (weak references: nothing here keeps them alive). Neither result needs a
-    gradient. A new micro-batch (other tensors) clears the rest.
-    """
-
-    def __init__(self) -> None:
-        self._inputs: tuple = ()
-        self._values: dict = {}
-
-    def get(self, positions: torch.Tensor, padding: torch.Tensor | None, key: tuple, make: Any) -> Any:
-        if not self._same(positions, padding):
-            self._inputs = (weakref.ref(positions), None if padding is None else weakref.ref(padding))
-            self._values = {}
-        if key not in self._values:
-            self._values[key] = make()
-        return self._values[key]
-
-    def _same(self, positions: torch.Tensor, padding: torch.Tensor | None) -> bool:
-        if not self._inputs:
-            return False
-        held_positions, held_padding = self._inputs
-        return held_positions() is positions and (padding is None if held_padding is None
-                                                  else held_padding() is padding)
-
-
-_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
-          "chunked_attention": "create_chunked_causal_mask"}  # config.layer_types -> transformers.masking_utils
-
-
-def _mask_kind(config: Any, index: int) -> str:
-    """Layer `index`'s attention kind (a key of _MASKS), as the model picks its mask builder."""
-    kinds = getattr(config, "layer_types", None)
-    if kinds is not None:
-        return kinds[index]
-    return "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
-
-
-def _masking_utils() -> Any:
-    """transformers.masking_utils (imported on first use: transformers is an optional extra)."""
-    from transformers import masking_utils as module
-
-    return module
 
 
 class HFFinalNorm(_HFLayer):
