@@ -25,6 +25,9 @@ same tokens per step, one run after the other in the same processes:
                    (the deepspeed-* runs: when `import deepspeed` works; on CPU only when named in --runs,
                    since DeepSpeed's CPU accelerator first compiles its shared-memory comm kernel, minutes, once)
   fsdp2            fully_shard on every decoder layer and the root, bf16 params, fp32 reduce
+`--float8 RECIPE` trains the decoder layers' Linears in fp8: torchao's conversion by hand in the
+torch-* runs (what a plain-PyTorch user writes), float8= (pipe/float8.py) in the pipe-* and
+pipezero-S runs; the others stay bf16 (their precision column says so).
 Prints ms per step, tokens/s, MFU (CUDA: 6N + 12 L h s FLOPs per token over the H200's 989
 TFLOP/s dense bf16) and (CUDA) peak allocated memory per rank. Precision on CUDA:
 a bf16 model with fp32 masters for pipezero and DeepSpeed, fp32 weights with bf16 compute for
@@ -52,6 +55,7 @@ from profiling import profiled  # noqa: E402
 
 from pipezero.pipe import PipelineModule, PipelineRunner, TiedLayerSpec, make_schedule, schedule_names  # noqa: E402
 from pipezero.pipe.compile import CompileConfig, compile_layers, compile_loss  # noqa: E402
+from pipezero.pipe.float8 import Float8Config, to_float8  # noqa: E402
 from pipezero.pipe.fused_loss import HeadLogits  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
 from pipezero.precision import MasterWeights  # noqa: E402
@@ -96,17 +100,23 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
     low = device.type == "cuda"
     dtype = torch.bfloat16 if low else torch.float32
     masters = "bf16 model, fp32 masters" if low else "fp32"
+    if args.float8:
+        fp8_here = name.startswith(("pipe-", "torch-", "pipezero-1", "pipezero-2", "pipezero-3"))
+        masters += f", fp8 {args.float8}" if fp8_here else ", no fp8 here"
     suffix = next((s for s in ("-fast", "-compile", "-fused") if name.endswith(s)), "")
     name, compiled, fused = name.removesuffix(suffix), suffix in ("-fast", "-compile"), suffix in ("-fast", "-fused")
     if name.startswith("pipe-"):
         return _pipeline(name[5:], args, cfg, device, dtype, masters, compiled, fused)
     if name.startswith("torch-"):
-        return _plain(cfg, device, dtype, masters, compiled=name == "torch-compiled", mode=args.compile_mode)
+        return _plain(cfg, device, dtype, masters, compiled=name == "torch-compiled", mode=args.compile_mode,
+                      float8=args.float8)
     if name == "pipezero-initialize":
         return _initialize(args, cfg, device, dtype, masters)
     if name.startswith("pipezero-"):
         stage = int(name[-1])
         model = _hf_model(cfg, device, dtype)
+        if args.float8:  # as build(model=..., float8=...) does: before the optimizer and compile
+            to_float8(model.model.layers, Float8Config(recipe=args.float8), device)
         zero = ZeroConfig(stage=stage, overlap_comm=True, reduce_every_microbatch=stage == 2,
                           stage3_param_persistence_threshold=10 * cfg.hidden_size)
         opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), module=model, config=zero)
@@ -128,7 +138,8 @@ def _pipeline(schedule: str, args, cfg, device, dtype, masters, compiled: bool =
     sched = make_schedule(schedule, args.accum * dist.get_world_size())
     model = PipelineModule(hf_layer_specs(cfg, fused_loss=fused), grid=grid, loss_fn=causal_lm_loss,
                            num_chunks=sched.num_chunks, placement=sched.placement, device=device,
-                           compile=CompileConfig(mode=args.compile_mode) if compiled else False).to(dtype)
+                           compile=CompileConfig(mode=args.compile_mode) if compiled else False,
+                           float8=Float8Config(recipe=args.float8) if args.float8 else None).to(dtype)
     opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=LR)) if dtype != torch.float32 \
         else torch.optim.AdamW(model.parameters(), lr=LR)
     runner = PipelineRunner(model, sched, optimizer=opt)
@@ -158,9 +169,16 @@ def _loss(model, x, y, fused: bool, loss_fn: Callable) -> torch.Tensor:
     return loss_fn(HeadLogits(hidden, model.lm_head.weight, model.lm_head.bias), y)
 
 
-def _plain(cfg, device, dtype, masters_note: str, compiled: bool, mode: str | None = None) -> Run:
-    """What a user writes without pipezero: bf16 model, fp32 masters by hand, AdamW, accumulation."""
+def _plain(cfg, device, dtype, masters_note: str, compiled: bool, mode: str | None = None,
+           float8: str | None = None) -> Run:
+    """What a user writes without pipezero: bf16 model, fp32 masters by hand, AdamW, accumulation
+    (float8: each decoder layer through torchao's conversion, before compiling it)."""
     model = _hf_model(cfg, device, dtype)
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        for layer in model.model.layers:
+            convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name(float8))
     if compiled:
         for layer in model.model.layers:
             layer.compile(mode=mode)
@@ -399,6 +417,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29731)
     parser.add_argument("--compile-mode", default=None, help="torch.compile's mode for every compiled run, the "
                         "plain one's too (e.g. max-autotune-no-cudagraphs)")
+    parser.add_argument("--float8", default=None, choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+                        help="the decoder layers' Linears in fp8 with this torchao recipe (see the docstring)")
     parser.add_argument("--profile", default=None, help="a folder: one more step of each run under torch.profiler "
                         "(bench/profiling.py writes hf-<run>.txt there)")
     args = parser.parse_args()

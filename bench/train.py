@@ -13,7 +13,8 @@ ratio to DDP (below 1 is slower). On one GPU (`--runs`, bf16): plain PyTorch (fp
 under bf16 autocast, AdamW; eager, and each Block `torch.compile`d) beside pipezero's ZeRO-1
 (a bf16 model with fp32 masters; eager, and `-fast`: compiled Blocks, pipe/compile.py, and the
 fused head + loss, pipe/fused_loss.py), with MFU (6N + 12 L d s FLOPs per token, 989 TFLOP/s)
-and peak memory.
+and peak memory. `--float8 RECIPE`: every run's Blocks' Linears in fp8 (torchao; MFU still counts
+against the bf16 peak, as the tokens/s a user sees).
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def _ddp_steps(args, cfg: GPTConfig, device, compiled: bool = False, label: str 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = GPT(cfg).to(device)
+    if args.float8:  # what a plain-PyTorch user writes for fp8: torchao's conversion of each Block
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        for layer in model.layers[1:-2]:
+            convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name(args.float8))
     if compiled:
         for layer in model.layers[1:-2]:  # the Blocks
             layer.compile(mode=args.compile_mode)
@@ -66,9 +72,12 @@ def _ddp_steps(args, cfg: GPTConfig, device, compiled: bool = False, label: str 
             sl = slice(m * micro, (m + 1) * micro)
             ctx = ddp.no_sync() if m < args.micro_batches - 1 else _null()
             with ctx, autocast:
-                (gpt_loss(ddp(x[sl]), y[sl]) / args.micro_batches).backward()
+                loss = gpt_loss(ddp(x[sl]), y[sl]) / args.micro_batches
+            loss.backward()
+            total = loss.detach() if m == 0 else total + loss.detach()
         opt.step()
         opt.zero_grad()
+        return total
     return _timed(args, cfg, device, one_step, label)
 
 
@@ -84,30 +93,37 @@ def _pipezero_steps(args, cfg: GPTConfig, device, pipe: int, stage: int = 2, com
     if args.runs and device.type == "cuda":
         config.update(bf16={"enabled": True}, gradient_clipping=0.0)
     from pipezero.pipe.compile import CompileConfig
+    from pipezero.pipe.float8 import Float8Config
 
     compile = CompileConfig(mode=args.compile_mode) if compiled else False
-    parts = build(config, specs=gpt_specs(cfg, fused_loss=fused), loss_fn=gpt_loss, device=device, compile=compile)
+    float8 = Float8Config(recipe=args.float8) if args.float8 else None
+    parts = build(config, specs=gpt_specs(cfg, fused_loss=fused), loss_fn=gpt_loss, device=device, compile=compile,
+                  float8=float8)
     per_rank = args.global_batch // data
     r = parts.grid.data_rank
 
     def one_step(x, y) -> None:
-        parts.runner.train_step(x[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank])
+        loss = parts.runner.train_step(x[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank])
         parts.optimizer.step()
         parts.optimizer.zero_grad()
+        return loss
     return _timed(args, cfg, device, one_step, label)
 
 
 def _timed(args, cfg: GPTConfig, device, one_step, label: str) -> list[float]:
-    """Seconds of each of args.steps steps (one_step(x, y) on that step's global batch); then, with
-    --profile, one more step under torch.profiler (bench/profiling.py)."""
+    """Seconds of each of args.steps steps (one_step(x, y) on that step's global batch, returning its
+    loss: rank 0 prints the last, fp8 beside bf16's); then, with --profile, one more step under
+    torch.profiler (bench/profiling.py)."""
     times = []
     for step in range(args.steps):
         x, y = _batch(step, args.global_batch, cfg.seq_len, device)
         _sync(device)
         t0 = time.perf_counter()
-        one_step(x, y)
+        loss = one_step(x, y)
         _sync(device)
         times.append(time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        print(f"{label}: loss {float(loss):.5f} after step {args.steps} (its rank's micro-batches)", flush=True)
     with profiled(args.profile, f"train-{label}"):
         one_step(*_batch(args.steps, args.global_batch, cfg.seq_len, device))
     return times
@@ -186,6 +202,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--float8", default=None, choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+                   help="every run's Blocks' Linears in fp8 with this torchao recipe (plain runs: torchao's "
+                   "conversion by hand; pipezero: build(float8=...))")
     p.add_argument("--compile-mode", default=None, help="torch.compile's mode for every compiled run, the plain "
                    "one's too (e.g. max-autotune-no-cudagraphs)")
     p.add_argument("--profile", default=None, help="a folder: one more step of each run under torch.profiler "
@@ -205,7 +224,7 @@ def main() -> None:
     base = statistics.median(first[args.warmup:]) if first else float("nan")
     print(f"GPT {args.layers} layers x d {args.d_model}, seq {args.seq_len}, vocab {args.vocab}, global batch "
           f"{args.global_batch} in {args.micro_batches} micro-batches, {args.world} x {args.device}, median of "
-          f"{args.steps - args.warmup}")
+          f"{args.steps - args.warmup}" + (f", the Blocks' Linears in fp8 ({args.float8})" if args.float8 else ""))
     print(f"| variant | step ms | tokens/s | vs {next(iter(results), '-')} | MFU | peak MiB |")
     print("|---|---|---|---|---|---|")
     for name, times in results.items():

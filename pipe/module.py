@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from pipezero.comm import all_reduce_coalesced, mark_replica
 from pipezero.pipe.compile import CompileConfig, compile_layers, compile_loss, repeated_classes
 from pipezero.pipe.deferred_linear import defer_linear_weights
+from pipezero.pipe.float8 import Float8Config, check_float8, to_float8
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.schedule.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.shared_layers import check_shared_layers
@@ -45,7 +46,8 @@ class PipelineModule(nn.Module):
     torch.compiles each repeated layer's forward and the loss for training (pipe/compile.py).
     `deferred_linear=True` builds the plain nn.Linear layers as DeferringLinear: under a schedule
     that splits backward their weight GEMMs run in W (pipe/deferred_linear.py); False leaves
-    them to torch's graph split (pipe/split_backward.py).
+    them to torch's graph split (pipe/split_backward.py). `float8` (True or a Float8Config; default off)
+    trains the repeated layers' Linears in fp8 through torchao (pipe/float8.py).
     """
 
     def __init__(self, layers: Sequence[Any], grid: Grid, loss_fn: Callable | None = None,
@@ -53,7 +55,7 @@ class PipelineModule(nn.Module):
                  activation_checkpoint_interval: int = 0, placement: str = "looped",
                  seed: int = 0, device: torch.device | str | None = None,
                  tensor_plan: PlanSource | None = None, compile: CompileConfig | bool | None = None,
-                 deferred_linear: bool = True):
+                 deferred_linear: bool = True, float8: Float8Config | bool | None = None):
         super().__init__()
         _check_args(layers, num_chunks, activation_checkpoint_interval, placement, deferred_linear)
         self.grid, self.loss_fn, self.placement = grid, loss_fn, placement
@@ -62,6 +64,9 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.seed, self.tensor_plan, self.deferred_linear = seed, tensor_plan, deferred_linear
         self.device = torch.device(device) if device is not None else process_device()
+        self.float8_config = Float8Config.of(float8)
+        if self.float8_config is not None:  # on every rank, before any collective
+            check_float8(self.float8_config, self.device, grid.tensor_size)
         self._specs = list(layers)
         ranks = [owner(stage, self.num_stages, placement)[0] for stage in range(self.num_virtual_stages)]
         self.bounds = partition(self._specs, self.num_virtual_stages, partition_method, ranks)
@@ -78,6 +83,9 @@ class PipelineModule(nn.Module):
         self._make_tie_groups()
         if grid.tensor_size > 1:
             mark_tensor_duplicates(self, grid.tensor_rank)
+        if self.float8_config is not None:  # before the Linears become DeferringLinear and compile
+            blocks = [m for m in self.layers.values() if type(m) in repeated_classes(self._specs)]
+            to_float8(blocks, self.float8_config, self.device)
         if deferred_linear:
             defer_linear_weights(self)
         self.compile_config = CompileConfig.of(compile, self.device, grid.tensor_size)  # None: on CUDA

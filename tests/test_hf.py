@@ -234,6 +234,17 @@ def test_unsupported_architecture_is_named():
         hf_layer_specs({"hidden_size": 32})
 
 
+def test_an_older_transformers_is_named_with_the_fix():
+    """transformers 5.17 (a GPU image's) failed in a layer's first call with "unexpected keyword argument
+    'cache'"; now the layer's construction names the version and the upgrade."""
+    from pipezero.pipe.hf.layer_inputs import check_transformers
+
+    with pytest.raises(ImportError, match=r"transformers 5\.17\.0 is older .*\(5\.24\): pip install -U"):
+        check_transformers("5.17.0")
+    for fine in (transformers.__version__, "5.24.0", "6.0.0.dev0", "git-main"):
+        check_transformers(fine)
+
+
 def _gpt2_tensor_plan() -> str:
     grid = Grid(pipe=1, tensor=2)
     try:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from pipezero.pipe.compile import CompileConfig, compile_layers, model_blocks
+from pipezero.pipe.float8 import Float8Config, check_float8, to_float8
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
@@ -89,7 +90,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
           loss_fn: Callable | None = None, hidden_size: int | None = None, seed: int = 0,
           device: torch.device | str | None = None, optimizer: torch.optim.Optimizer | None = None,
           tensor: int = 1, tensor_plan: Any = None, auto_values: Mapping[str, Any] | None = None,
-          compile: Any = None) -> Parts:
+          compile: Any = None, float8: Any = None) -> Parts:
     """Config + layer specs (a pipeline) or a model (no pipeline) -> Parts.
 
     `config` is a ds_config path, dict or an already parsed TrainConfig (for the world size
@@ -101,6 +102,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     `compile` (True, False or a pipe.compile.CompileConfig; default: ds_config "compile", else
     PipelineModule's default: on CUDA without tensor parallelism) compiles each repeated pipeline layer
     and the loss, or with model= the model's repeated blocks (pipe/compile.py, model_blocks).
+    `float8` (True or a pipe.float8.Float8Config; default off) trains those blocks' Linears in fp8
+    through torchao (pipe/float8.py).
     """
     if hidden_size is None and isinstance(model, nn.Module):
         hidden_size = model_width(model)
@@ -111,6 +114,9 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                          "tensor_plan=, e.g. gpt_tensor_plan()), or tensor=1 with model=")
     dev = torch.device(device) if device is not None else process_device()  # the process group's device
     dtype = resolve_precision(cfg.compute_dtype, dev)
+    fp8 = Float8Config.of(float8)
+    if fp8 is not None:
+        check_float8(fp8, dev, tensor)
     init_distributed()
     grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=tensor)
     schedule = None
@@ -120,9 +126,11 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                                 num_chunks=cfg.pipeline.chunks, placement=schedule.placement,
                                 activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
                                 seed=seed, device=dev, tensor_plan=tensor_plan,
-                                compile=cfg.compile if compile is None else compile)
+                                compile=cfg.compile if compile is None else compile, float8=fp8)
     else:
         module = model.to(dev)
+        if fp8 is not None:  # before compiling: the compiled blocks trace the fp8 Linears
+            to_float8(model_blocks(module), fp8, dev)
         _compile_blocks(module, CompileConfig.of(cfg.compile if compile is None else compile, dev))
     module.to(dtype)
     inner = optimizer if optimizer is not None else build_optimizer(

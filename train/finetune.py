@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pipezero.pipe import schedule_names
+from pipezero.pipe.float8 import RECIPES, Float8Config
 from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
 from pipezero.train.build import Parts, build
 from pipezero.train.checkpoint import prune_checkpoints
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule", default=None, choices=schedule_names())
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--float8", default=None, choices=RECIPES,
+                   help="the decoder layers' Linears in fp8 with this torchao recipe (a GPU of compute capability 8.9+)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4)")
     p.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per data rank (default 1)")
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> float:
     ckpt_dir = Path(args.out) / "checkpoints"
     cfg = train_config(args, saved_batch(ckpt_dir), model_config.hidden_size)
     parts = build(cfg, specs=specs, loss_fn=token_mean_loss, hidden_size=model_config.hidden_size,
-                  tensor=args.tensor, tensor_plan=hf_tensor_plan() if args.tensor > 1 else None)
+                  tensor=args.tensor, tensor_plan=hf_tensor_plan() if args.tensor > 1 else None,
+                  float8=Float8Config(recipe=args.float8) if args.float8 else None)
     train, val = batches(args, parts, corpus, pad_id)
     meta = resume_if_any(parts, ckpt_dir)
     start = 0 if meta is None else meta["step"]

@@ -16,7 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["MASKS", "PerMicroBatch", "mask_builder", "mask_kind"]
+__all__ = ["MASKS", "MIN_TRANSFORMERS", "PerMicroBatch", "check_transformers", "mask_builder", "mask_kind"]
+
+MIN_TRANSFORMERS = (5, 24)  # pyproject's hf extra: the mask builders' keyword `cache=` (5.17 named it otherwise)
 
 
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
@@ -34,9 +36,23 @@ def mask_kind(config: Any, index: int) -> str:
 def mask_builder(kind: str) -> Callable:
     """transformers.masking_utils' builder of the masks of `kind` (imported on first use: transformers
     is an optional extra)."""
+    import transformers
     from transformers import masking_utils
 
+    check_transformers(transformers.__version__)
     return getattr(masking_utils, MASKS[kind])
+
+
+def check_transformers(version: str) -> None:
+    """An older transformers fails deep inside a layer's first call: name the version and the fix now."""
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:  # a development build ("5.25.0.dev0" parses; anything stranger is let through)
+        return
+    if found < MIN_TRANSFORMERS:
+        want = ".".join(map(str, MIN_TRANSFORMERS))
+        raise ImportError(f"transformers {version} is older than pipezero's Hugging Face layers need ({want}): "
+                          f"pip install -U 'transformers>={want}' (or pip install -U 'pipezero[hf]')")
 
 
 class PerMicroBatch:

@@ -36,6 +36,7 @@ import torch
 from pipezero.comm import TRAFFIC, is_peer_lost
 from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names
 from pipezero.pipe import simulate, to_image, to_png, to_text
+from pipezero.pipe.float8 import RECIPES, Float8Config
 from pipezero.pipe.schedule.timeline import chrome_trace, gather_events
 from pipezero.precision import LossScaler, global_grad_norm
 from pipezero.topology import Grid, process_device
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> float:
     model = PipelineModule(gpt_specs(gpt), grid, loss_fn=gpt_loss, num_chunks=cfg.pipeline.chunks,
                            placement=schedule.placement, partition_method=cfg.pipeline.partition_method,
                            activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
-                           device=device, tensor_plan=gpt_tensor_plan()).to(cfg.compute_dtype)
+                           device=device, tensor_plan=gpt_tensor_plan(),
+                           float8=Float8Config(recipe=args.float8) if args.float8 else None).to(cfg.compute_dtype)
     adamw = build_optimizer(cfg.optimizer, model.parameters())     # torch AdamW: the config's lr, betas, decay
     scaler = LossScaler.from_config(adamw, cfg.precision.scaler)   # fp16 loss scale, inf/nan skips, clipping
     opt = ZeroOptimizer(scaler, group=grid.data_group, config=cfg.zero,
@@ -113,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's, else 2")
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"], help="default: the config's, else fp32")
+    p.add_argument("--float8", default=None, choices=RECIPES,
+                   help="the Blocks' Linears in fp8 with this torchao recipe (a GPU of compute capability 8.9+)")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--micro-batches", type=_positive, default=None, help="micro-batches per step (default 4)")
     p.add_argument("--batch-size", type=_positive, default=None,
