@@ -111,5 +111,5 @@ def check_float8(config: Float8Config, device: torch.device, tensor_size: int = 
     if capability is None or capability < MIN_CAPABILITY:
         found = f"compute capability {capability[0]}.{capability[1]}" if capability else f"device {device.type}"
         raise ValueError(f"float8 needs a GPU of compute capability 8.9+ (H100, H200, L4, RTX 4090) for fp8 "
-                         f"GEMMs; this process has {found}: pass float8=False, or "
+                         f"GEMMs; this process has {found}: pass float8=False (drop --float8), or "
                          "Float8Config(emulate=True) to run fp8's rounding without fp8 GEMMs")
