@@ -103,7 +103,7 @@ def test_float8_pipeline_trains_as_torchaos_one_process_model(world, pipe, stage
 
 
 def test_fp8_changes_the_numbers():
-    """The parity above cannot pass by accident: fp8's rounding moves the loss off the bf16-free model's."""
+    """The parity above cannot pass by accident: fp8's rounding moves the loss off the fp32 model's."""
     torch.manual_seed(0)
     plain = GPT(CFG)
     fp8 = GPT(CFG)
@@ -115,15 +115,18 @@ def test_fp8_changes_the_numbers():
 
 
 def test_which_linears_train_in_fp8():
-    """The Blocks' Linears whose sides are multiples of 16; not a block's odd-width Linear, not the head,
-    not a Linear subclass; the parameters (objects and names) are the ones the layers had."""
+    """The Blocks' Linears whose sides are multiples of 16; not a block's odd-width Linear, not a Linear
+    subclass (its own forward); the parameters (objects and names) are the ones the layers had."""
+    class Own(nn.Linear):
+        pass
+
     blocks = [Block(CFG, i) for i in range(2)]
-    odd = nn.Sequential(nn.Linear(32, 24), nn.Linear(32, 32))
+    odd = nn.Sequential(nn.Linear(32, 24), nn.Linear(32, 32), Own(32, 32))
     before = [dict(b.named_parameters()) for b in blocks]
     names = [sorted(n for n, _ in b.named_parameters()) for b in blocks]
     assert len(float8_linears(blocks + [odd])) == 4 * 2 + 1
     assert to_float8(blocks + [odd], EMULATED, torch.device("cpu")) == 9
-    assert [type(m).__name__ for m in odd] == ["Linear", "Float8Linear"]
+    assert [type(m).__name__ for m in odd] == ["Linear", "Float8Linear", "Own"]
     assert [sorted(n for n, _ in b.named_parameters()) for b in blocks] == names
     assert all(p is was[n] for b, was in zip(blocks, before) for n, p in b.named_parameters())
     lone = nn.Linear(32, 32)
@@ -160,14 +163,14 @@ def test_missing_torchao_names_the_extra(monkeypatch):
         check_float8(EMULATED, torch.device("cpu"))
 
 
-def _build_model_steps(float8: bool) -> list[float]:
+def _build_model_steps() -> list[float]:
     from pipezero.train.build import build
 
     torch.manual_seed(0)
     model = GPT(CFG)
     config = {"train_batch_size": BATCH, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "optimizer": {"type": "Adam", "params": {"lr": LR, "eps": EPS}}, "zero_optimization": {"stage": 2}}
-    parts = build(config, model=model, compile=False, float8=EMULATED if float8 else None)
+    parts = build(config, model=model, compile=False, float8=EMULATED)
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     losses = []
     for step in range(STEPS):
@@ -183,6 +186,6 @@ def _build_model_steps(float8: bool) -> list[float]:
 def test_build_with_a_model_trains_its_blocks_in_fp8():
     """build(model=..., float8=...) converts model_blocks' Linears (the GPT's Blocks) and trains as
     torchao's one-process conversion (one rank, one micro-batch a step: the reference's cut)."""
-    converted, *losses = run(_build_model_steps, 1, True)[0]
+    converted, *losses = run(_build_model_steps, 1)[0]
     assert converted == 4 * CFG.n_layer
     torch.testing.assert_close(losses, _truth(1)[0], rtol=1e-5, atol=1e-5)
