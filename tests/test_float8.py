@@ -163,29 +163,38 @@ def test_missing_torchao_names_the_extra(monkeypatch):
         check_float8(EMULATED, torch.device("cpu"))
 
 
-def _build_model_steps() -> list[float]:
+def _model_steps(via: str) -> list[float]:
+    """The one-process GPT through build(model=...) or initialize(model=...) with float8."""
+    from pipezero.train import initialize
     from pipezero.train.build import build
 
-    torch.manual_seed(0)
     model = GPT(CFG)
     config = {"train_batch_size": BATCH, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "optimizer": {"type": "Adam", "params": {"lr": LR, "eps": EPS}}, "zero_optimization": {"stage": 2}}
-    parts = build(config, model=model, compile=False, float8=EMULATED)
+    if via == "build":
+        parts = build(config, model=model, compile=False, float8=EMULATED)
+        forward, backward, step = parts.module, parts.optimizer.backward, parts.optimizer.step
+    else:  # the DeepSpeed-shaped loop; ds_config has no fp8 key: the keyword
+        engine, *_ = initialize(model=model, model_parameters=model.parameters(),
+                                config={**config, "compile": {"enabled": False}}, float8=EMULATED)
+        forward, backward, step = engine, engine.backward, engine.step
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     losses = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        loss = gpt_loss(parts.module(x), y)
-        parts.optimizer.backward(loss)
-        parts.optimizer.step()
-        parts.optimizer.zero_grad()
+    for s in range(STEPS):
+        x, y = _batch(s)
+        loss = gpt_loss(forward(x), y)
+        backward(loss)
+        step()
+        if via == "build":
+            parts.optimizer.zero_grad()
         losses.append(loss.item())
     return [converted] + losses
 
 
-def test_build_with_a_model_trains_its_blocks_in_fp8():
-    """build(model=..., float8=...) converts model_blocks' Linears (the GPT's Blocks) and trains as
-    torchao's one-process conversion (one rank, one micro-batch a step: the reference's cut)."""
-    converted, *losses = run(_build_model_steps, 1)[0]
+@pytest.mark.parametrize("via", ["build", "initialize"])
+def test_a_whole_model_trains_its_blocks_in_fp8(via):
+    """build(model=..., float8=...) and initialize(..., float8=...) convert model_blocks' Linears (the
+    GPT's Blocks) and train as torchao's one-process conversion (one micro-batch a step: the reference's cut)."""
+    converted, *losses = run(_model_steps, 1, via)[0]
     assert converted == 4 * CFG.n_layer
     torch.testing.assert_close(losses, _truth(1)[0], rtol=1e-5, atol=1e-5)

@@ -179,7 +179,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
                dist_init_required: bool | None = None, collate_fn: Any = None,
                config: str | os.PathLike | Mapping[str, Any] | TrainConfig | None = None,
                mesh_param: Any = None, config_params: Any = None, *, hidden_size: int | None = None,
-               auto_values: Mapping[str, Any] | None = None) -> tuple[Engine, Any, Any, Any]:
+               auto_values: Mapping[str, Any] | None = None, float8: Any = None) -> tuple[Engine, Any, Any, Any]:
     """(engine, optimizer chain, data loader, lr scheduler), like deepspeed.initialize, with its arguments.
 
     The optimizer is yours if given, else the config's "optimizer" section over
@@ -192,6 +192,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
     `config`; `distributed_port` and `dist_init_required` are accepted (torchrun's environment
     starts the process group). `hidden_size` resolves "auto" ZeRO sizes (read off the model by
     default, `build.model_width`); `auto_values` any other Hugging Face "auto" (see parse_config).
+    `float8` (True or a pipe.float8.Float8Config; pipezero's own, no ds_config key) trains the
+    model's repeated blocks' Linears in fp8 (build's).
     A model wrapped in DistributedDataParallel is unwrapped: the optimizer chain reduces gradients
     itself (DDP's would reduce them a second time).
     """
@@ -208,7 +210,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torc
                       auto_values=auto_values)
         optimizer = build_optimizer(cfg.optimizer or OptimizerConfig(), model_parameters)
         config = cfg
-    parts = build(config, model=model, hidden_size=hidden_size, optimizer=optimizer, auto_values=auto_values)
+    parts = build(config, model=model, hidden_size=hidden_size, optimizer=optimizer, auto_values=auto_values,
+                  float8=float8)
     if lr_scheduler is not None:
         parts.scheduler = _client_scheduler(lr_scheduler, parts)
     engine = Engine(parts)
