@@ -124,10 +124,12 @@ def test_which_linears_train_in_fp8():
     odd = nn.Sequential(nn.Linear(32, 24), nn.Linear(32, 32), Own(32, 32))
     before = [dict(b.named_parameters()) for b in blocks]
     names = [sorted(n for n, _ in b.named_parameters()) for b in blocks]
+    keys = [list(b.state_dict()) for b in blocks]  # what checkpoints and exports save
     assert len(float8_linears(blocks + [odd])) == 4 * 2 + 1
     assert to_float8(blocks + [odd], EMULATED, torch.device("cpu")) == 9
     assert [type(m).__name__ for m in odd] == ["Linear", "Float8Linear", "Own"]
     assert [sorted(n for n, _ in b.named_parameters()) for b in blocks] == names
+    assert [list(b.state_dict()) for b in blocks] == keys
     assert all(p is was[n] for b, was in zip(blocks, before) for n, p in b.named_parameters())
     lone = nn.Linear(32, 32)
     assert float8_linears([lone]) == []  # a bare Linear block is swapped by its parent, not here
