@@ -66,9 +66,13 @@ def float8_linears(blocks: Iterable[nn.Module]) -> list[nn.Linear]:
     found: dict[int, nn.Linear] = {}
     for block in blocks:
         for m in block.modules():
-            if m is not block and type(m) is nn.Linear and m.in_features % ALIGNMENT == 0 and m.out_features % ALIGNMENT == 0:
+            if m is not block and type(m) is nn.Linear and _aligned(m):
                 found.setdefault(id(m), m)
     return list(found.values())
+
+
+def _aligned(linear: nn.Linear) -> bool:
+    return linear.in_features % ALIGNMENT == 0 and linear.out_features % ALIGNMENT == 0
 
 
 def to_float8(blocks: Iterable[nn.Module], config: Float8Config, device: torch.device,
