@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"])
     p.add_argument("--float8", default=None, choices=RECIPES,
-                   help="the decoder layers' Linears in fp8 with this torchao recipe (a GPU of compute capability 8.9+)")
+                   help="the decoder layers' Linears in fp8 with this torchao recipe (compute capability 8.9+)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4)")
     p.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per data rank (default 1)")
