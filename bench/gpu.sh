@@ -3,7 +3,7 @@
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
-#                      tp-dispatch|attention|float8|float8-more ...]
+#                      tp-dispatch|attention|float8|float8-more|float8-init ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -108,6 +108,10 @@ for w in $what; do
                  run float8-gpt-rowwise 300 python3 bench/train.py --device cuda --world 1 "${gpt[@]/--seq/--seq-len}" \
                    --global-batch 32 --micro-batches 8 --steps 5 --warmup 2 --runs torch-compiled pipezero-1-compile \
                    --float8 rowwise ;;
+    float8-init) for f in "" "--float8 tensorwise"; do  # the DeepSpeed-shaped loop (initialize) in fp8 beside bf16
+                   run "float8-init${f:+-fp8}" 300 python3 bench/hf.py --device cuda --nproc 1 --steps 3 \
+                     --runs torch-compiled pipezero-initialize $f
+                 done ;;
     speed-more) run speed-hf-init 420 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
                   pipezero-initialize pipe-1f1b-compile deepspeed-1 ;;  # issue 31: the DeepSpeed-shaped loop beside
                 # DeepSpeed's (carry its wheel, built with DS_BUILD_OPS=0, and its dependencies in .whl)

@@ -26,8 +26,8 @@ same tokens per step, one run after the other in the same processes:
                    since DeepSpeed's CPU accelerator first compiles its shared-memory comm kernel, minutes, once)
   fsdp2            fully_shard on every decoder layer and the root, bf16 params, fp32 reduce
 `--float8 RECIPE` trains the decoder layers' Linears in fp8: torchao's conversion by hand in the
-torch-* runs (what a plain-PyTorch user writes), float8= (pipe/float8.py) in the pipe-* and
-pipezero-S runs; the others stay bf16 (their precision column says so).
+torch-* runs (what a plain-PyTorch user writes), float8= (pipe/float8.py) in the pipe-*, pipezero-S
+and pipezero-initialize runs; the others stay bf16 (their precision column says so).
 Prints ms per step, tokens/s, MFU (CUDA: 6N + 12 L h s FLOPs per token over the H200's 989
 TFLOP/s dense bf16) and (CUDA) peak allocated memory per rank. Precision on CUDA:
 a bf16 model with fp32 masters for pipezero and DeepSpeed, fp32 weights with bf16 compute for
@@ -101,7 +101,7 @@ def build(name: str, args, cfg, device: torch.device) -> Run:
     dtype = torch.bfloat16 if low else torch.float32
     masters = "bf16 model, fp32 masters" if low else "fp32"
     if args.float8:
-        fp8_here = name.startswith(("pipe-", "torch-", "pipezero-1", "pipezero-2", "pipezero-3"))
+        fp8_here = name.startswith(("pipe-", "torch-", "pipezero-1", "pipezero-2", "pipezero-3", "pipezero-init"))
         masters += f", fp8 {args.float8}" if fp8_here else ", no fp8 here"
     suffix = next((s for s in ("-fast", "-compile", "-fused") if name.endswith(s)), "")
     name, compiled, fused = name.removesuffix(suffix), suffix in ("-fast", "-compile"), suffix in ("-fast", "-fused")
@@ -218,7 +218,8 @@ def _initialize(args, cfg, device, dtype, masters) -> Run:
 
     model = _hf_model(cfg, device, torch.float32)
     engine, *_ = initialize(model=model, model_parameters=model.parameters(),
-                            config=_ds_config(args, 1, dtype == torch.bfloat16))
+                            config=_ds_config(args, 1, dtype == torch.bfloat16),
+                            float8=Float8Config(recipe=args.float8) if args.float8 else None)
 
     def step(batches: list) -> None:  # the engine divides by the accumulation itself, as DeepSpeed's
         for x, y in batches:
