@@ -83,14 +83,14 @@ class PipelineModule(nn.Module):
         self._make_tie_groups()
         if grid.tensor_size > 1:
             mark_tensor_duplicates(self, grid.tensor_rank)
+        repeated = repeated_classes(self._specs)  # the blocks: what fp8 converts and compile compiles
         if self.float8_config is not None:  # before the Linears become DeferringLinear and compile
-            blocks = [m for m in self.layers.values() if type(m) in repeated_classes(self._specs)]
-            to_float8(blocks, self.float8_config, self.device)
+            to_float8([m for m in self.layers.values() if type(m) in repeated], self.float8_config, self.device)
         if deferred_linear:
             defer_linear_weights(self)
         self.compile_config = CompileConfig.of(compile, self.device, grid.tensor_size)  # None: on CUDA
         if self.compile_config is not None:
-            compile_layers(self.layers.values(), self.compile_config, repeated_classes(self._specs))
+            compile_layers(self.layers.values(), self.compile_config, repeated)
             if loss_fn is not None and self.num_virtual_stages - 1 in self.stage_ids:
                 self.loss_fn = compile_loss(loss_fn, self.compile_config)
 

@@ -175,8 +175,12 @@ def _model_steps(via: str) -> list[float]:
               "optimizer": {"type": "Adam", "params": {"lr": LR, "eps": EPS}}, "zero_optimization": {"stage": 2}}
     if via == "build":
         parts = build(config, model=model, compile=False, float8=EMULATED)
-        forward, backward, step = parts.module, parts.optimizer.backward, parts.optimizer.step
-    else:  # the DeepSpeed-shaped loop; ds_config has no fp8 key: the keyword
+        forward, backward = parts.module, parts.optimizer.backward
+
+        def step() -> None:
+            parts.optimizer.step()
+            parts.optimizer.zero_grad()
+    else:  # the DeepSpeed-shaped loop (its step clears the gradients); ds_config has no fp8 key: the keyword
         engine, *_ = initialize(model=model, model_parameters=model.parameters(),
                                 config={**config, "compile": {"enabled": False}}, float8=EMULATED)
         forward, backward, step = engine, engine.backward, engine.step
@@ -187,8 +191,6 @@ def _model_steps(via: str) -> list[float]:
         loss = gpt_loss(forward(x), y)
         backward(loss)
         step()
-        if via == "build":
-            parts.optimizer.zero_grad()
         losses.append(loss.item())
     return [converted] + losses
 

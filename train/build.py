@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from pipezero.pipe.compile import CompileConfig, compile_layers, model_blocks
-from pipezero.pipe.float8 import Float8Config, check_float8, to_float8
+from pipezero.pipe.float8 import Float8Config, to_float8
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
@@ -114,9 +114,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                          "tensor_plan=, e.g. gpt_tensor_plan()), or tensor=1 with model=")
     dev = torch.device(device) if device is not None else process_device()  # the process group's device
     dtype = resolve_precision(cfg.compute_dtype, dev)
-    fp8 = Float8Config.of(float8)
-    if fp8 is not None:
-        check_float8(fp8, dev, tensor)
+    fp8 = Float8Config.of(float8)  # checked where it converts (PipelineModule, to_float8), on every rank
     init_distributed()
     grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=tensor)
     schedule = None
