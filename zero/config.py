@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import torch
+
 from pipezero.checks import is_int
 from pipezero.config_fields import AUTO, ConfigError, Ignored, Section, Unsupported, warn_once
 
@@ -119,6 +121,19 @@ class ZeroConfig:
     """Stages 2-3: reduce-scatter every backward's gradients into the shard, even inside no_sync or
     a pipeline hold, so no whole gradient outlives its bucket (DeepSpeed ZeRO-2's behaviour; more
     reduce traffic, less memory). False: accumulate whole .grad until the final micro-batch."""
+    grad_accum_dtype: torch.dtype | None = None
+    """The dtype gradients are summed and reduced in between backward and step: torch.float32 under a
+    bf16/fp16 model sums every micro-batch's gradient into fp32 buckets (DeepSpeed's
+    data_types.grad_accum_dtype; its BF16_Optimizer at stages 0-1). None: the parameters' dtype.
+    What autograd itself accumulates before a gradient reaches its bucket (a tied weight held intact
+    by the pipeline, stages 2-3 inside no_sync or a hold without reduce_every_microbatch) is summed
+    in the parameters' dtype first. At stages 2-3 a wider dtype reduces every micro-batch (as
+    reduce_every_microbatch does), so the shard sums each reduced micro-batch in it, as DeepSpeed's
+    ZeRO-2/3 do."""
+    reduce_dtype: torch.dtype | None = None
+    """The dtype gradients are reduced in over the data group (DeepSpeed's communication_data_type):
+    a sum kept in fp32 is rounded to it for the collective and back. None: the parameters' dtype,
+    DeepSpeed's default."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -137,6 +152,10 @@ class ZeroConfig:
         if self.delayed_param_update and not self.offload_optimizer:
             raise ValueError("ZeroConfig(delayed_param_update=True, offload_optimizer=False): the delayed update "
                              "overlaps the CPU optimizer step; set offload_optimizer=True or leave it False")
+        for name in ("grad_accum_dtype", "reduce_dtype"):
+            if getattr(self, name) not in (None, torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"ZeroConfig({name}={getattr(self, name)!r}): expected torch.float32, "
+                                 "torch.bfloat16, torch.float16 or None (the parameters' dtype)")
         if self.offload_param and self.stage != 3:
             raise ValueError(f"ZeroConfig(offload_param=True, stage={self.stage}): parameter offload needs "
                              "stage 3; use offload_optimizer for stages 1-2")

@@ -1,8 +1,9 @@
 """One GradSync strategy per ZeRO stage: what a bucket's gradient buffer holds, and for how long.
 
-Reduced values stay in the model dtype until step() hands them to the fp32 masters, so
-between backward and step the model state takes the paper's 2+2+12 bytes per parameter,
-split as the stage says (ZeRO, Rajbhandari et al. 2020, section 5):
+Gradients are summed and reduced in the bucket's grad_dtype (the model dtype unless ZeroConfig's
+grad_accum_dtype widens it) until step() hands them to the fp32 masters, so between backward and
+step the model state takes the paper's 2+2+12 bytes per parameter (2+4+12 when bf16 gradients
+are summed in fp32), split as the stage says (ZeRO, Rajbhandari et al. 2020, section 5):
 
   0  ReplicatedSync       all-reduce (average) in place in a persistent full buffer;
                           .grad are views of it (as DDP's gradient buckets);
@@ -31,8 +32,12 @@ __all__ = ["PersistentShardSync", "ReplicatedSync", "TransientShardSync", "make_
 def make_grad_sync(buckets: list[Bucket], stage: int, group,
                    on_backward_done: Callable[[Bucket], None] | None = None, overlap: bool = True,
                    every_microbatch: bool = False, sink: GradSink | None = None) -> GradSync:
-    """The GradSync of a ZeRO stage (every_microbatch: stages 2-3 only, see TransientShardSync)."""
-    if stage == 0:
+    """The GradSync of a ZeRO stage (every_microbatch: stages 2-3 only, see TransientShardSync).
+
+    Stage 0 summing or reducing in another dtype than its parameters' cannot make .grad a view of
+    its buffer: it adds each gradient in, as stage 1 does (its buckets have one part, so the
+    reduction is the same all-reduce)."""
+    if stage == 0 and all(b.grad_dtype == b.reduce_dtype == b.dtype for b in buckets):
         return ReplicatedSync(buckets, group, on_backward_done, overlap, sink)
     if stage == 1:
         return PersistentShardSync(buckets, group, on_backward_done, overlap, sink)
@@ -50,7 +55,7 @@ class ReplicatedSync(GradSync):
                  overlap: bool = True, sink: GradSink | None = None):
         super().__init__(buckets, group, on_backward_done, overlap, sink)
         for b in buckets:
-            self._state[b].grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            self._state[b].grad = torch.zeros(b.padded, dtype=b.grad_dtype, device=b.device)
             self._point_grads(b)
         settle = _weak(self._settle)
         for b in buckets:
@@ -102,7 +107,7 @@ class PersistentShardSync(GradSync):
                  overlap: bool = True, sink: GradSink | None = None):
         super().__init__(buckets, group, on_backward_done, overlap, sink)
         for b in buckets:
-            self._state[b].grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            self._state[b].grad = torch.zeros(b.padded, dtype=b.grad_dtype, device=b.device)
 
     def _push(self, b: Bucket, i: int) -> None:
         self._add_local(b, i)
@@ -123,11 +128,13 @@ class PersistentShardSync(GradSync):
 
     def _keep(self, b: Bucket) -> None:
         st = self._state[b]
-        if b.parts > 1:       # a group of one reduced in place: the buffer already is the result
+        if b.parts > 1:
             b.owned(st.grad).copy_(st.out)
             st.grad[:b.part * b.shard_numel].zero_()
             st.grad[(b.part + 1) * b.shard_numel:].zero_()
             st.rescale = True
+        elif st.out is not st.grad:  # reduced in place, in reduce_dtype: back into the sum's dtype
+            st.grad.copy_(st.out)
         if self.sink is not None:
             self.sink.reduced(b, b.owned(st.grad), accumulate=False)
 
@@ -142,7 +149,9 @@ class PersistentShardSync(GradSync):
 
 class TransientShardSync(GradSync):
     """Stages 2-3: a full buffer only while a bucket is being filled and reduced; the owned
-    reduced values accumulate in a shard-sized buffer (or on the host, with a sink).
+    reduced values accumulate in a shard-sized buffer (or on the host, with a sink). Both buffers
+    are in the bucket's grad_dtype and the reduction in its reduce_dtype, as DeepSpeed's ZeRO-2/3
+    reduce each micro-batch in communication_data_type and sum the partitions in grad_accum_dtype.
 
     Inside no_sync / hold, whole .grad accumulate until the final micro-batch, unless
     `every_microbatch`: then every backward's gradients are pushed and reduce-scattered into
@@ -176,7 +185,7 @@ class TransientShardSync(GradSync):
     def _push(self, b: Bucket, i: int) -> None:
         st, p = self._state[b], b.params[i]
         if st.grad is None:   # a fresh buffer per round; each slot is written before launch
-            st.grad = torch.empty(b.padded, dtype=b.dtype, device=b.device)
+            st.grad = torch.empty(b.padded, dtype=b.grad_dtype, device=b.device)
             st.grad[b.numel:].zero_()
         if i in st.pushed:    # a second gradient before the bucket was reduced: add it
             self._add_local(b, i)
@@ -194,7 +203,7 @@ class TransientShardSync(GradSync):
         if self.sink is not None:                              # on the host (CPU offload)
             self.sink.reduced(b, st.out, accumulate=True)
         else:
-            st.shard = st.out if st.shard is None else st.shard.add_(st.out)
+            st.shard = st.out.to(b.grad_dtype) if st.shard is None else st.shard.add_(st.out)
         st.grad = None
 
     def _reduced(self, b: Bucket) -> torch.Tensor | None:

@@ -36,11 +36,12 @@ _MAX_IN_FLIGHT = 2  # bounded strategies: buckets whose reduction may be under w
 class _Pending:
     """Per-bucket progress in the current step window."""
 
-    grad: torch.Tensor | None = None     # full flat gradient buffer (model dtype)
+    grad: torch.Tensor | None = None     # full flat gradient buffer (the bucket's grad_dtype)
     pushed: set[int] | None = None       # parameter indices already in `grad` this round
     seen: set[int] | None = None         # parameter indices whose grad arrived this backward
     handle: Handle | None = None
     out: torch.Tensor | None = None      # where the reduction writes the owned values
+    sent: torch.Tensor | None = None     # what the reduction reads: `grad`, or its copy in reduce_dtype
     reduced: bool = False                # reduced at least once since the last step
     dirty: bool = False                  # local gradients added into `grad` since the last launch
     shard: torch.Tensor | None = None    # transient shards: the reduced owned values so far
@@ -192,7 +193,7 @@ class GradSync(ABC):
             st = self._state[b]
             st.pushed.clear()
             st.seen.clear()
-            st.reduced, st.rescale, st.dirty, st.out, st.shard = False, False, False, None, None
+            st.reduced, st.rescale, st.dirty, st.out, st.sent, st.shard = False, False, False, None, None, None
             self._reset(b)
 
     # -- what each strategy says ---------------------------------------------------------------
@@ -206,7 +207,7 @@ class GradSync(ABC):
 
     @abstractmethod
     def _reduced(self, b: Bucket) -> torch.Tensor | None:
-        """The reduced owned values for b's master (model dtype), None if nothing was reduced."""
+        """The reduced owned values for b's master (grad_dtype), None if nothing was reduced."""
 
     @abstractmethod
     def _reset(self, b: Bucket) -> None:
@@ -259,25 +260,26 @@ class GradSync(ABC):
             st.dirty = True
 
     def _launch(self, b: Bucket) -> None:
-        """Start b's reduction: average in place when b is replicated (stage 0 or a group of one),
-        else reduce-scatter into a new shard-sized `out`."""
+        """Start b's reduction in its reduce_dtype: average in place when b is replicated (stage 0 or a
+        group of one), else reduce-scatter into a new shard-sized `out`."""
         st = self._state[b]
+        st.sent = st.grad.to(b.reduce_dtype)  # the buffer itself when it already is in that dtype
         if b.parts == 1:
-            st.out = st.grad
-            st.handle = all_reduce(st.grad, group=self.group, average=True, async_op=True)
+            st.out = st.sent
+            st.handle = all_reduce(st.sent, group=self.group, average=True, async_op=True)
         else:
-            st.out = torch.empty(b.shard_numel, dtype=b.dtype, device=b.device)
-            st.handle = reduce_scatter(st.out, st.grad, group=self.group, average=True, async_op=True)
+            st.out = torch.empty(b.shard_numel, dtype=st.sent.dtype, device=b.device)
+            st.handle = reduce_scatter(st.out, st.sent, group=self.group, average=True, async_op=True)
         self._in_flight.append(b)
         while (self.bounded or self.sink is not None) and len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
 
     def _complete(self, b: Bucket) -> None:
-        """Wait for bucket b's reduction and keep the owned reduced values (model dtype)."""
+        """Wait for bucket b's reduction and keep the owned reduced values (grad_dtype)."""
         st = self._state[b]
         st.handle.wait()
         self._keep(b)
-        st.handle, st.out, st.reduced, st.dirty = None, None, True, False
+        st.handle, st.out, st.sent, st.reduced, st.dirty = None, None, None, True, False
         st.pushed.clear()
 
     def _hand_over(self, b: Bucket) -> None:

@@ -38,6 +38,21 @@ ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD"))
 
 
+def _set_grad_dtypes(buckets: list[Bucket], config: ZeroConfig) -> None:
+    """Every bucket sums its gradients in grad_accum_dtype (None: its parameters' own), never in a
+    narrower one, and reduces them in reduce_dtype."""
+    dtype = config.grad_accum_dtype
+    for b in buckets:
+        b.reduce_dtype = config.reduce_dtype or b.dtype
+        if dtype is None or dtype == b.dtype:
+            continue
+        if dtype != torch.float32:
+            raise ValueError(f"ZeroConfig(grad_accum_dtype={dtype}) is narrower than, or not comparable with, "
+                             f"parameters of dtype {b.dtype} ({b.params[0].shape}): every gradient would be "
+                             "rounded; use torch.float32 or None (the parameters' dtype)")
+        b.grad_dtype = dtype
+
+
 class ZeroOptimizer(ChainWrapper):
     """Partition optimizer state (1), gradients (2) and parameters (3) over a data-parallel group.
 
@@ -79,6 +94,7 @@ class ZeroOptimizer(ChainWrapper):
         self.buckets: list[Bucket] = plan_groups(
             self.param_groups, config.reduce_bucket_size, parts, self.rank if parts > 1 else 0,
             module if self.stage == 3 else None, threshold)
+        _set_grad_dtypes(self.buckets, config)
         self._check_same_layout()
         self._build(module)
         self._reduced = False        # the user called prepare_grads() since the last step
@@ -142,8 +158,14 @@ class ZeroOptimizer(ChainWrapper):
             if offload else None
         self._sync = make_grad_sync(self.buckets, self.stage, self.group, on_backward_done=done,
                                     overlap=self.config.overlap_comm,
-                                    every_microbatch=self.config.reduce_every_microbatch, sink=self._offload)
+                                    every_microbatch=self._reduce_every_microbatch(), sink=self._offload)
         self._unused = UnusedParams(self.buckets, self.group, self.world)
+
+    def _reduce_every_microbatch(self) -> bool:
+        """Stages 2-3 summing in a wider dtype reduce every micro-batch: a held whole .grad would sum in
+        the model dtype (see ZeroConfig.grad_accum_dtype)."""
+        wider = any(b.grad_dtype != b.dtype for b in self.buckets)
+        return self.config.reduce_every_microbatch or (self.stage >= 2 and wider)
 
     @classmethod
     def from_config(cls, inner: Any, cfg: Mapping[str, Any], group=None, module: nn.Module | None = None,

@@ -52,6 +52,8 @@ class Bucket:
     flat: torch.Tensor | None = None     # full parameters (model dtype); None while released
     local: torch.Tensor | None = None    # the owned slice (model dtype)
     master: nn.Parameter | None = None   # the owned slice as the inner optimizer sees it
+    grad_dtype: torch.dtype | None = None    # gradients are summed in it (None: the model dtype)
+    reduce_dtype: torch.dtype | None = None  # and reduced in it (None: the model dtype)
 
     def __post_init__(self) -> None:
         offset = 0
@@ -61,6 +63,8 @@ class Bucket:
             offset += local_tensor(p).numel()
         self.numel = offset
         self.padded = -(-offset // self.parts) * self.parts
+        self.grad_dtype = self.grad_dtype or self.dtype
+        self.reduce_dtype = self.reduce_dtype or self.dtype
 
     @property
     def shard_numel(self) -> int:

@@ -17,7 +17,8 @@ __all__ = ["TOP_KEYS", "TOP_RULES"]
 
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16",
-            "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline", "compile")  # compile: compile.py
+            "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline", "compile",  # compile: compile.py
+            "data_types", "communication_data_type")  # data_types.py
 
 
 def _off(value: Any) -> bool:
@@ -43,7 +44,6 @@ TOP_RULES = {
     "zero_force_ds_cpu_optimizer": Ignored("CPU offload steps torch's own optimizer", noop=_anything),
     "prescale_gradients": Ignored("gradients are averaged by the reduction itself", noop=False),
     "gradient_predivide_factor": Ignored("gradients are averaged by the reduction itself", noop=1.0),
-    "communication_data_type": Ignored("gradients are reduced in their own dtype", noop=None),
     "seq_parallel_communication_data_type": Ignored(_KNOB, noop=_anything),
     "gradient_allreduce_op": Unsupported("summing data-parallel gradients instead of averaging them",
                                          'set it to "mean"', noop="mean"),
@@ -58,7 +58,6 @@ TOP_RULES = {
     "checkpoint": Ignored("pipezero's checkpoints have their own manifest", noop=_off),
     "datastates_ckpt": Ignored("pipezero's checkpoints are written by train/checkpoint/files.py", noop=_off),
     "model_info": Ignored("only DeepSpeed's autotuner reads it", noop=_anything),
-    "data_types": Ignored("gradients accumulate in the fp32 masters", noop=_off),
     "log_level": Ignored(_KNOB, noop=_anything),
     "timers": Ignored(_KNOB, noop=_anything),
     "vocabulary_size": Ignored(_KNOB, noop=_anything),

@@ -2,7 +2,8 @@
 
 DeepSpeed users' configs are accepted with DeepSpeed 0.19.8's meaning. Each section has one
 reader, owned by the package that uses it: precision/ reads fp16/bf16 (`read_precision`), zero/
-reads zero_optimization (`ZeroConfig.from_dict`), and this module reads the rest (batch keys,
+reads zero_optimization (`ZeroConfig.from_dict`; data_types.py adds the dtypes gradients are summed
+and reduced in), and this module reads the rest (batch keys,
 gradient_clipping, optimizer, scheduler, tensorboard, steps_per_print, wall_clock_breakdown,
 pipezero's pipeline section) and sorts the top-level keys (keys.py). Hugging Face's
 "auto" values are resolved first, from what the caller knows (`auto_values`, `hidden_size`,
@@ -19,7 +20,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -31,6 +32,7 @@ from pipezero.train.config.auto import fill_auto
 from pipezero.pipe.compile import CompileConfig
 from pipezero.train.config.batch import BatchConfig, resolve_batch
 from pipezero.train.config.compile import read_compile
+from pipezero.train.config.data_types import read_grad_dtypes
 from pipezero.train.config.keys import TOP_KEYS, TOP_RULES
 from pipezero.train.config.optim import OptimizerConfig, SchedulerConfig
 from pipezero.zero.config import ZeroConfig
@@ -169,9 +171,12 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
     batch = resolve_batch(filled, world_size=world, pipe=pipeline.stages, tensor=tensor,
                           micro_batches=pipeline.micro_batches)
     clip = top.float("gradient_clipping", 1.0, lo=0.0)
+    precision = read_precision(filled, clip_grad_norm=clip)
+    accum, reduce = read_grad_dtypes(filled, precision.dtype)
+    zero = replace(ZeroConfig.from_dict(filled.get("zero_optimization"), hidden_size),
+                   grad_accum_dtype=accum, reduce_dtype=reduce)
     return TrainConfig(
-        batch=batch, precision=read_precision(filled, clip_grad_norm=clip),
-        zero=ZeroConfig.from_dict(filled.get("zero_optimization"), hidden_size),
+        batch=batch, precision=precision, zero=zero,
         pipeline=pipeline, tensorboard=TensorBoardConfig.parse(top.section("tensorboard", auto_default=True)),
         optimizer=OptimizerConfig.parse(top.section("optimizer")) if "optimizer" in filled else None,
         scheduler=SchedulerConfig.parse(top.section("scheduler")) if "scheduler" in filled else None,
