@@ -3,7 +3,7 @@
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
-#                      tp-dispatch|attention|float8|float8-more|float8-init ...]
+#                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -115,6 +115,16 @@ for w in $what; do
     speed-more) run speed-hf-init 420 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
                   pipezero-initialize pipe-1f1b-compile deepspeed-1 ;;  # issue 31: the DeepSpeed-shaped loop beside
                 # DeepSpeed's (carry its wheel, built with DS_BUILD_OPS=0, and its dependencies in .whl)
+    grad-sums-hf) run cuda-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_fused_loss.py -k cuda
+                  run grad-sums-hf 280 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
+                    pipezero-initialize deepspeed-1 pipe-1f1b-compile pipe-1f1b-fast  # bf16 gradients summed in bf16,
+                  run grad-sums-hf-fp32 200 python3 bench/hf.py --device cuda --nproc 1 --steps 3 \
+                    --grad-accum-dtype fp32 --runs pipezero-initialize deepspeed-1 ;;  # then in fp32 (ds_config
+                  # data_types); carry DeepSpeed's wheel and transformers 5.24 in .whl, as for speed-more
+    grad-sums-gpt) gpt_run=(python3 bench/train.py --device cuda --world 1 --layers 24 --d-model 2048 --heads 16
+                            --seq-len 2048 --vocab 32000 --global-batch 32 --micro-batches 8 --steps 5 --warmup 2)
+                   run grad-sums-gpt 280 "${gpt_run[@]}" --runs torch-compiled pipezero-1-compile pipezero-1-fast
+                   run grad-sums-gpt-fp32 200 "${gpt_run[@]}" --grad-accum-dtype fp32 --runs pipezero-1-compile ;;
     speed-profile) run speed-hf-profile 240 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
                      pipezero-1-compile pipe-1f1b-compile --profile "$out/prof"
                    run speed-gpt-profile 200 python3 bench/train.py --device cuda --world 1 "${gpt[@]/--seq/--seq-len}" \

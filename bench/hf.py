@@ -25,7 +25,8 @@ same tokens per step, one run after the other in the same processes:
                    (the deepspeed-* runs: when `import deepspeed` works; on CPU only when named in --runs,
                    since DeepSpeed's CPU accelerator first compiles its shared-memory comm kernel, minutes, once)
   fsdp2            fully_shard on every decoder layer and the root, bf16 params, fp32 reduce
-`--float8 RECIPE` trains the decoder layers' Linears in fp8: torchao's conversion by hand in the
+`--grad-accum-dtype fp32` makes the two ds_config loops (deepspeed-S, pipezero-initialize) sum
+gradients in fp32 (DeepSpeed's BF16_Optimizer at stage 1). `--float8 RECIPE` trains the decoder layers' Linears in fp8: torchao's conversion by hand in the
 torch-* runs (what a plain-PyTorch user writes), float8= (pipe/float8.py) in the pipe-*, pipezero-S
 and pipezero-initialize runs; the others stay bf16 (their precision column says so).
 Prints ms per step, tokens/s, MFU (CUDA: 6N + 12 L h s FLOPs per token over the H200's 989
@@ -208,6 +209,8 @@ def _ds_config(args, stage: int, low: bool) -> dict:
           "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}}
     if low:
         ds["bf16"] = {"enabled": True}
+    if args.grad_accum_dtype:
+        ds["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
     return ds
 
 
@@ -422,6 +425,9 @@ def main() -> None:
                         help="the decoder layers' Linears in fp8 with this torchao recipe (see the docstring)")
     parser.add_argument("--profile", default=None, help="a folder: one more step of each run under torch.profiler "
                         "(bench/profiling.py writes hf-<run>.txt there)")
+    parser.add_argument("--grad-accum-dtype", default=None, choices=["fp32"],
+                        help="ds_config data_types.grad_accum_dtype of the deepspeed-S and pipezero-initialize runs "
+                        "(bf16 gradients summed in fp32; default: in bf16, DeepSpeed's default)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     args.seq = args.seq or (2048 if cuda else 32)

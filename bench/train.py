@@ -92,6 +92,8 @@ def _pipezero_steps(args, cfg: GPTConfig, device, pipe: int, stage: int = 2, com
               "pipeline": {"stages": pipe}}
     if args.runs and device.type == "cuda":
         config.update(bf16={"enabled": True}, gradient_clipping=0.0)
+    if args.grad_accum_dtype:
+        config["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
     from pipezero.pipe.compile import CompileConfig
     from pipezero.pipe.float8 import Float8Config
 
@@ -207,6 +209,8 @@ def main() -> None:
                    "conversion by hand; pipezero: build(float8=...))")
     p.add_argument("--compile-mode", default=None, help="torch.compile's mode for every compiled run, the plain "
                    "one's too (e.g. max-autotune-no-cudagraphs)")
+    p.add_argument("--grad-accum-dtype", default=None, choices=["fp32"],
+                   help="the pipezero runs' ds_config data_types.grad_accum_dtype (bf16 gradients summed in fp32)")
     p.add_argument("--profile", default=None, help="a folder: one more step of each run under torch.profiler "
                    "(bench/profiling.py writes train-<run>.txt there)")
     args = p.parse_args()
