@@ -145,24 +145,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """total + a @ b in total's fp32, the sum inside the GEMM (its epilogue reads `total`): on CUDA
     with bf16/fp16 inputs the product is never rounded to their dtype nor written apart, a
-    [vocab, d] tensor per chunk saved twice over (addmm's out_dtype; CPU has no such kernel)."""
+    [vocab, d] tensor per chunk saved twice over (torch.addmm's out_dtype; CPU has no such kernel)."""
     if a.dtype == total.dtype:
         return total.addmm_(a, b)
     if total.is_cuda and total.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
-        return _addmm_fp32(total, a, b)
+        return torch.addmm(total, a, b, out_dtype=torch.float32)
     return total.add_((a @ b).float())
-
-
-@torch.library.custom_op("pipezero::addmm_fp32", mutates_args=())
-def _addmm_fp32(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """addmm with an fp32 output from low-precision inputs, as an opaque op: torch 2.11's
-    decomposition of addmm's out_dtype overload fails under torch.compile."""
-    return torch.addmm(total, a, b, out_dtype=torch.float32)
-
-
-@_addmm_fp32.register_fake
-def _(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(total)
 
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,

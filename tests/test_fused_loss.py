@@ -174,7 +174,7 @@ def test_gpt_and_hf_layers_fused_equal_unfused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_bf16_weight_gradient_summed_inside_the_gemm():
     """On CUDA the bf16 chunks' weight gradients are summed in fp32 by the GEMM itself (addmm's
-    out_dtype): closer to the fp32 truth than the bf16 unfused loss's own gradient; compiled too."""
+    out_dtype): closer to the fp32 truth than the bf16 unfused loss's own gradient."""
     hidden, weight, _, targets = (t.cuda() if t is not None else None for t in _inputs(False))
     wide = [t.detach().double().requires_grad_() for t in (hidden, weight)]
     truth = torch.autograd.grad(F.cross_entropy(F.linear(*wide).flatten(0, -2), targets.flatten()), wide)[1]
@@ -184,5 +184,3 @@ def test_cuda_bf16_weight_gradient_summed_inside_the_gemm():
     err = (fused.double() - truth).abs().max().item()
     assert err <= (plain.double() - truth).abs().max().item() + 1e-3, err
     assert err < 2e-2, err
-    compiled = torch.compile(lambda h, w: fused_cross_entropy(HeadLogits(h, w), targets, chunk_rows=4), fullgraph=True)
-    torch.testing.assert_close(torch.autograd.grad(compiled(*low), low)[1], fused)  # the op traces as one
