@@ -6,7 +6,7 @@ written several times by the softmax, its backward and the two GEMMs of the head
 Here the head's layer returns `HeadLogits` (its input and weights: the logits not yet
 computed), and the loss runs over chunks of rows: each chunk's logits, their log-sum-exp and
 loss, and at once their gradient (softmax - one-hot), which goes into the input's gradient
-and, accumulated in fp32 inside the weight-gradient GEMM on CUDA, the weight's. So forward and backward together cost the unfused
+and, accumulated in fp32, the weight's. So forward and backward together cost the unfused
 three GEMMs, and the largest temporary is one chunk's logits (`chunk_rows x vocab`). The
 gradients are kept from forward to backward and scaled there by the loss's incoming gradient
 (the approach of Liger Kernel's fused linear cross-entropy, Hsu et al. 2024; Wijmans et al.
@@ -123,7 +123,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if g_hidden is not None:
                 g_hidden[lo:lo + rows] = g @ weight
             if g_weight is not None:
-                g_weight = _add_product(g_weight, g.t(), h)
+                g_weight += (g.t() @ h).float()
             if g_bias is not None:
                 g_bias += g.float().sum(0)
         ctx.kept = (g_hidden, g_weight, g_bias)
@@ -140,17 +140,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         out_w = (g_weight * grad).to(w_dtype) if g_weight is not None else None
         out_b = (g_bias * grad).to(b_dtype) if g_bias is not None else None
         return out_h, out_w, out_b, None, None, None, None, None, None
-
-
-def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """total + a @ b in total's fp32, the sum inside the GEMM (its epilogue reads `total`): on CUDA
-    with bf16/fp16 inputs the product is never rounded to their dtype nor written apart, a
-    [vocab, d] tensor per chunk saved twice over (torch.addmm's out_dtype; CPU has no such kernel)."""
-    if a.dtype == total.dtype:
-        return total.addmm_(a, b)
-    if total.is_cuda and total.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.addmm(total, a, b, out_dtype=torch.float32)
-    return total.add_((a @ b).float())
 
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
