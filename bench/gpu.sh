@@ -115,8 +115,7 @@ for w in $what; do
     speed-more) run speed-hf-init 420 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
                   pipezero-initialize pipe-1f1b-compile deepspeed-1 ;;  # issue 31: the DeepSpeed-shaped loop beside
                 # DeepSpeed's (carry its wheel, built with DS_BUILD_OPS=0, and its dependencies in .whl)
-    grad-sums-hf) run cuda-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_fused_loss.py -k cuda
-                  run grad-sums-hf 280 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
+    grad-sums-hf) run grad-sums-hf 280 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
                     pipezero-initialize deepspeed-1 pipe-1f1b-compile pipe-1f1b-fast  # bf16 gradients summed in bf16,
                   run grad-sums-hf-fp32 200 python3 bench/hf.py --device cuda --nproc 1 --steps 3 \
                     --grad-accum-dtype fp32 --runs pipezero-initialize deepspeed-1 ;;  # then in fp32 (ds_config

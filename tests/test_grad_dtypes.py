@@ -84,6 +84,8 @@ def _same(a, b) -> bool:
 
 
 def test_fp32_sums_are_deepspeeds_bit_for_bit():
+    """And stage 0 and CPU offload, which DeepSpeed refuses or runs otherwise with fp32 sums, land
+    exactly where its ZeRO-1 does."""
     pytest.importorskip("deepspeed")
     for stage, comm in ((1, None), (2, None), (3, None), (1, "fp32")):
         ours = run(_pipezero, 2, _ds_config(stage, "fp32", comm))
@@ -93,6 +95,11 @@ def test_fp32_sums_are_deepspeeds_bit_for_bit():
         if comm is None:
             bf16_sums = run(_pipezero, 2, _ds_config(stage, None))
             assert not _same(bf16_sums[0], theirs[0]), f"stage {stage}: summing in bf16 lands elsewhere"
+        if (stage, comm) == (1, None):
+            offload = _ds_config(1, "fp32")
+            offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            for config in (_ds_config(0, "fp32"), offload):
+                assert _same(run(_pipezero, 2, config)[0], theirs[0]), config["zero_optimization"]
 
 
 CFG = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=16, seed=4)

@@ -39,7 +39,7 @@ def make_grad_sync(buckets: list[Bucket], stage: int, group,
     reduction is the same all-reduce)."""
     if stage == 0 and all(b.grad_dtype == b.reduce_dtype == b.dtype for b in buckets):
         return ReplicatedSync(buckets, group, on_backward_done, overlap, sink)
-    if stage == 1:
+    if stage <= 1:
         return PersistentShardSync(buckets, group, on_backward_done, overlap, sink)
     return TransientShardSync(buckets, group, on_backward_done, overlap, sink, every_microbatch)
 
