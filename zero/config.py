@@ -124,7 +124,7 @@ class ZeroConfig:
     grad_accum_dtype: torch.dtype | None = None
     """The dtype gradients are summed and reduced in between backward and step: torch.float32 under a
     bf16/fp16 model sums every micro-batch's gradient into fp32 buckets (DeepSpeed's
-    data_types.grad_accum_dtype; its BF16_Optimizer at stages 0-1). None: the parameters' dtype.
+    data_types.grad_accum_dtype; its BF16_Optimizer at stage 1). None: the parameters' dtype.
     What autograd itself accumulates before a gradient reaches its bucket (a tied weight held intact
     by the pipeline, stages 2-3 inside no_sync or a hold without reduce_every_microbatch) is summed
     in the parameters' dtype first. At stages 2-3 a wider dtype reduces every micro-batch (as

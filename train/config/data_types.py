@@ -5,7 +5,8 @@ dtype: "fp32" under bf16 gives fp32 gradient buffers (its BF16_Optimizer at stag
 optimizer's partitions at stages 1-3; engine.get_data_types). It reduces them over the data group
 in the top-level communication_data_type, by default the model's dtype too, so an fp32 sum is
 rounded to bf16 for the collective unless that says "fp32". ZeroOptimizer does the same through
-ZeroConfig.grad_accum_dtype and reduce_dtype. `param_dtype` must name the enabled precision, as
+ZeroConfig.grad_accum_dtype and reduce_dtype, at stage 0 too (where DeepSpeed 0.19.8 refuses
+bf16 with fp32 sums as "unsupported mix"). `param_dtype` must name the enabled precision, as
 DeepSpeed asserts; buffers are cast with the parameters to the compute dtype here, so
 `buffer_dtype` is honoured only when it names that dtype.
 """
