@@ -29,7 +29,8 @@ FP16_RULES = {
 }
 _BF16_KEYS = ("enabled", "check_grad_overflow")
 BF16_RULES = {
-    "immediate_grad_update": Ignored("gradients are accumulated in fp32 as they arrive either way", noop=False),
+    "immediate_grad_update": Ignored("gradients are added into their buckets as they arrive either way (in fp32 "
+                                     'with "data_types": {"grad_accum_dtype": "fp32"})', noop=False),
     "bf16_master_weights_and_grads": Unsupported(
         "bf16 master weights and gradients in ZeRO", "leave it false (masters are fp32)", noop=False),
     "bf16_optimizer_states": Unsupported(
