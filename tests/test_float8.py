@@ -1,10 +1,9 @@
 """fp8 training (pipe/float8.py) through the pipeline and ZeRO trains as torchao's own one-process model.
 
 The reference is the single-process GPT with torchao's convert_to_float8_training applied to its
-Blocks' Linears by torchao itself, trained with plain SGD (Adam for the whole-model losses) on
-the same micro-batches (fp8's
-dynamic scales are per tensor, so the reference splits each step as the pipeline does: per data
-rank, per micro-batch). fp8 here is emulated (the casts and their rounding, GEMMs in fp32): CI
+Blocks' Linears by torchao itself, trained with plain SGD (Adam for the whole-model losses) on the
+same micro-batches (fp8's dynamic scales are per tensor, so the reference splits each step as the
+pipeline does: per data rank, per micro-batch). fp8 here is emulated (the casts and their rounding, GEMMs in fp32): CI
 has no fp8 GPU; the fp8 GEMMs themselves are measured in bench/ (bench/RESULTS.md, issue 31).
 """
 
@@ -33,7 +32,7 @@ CFG = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=16, seed
 STEPS, BATCH, LR, MICRO = 3, 8, 1e-2, 2
 EPS = 1e-6  # the key bias's gradient is zero but for rounding: Adam's default 1e-8 would make that noise ±lr steps
 # The pipeline's parity steps with SGD: Adam's normalisation still turned the key projection's rounding-noise
-# gradients into weight differences of 2e-3 on an Intel Xeon (within 1e-5 on the AMD EPYC it was written on);
+# gradients into weight differences of 2e-3 on an Intel Xeon (it passed at 1e-5 where it was written);
 # SGD keeps that noise at ~1e-7, while fp8 itself moves the weights 4e-3 from the plain GPT's in these steps.
 SGD_LR = 0.5
 EMULATED = Float8Config(emulate=True)
