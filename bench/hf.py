@@ -27,8 +27,9 @@ same tokens per step, one run after the other in the same processes:
   fsdp2            fully_shard on every decoder layer and the root, bf16 params, fp32 reduce
 `--grad-accum-dtype fp32` makes the two ds_config loops (deepspeed-S, pipezero-initialize) sum
 gradients in fp32 (DeepSpeed's BF16_Optimizer at stage 1). `--float8 RECIPE` trains the decoder
-layers' Linears in fp8: torchao's conversion by hand in the torch-* runs (what a plain-PyTorch user writes), float8= (pipe/float8.py) in the pipe-*, pipezero-S
-and pipezero-initialize runs; the others stay bf16 (their precision column says so).
+layers' Linears in fp8: torchao's conversion by hand in the torch-* runs (what a plain-PyTorch
+user writes), float8= (pipe/float8.py) in the pipe-*, pipezero-S and pipezero-initialize runs; the
+others stay bf16 (their precision column says so).
 Prints ms per step, tokens/s, MFU (CUDA: 6N + 12 L h s FLOPs per token over the H200's 989
 TFLOP/s dense bf16) and (CUDA) peak allocated memory per rank. Precision on CUDA:
 a bf16 model with fp32 masters for pipezero and DeepSpeed, fp32 weights with bf16 compute for

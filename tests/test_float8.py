@@ -3,8 +3,9 @@
 The reference is the single-process GPT with torchao's convert_to_float8_training applied to its
 Blocks' Linears by torchao itself, trained with plain SGD (Adam for the whole-model losses) on the
 same micro-batches (fp8's dynamic scales are per tensor, so the reference splits each step as the
-pipeline does: per data rank, per micro-batch). fp8 here is emulated (the casts and their rounding, GEMMs in fp32): CI
-has no fp8 GPU; the fp8 GEMMs themselves are measured in bench/ (bench/RESULTS.md, issue 31).
+pipeline does: per data rank, per micro-batch). fp8 here is emulated (the casts and their
+rounding, GEMMs in fp32): CI has no fp8 GPU; the fp8 GEMMs themselves are measured in bench/
+(bench/RESULTS.md, issue 31).
 """
 
 import sys
