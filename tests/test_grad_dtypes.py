@@ -191,7 +191,7 @@ def test_ds_config_reads_data_types_with_deepspeeds_meaning():
                        ({"data_types": {"grad_accum_dtype": "fp16"}}, r"narrower than, or not comparable with, the "
                                                                       r"model's bf16.*use \"fp32\""),
                        ({"data_types": {"param_dtype": "fp16"}}, r"param_dtype.*differs from the enabled precision"),
-                       ({"data_types": {"buffer_dtype": "fp32"}}, r"buffer_dtype.*differs from the enabled"),
+                       ({"data_types": {"buffer_dtype": "bf16"}}, r"buffer_dtype.*casting the model's buffers"),
                        ({"communication_data_type": 16}, r"communication_data_type.*expected \"fp32\"")):
         with pytest.raises(ConfigError, match=match):
             zero(**top)

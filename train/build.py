@@ -27,7 +27,7 @@ from pipezero.pipe.float8 import Float8Config, to_float8
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
-from pipezero.precision import LossScaler
+from pipezero.precision import LossScaler, cast_parameters
 from pipezero.topology import Grid, init_distributed, process_device
 from pipezero.train.config import TrainConfig, parse_config
 from pipezero.train.config.optim import OptimizerConfig, build_optimizer, build_scheduler
@@ -130,7 +130,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
         if fp8 is not None:  # before compiling: the compiled blocks trace the fp8 Linears
             to_float8(model_blocks(module), fp8, dev)
         _compile_blocks(module, CompileConfig.of(cfg.compile if compile is None else compile, dev))
-    module.to(dtype)
+    cast_parameters(module, dtype)  # buffers (HF rotary frequencies) keep their fp32, as from_pretrained's
     inner = optimizer if optimizer is not None else build_optimizer(
         cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])
     scaler = _scaler(cfg, inner, dtype)

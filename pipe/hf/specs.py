@@ -165,6 +165,11 @@ def _check_structure(model: _Model) -> None:
     if odd:
         raise ValueError(f"hf_layer_specs: {name}'s config.layer_types has {odd}; expected attention layers of the "
                          f"kinds {sorted(MASKS)} (a layer of another kind is not the decoder structure it reads)")
+    if getattr(model.config, "alibi", False) is True:  # Falcon: no layer argument says so since transformers 5.25
+        raise ValueError(f"hf_layer_specs: {name} has config.alibi=True: its ALiBi position bias is made by the "
+                         "model's forward (an argument of each decoder layer before transformers 5.25, folded into "
+                         "the attention mask since), which this reader does not build; expected rotary or learned "
+                         "positions (config.alibi=False)")
     if getattr(model.config, "use_bidirectional_attention", False):
         raise ValueError(f"hf_layer_specs: {name} has use_bidirectional_attention=True; expected a causal LM")
     if model.head is None or type(model.head) is not nn.Linear:

@@ -7,8 +7,8 @@ in the top-level communication_data_type, by default the model's dtype too, so a
 rounded to bf16 for the collective unless that says "fp32". ZeroOptimizer does the same through
 ZeroConfig.grad_accum_dtype and reduce_dtype, at stage 0 too (where DeepSpeed 0.19.8 refuses
 bf16 with fp32 sums as "unsupported mix"). `param_dtype` must name the enabled precision, as
-DeepSpeed asserts; buffers are cast with the parameters to the compute dtype here, so
-`buffer_dtype` is honoured only when it names that dtype.
+DeepSpeed asserts. Buffers keep the dtype they were made in (precision/cast.py), DeepSpeed's
+default; its `buffer_dtype`, which casts them, is refused.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from pipezero.config_fields import ConfigError, Ignored, Section
+from pipezero.config_fields import ConfigError, Ignored, Section, Unsupported
 
 __all__ = ["read_grad_dtypes"]
 
@@ -25,9 +25,11 @@ __all__ = ["read_grad_dtypes"]
 _DTYPES = {**dict.fromkeys(("fp32", "float32", "float", "torch.float32"), torch.float32),
            **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), torch.bfloat16),
            **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), torch.float16)}
-_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype")
-_RULES = {"keep_in_fp32_modules": Ignored("buffers are cast with the parameters to the compute dtype",
-                                          noop=lambda v: v in ("auto", []))}
+_KEYS = ("grad_accum_dtype", "param_dtype")
+_RULES = {"keep_in_fp32_modules": Ignored("buffers keep the dtype they were made in (precision/cast.py)",
+                                          noop=lambda v: v in ("auto", [])),
+          "buffer_dtype": Unsupported("casting the model's buffers, which otherwise keep the dtype they were "
+                                      "made in (DeepSpeed's default too)", "set it to null", noop=None)}
 
 
 def read_grad_dtypes(ds_config: Mapping[str, Any],
@@ -40,11 +42,10 @@ def read_grad_dtypes(ds_config: Mapping[str, Any],
 def _grad_accum_dtype(ds_config: Mapping[str, Any], model_dtype: torch.dtype) -> torch.dtype | None:
     sec = Section(ds_config.get("data_types"), ("data_types",))
     sec.check(_KEYS, _RULES, strict=False)
-    for key in ("param_dtype", "buffer_dtype"):
-        named = _dtype(sec, key)
-        if named is not None and named != model_dtype:
-            raise ConfigError(f"{sec.where(key)} = {sec.data[key]!r} differs from the enabled precision "
-                              f"({_name(model_dtype)}): set the matching fp16/bf16 \"enabled\" flag or remove it")
+    named = _dtype(sec, "param_dtype")
+    if named is not None and named != model_dtype:
+        raise ConfigError(f"{sec.where('param_dtype')} = {sec.data['param_dtype']!r} differs from the enabled "
+                          f"precision ({_name(model_dtype)}): set the matching fp16/bf16 \"enabled\" flag or remove it")
     accum = _dtype(sec, "grad_accum_dtype")
     if accum is None or accum == model_dtype:
         return None

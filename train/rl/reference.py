@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pipezero.pipe.lora import adapters_disabled
+from pipezero.precision import cast_parameters
 from pipezero.train.rl.loss import completion_logprobs
 
 __all__ = ["AdaptersOff", "FrozenCopy", "Reference"]
@@ -41,7 +42,7 @@ class FrozenCopy:
         shared = {id(g): g for g in [getattr(module, "grid", None)] if g is not None}  # its process groups
         self.module = copy.deepcopy(module, memo=shared).requires_grad_(False).eval()
         if dtype is not None:
-            self.module.to(dtype)
+            cast_parameters(self.module, dtype)
 
     @torch.no_grad()
     def completion_logprobs(self, inputs: tuple[torch.Tensor, ...], completion: torch.Tensor) -> torch.Tensor:
