@@ -149,29 +149,35 @@ def _pipeline(stage: int, accum: torch.dtype | None):
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def _distance(results, truth) -> dict[str, float]:
-    """Per one-process parameter, the largest distance of a pipeline rank's copy from the truth."""
-    mapping, far = single_process_names(gpt_specs(CFG)), {}
+def _differing(results, truth) -> tuple[int, float]:
+    """(elements of non-tied weights that differ from the truth on any rank, the tied weights' largest distance)."""
+    mapping, tied = single_process_names(gpt_specs(CFG)), {"layers.0.weight", f"layers.{CFG.n_layer + 2}.weight"}
+    count, far, seen = 0, 0.0, set()
     for params in results:
         for name, value in params.items():
             for single in mapping(name):
-                far[single] = max(far.get(single, 0.0), (value - truth[single]).abs().max().item())
-    assert set(far) == set(truth), set(truth) - set(far)
-    return far
+                seen.add(single)
+                if single in tied:
+                    far = max(far, (value - truth[single]).abs().max().item())
+                else:
+                    count += int((value != truth[single]).sum())
+    assert seen == set(truth), set(truth) - seen
+    return count, far
 
 
 def test_pipeline_sums_in_fp32_as_one_process():
-    """pipe 2 x data 2, ZeRO-1, 1F1B over 4 micro-batches: every weight but the tied embedding (whose
-    micro-batch gradients autograd sums in bf16 before the pipeline adds its tie group's) equals the
-    truth exactly. (Stages 2-3 reduce each micro-batch as its bucket fills, so their order depends on
-    the bucket layout; the DeepSpeed test above pins them.)"""
+    """pipe 2 x data 2, ZeRO-1, 1F1B over 4 micro-batches: the weights equal the truth (here every element of
+    every weight but the tied embedding, whose micro-batch gradients autograd sums in bf16 before the
+    pipeline adds its tie group's); summing in bf16 moves ~10% of the elements by an ulp (1,600 of 13,000
+    per rank here), so a budget of 1/20 of that leaves room for a CPU whose kernels round a few
+    elements otherwise and still fails bf16 sums. (Stages 2-3 reduce each micro-batch as its bucket
+    fills, so their order depends on the bucket layout; the DeepSpeed test above pins them.)"""
     truth = run(_truth, 1, 2)[0]  # in a worker: its kernels reduce with the same threads
-    fp32 = _distance(run(_pipeline, 4, 1, torch.float32, timeout=180), truth)
-    bf16 = _distance(run(_pipeline, 4, 1, None, timeout=180), truth)
-    tied = {"layers.0.weight", f"layers.{CFG.n_layer + 2}.weight"}
-    assert {n: d for n, d in fp32.items() if n not in tied and d > 0} == {}
-    assert max(fp32[n] for n in tied) < 2e-2, fp32
-    assert max(d for n, d in bf16.items() if n not in tied) > 0, "summing in bf16 must land elsewhere"
+    fp32, tied_far = _differing(run(_pipeline, 4, 1, torch.float32, timeout=180), truth)
+    bf16, _ = _differing(run(_pipeline, 4, 1, None, timeout=180), truth)
+    assert bf16 > 1000, f"summing in bf16 must land elsewhere ({bf16} elements differ)"
+    assert fp32 * 20 <= bf16, (fp32, bf16)
+    assert tied_far < 2e-2, tied_far
 
 
 def test_ds_config_reads_data_types_with_deepspeeds_meaning():
