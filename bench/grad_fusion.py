@@ -28,16 +28,13 @@ SHAPES = {  # name: (layers, micro-batches a step, tokens a micro-batch, [(out, 
 
 
 def _variants(device: torch.device) -> dict:
-    def bf16_sum(bucket, g, x):
+    def add_product(bucket, g, x):  # the bf16 product, then added into the bucket's dtype
         bucket.add_(g.t() @ x)
-
-    def fp32_sum(bucket, g, x):
-        bucket.add_(g.t() @ x)  # a bf16 product, added into fp32
 
     def fused(bucket, g, x):
         torch.addmm(bucket, g.t(), x, out_dtype=torch.float32, out=bucket)
 
-    out = {"bf16-sum": (torch.bfloat16, bf16_sum), "fp32-sum": (torch.float32, fp32_sum)}
+    out = {"bf16-sum": (torch.bfloat16, add_product), "fp32-sum": (torch.float32, add_product)}
     if device.type == "cuda":
         out["fused"] = (torch.float32, fused)
     return out

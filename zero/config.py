@@ -122,14 +122,12 @@ class ZeroConfig:
     a pipeline hold, so no whole gradient outlives its bucket (DeepSpeed ZeRO-2's behaviour; more
     reduce traffic, less memory). False: accumulate whole .grad until the final micro-batch."""
     grad_accum_dtype: torch.dtype | None = None
-    """The dtype gradients are summed and reduced in between backward and step: torch.float32 under a
-    bf16/fp16 model sums every micro-batch's gradient into fp32 buckets (DeepSpeed's
-    data_types.grad_accum_dtype; its BF16_Optimizer at stage 1). None: the parameters' dtype.
-    What autograd itself accumulates before a gradient reaches its bucket (a tied weight held intact
-    by the pipeline, stages 2-3 inside no_sync or a hold without reduce_every_microbatch) is summed
-    in the parameters' dtype first. At stages 2-3 a wider dtype reduces every micro-batch (as
-    reduce_every_microbatch does), so the shard sums each reduced micro-batch in it, as DeepSpeed's
-    ZeRO-2/3 do."""
+    """The dtype gradients are summed in between backward and step: torch.float32 under a bf16/fp16
+    model adds every micro-batch's gradient into fp32 buckets (DeepSpeed's data_types.grad_accum_dtype;
+    its BF16_Optimizer at stage 1). None: the parameters' dtype. At stages 2-3 a wider dtype reduces
+    every micro-batch (as reduce_every_microbatch does), so the shard sums each reduced micro-batch in
+    it, as DeepSpeed's ZeRO-2/3 do. A tied weight held intact by the pipeline is still summed by
+    autograd in the parameters' dtype before it reaches its bucket."""
     reduce_dtype: torch.dtype | None = None
     """The dtype gradients are reduced in over the data group (DeepSpeed's communication_data_type):
     a sum kept in fp32 is rounded to it for the collective and back. None: the parameters' dtype,

@@ -43,7 +43,7 @@ def _set_grad_dtypes(buckets: list[Bucket], config: ZeroConfig) -> None:
     narrower one, and reduces them in reduce_dtype."""
     dtype = config.grad_accum_dtype
     for b in buckets:
-        b.reduce_dtype = config.reduce_dtype or b.dtype
+        b.reduce_dtype = config.reduce_dtype or b.reduce_dtype
         if dtype is None or dtype == b.dtype:
             continue
         if dtype != torch.float32:
