@@ -136,3 +136,53 @@ def test_a_plain_checkpoint_resumes_under_zero1_data2_and_back(tmp_path):
     torch.testing.assert_close(_train(back, 4, 6), losses[2:], rtol=1e-6, atol=1e-6)
     for a, b in zip(_params(back), _params(straight), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# -- a pipeline's hand chain: each stage's masters come back from its own weights --------------------------
+def _pipe_job(seed: int):
+    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.topology import Grid
+    from test_grad_dtypes import CFG, gpt_loss, gpt_specs
+
+    grid = Grid(pipe=2)
+    torch.manual_seed(seed)
+    model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss, compile=False).to(torch.bfloat16)
+    opt = LossScaler(MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-2)))
+    runner = PipelineRunner(model, OneFOneB(num_microbatches=2), optimizer=opt)
+    return HandParts(model, opt, grid=grid), runner
+
+
+def _pipe_steps(parts: HandParts, runner, start: int, stop: int) -> list[float]:
+    losses = []
+    for i in range(start, stop):
+        g = torch.Generator().manual_seed(i)
+        tokens = torch.randint(0, 64, (4, 9), generator=g)
+        losses.append(runner.train_step(tokens[:, :-1], tokens[:, 1:]).item())
+        parts.optimizer.step()
+        parts.optimizer.zero_grad()
+    return losses
+
+
+def _pipe_resume(directory: str):
+    from safetensors import safe_open
+
+    straight, runner = _pipe_job(0)
+    _pipe_steps(straight, runner, 0, 2)
+    path = save_state(straight, directory, 2)
+    losses = _pipe_steps(straight, runner, 2, 4)
+    resumed, runner = _pipe_job(1)
+    load_state(resumed, directory)
+    with safe_open(f"{path}/rank_{dist.get_rank():05d}.safetensors", "pt") as f:
+        keys = list(f.keys())
+    return losses, _pipe_steps(resumed, runner, 2, 4), _params(straight), _params(resumed), keys
+
+
+def test_a_pipeline_hand_chain_with_masters_resumes_as_if_never_stopped(tmp_path):
+    """pipe 2, bf16 model, LossScaler(MasterWeights(AdamW)) without ZeRO: each stage's masters resume from its
+    own stage's weights (they were saved as rank 0's numbered masters, which stage 1 could not load), bitwise,
+    and the checkpoint holds each master once (as model/<name>, not again in the chain's state)."""
+    for losses, again, params, resumed, keys in run(_pipe_resume, 2, str(tmp_path)):
+        assert again == losses
+        for a, b in zip(params, resumed, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert not [k for k in keys if k.startswith("chain.")], keys

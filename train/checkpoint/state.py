@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from pipezero.chain import links
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
-from pipezero.train.checkpoint.by_name import by_name
+from pipezero.train.checkpoint.by_name import HoldsMasters, by_name
 from pipezero.train.checkpoint import (CheckpointError, checkpoint_meta, export_consolidated, latest_step,
                                        load_checkpoint, rng_state, save_checkpoint, set_rng_state)
 from pipezero.train.checkpoint.flatten import flatten_state, unflatten_state
@@ -164,10 +164,15 @@ def _link_names(zero: ByNameState) -> list[str]:
 
 
 def _chain_state(zero: ByNameState) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    """The own state of each link between ZeRO (or the outside) and the torch optimizer (e.g. the loss scale)."""
+    """The own state of each link between ZeRO (or the outside) and the torch optimizer (e.g. the loss scale).
+
+    A link holding masters (MasterWeights) saves nothing: its masters are the model/ weights, by name,
+    while its own state_dict numbers them by this stage's parameters (another stage could not load it).
+    """
     tensors, skeletons = {}, []
     for i, link in enumerate(links(zero.inner)):
-        part, skeleton = flatten_state(link.link_state_dict(), f"chain.{i}")
+        own = {} if isinstance(link, HoldsMasters) else link.link_state_dict()
+        part, skeleton = flatten_state(own, f"chain.{i}")
         tensors.update(part)
         skeletons.append(skeleton)
     return tensors, skeletons
@@ -277,7 +282,8 @@ def _load_chain(zero: ByNameState, t: Mapping[str, torch.Tensor], skeletons: lis
                          f"(ZeroOptimizer aside), this one {mine}; resume with the same links (a ZeRO stage or "
                          "degree may differ), or pass optimizer=False to load the weights alone")
     for link, skeleton in zip(links(zero.inner), skeletons, strict=True):
-        link.load_link_state_dict(unflatten_state(dict(t), skeleton))
+        if not isinstance(link, HoldsMasters):  # its masters load with the weights (older checkpoints: a copy)
+            link.load_link_state_dict(unflatten_state(dict(t), skeleton))
 
 
 def _load_optimizer(zero: ByNameState, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
