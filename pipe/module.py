@@ -11,7 +11,7 @@ saved on one grid load onto another. The idea follows DeepSpeed's PipelineModule
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -242,12 +242,15 @@ class PipelineModule(nn.Module):
             p.grad = None
         return aside
 
-    def sum_tied_grads(self, aside: Sequence[torch.Tensor | None], reduce: bool = True) -> list[nn.Parameter]:
+    def sum_tied_grads(self, aside: Sequence[torch.Tensor | None], reduce: bool = True,
+                       sums: Mapping[int, torch.Tensor] | None = None) -> list[nn.Parameter]:
         """Sum this step's tied gradients over their owners and add them to what was set aside.
 
         The optimizer left the tied .grad intact during the step (the runner named them in
-        hold_grad_sync). reduce=False (after a failure): put back what was set aside, no
-        collective. Returns the tied parameters whose .grad changed (the runner then releases them).
+        hold_grad_sync), or summed them itself in a wider dtype: `sums` (by id, the listener's
+        tied_grad_sums), added up here in place instead of the .grad. reduce=False (after a
+        failure): put back what was set aside, no collective. Returns the tied parameters whose
+        gradient changed (the runner then releases them).
         """
         tied = self.tied_parameters()
         if not reduce:
@@ -260,16 +263,27 @@ class PipelineModule(nn.Module):
             params = [p for p in self._tied_spec(key).tied_parameters(self.tied[key]) if p.requires_grad]
             if not params:  # a frozen tied weight (LoRA's base) gets no gradient; the same on every owner
                 continue
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            grads = [_tied_grad(p, sums or {}) for p in params]
             all_reduce_coalesced(grads, group=group).wait()
             for p, grad in zip(params, grads):
                 before = before_of[id(p)]
-                p.grad = grad if before is None else before.add_(grad)
+                if sums and id(p) in sums:  # the listener keeps the sum
+                    if before is not None:
+                        grad.add_(before)
+                else:
+                    p.grad = grad if before is None else before.add_(grad)
             changed += params
         return changed
 
     def _tied_spec(self, key: str) -> TiedLayerSpec:
         return self._specs[_tied_indices(self._specs)[key][0]]
+
+
+def _tied_grad(p: nn.Parameter, sums: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """What a tied parameter's owners add up: the listener's wider sum, its .grad, or zeros."""
+    if id(p) in sums:
+        return sums[id(p)]
+    return torch.zeros_like(p) if p.grad is None else p.grad
 
 
 def _tied_indices(layers: Sequence[Any]) -> dict[str, list[int]]:

@@ -38,9 +38,9 @@ class StepListener(Protocol):
     `release_grad_sync(final)` (when its backward completes those gradients), `need_params(
     params, upcoming)`, the action, `collect_grad_sync(params)` (after a split weight backward
     W, which assigns `.grad` without autograd's hooks), `flush_grad_sync(final)`,
-    `done_with_params(params)` (when the plan frees the chunk); after the last action the tied
-    gradients are summed over their tie group, then `release_grad_sync(tied)`,
-    `flush_grad_sync(tied)`, and `step_done()`.
+    `done_with_params(params)` (when the plan frees the chunk); after the last action
+    `tied_grad_sums(tied)`, the tied gradients summed over their tie group, then
+    `release_grad_sync(tied)`, `flush_grad_sync(tied)`, and `step_done()`.
     Per eval_step: per action `need_params` / `done_with_params`, then `step_done()`.
     """
 
@@ -54,6 +54,12 @@ class StepListener(Protocol):
 
     def release_grad_sync(self, params: Sequence[torch.Tensor]) -> None:
         """The next backward completes these gradients: reduce them as they become ready."""
+
+    def tied_grad_sums(self, tied: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """After the last action: the gradients of `tied` that the listener sums itself, in a wider
+        dtype than `.grad` can hold (ZeroConfig.grad_accum_dtype), by id. The executor adds them
+        up over the tie group in place, as it does the other tied `.grad`; the listener reduces
+        them when released. Empty: every tied gradient is its `.grad`."""
 
     def need_params(self, params: Sequence[torch.Tensor], upcoming: Sequence[torch.Tensor] = ()) -> None:
         """The next action runs on `params`: whole now. `upcoming`: the next other chunk's, soon."""
@@ -92,6 +98,10 @@ class _NoReadiness:
 
     def release_grad_sync(self, params: Sequence[torch.Tensor]) -> None:
         """Nothing to release."""
+
+    def tied_grad_sums(self, tied: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Every tied gradient is its `.grad`."""
+        return {}
 
     def need_params(self, params: Sequence[torch.Tensor], upcoming: Sequence[torch.Tensor] = ()) -> None:
         """Parameters are always whole."""

@@ -99,7 +99,7 @@ class PipelineRunner:
         except BaseException:
             self.model.sum_tied_grads(aside, reduce=False)  # what was set aside back; no collective on failure
             raise
-        if self.model.sum_tied_grads(aside):  # their gradients are final only now
+        if self.model.sum_tied_grads(aside, sums=self._listener.tied_grad_sums(tied)):  # final only now
             self._listener.release_grad_sync(tied)
             self._listener.flush_grad_sync(tied)
         self._listener.step_done()

@@ -380,6 +380,9 @@ class Recorder:
     def flush_grad_sync(self, params):
         self.calls.append(("flush", {id(p) for p in params}, [_snapshot(p) for p in params]))
 
+    def tied_grad_sums(self, tied):
+        return {}
+
 
 def _snapshot(p):
     return None if p.grad is None else p.grad.clone()

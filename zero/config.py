@@ -126,8 +126,8 @@ class ZeroConfig:
     model adds every micro-batch's gradient into fp32 buckets (DeepSpeed's data_types.grad_accum_dtype;
     its BF16_Optimizer at stage 1). None: the parameters' dtype. At stages 2-3 a wider dtype reduces
     every micro-batch (as reduce_every_microbatch does), so the shard sums each reduced micro-batch in
-    it, as DeepSpeed's ZeRO-2/3 do. A tied weight held intact by the pipeline is still summed by
-    autograd in the parameters' dtype before it reaches its bucket."""
+    it, as DeepSpeed's ZeRO-2/3 do. A tied weight the pipeline holds intact is summed per micro-batch
+    in it too, and added up over its owners in it (DeepSpeed's pipeline: its fp32 gradients)."""
     reduce_dtype: torch.dtype | None = None
     """The dtype gradients are reduced in over the data group (DeepSpeed's communication_data_type):
     a sum kept in fp32 is rounded to it for the collective and back. None: the parameters' dtype,

@@ -180,7 +180,7 @@ class TransientShardSync(GradSync):
     def _nothing_new(self, b: Bucket) -> bool:
         """b was reduced and no gradient arrived since (pushing would reduce zeros)."""
         st = self._state[b]
-        return st.reduced and not st.pushed and all(p.grad is None for p in b.params)
+        return st.reduced and not st.pushed and not any(p.grad is not None or id(p) in self._wide for p in b.params)
 
     def _push(self, b: Bucket, i: int) -> None:
         st, p = self._state[b], b.params[i]
@@ -191,10 +191,11 @@ class TransientShardSync(GradSync):
             self._add_local(b, i)
             return
         view = b.slot(st.grad, i)   # the slot's first write: a copy, not zeros plus an add
-        if p.grad is None:
+        grad = self._local_grad(p)
+        if grad is None:
             view.zero_()
         else:
-            view.copy_(local_tensor(p.grad))
+            view.copy_(grad)
         p.grad = None
         st.pushed.add(i)
 

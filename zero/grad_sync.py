@@ -99,6 +99,7 @@ class GradSync(ABC):
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         self._held: set[int] = set()
         self._intact: set[int] = set()   # held, and their .grad left exactly as autograd accumulates it
+        self._wide: dict[int, torch.Tensor] = {}  # intact ones' backward gradients summed in a wider grad_dtype
         self._suspended = 0
         self._in_flight: deque[Bucket] = deque()
         on_grad = _weak(self._on_grad)
@@ -122,6 +123,7 @@ class GradSync(ABC):
         every micro-batch, because the caller adds to it before releasing (the pipeline's
         tie-group sum of shared weights)."""
         self._held.update(id(p) for p in params if id(p) in self._where)
+        self._wide.clear()  # a failed step's partial sums (a completed one's were pushed)
         intact = {id(p) for p in intact if id(p) in self._where}
         self._held.update(intact)
         self._intact.update(intact)
@@ -137,6 +139,39 @@ class GradSync(ABC):
             self._settle(b)
         self._held.difference_update(ids)
         self._intact.difference_update(ids)
+
+    def tied_sums(self, params: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The intact parameters' gradients summed in their bucket's wider grad_dtype, by id (zeros
+        where none arrived); pushed in place of their .grad when flushed."""
+        for p in params:
+            if id(p) in self._intact and self._widens(p):
+                self._fold(p)
+                if id(p) not in self._wide:
+                    b, _ = self._where[id(p)]
+                    self._wide[id(p)] = torch.zeros(local_tensor(p).shape, dtype=b.grad_dtype, device=b.device)
+        return {i: self._wide[i] for i in (id(p) for p in params) if i in self._wide}
+
+    def _widens(self, p: torch.Tensor) -> bool:
+        b, _ = self._where[id(p)]
+        return b.grad_dtype != b.dtype
+
+    def _fold(self, p: torch.Tensor) -> None:
+        """Add an intact parameter's .grad (one backward's) into its wide sum and drop it."""
+        if p.grad is None:
+            return
+        grad = local_tensor(p.grad)
+        if id(p) in self._wide:
+            self._wide[id(p)].add_(grad)
+        else:
+            self._wide[id(p)] = grad.to(self._where[id(p)][0].grad_dtype)
+        p.grad = None
+
+    def _local_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """What is pushed for p: its wide sum (taken) if it has one, else its .grad (local part)."""
+        wide = self._wide.pop(id(p), None)
+        if wide is not None:
+            return wide
+        return None if p.grad is None else local_tensor(p.grad)
 
     def flush(self, params: Iterable[torch.Tensor]) -> None:
         """Their backward is done: push them all; launch buckets that are now complete."""
@@ -189,6 +224,7 @@ class GradSync(ABC):
             self._state[b].handle = None
         if self.sink is not None:
             self.sink.discard()
+        self._wide.clear()
         for b in self.buckets:
             st = self._state[b]
             st.pushed.clear()
@@ -222,7 +258,7 @@ class GradSync(ABC):
 
     def _late(self, b: Bucket) -> bool:
         """Some parameter of b holds a gradient that was never pushed (its hook did not fire)."""
-        return any(p.grad is not None for p in b.params)
+        return any(p.grad is not None or id(p) in self._wide for p in b.params)
 
     def _nothing_new(self, b: Bucket) -> bool:
         """flush: pushing b would only reduce what was reduced already."""
@@ -232,6 +268,8 @@ class GradSync(ABC):
     def _on_grad(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
         st = self._state[b]
+        if id(p) in self._intact and self._widens(p):
+            self._fold(p)
         if self._reduces_now(p):
             self._settle(b)                # a second synced backward before step: fold in
             self._push(b, i)
@@ -254,8 +292,9 @@ class GradSync(ABC):
     def _add_local(self, b: Bucket, i: int) -> None:
         """Add parameter i's .grad into the bucket buffer (not yet reduced) and drop it."""
         st, p = self._state[b], b.params[i]
-        if p.grad is not None:
-            b.slot(st.grad, i).add_(local_tensor(p.grad))
+        grad = self._local_grad(p)
+        if grad is not None:
+            b.slot(st.grad, i).add_(grad)
             p.grad = None
             st.dirty = True
 

@@ -287,6 +287,11 @@ class ZeroOptimizer(ChainWrapper):
         if tied:
             self.gather_params(tied)
 
+    def tied_grad_sums(self, tied: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The held-intact tied gradients summed in a wider grad_accum_dtype than the model's, by id
+        (each micro-batch's .grad was added in as it arrived); the runner adds them up over the tie group."""
+        return self._sync.tied_sums(tied)
+
     def release_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
         """The next backward completes these params' gradients: reduce them as they become ready."""
         self._sync.release(params)
