@@ -33,7 +33,7 @@ from pipezero.pipe.gathering import chunk_gatherings
 from pipezero.pipe.groups import cpu_world_group, side_group
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.schedule.placement import owner
-from pipezero.pipe.readiness import loss_scaling, step_listener
+from pipezero.pipe.readiness import StepListener, loss_scaling, step_listener
 from pipezero.pipe.split_backward import WeightGrad, backward_input
 from pipezero.pipe.stage_errors import LayerError
 from pipezero.pipe.step_plan import Message, PipelineSchedule, Step, plan_steps
@@ -47,12 +47,24 @@ class PipelineTimeout(TimeoutError):
     """A peer never answered; the message names rank, stage, action and microbatch."""
 
 
+def _check_reduces_over_data(optimizer: Any, grid: Any) -> None:
+    """Refuse an optimizer that would let data replicas train apart (each on its own gradients)."""
+    if optimizer is None or grid.data_size == 1 or isinstance(optimizer, StepListener):
+        return
+    raise ValueError(f"PipelineRunner(optimizer={type(optimizer).__name__}) on {grid!r}: it does not "
+                     f"reduce gradients over the data axis, so the {grid.data_size} data replicas would each step on "
+                     "their own gradients and drift apart; wrap it, ZeroOptimizer(optimizer, stage=0, "
+                     "group=grid.data_group) averages them as DDP does (stages 1-3 shard too), or pass "
+                     "optimizer=None and reduce the gradients yourself before stepping")
+
+
 class PipelineRunner:
     """Executes a schedule on a PipelineModule: train_step (forward + backward), eval_step (forward).
 
     Does not call optimizer.step(): the user does, after train_step returns (tied-weight
     gradients are already summed then). With a data degree > 1 pass an optimizer that
-    reduces gradients over grid.data_group (ZeroOptimizer; stage 0 behaves like DDP): the
+    reduces gradients over grid.data_group (ZeroOptimizer; stage 0 behaves like DDP; any other
+    is refused, its replicas would drift apart) or None (you reduce them): the
     link of its chain that is a StepListener (pipe/readiness.py) hears when gradients are
     final, so reductions overlap the pipeline's cool-down, and when each chunk's parameters
     are needed (ZeRO-3, pipe/gathering.py); `reshard_after_forward` says whether a chunk is
@@ -64,6 +76,7 @@ class PipelineRunner:
     def __init__(self, model: PipelineModule, schedule: PipelineSchedule, optimizer: torch.optim.Optimizer | None = None,
                  timeout_s: float = 300.0, variable_shapes: bool = False, reshard_after_forward: bool = False):
         plan = plan_steps(schedule, model)  # checks and validates it: the same error on every rank
+        _check_reduces_over_data(optimizer, model.grid)
         self.model, self.schedule, self.optimizer = model, schedule, optimizer
         self._listener = step_listener(optimizer)
         self._scale = loss_scaling(optimizer)

@@ -128,8 +128,8 @@ def train_pipeline(pipe, name, m, num_blocks, steps, size, lr, optim="sgd", ckpt
     model = PipelineModule(specs(num_blocks), grid=grid, loss_fn=loss_fn, num_chunks=sched.num_chunks,
                            placement=sched.placement, activation_checkpoint_interval=ckpt)
     opt = (torch.optim.SGD if optim == "sgd" else torch.optim.Adam)(model.parameters(), lr=lr)
-    runner = PipelineRunner(model, sched, optimizer=opt)
     replica, replicas = grid.data_rank, grid.data_size
+    runner = PipelineRunner(model, sched, optimizer=opt if replicas == 1 else None)  # data 2: reduced by hand
     losses = []
     for step in range(steps):
         ids, targets = batch(step, size, seqs[step] if seqs else SEQ)
@@ -318,7 +318,7 @@ def test_silent_peer_times_out_with_a_clear_message():
 
 
 def bad_runner(case):
-    grid = Grid(pipe=2)
+    grid = Grid(pipe=1) if case == "replicas" else Grid(pipe=2)
     chunks = 2 if case == "chunks" else 1
     model = PipelineModule(specs(2), grid=grid, loss_fn=loss_fn, num_chunks=chunks)
     ids, targets = batch(0, 8)
@@ -334,6 +334,8 @@ def bad_runner(case):
             sched.actions = lambda p: {0: [Action(Op.FORWARD, 0, 0), Action(Op.BACKWARD, 0, 0)],
                                        1: HandGPipe(2).actions(2)[1]}  # rank 0 forgets microbatch 1
             PipelineRunner(model, sched)
+        elif case == "replicas":  # data 2 with an optimizer that reduces nothing: the replicas would drift
+            PipelineRunner(model, make_schedule("OneFOneB", 2), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     except (ValueError, TypeError) as e:
         return str(e)
     return None
@@ -344,6 +346,8 @@ def bad_runner(case):
     ("batch", "batch dimension (8) does not split into num_microbatches=3"),
     ("targets", "the last pipeline stage got targets=None"),
     ("order", "rank 0 never runs 0F1 (chunk 0, microbatch 1)"),
+    ("replicas", "PipelineRunner(optimizer=SGD) on Grid(pipe=1, data=2, tensor=1): it does not reduce gradients "
+                 "over the data axis, so the 2 data replicas would each step on their own gradients"),
 ])
 def test_bad_runner_input_raises_on_every_rank(case, message):
     messages = run(bad_runner, 2, case)
