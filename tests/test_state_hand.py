@@ -186,3 +186,57 @@ def test_a_pipeline_hand_chain_with_masters_resumes_as_if_never_stopped(tmp_path
         for a, b in zip(params, resumed, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert not [k for k in keys if k.startswith("chain.")], keys
+
+
+# -- a torch LR scheduler over a pipeline's layer-wise param groups ------------------------------------------
+def _layerwise_job(seed: int, kind: str):
+    """pipe 2, fp32, one param group per layer with lr halving by layer index (layer-wise lr decay), so the
+    stages hold different numbers of groups with different lrs; a torch scheduler over them."""
+    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.topology import Grid
+    from test_grad_dtypes import CFG, gpt_loss, gpt_specs
+
+    grid = Grid(pipe=2)
+    model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss, compile=False, seed=seed)
+    layers: dict[int, list] = {}
+    for name, p in model.named_parameters():  # "layers.<i>...."; the tied embedding counts as layer 0
+        layers.setdefault(int(name.split(".")[1]) if name.startswith("layers.") else 0, []).append(p)
+    opt = torch.optim.AdamW([{"params": ps, "lr": 1e-2 * 0.5 ** i} for i, ps in sorted(layers.items())])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)) if kind == "lambda" else \
+        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6)
+    return HandParts(model, opt, scheduler, grid=grid), PipelineRunner(model, OneFOneB(num_microbatches=2),
+                                                                       optimizer=opt)
+
+
+def _scheduled_steps(parts: HandParts, runner, start: int, stop: int) -> list[float]:
+    """Steps start..stop-1, each followed by a scheduler step; the losses, then every local group's lr."""
+    losses = []
+    for i in range(start, stop):
+        tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(i))
+        losses.append(runner.train_step(tokens[:, :-1], tokens[:, 1:]).item())
+        parts.optimizer.step()
+        parts.scheduler.step()
+        parts.optimizer.zero_grad()
+    return losses + [g["lr"] for g in parts.optimizer.param_groups]
+
+
+def _layerwise_resume(directory: str) -> list[tuple[list[float], list[float]]]:
+    out = []
+    for kind in ("lambda", "cosine"):
+        straight, runner = _layerwise_job(0, kind)
+        _scheduled_steps(straight, runner, 0, 2)
+        save_state(straight, f"{directory}/{kind}", 2)
+        truth = _scheduled_steps(straight, runner, 2, 4)
+        resumed, runner = _layerwise_job(1, kind)
+        load_state(resumed, f"{directory}/{kind}")
+        out.append((truth, _scheduled_steps(resumed, runner, 2, 4)))
+    return out
+
+
+def test_a_torch_scheduler_over_each_stages_own_param_groups_resumes(tmp_path):
+    """pipe 2, a LambdaLR / CosineAnnealingLR over layer-wise lrs: each stage resumes with its own groups'
+    base lrs (the meta held rank 0's scheduler state, so stage 1 took stage 0's base_lrs: a shorter list
+    crashed its next scheduler.step(), one of equal length trained it with stage 0's lrs)."""
+    for per_kind in run(_layerwise_resume, 2, str(tmp_path)):
+        for truth, resumed in per_kind:
+            assert resumed == truth

@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LRScheduler
 
 from pipezero.chain import links
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
@@ -235,7 +236,7 @@ def load_state(parts: StateParts, directory: str | os.PathLike, step: int | None
         _load_optimizer(parts.optimizer, t, names)
         _load_group_settings(parts, meta.get("param_groups"))
     if scheduler and parts.scheduler is not None and meta.get("scheduler") is not None:
-        parts.scheduler.load_state_dict(meta["scheduler"])
+        _load_scheduler(parts.scheduler, meta["scheduler"])
     if rng and rank_prefix + "torch_cpu" in t and meta["grid"] == _grid_dict(parts.grid):
         set_rng_state(t, meta["rng"], prefix=rank_prefix)
     return {**meta, "step": ckpt.step, "path": str(ckpt.path)}
@@ -284,6 +285,21 @@ def _load_chain(zero: ByNameState, t: Mapping[str, torch.Tensor], skeletons: lis
     for link, skeleton in zip(links(zero.inner), skeletons, strict=True):
         if not isinstance(link, HoldsMasters):  # its masters load with the weights (older checkpoints: a copy)
             link.load_link_state_dict(unflatten_state(dict(t), skeleton))
+
+
+def _load_scheduler(scheduler: Any, saved: Mapping[str, Any]) -> None:
+    """The saved schedule position, with a torch scheduler's per-group lrs taken from this rank's own groups.
+
+    The meta holds rank 0's scheduler state, whose base_lrs / last lrs are one per rank 0's param group;
+    another stage holds other groups (layer-wise lrs: other values, maybe another count). Their lrs and
+    initial lrs were restored by parameter name (_load_group_settings), so the lists are rebuilt from them.
+    """
+    scheduler.load_state_dict(saved)
+    if isinstance(scheduler, LRScheduler):
+        groups = scheduler.optimizer.param_groups
+        if "base_lrs" in saved:
+            scheduler.base_lrs = [group["initial_lr"] for group in groups]
+        scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def _load_optimizer(zero: ByNameState, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
