@@ -10,6 +10,8 @@ process takes the whole batch's: float rounding apart, the same numbers).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -240,3 +242,40 @@ def test_a_torch_scheduler_over_each_stages_own_param_groups_resumes(tmp_path):
     for per_kind in run(_layerwise_resume, 2, str(tmp_path)):
         for truth, resumed in per_kind:
             assert resumed == truth
+
+
+# -- a checkpoint refused on one stage changes nothing on the others -------------------------------------------
+def _scaled_pipe_job(n_layer: int):
+    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.topology import Grid
+    from test_grad_dtypes import CFG, gpt_loss, gpt_specs
+
+    grid = Grid(pipe=2)
+    specs = gpt_specs(dataclasses.replace(CFG, n_layer=n_layer))
+    model = PipelineModule(specs, grid=grid, loss_fn=gpt_loss, compile=False, partition_method="uniform")
+    opt = LossScaler(torch.optim.AdamW(model.parameters(), lr=1e-2), init_scale=2.0 ** 10, scale_window=1)
+    return HandParts(model, opt, grid=grid), PipelineRunner(model, OneFOneB(num_microbatches=2), optimizer=opt)
+
+
+def _refused_on_the_last_stage(directory: str) -> tuple[float, float, str]:
+    saved, runner = _scaled_pipe_job(2)
+    for i in range(2):  # scale_window=1: the scale grows every step
+        tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(i))
+        runner.train_step(tokens[:, :-1], tokens[:, 1:])
+        saved.optimizer.step()
+        saved.optimizer.zero_grad()
+    save_state(saved, directory, 2)
+    other, _ = _scaled_pipe_job(3)  # one block more: only the last stage lacks names in the checkpoint
+    before = other.optimizer.loss_scale
+    with pytest.raises(CheckpointError, match="does not fit the model") as err:
+        load_state(other, directory)
+    return before, other.optimizer.loss_scale, str(err.value)
+
+
+def test_a_checkpoint_refused_on_one_stage_loads_nothing_on_the_others(tmp_path):
+    """pipe 2, LossScaler chain: a checkpoint of a 2-block model onto 3 blocks is refused on every rank, and no
+    rank keeps any of it (stage 0, whose names fit, had loaded the checkpoint's loss scale before the ranks
+    agreed: a job that went on after the error scaled its loss differently on each stage)."""
+    for before, after, message in run(_refused_on_the_last_stage, 2, str(tmp_path)):
+        assert after == before == 2.0 ** 10, (before, after)
+        assert "missing ['model/layers.3." in message

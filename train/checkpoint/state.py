@@ -217,20 +217,22 @@ def load_state(parts: StateParts, directory: str | os.PathLike, step: int | None
         return "/" in key and key.split("/")[1] in local
     shapes = parts.optimizer.full_shapes()  # stage 3's released parameters are empty tensors
     expected = {_MODEL + n: shapes.get(id(p), whole_shape(p)) for n, p in parts.module.named_parameters()}
-    try:  # the chain's state (loss scale...) is the same on every rank; its links validate it first
+    try:  # nothing is loaded until every rank accepts the checkpoint (a refused stage leaves all as they were)
         meta = checkpoint_meta(directory, step)
         _check_model_config(directory, meta.get("model_config"), model_config)
         if meta.get("frozen", True) is False:  # saved without them: they stay as the model has them
             params = _by_name(parts)
             expected = {k: v for k, v in expected.items() if id(params[k]) in shapes}
         ckpt = load_checkpoint(directory, step, names=wanted, expected=expected, strict=False)
-        if optimizer:
-            _load_chain(parts.optimizer, ckpt.tensors, ckpt.meta["chain"], ckpt.meta.get("chain_links"))
+        chain = _chain_states(parts.optimizer, ckpt.tensors, ckpt.meta["chain"], ckpt.meta.get("chain_links")) \
+            if optimizer else []
         problem = None
     except (CheckpointError, ValueError, TypeError, KeyError) as err:
         problem = str(err)
     _agree_on_load(problem, parts.grid.world_size)
     t, meta = ckpt.tensors, ckpt.meta
+    if optimizer:  # first: its links check their own state (the same on every rank) before anything is loaded
+        _load_chain(parts.optimizer, chain)
     _load_weights(parts, t, names)
     if optimizer:
         _load_optimizer(parts.optimizer, t, names)
@@ -275,16 +277,21 @@ def _load_weights(parts: StateParts, t: Mapping[str, torch.Tensor], names: dict[
                 local.copy_(local_slice(p, t[_MODEL + names[id(p)]]).to(p.dtype))
 
 
-def _load_chain(zero: ByNameState, t: Mapping[str, torch.Tensor], skeletons: list[Any],
-                saved_links: list[str] | None) -> None:
+def _chain_states(zero: ByNameState, t: Mapping[str, torch.Tensor], skeletons: list[Any],
+                  saved_links: list[str] | None) -> list[Any]:
+    """Each link's saved own state, checked against this chain's links (nothing loaded yet)."""
     mine = _link_names(zero)
     if (saved_links is not None and saved_links != mine) or len(skeletons) != len(mine):
         raise ValueError(f"the checkpoint's optimizer chain has the links {saved_links} around its torch optimizer "
                          f"(ZeroOptimizer aside), this one {mine}; resume with the same links (a ZeRO stage or "
                          "degree may differ), or pass optimizer=False to load the weights alone")
-    for link, skeleton in zip(links(zero.inner), skeletons, strict=True):
+    return [unflatten_state(dict(t), skeleton) for skeleton in skeletons]
+
+
+def _load_chain(zero: ByNameState, states: list[Any]) -> None:
+    for link, state in zip(links(zero.inner), states, strict=True):
         if not isinstance(link, HoldsMasters):  # its masters load with the weights (older checkpoints: a copy)
-            link.load_link_state_dict(unflatten_state(dict(t), skeleton))
+            link.load_link_state_dict(state)
 
 
 def _load_scheduler(scheduler: Any, saved: Mapping[str, Any]) -> None:
