@@ -313,6 +313,34 @@ def test_export_refuses_released_zero3_parameters_and_replaces_another_layout(tm
     assert set(zero3) == set(single) and all(zero3[n].shape == single[n].shape for n in zero3)
 
 
+def _export_after_delayed_update(path: str, out: str) -> dict[str, torch.Tensor]:
+    """ZeRO-2 with a delayed (DPU) offloaded update, STEPS steps, exported with its optimizer; then the
+    trained weights: the last step's update applied, as save_state's checkpoint holds them."""
+    grid = Grid(pipe=1)
+    model = PipelineModule(hf_layer_specs(path), grid=grid, loss_fn=causal_lm_loss)
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), group=grid.data_group,
+                        config=ZeroConfig(stage=2, offload_optimizer=True, delayed_param_update=True))
+    runner = PipelineRunner(model, OneFOneB(num_microbatches=2), optimizer=opt)
+    for step in range(STEPS):
+        ids, targets = _batch(step)
+        runner.train_step(_mine(ids, grid), _mine(targets, grid))
+        opt.step()
+        opt.zero_grad()
+    export_hf(model, out, optimizer=opt)
+    opt.apply_delayed_update()
+    return {n: t.clone() for n, t in hf_state_dict(model).items()}
+
+
+def test_export_with_the_optimizer_holds_a_delayed_update(tmp_path):
+    """delayed_param_update: the last step's CPU update reaches the model only at the next step() (or
+    apply_delayed_update); export_hf(optimizer=opt) wrote the weights without it, one step behind the
+    trained ones, while save_state's checkpoint of the same step holds them."""
+    trained = run(_export_after_delayed_update, 2, _checkpoint("qwen2", str(tmp_path)), str(tmp_path / "out"))[0]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    for name, value in trained.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_trained_head_is_not_tied_and_unused_tensors_are_reported(tmp_path, caplog):
     """Issue 28 item 6, as transformers 5 loads it: config.json says tie_word_embeddings, the checkpoint
     holds its own, different lm_head.weight: untied, with a warning; a tensor the model does not use is

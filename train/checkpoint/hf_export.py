@@ -42,11 +42,14 @@ def export_hf(module: nn.Module, directory: str | os.PathLike, dtype: torch.dtyp
 
     Every rank calls it (tensor-parallel weights are gathered over the tensor group); the
     ranks of data and tensor coordinate 0 write one shard per pipeline stage. `optimizer`: the
-    ZeroOptimizer (or its chain) of a ZeRO-3 model, whose parameters are gathered for the write.
-    Returns the directory.
+    ZeroOptimizer (or its chain) of a ZeRO-3 model, whose parameters are gathered for the write, or
+    of one with delayed_param_update, whose update still in flight is applied first (without it the
+    file misses the last step's update: call opt.apply_delayed_update() before). Returns the directory.
     """
     from pipezero.zero import gathered
 
+    if optimizer is not None:  # delayed_param_update: the last step's update is not yet in the model
+        optimizer.apply_delayed_update()
     with gathered(optimizer) if optimizer is not None else nullcontext():
         return _export(module, Path(directory), dtype)
 
