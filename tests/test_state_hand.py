@@ -279,3 +279,29 @@ def test_a_checkpoint_refused_on_one_stage_loads_nothing_on_the_others(tmp_path)
     for before, after, message in run(_refused_on_the_last_stage, 2, str(tmp_path)):
         assert after == before == 2.0 ** 10, (before, after)
         assert "missing ['model/layers.3." in message
+
+
+# -- each rank's own random generators ------------------------------------------------------------------------
+def _draws_after_resume(directory: str) -> tuple[list[float], list[float]]:
+    import random
+
+    rank = dist.get_rank()
+    parts = _job("plain")
+    random.seed(100 + rank)  # e.g. a per-rank data shuffle
+    torch.manual_seed(200 + rank)
+    random.gauss(0, 1)  # leaves the second normal of the pair cached
+    save_state(parts, directory, 1)
+    truth = [random.random(), random.gauss(0, 1), torch.rand(1).item()]
+    random.seed(0)
+    torch.manual_seed(0)
+    load_state(_job("plain", seed=1), directory)
+    return truth, [random.random(), random.gauss(0, 1), torch.rand(1).item()]
+
+
+def test_every_rank_resumes_its_own_python_random_state(tmp_path):
+    """data 2: each rank continues its own `random` stream (the meta held rank 0's, so after a resume
+    rank 1 drew rank 0's numbers: per-rank shuffles became the same on every data rank)."""
+    results = run(_draws_after_resume, 2, str(tmp_path))
+    for truth, resumed in results:
+        assert resumed == truth
+    assert results[0][0] != results[1][0]

@@ -5,11 +5,11 @@ A checkpoint holds, under names that do not depend on the grid:
     model/<param name>            fp32 weights (the ZeRO masters, gathered: exact for bf16/fp16 too;
                                   frozen parameters, which no optimizer holds, as the model has them)
     optim/<param name>/<key>      the torch optimizer's per-parameter state (exp_avg, exp_avg_sq, step)
-    rng.<rank>.torch_cpu          each rank's torch RNG (restored when the world size is unchanged)
+    rng.<rank>.torch_cpu, .python each rank's torch and Python RNGs (restored when the grid is unchanged)
 
 and as JSON meta the step, the LR schedule position, the data position, the batch sizes
 (`saved_batch`: a resume on another data degree keeps the global batch), the non-torch links
-of the optimizer chain (the loss scale and its counters) and Python's RNG. Parameter names are
+of the optimizer chain (the loss scale and its counters). Parameter names are
 PipelineModule's ("layers.3.qkv.weight", "tied.embed.weight"): the same on every grid, so a
 pipe 2 x data 2 checkpoint loads into pipe 1 x data 4, pipe 4 x data 1 or one process. Only
 data rank 0 of each stage writes weights and optimizer state (ZeRO's state is consolidated
