@@ -46,9 +46,9 @@ def export_hf(module: nn.Module, directory: str | os.PathLike, dtype: torch.dtyp
     of one with delayed_param_update, whose update still in flight is applied first (without it the
     file misses the last step's update: call opt.apply_delayed_update() before). Returns the directory.
     """
-    from pipezero.zero import gathered
+    from pipezero.zero import ZeroOptimizer, gathered
 
-    if optimizer is not None:  # delayed_param_update: the last step's update is not yet in the model
+    if isinstance(optimizer, ZeroOptimizer):  # delayed_param_update: the last step's update is not yet in the model
         optimizer.apply_delayed_update()
     with gathered(optimizer) if optimizer is not None else nullcontext():
         return _export(module, Path(directory), dtype)

@@ -301,12 +301,13 @@ def _load_scheduler(scheduler: Any, saved: Mapping[str, Any]) -> None:
     another stage holds other groups (layer-wise lrs: other values, maybe another count). Their lrs and
     initial lrs were restored by parameter name (_load_group_settings), so the lists are rebuilt from them.
     """
-    scheduler.load_state_dict(saved)
+    state = dict(saved)
     if isinstance(scheduler, LRScheduler):
         groups = scheduler.optimizer.param_groups
-        if "base_lrs" in saved:
-            scheduler.base_lrs = [group["initial_lr"] for group in groups]
-        scheduler._last_lr = [group["lr"] for group in groups]
+        if "base_lrs" in state:
+            state["base_lrs"] = [group["initial_lr"] for group in groups]
+        state["_last_lr"] = [group["lr"] for group in groups]  # torch's state_dict key for get_last_lr()
+    scheduler.load_state_dict(state)
 
 
 def _load_optimizer(zero: ByNameState, t: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
