@@ -3,7 +3,7 @@
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
-#                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion ...]
+#                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -125,6 +125,11 @@ for w in $what; do
                    run grad-sums-gpt 280 "${gpt_run[@]}" --runs torch-compiled pipezero-1-compile pipezero-1-fast
                    run grad-sums-gpt-fp32 200 "${gpt_run[@]}" --grad-accum-dtype fp32 --runs pipezero-1-compile ;;
     grad-fusion) run grad-fusion 120 python3 bench/grad_fusion.py --device cuda ;;  # weight-gradient sums in the GEMM
+    autotune) run autotune-default 170 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
+                pipezero-1-compile  # the Llama's layers compiled in torch's default mode, then with Triton GEMM
+              run autotune-max 380 env TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS=ATEN,TRITON python3 bench/hf.py \
+                --device cuda --nproc 1 --steps 3 --compile-mode max-autotune-no-cudagraphs --runs pipezero-1-compile \
+                torch-compiled ;;  # templates beside cuBLAS (epilogues fused into the winners), ours first, then the peer
     speed-profile) run speed-hf-profile 240 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
                      pipezero-1-compile pipe-1f1b-compile --profile "$out/prof"
                    run speed-gpt-profile 200 python3 bench/train.py --device cuda --world 1 "${gpt[@]/--seq/--seq-len}" \
