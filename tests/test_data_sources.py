@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -129,7 +130,6 @@ def test_chat_without_template_and_one_token_documents_are_refused(tmp_path, tok
     with pytest.raises(ValueError, match=r"c.jsonl:1: a chat record, but the tokenizer has no chat template"):
         tokenized_corpus(chat, plain, cache_dir=tmp_path / "cache")
     with pytest.raises(ValueError, match=r"raised while tokenizing"):  # a waiting rank: the same error, no hang
-        import os
         os.environ["LOCAL_RANK"] = "1"
         try:
             tokenized_corpus(chat, plain, cache_dir=tmp_path / "cache", wait_s=5)
@@ -138,3 +138,29 @@ def test_chat_without_template_and_one_token_documents_are_refused(tmp_path, tok
     one = _jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}, {"text": "<eos>"}])
     with pytest.raises(ValueError, match=r"one.jsonl:2: tokenizes to 1 token"):
         tokenized_corpus(one, tok_dir, cache_dir=tmp_path / "cache")
+
+
+def test_a_dead_builders_lock_is_taken_over(tmp_path, tok_dir):
+    """A builder killed mid-build (a preempted job: SIGTERM runs no `finally`) leaves its lock; the rerun's
+    LOCAL_RANK 0 used to wait for it until wait_s (two hours by default) and then fail. A live builder's
+    lock, or another host's, is still waited for."""
+    import socket
+    import subprocess
+    import sys
+
+    from pipezero.train.data import cache_key
+
+    data = _jsonl(tmp_path / "d.jsonl", [{"text": "the cat sat"}, {"text": "a dog ran"}])
+    lock = tmp_path / "cache" / f"{cache_key(data, tok_dir)}.lock"
+    lock.parent.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid}))
+    assert tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache", wait_s=5).num_docs == 2
+    assert not lock.exists()
+    other = _jsonl(tmp_path / "e.jsonl", [{"text": "red sky"}, {"text": "blue sea"}])
+    lock = lock.with_name(f"{cache_key(other, tok_dir)}.lock")
+    for holder in ({"host": socket.gethostname(), "pid": os.getppid()}, {"host": "elsewhere", "pid": gone.pid}):
+        lock.write_text(json.dumps(holder))
+        with pytest.raises(TimeoutError, match="another process builds"):
+            tokenized_corpus(other, tok_dir, cache_dir=tmp_path / "cache", wait_s=0.3)

@@ -9,7 +9,9 @@ document's file:line) and meta.json, written into a temporary folder and renamed
 Who builds it: one process per machine (LOCAL_RANK 0, or the process that wins the lock
 file); the others wait for the folder, or for the builder's error file, and raise that same
 error: no collective is involved, so bad input fails on every rank alike instead of leaving
-peers in a barrier.
+peers in a barrier. The lock names its builder (host, pid): one left by a builder that died on
+this host (preempted or killed mid-build, so no `finally` removed it) is taken over by the next
+LOCAL_RANK 0, as train/run_dir.py does with a run's lock; one from another host is waited for.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,11 +137,37 @@ def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text
 
 
 def _take(lock: Path) -> bool:
-    try:
-        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    """Create `lock` naming this process; a dead builder's lock on this host is removed and taken."""
+    for _ in range(2):  # a second try after removing a dead builder's lock
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if not _dead(lock):
+                return False
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
         return True
-    except FileExistsError:
+    return False
+
+
+def _dead(lock: Path) -> bool:
+    """Whether `lock` was written on this host by a process that no longer exists (unreadable: alive)."""
+    try:
+        holder = json.loads(lock.read_text())
+        pid = holder["pid"] if holder["host"] == socket.gethostname() else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return False  # being written this instant, another host's, or an older empty lock
+    if not isinstance(pid, int) or pid <= 0:
         return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _wait(folder: Path, lock: Path, error: Path, wait_s: float) -> TokenizedCorpus:
