@@ -89,7 +89,7 @@ def test_finetune_resumes_exactly_and_exports(tmp_path):
     assert model(**tok("the cat", return_tensors="pt")).logits.shape[-1] == len(tok)
 
 
-def test_unwritable_out_and_bad_data_fail_before_training(tmp_path, monkeypatch):
+def test_unwritable_out_and_bad_data_fail_before_training(tmp_path, monkeypatch, capsys):
     from pipezero.train.finetune import main
 
     def started(*_, **__):
@@ -103,6 +103,12 @@ def test_unwritable_out_and_bad_data_fail_before_training(tmp_path, monkeypatch)
     _chats(tmp_path / "chat.jsonl")
     with pytest.raises(ValueError, match=r"--seq-len 4096 is longer than the model's 1024 positions"):
         main(["--out", str(tmp_path / "o"), "--seq-len", "4096"])
+    for flag, value, words in (("--seq-len", "1", "expected an integer >= 2"), ("--val-fraction", "1.5", "(0, 1)"),
+                               ("--val-fraction", "-1", "(0, 1)"), ("--val-fraction", "0", "(0, 1)")):
+        with pytest.raises(SystemExit):  # was: the model and the process group built, then a ValueError (1.5:
+            main(["--out", str(tmp_path / "o"), flag, value])  # "give more documents"; -1 and 0 ran on)
+        err = capsys.readouterr().err
+        assert f"argument {flag}: {value}: expected" in err and words in err, err
     import transformers
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, max_position_embeddings=64)

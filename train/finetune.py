@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-packing", dest="packing", action="store_false", help="one document per row, padded")
     p.add_argument("--long-docs", default="split", choices=["split", "truncate"],
                    help="what becomes of a document longer than --seq-len")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per row")
-    p.add_argument("--val-fraction", type=float, default=0.02, help="share of the documents held out")
+    p.add_argument("--seq-len", type=_seq_len, default=512, help="tokens per row")
+    p.add_argument("--val-fraction", type=_fraction, default=0.02, help="share of the documents held out")
     p.add_argument("--cache-dir", default=None, help="tokenized corpora (default $PIPEZERO_CACHE or ~/.cache)")
     p.add_argument("--tokenize-workers", type=int, default=min(8, os.cpu_count() or 1))
     p.add_argument("--config", default=None, help="a ds_config.json; the flags below override its keys")
@@ -79,6 +79,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the data order's seed")
     p.add_argument("--out", default="runs/finetune", help="TensorBoard, checkpoints and the exported model")
     return p.parse_args(argv)
+
+
+def _seq_len(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 2 (a token and its next one)")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text}: expected a share in (0, 1) of the documents to hold out for "
+                                         f"evaluation, e.g. 0.02")
+    return value
 
 
 def main(argv: list[str] | None = None) -> float:
