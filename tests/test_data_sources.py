@@ -164,3 +164,38 @@ def test_a_dead_builders_lock_is_taken_over(tmp_path, tok_dir):
         lock.write_text(json.dumps(holder))
         with pytest.raises(TimeoutError, match="another process builds"):
             tokenized_corpus(other, tok_dir, cache_dir=tmp_path / "cache", wait_s=0.3)
+
+
+def test_an_earlier_launchs_error_does_not_stop_the_rerun(tmp_path, tok_dir):
+    """A build that failed for a reason of its own (^C, a killed tokenizer worker) leaves its error file for
+    the waiting ranks; the rerun's waiting ranks used to raise that old error before their LOCAL_RANK 0
+    removed it and built the corpus. Now they wait for this launch's build; this launch's errors still stop
+    them (test_chat_without_template_and_one_token_documents_are_refused)."""
+    import socket
+    import threading
+    import time
+
+    from pipezero.train.data import cache_key
+
+    data = _jsonl(tmp_path / "d.jsonl", [{"text": "the cat sat"}, {"text": "a dog ran"}])
+    error = tmp_path / "cache" / f"{cache_key(data, tok_dir)}.error"
+    error.parent.mkdir()
+    error.write_text(json.dumps({"host": socket.gethostname(), "time": time.time() - 3600}) +
+                     "\nRuntimeError\nKeyboardInterrupt: ")
+    got = {}
+
+    def waiting_rank():
+        try:
+            got["docs"] = tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache", wait_s=30).num_docs
+        except Exception as err:  # noqa: BLE001 - reported below
+            got["error"] = err
+    os.environ["LOCAL_RANK"] = "1"
+    try:
+        waiter = threading.Thread(target=waiting_rank)
+        waiter.start()
+        time.sleep(0.5)  # the waiting rank looks first
+    finally:
+        del os.environ["LOCAL_RANK"]
+    assert tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache").num_docs == 2  # LOCAL_RANK 0 builds
+    waiter.join(30)
+    assert got == {"docs": 2}, got

@@ -12,6 +12,9 @@ error: no collective is involved, so bad input fails on every rank alike instead
 peers in a barrier. The lock names its builder (host, pid): one left by a builder that died on
 this host (preempted or killed mid-build, so no `finally` removed it) is taken over by the next
 LOCAL_RANK 0, as train/run_dir.py does with a run's lock; one from another host is waited for.
+The error file says when and where it was written: a waiting rank ignores one that this host
+wrote before the rank's own process started (an earlier launch's, e.g. a ^C while tokenizing),
+since its LOCAL_RANK 0 removes it and builds again.
 """
 
 from __future__ import annotations
@@ -125,10 +128,10 @@ def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text
             error.unlink(missing_ok=True)
             _build(folder, data, model_dir, text_field, workers, progress)
         except (ValueError, TypeError, OSError) as err:
-            error.write_text(f"{type(err).__name__}\n{err}")
+            _report(error, type(err).__name__, str(err))
             raise
         except BaseException as err:  # anything else (a broken tokenizer, ^C): the waiting ranks stop too
-            error.write_text(f"RuntimeError\n{type(err).__name__}: {err}")
+            _report(error, "RuntimeError", f"{type(err).__name__}: {err}")
             raise
         finally:
             lock.unlink(missing_ok=True)
@@ -175,13 +178,40 @@ def _wait(folder: Path, lock: Path, error: Path, wait_s: float) -> TokenizedCorp
     while time.monotonic() - start < wait_s:
         if (folder / "meta.json").exists():
             return TokenizedCorpus.open(folder)
-        if error.exists() and not lock.exists():
-            kind, _, text = error.read_text().partition("\n")
+        if error.exists() and not lock.exists() and not _earlier_launch(error):
+            report = error.read_text()
+            kind, _, text = (report.partition("\n")[2] if report.startswith("{") else report).partition("\n")
             raise {"TypeError": TypeError, "OSError": OSError, "RuntimeError": RuntimeError}.get(kind, ValueError)(
                 f"{text} (raised while tokenizing on the local rank 0; delete {error} to try again)")
         time.sleep(0.1)
     raise TimeoutError(f"waited {wait_s:.0f}s for the tokenized corpus {folder} that another process builds "
                        f"(lock {lock}); if no process is building it, delete the lock file")
+
+
+def _report(error: Path, kind: str, text: str) -> None:
+    """The builder's error for the waiting ranks: where and when (a JSON line), its kind, its text."""
+    error.write_text(json.dumps({"host": socket.gethostname(), "time": time.time()}) + f"\n{kind}\n{text}")
+
+
+def _earlier_launch(error: Path) -> bool:
+    """Whether `error` was written on this host before this process started (so by an earlier launch)."""
+    try:
+        written = json.loads(error.read_text().partition("\n")[0])
+        started = _started()
+        return written["host"] == socket.gethostname() and started is not None and written["time"] < started - 2
+    except (OSError, ValueError, TypeError, KeyError):
+        return False  # being written this instant, or unreadable: taken as this launch's
+
+
+def _started() -> float | None:
+    """This process's start in seconds since the epoch (Linux /proc, to about a second); None elsewhere."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _build(folder: Path, data, model_dir, text_field: str, workers: int, progress: bool) -> None:
