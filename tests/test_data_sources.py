@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from data_tokenizer import make_tokenizer
-from pipezero.train.data import (IGNORE, MemoryCorpus, encode, load_tokenizer, pack, read_documents,
+from pipezero.train.data import (IGNORE, MemoryCorpus, data_files, encode, load_tokenizer, pack, read_documents,
                                  tokenized_corpus)
 
 
@@ -105,6 +105,17 @@ def test_packing_rows_labels_positions_and_long_documents(caplog):
     for layout in (pack(many, 16), pack(many, 16, packing=False, long_docs="truncate")):
         assert layout.trained_tokens(many).tolist() == [int((layout.row(r, many).labels != IGNORE).sum())
                                                         for r in range(layout.num_rows)]
+
+
+def test_a_dataset_dict_folder_is_refused_naming_its_splits(tmp_path):
+    """A DatasetDict's save_to_disk folder holds train and test: read whole, the test split was trained on."""
+    for split in ("train", "test"):
+        (tmp_path / split).mkdir()
+        _jsonl(tmp_path / split / "data.jsonl", [{"text": f"a {split} row"}])
+    (tmp_path / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(ValueError, match=r"DatasetDict with the splits \['train', 'test'\].*--data '.*/train'"):
+        data_files(tmp_path)
+    assert [d.text for d in read_documents(tmp_path / "train")] == ["a train row"]
 
 
 @pytest.mark.parametrize("name, content, words", [

@@ -8,7 +8,8 @@ bad record is refused with its place and the fix, before any token is made.
 Formats, by suffix; a folder is read recursively, its files in sorted order:
 - .txt / .md / .text (and any other suffix that is UTF-8 text): one document per file.
 - .jsonl / .json (one object per line), .parquet, .arrow / .feather (pyarrow, the `arrow`
-  extra; a `datasets` save_to_disk folder too): one document per record. The first record picks
+  extra; a `datasets` save_to_disk folder too, one split's: a DatasetDict's is refused): one
+  document per record. The first record picks
   the kind, every record keeps it: `messages` (a chat, rendered later by the tokenizer's own
   template; ShareGPT's `conversations` of from/value too), `prompt` + `completion` (loss on
   the completion), or the text field (`text` unless named).
@@ -56,11 +57,26 @@ def data_files(path: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         raise FileNotFoundError(f"--data {str(root)!r} is neither a file nor a folder; pass a .txt/.jsonl/.parquet "
                                 f"file or a folder of them")
+    _refuse_split_dicts(root)
     files = sorted(p for p in root.rglob("*")
                    if p.is_file() and not p.name.startswith(".") and p.name not in _DATASET_METADATA)
     if not files:
         raise ValueError(f"--data {str(root)!r} is an empty folder; put text, .jsonl or .parquet files in it")
     return files
+
+
+def _refuse_split_dicts(root: Path) -> None:
+    """A `datasets` DatasetDict folder holds every split (train, test...): read whole, the held-out
+    splits would be trained on. Refused, naming its splits; one split's folder is read."""
+    for marker in sorted(root.rglob("dataset_dict.json")):
+        try:
+            splits = json.loads(marker.read_text())["splits"]
+        except (OSError, ValueError, TypeError, KeyError):
+            splits = sorted(p.name for p in marker.parent.iterdir() if p.is_dir())
+        first = marker.parent / (splits[0] if splits else "train")
+        raise ValueError(f"--data {str(root)!r}: {str(marker.parent)!r} is a `datasets` DatasetDict with the splits "
+                         f"{splits}; reading it whole would train on all of them; pass one split's folder, e.g. "
+                         f"--data {str(first)!r}")
 
 
 def read_documents(path: str | os.PathLike, text_field: str = "text") -> Iterator[Document]:
