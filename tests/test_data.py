@@ -55,7 +55,8 @@ def test_ranks_together_take_exactly_the_single_process_batch(dp):
             starts = set(whole_x[:, 0].tolist())  # token = position, so this is the window
             assert len(starts) == 2 * dp and not (starts & seen)  # no window twice within an epoch
             seen |= starts
-    assert single.state_dict() == {"epoch": 1, "step": 2, "global_batch": single.batch_size}
+    assert single.state_dict() == {"epoch": 1, "step": 2, "global_batch": single.batch_size,
+                                   "corpus": data.fingerprint(), "seed": 7}
 
 
 def test_epochs_reshuffle_and_seed_matters():
@@ -81,6 +82,22 @@ def test_resume_continues_with_the_next_batch():
     for want in expect:
         got = resumed.next_batch()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_resume_on_another_corpus_or_seed_is_refused():
+    """A position means nothing in another data order: a resume with another --data-path (or seq_len,
+    or seed) is refused naming what differs, instead of training on from a step of another order."""
+    data = _data()
+    run = ShardedBatches(data, batch_size=3, seed=5)
+    run.next_batch()
+    state = run.state_dict()
+    other = TokenData(data.tokens.flip(0).contiguous(), data.seq_len)
+    for resumed, word in ((ShardedBatches(other, batch_size=3, seed=5), "corpus"),
+                          (ShardedBatches(data, batch_size=3, seed=6), "seed 5, here 6")):
+        with pytest.raises(ValueError, match=f"another data order \\({word}"):
+            resumed.load_state_dict(state)
+    older = {k: state[k] for k in ("epoch", "step", "global_batch")}  # written before the check: taken as the same
+    ShardedBatches(data, batch_size=3, seed=5).load_state_dict(older)
 
 
 def test_user_files(tmp_path):

@@ -131,6 +131,14 @@ class TokenData:
         cut = int(self.tokens.numel() * (1.0 - self.val_fraction))
         return self.tokens[:cut] if split == "train" else self.tokens[cut:]
 
+    def fingerprint(self) -> str:
+        """A short hash of the stream's length and its first and last 65,536 tokens: a resumed data position
+        is refused on another corpus (cheap at any size; `source` alone would refuse a moved file)."""
+        digest = hashlib.sha256(f"{self.tokens.numel()}:{self.seq_len}:{self.val_fraction}".encode())
+        for part in (self.tokens[:65_536], self.tokens[-65_536:]):
+            digest.update(part.to(torch.int64).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
     def num_windows(self, split: str) -> int:
         """Non-overlapping windows of seq_len + 1 tokens (neighbours share one token) in a split."""
         return max(0, (self._split(split).numel() - 1) // self.seq_len)
@@ -146,8 +154,9 @@ class TokenData:
 class ShardedBatches:
     """This data rank's batches, step after step, from a seeded permutation per epoch.
 
-    `state_dict()` is two integers (epoch, step), so a resumed run continues with the very
-    batch the interrupted one would have taken next.
+    `state_dict()` is the position, two integers (epoch, step), and what it is a position in, so a
+    resumed run continues with the very batch the interrupted one would have taken next (and a
+    resume on other data is refused).
     """
 
     def __init__(self, data: TokenData, batch_size: int, data_rank: int = 0, data_degree: int = 1,
@@ -187,17 +196,26 @@ class ShardedBatches:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.next_batch()
 
-    def state_dict(self) -> dict[str, int]:
-        """The position, as JSON-ready ints, and the global batch it counts in."""
-        return {"epoch": self.epoch, "step": self.step, "global_batch": self.batch_size * self.data_degree}
+    def state_dict(self) -> dict[str, int | str]:
+        """The position, as JSON-ready ints, the global batch it counts in, and what it is a position in
+        (the corpus's fingerprint and the shuffle seed)."""
+        return {"epoch": self.epoch, "step": self.step, "global_batch": self.batch_size * self.data_degree,
+                "corpus": self.data.fingerprint(), "seed": self.seed}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a saved position; refused when it counts in another global batch.
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        """Continue from a saved position; refused when it is in another corpus or shuffle, or counts in
+        another global batch.
 
         A step counts global batches (data degree x batch size), so a position saved under one
         global batch points elsewhere under another. A different data degree with the same
         global batch (e.g. fewer replicas, more accumulation) continues exactly.
         """
+        order = {"corpus": self.data.fingerprint(), "seed": self.seed}
+        other = {k: (state[k], mine) for k, mine in order.items() if k in state and state[k] != mine}
+        if other:  # older checkpoints say neither: taken as the same data
+            differ = ", ".join(f"{k} {saved!r}, here {mine!r}" for k, (saved, mine) in other.items())
+            raise ValueError(f"the checkpoint's data position is in another data order ({differ}): resume with the "
+                             "data file, --seq-len and seed it was saved with, or start afresh in another --out")
         saved = state.get("global_batch")
         mine = self.batch_size * self.data_degree
         if saved is not None and saved != mine:
