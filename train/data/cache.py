@@ -11,7 +11,9 @@ file); the others wait for the folder, or for the builder's error file, and rais
 error: no collective is involved, so bad input fails on every rank alike instead of leaving
 peers in a barrier. The lock names its builder (host, pid): one left by a builder that died on
 this host (preempted or killed mid-build, so no `finally` removed it) is taken over by the next
-LOCAL_RANK 0, as train/run_dir.py does with a run's lock; one from another host is waited for.
+LOCAL_RANK 0, as train/run_dir.py does with a run's lock; one from another host is waited for,
+as long as its builder touches it (every few seconds while it builds: a long build is not a
+dead one).
 The error file says when and where it was written: a waiting rank ignores one that this host
 wrote before the rank's own process started (an earlier launch's, e.g. a ^C while tokenizing),
 since its LOCAL_RANK 0 removes it and builds again.
@@ -24,10 +26,12 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -115,8 +119,13 @@ class TokenizedCorpus:
 
 def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text_field: str = "text",
                      cache_dir: str | os.PathLike | None = None, workers: int = 0, progress: bool = False,
-                     wait_s: float = 7200.0) -> TokenizedCorpus:
-    """The corpus of `data` tokenized by `model_dir`'s tokenizer: from the cache, or built once."""
+                     wait_s: float = 600.0) -> TokenizedCorpus:
+    """The corpus of `data` tokenized by `model_dir`'s tokenizer: from the cache, or built once.
+
+    The other ranks wait for the builder as long as it lives: it touches its lock every _BEAT_S
+    seconds, and they give up after `wait_s` seconds without a touch (a builder on another host
+    that died), not after a fixed time (a large corpus may take hours to tokenize).
+    """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     key = cache_key(data, model_dir, text_field)
@@ -126,7 +135,8 @@ def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and _take(lock):
         try:
             error.unlink(missing_ok=True)
-            _build(folder, data, model_dir, text_field, workers, progress)
+            with _heartbeat(lock):
+                _build(folder, data, model_dir, text_field, workers, progress)
         except (ValueError, TypeError, OSError) as err:
             _report(error, type(err).__name__, str(err))
             raise
@@ -173,9 +183,41 @@ def _dead(lock: Path) -> bool:
     return False
 
 
+_BEAT_S = 10.0  # how often a builder touches its lock
+
+
+@contextmanager
+def _heartbeat(lock: Path, every_s: float = _BEAT_S) -> Iterator[None]:
+    """Touch `lock` every `every_s` seconds while the block runs: the waiting ranks' sign of life."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            try:
+                os.utime(lock)
+            except OSError:
+                return
+    thread = threading.Thread(target=beat, name="pipezero-tokenize-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _touched(lock: Path) -> int | None:
+    """The lock's modification time (ns), None when it is gone."""
+    try:
+        return lock.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
 def _wait(folder: Path, lock: Path, error: Path, wait_s: float) -> TokenizedCorpus:
-    start = time.monotonic()
-    while time.monotonic() - start < wait_s:
+    """Wait for the builder's folder or error; give up after `wait_s` seconds without a touch of its lock."""
+    seen, since = _touched(lock), time.monotonic()
+    while time.monotonic() - since < wait_s:
         if (folder / "meta.json").exists():
             return TokenizedCorpus.open(folder)
         if error.exists() and not lock.exists() and not _earlier_launch(error):
@@ -183,9 +225,13 @@ def _wait(folder: Path, lock: Path, error: Path, wait_s: float) -> TokenizedCorp
             kind, _, text = (report.partition("\n")[2] if report.startswith("{") else report).partition("\n")
             raise {"TypeError": TypeError, "OSError": OSError, "RuntimeError": RuntimeError}.get(kind, ValueError)(
                 f"{text} (raised while tokenizing on the local rank 0; delete {error} to try again)")
+        touched = _touched(lock)
+        if touched != seen:  # the builder is alive (it touches the lock every _BEAT_S seconds)
+            seen, since = touched, time.monotonic()
         time.sleep(0.1)
     raise TimeoutError(f"waited {wait_s:.0f}s for the tokenized corpus {folder} that another process builds "
-                       f"(lock {lock}); if no process is building it, delete the lock file")
+                       f"(lock {lock}), without a sign of life from it (a live builder touches the lock every "
+                       f"{_BEAT_S:.0f}s); if no process is building it, delete the lock file")
 
 
 def _report(error: Path, kind: str, text: str) -> None:
