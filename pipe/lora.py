@@ -39,7 +39,10 @@ __all__ = ["LoraConfig", "LoraLinear", "adapter_state_dict", "adapters_disabled"
 
 _PEFT_DEFAULTS = {"use_dora": False, "bias": "none", "modules_to_save": None, "layers_to_transform": None,
                   "init_lora_weights": True, "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
-                  "exclude_modules": None, "lora_bias": False}  # peft options this path does not implement
+                  "exclude_modules": None, "lora_bias": False, "target_parameters": None,
+                  "trainable_token_indices": None, "layer_replication": None, "alora_invocation_tokens": None,
+                  "use_qalora": False, "use_bdlora": None, "arrow_config": None, "kasa_config": None,
+                  "monteclora_config": None, "velora_config": None}  # peft options this path does not implement
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -239,6 +239,10 @@ def test_unsupported_family_and_options_are_named():
         lora_specs(hf_layer_specs(gpt2), LoraConfig(target_modules=["c_attn"]))
     with pytest.raises(ValueError, match="use_dora"):
         LoraConfig.of(peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    for option in [dict(target_parameters=["mlp.gate_proj.weight"]), dict(trainable_token_indices=[3, 4]),
+                   dict(layer_replication=[[0, 1], [0, 1]]), dict(alora_invocation_tokens=[5])]:  # peft adapts more
+        with pytest.raises(ValueError, match=f"peft.LoraConfig with {{'{next(iter(option))}'"):
+            lora_specs(_specs(), peft.LoraConfig(r=4, target_modules=["q_proj"], **option))
     with pytest.raises(ValueError, match="r=0"):
         LoraConfig(r=0)
 
