@@ -62,11 +62,26 @@ def test_grpo_loss_equals_hand_computed_example():
                            torch.tensor(old), torch.tensor(ref))
     lp = torch.tensor(logp, dtype=torch.float64)
     for reduction, value in want.items():
-        per_token, _ = grpo_token_loss(lp, target, GRPOConfig(beta=beta, epsilon=eps, reduction=reduction))
-        assert reduce_tokens(per_token, target.mask, reduction).item() == pytest.approx(value, rel=1e-6)
+        config = GRPOConfig(beta=beta, epsilon=eps, reduction=reduction, max_completion_length=3)
+        per_token, _ = grpo_token_loss(lp, target, config)
+        got = reduce_tokens(per_token, target.mask, reduction, config.max_completion_length)
+        assert got.item() == pytest.approx(value, rel=1e-6)
     # REINFORCE: -A * logp (+ the same KL)
     per_token, _ = grpo_token_loss(lp, target, GRPOConfig(beta=0.0, reinforce=True))
     assert per_token[0, 1].item() == pytest.approx(-1.5 * -2.0)
+
+
+def test_dr_grpo_divides_by_max_completion_length_not_the_width():
+    """TRL's dr_grpo: sum / (sequences x max_completion_length), a constant; a rollout whose rows all stopped
+    within 2 of max_new_tokens=5 tokens is 2 wide, and its tokens must not weigh 5/2 times more."""
+    logits = torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    completion, mask = torch.tensor([[3, 1], [1, 0]]), torch.tensor([[1, 1], [1, 0]])
+    target = RolloutTarget(completion, mask, torch.tensor([1.0, -0.5]), torch.zeros(2, 0), torch.zeros(2, 2))
+    loss = PolicyLoss(GRPOConfig(beta=0.0, reduction=Reduction.DR_GRPO, max_completion_length=5))(logits, target)
+    per_token, _ = grpo_token_loss(completion_logprobs(logits, completion), target, GRPOConfig(beta=0.0))
+    assert loss.item() == pytest.approx(((per_token * mask).sum() / (2 * 5)).item(), rel=1e-6)
+    with pytest.raises(ValueError, match=r"DR_GRPO, max_completion_length=None\): .*max_new_tokens"):
+        GRPOConfig(reduction=Reduction.DR_GRPO)
 
 
 def test_group_advantages_and_completion_mask():

@@ -9,8 +9,9 @@ GRPO's per-token objective (Shao et al. 2024; in the form TRL's GRPOTrainer comp
 
 reduced over the completion mask either per sequence then over sequences ("grpo": the
 paper's 1/G sum_i 1/|o_i| sum_t), over all tokens at once ("bnpo"), or over batch x
-max_completion_length ("dr_grpo", Liu et al. 2025). The reference's log-probs come with the
-rollout (a frozen copy of the policy, or the base with LoRA adapters off: train/rl/reference.py).
+max_completion_length ("dr_grpo", Liu et al. 2025: a constant, the generation's max_new_tokens,
+as TRL divides, not the width of a batch whose rows all stopped early). The reference's
+log-probs come with the rollout (a frozen copy of the policy, or the base with LoRA adapters off: train/rl/reference.py).
 `PolicyLoss` is a PipelineModule loss_fn: (logits, RolloutTarget) -> scalar, so the same loss
 trains through a pipeline (PipelineRunner.train_step(inputs, target)) or on one stage.
 """
@@ -46,6 +47,7 @@ class GRPOConfig:
     epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher sets it larger)
     reduction: Reduction = Reduction.GRPO
     reinforce: bool = False     # plain REINFORCE: -A * logp, no ratio, no clip (the KL term stays if beta > 0)
+    max_completion_length: int | None = None  # Reduction.DR_GRPO's divisor per sequence: rollout's max_new_tokens
 
     def __post_init__(self) -> None:
         if self.beta < 0 or self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
@@ -53,6 +55,11 @@ class GRPOConfig:
                              f"{self.epsilon_high}): expected values >= 0")
         if not isinstance(self.reduction, Reduction):
             raise TypeError(f"GRPOConfig(reduction={self.reduction!r}): expected a Reduction, e.g. Reduction.GRPO")
+        length = self.max_completion_length
+        if self.reduction is Reduction.DR_GRPO and (not isinstance(length, int) or length < 1):
+            raise ValueError(f"GRPOConfig(reduction=Reduction.DR_GRPO, max_completion_length={length!r}): Dr. GRPO "
+                             "divides by sequences x a constant length; pass max_completion_length=max_new_tokens "
+                             "(a batch whose rows all stopped early is narrower)")
 
 
 class RolloutTarget(NamedTuple):
@@ -90,14 +97,16 @@ def grpo_token_loss(logp: torch.Tensor, target: RolloutTarget, config: GRPOConfi
     return (policy + config.beta * kl if config.beta else policy), kl
 
 
-def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, reduction: Reduction) -> torch.Tensor:
-    """One number from per-token values over the completion mask."""
+def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, reduction: Reduction,
+                  max_length: int | None = None) -> torch.Tensor:
+    """One number from per-token values over the completion mask (DR_GRPO: per max_length tokens a sequence,
+    None: the width of per_token)."""
     mask = mask.to(per_token.dtype)
     if reduction is Reduction.GRPO:
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     if reduction is Reduction.BNPO:
         return (per_token * mask).sum() / mask.sum().clamp(min=1)
-    return (per_token * mask).sum() / per_token.numel()
+    return (per_token * mask).sum() / (per_token.size(0) * (max_length or per_token.size(-1)))
 
 
 class PolicyLoss:
@@ -112,7 +121,7 @@ class PolicyLoss:
         logp = completion_logprobs(logits, target.completion)
         per_token, kl = grpo_token_loss(logp, target, self.config)
         self.last_kl = float(reduce_tokens(kl.detach(), target.mask, Reduction.BNPO))
-        return reduce_tokens(per_token, target.mask, self.config.reduction)
+        return reduce_tokens(per_token, target.mask, self.config.reduction, self.config.max_completion_length)
 
     def __repr__(self) -> str:
         return f"PolicyLoss({self.config})"

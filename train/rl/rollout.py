@@ -21,7 +21,7 @@ import torch
 
 from pipezero.pipe.hf.generate import Sampling, hf_generate
 from pipezero.train.rl.advantages import batch_baseline, group_advantages
-from pipezero.train.rl.loss import GRPOConfig, PolicyLoss, RolloutTarget, completion_logprobs
+from pipezero.train.rl.loss import GRPOConfig, PolicyLoss, Reduction, RolloutTarget, completion_logprobs
 from pipezero.train.rl.reference import Reference
 from pipezero.zero.gathered import gathered
 
@@ -74,6 +74,9 @@ def rollout(module: Any, opt: Any, prompt_ids: torch.Tensor, prompt_mask: torch.
     if config.beta > 0 and reference is None:
         raise ValueError(f"rollout: GRPOConfig(beta={config.beta}) penalises the KL to a reference policy; pass "
                          "reference=FrozenCopy(module) (taken before training), or set beta=0")
+    if config.reduction is Reduction.DR_GRPO and config.max_completion_length != max_new_tokens:
+        raise ValueError(f"rollout: GRPOConfig(max_completion_length={config.max_completion_length}) is Dr. GRPO's "
+                         f"divisor, max_new_tokens={max_new_tokens}; expected the same length")
     if module.grid.pipe_size != 1:
         raise ValueError(f"rollout: pipe={module.grid.pipe_size}; the RL step scores whole sequences on one stage, "
                          "so use pipe=1 (hf_generate alone runs across a pipeline)")
