@@ -133,7 +133,8 @@ def main(argv=None) -> list[float]:
     grid = Grid(pipe=1)
     rank = dist.get_rank()
     policy, reference, opt = build(args, grid)
-    loss = PolicyLoss(GRPOConfig(beta=args.beta, reinforce=args.algo == "reinforce"))
+    loss = PolicyLoss(GRPOConfig(beta=args.beta, reinforce=args.algo == "reinforce",
+                                 temperature=args.temperature or 1.0))  # 0: greedy, any scores alike
     sampling = Sampling(temperature=args.temperature)
     gen_dtype = torch.bfloat16 if args.gen_dtype == "bf16" else None
     tb = TensorBoardWriter(args.tensorboard, f"grpo_arithmetic_{args.algo}", enabled=bool(args.tensorboard))

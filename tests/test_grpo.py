@@ -196,6 +196,38 @@ def test_rollout_under_zero3_returns_memory_and_leaves_optimizer_state():
         assert timings == ["gather_s", "generate_s", "reward_s", "score_s"]
 
 
+# -- a sampling temperature: every log-prob is of the distribution that sampled -------------------------
+def _tempered_rollout():
+    grid = Grid(pipe=1)
+    module = PipelineModule(hf_layer_specs(_hf_model()), grid=grid)
+    opt = ZeroOptimizer(torch.optim.SGD(module.parameters(), lr=0.0), group=grid.data_group, stage=1)
+    ids = torch.randint(2, VOCAB, (2, P), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(group_size=2, max_new_tokens=N, stop_tokens=[], pad_token_id=0, reference=FrozenCopy(module),
+                  generator=torch.Generator().manual_seed(0), score_old=True)
+    with pytest.raises(ValueError, match=r"Sampling\(temperature=0.5\) .* GRPOConfig\(temperature=1.0\)"):
+        rollout(module, opt, ids, torch.ones_like(ids), lambda *a: torch.zeros(4), sampling=Sampling(temperature=0.5),
+                config=GRPOConfig(beta=0.1), **kwargs)
+    config = GRPOConfig(beta=0.1, temperature=0.5)
+    batch = rollout(module, opt, ids, torch.ones_like(ids), lambda *a: torch.zeros(4),
+                    sampling=Sampling(temperature=0.5), config=config, **kwargs)
+    loss = PolicyLoss(config)
+    loss(module(batch.inputs), batch.target)
+    return batch, loss.last_kl
+
+
+def test_rollout_scores_the_tokens_under_the_sampling_temperature():
+    """TRL divides the logits by the sampling temperature before every log-prob (policy, old, reference):
+    softmax(logits / T) is the policy the tokens came from, so its gradient is the policy gradient."""
+    batch, kl = run(_tempered_rollout, 1)[0]
+    assert abs(kl) < 1e-6, "the training forward's log-probs are not the reference's (same weights)"
+    ids, mask, positions = batch.inputs
+    with torch.no_grad():
+        logits = _hf_model()(ids, attention_mask=mask, position_ids=positions).logits[:, P - 1:-1]
+    want = torch.log_softmax(logits / 0.5, -1).gather(-1, batch.target.completion[..., None])[..., 0]
+    torch.testing.assert_close(batch.target.old_logp, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batch.target.ref_logp, want, rtol=1e-5, atol=1e-5)
+
+
 # -- the LoRA reference: the policy's own base, adapters off ----------------------------------------
 def _lora_reference():
     grid = Grid(pipe=1)

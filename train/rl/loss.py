@@ -2,6 +2,7 @@
 
 GRPO's per-token objective (Shao et al. 2024; in the form TRL's GRPOTrainer computes it):
 
+    logp   = log softmax(logits / temperature)[token]  # the distribution the completion was sampled from
     ratio  = exp(logp - old_logp)                     # pi / pi_old of each completion token
     policy = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
     kl     = exp(ref_logp - logp) - (ref_logp - logp) - 1    # Schulman's k3 estimate of KL(pi || pi_ref)
@@ -11,7 +12,8 @@ reduced over the completion mask either per sequence then over sequences ("grpo"
 paper's 1/G sum_i 1/|o_i| sum_t), over all tokens at once ("bnpo"), or over batch x
 max_completion_length ("dr_grpo", Liu et al. 2025: a constant, the generation's max_new_tokens,
 as TRL divides, not the width of a batch whose rows all stopped early). The reference's
-log-probs come with the rollout (a frozen copy of the policy, or the base with LoRA adapters off: train/rl/reference.py).
+log-probs come with the rollout (a frozen copy of the policy, or the base with LoRA adapters
+off: train/rl/reference.py).
 `PolicyLoss` is a PipelineModule loss_fn: (logits, RolloutTarget) -> scalar, so the same loss
 trains through a pipeline (PipelineRunner.train_step(inputs, target)) or on one stage.
 """
@@ -48,6 +50,7 @@ class GRPOConfig:
     reduction: Reduction = Reduction.GRPO
     reinforce: bool = False     # plain REINFORCE: -A * logp, no ratio, no clip (the KL term stays if beta > 0)
     max_completion_length: int | None = None  # Reduction.DR_GRPO's divisor per sequence: rollout's max_new_tokens
+    temperature: float = 1.0    # the sampling temperature: every log-prob is of softmax(logits / temperature)
 
     def __post_init__(self) -> None:
         if self.beta < 0 or self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
@@ -55,6 +58,8 @@ class GRPOConfig:
                              f"{self.epsilon_high}): expected values >= 0")
         if not isinstance(self.reduction, Reduction):
             raise TypeError(f"GRPOConfig(reduction={self.reduction!r}): expected a Reduction, e.g. Reduction.GRPO")
+        if not self.temperature > 0:
+            raise ValueError(f"GRPOConfig(temperature={self.temperature!r}): expected the sampling temperature, > 0")
         length = self.max_completion_length
         if self.reduction is Reduction.DR_GRPO and (not isinstance(length, int) or length < 1):
             raise ValueError(f"GRPOConfig(reduction=Reduction.DR_GRPO, max_completion_length={length!r}): Dr. GRPO "
@@ -72,12 +77,14 @@ class RolloutTarget(NamedTuple):
     ref_logp: torch.Tensor      # [B, n] log-probs under the reference (zeros when beta == 0)
 
 
-def completion_logprobs(logits: torch.Tensor | HeadLogits, completion: torch.Tensor) -> torch.Tensor:
-    """[B, P + n, V] logits of prompt + completion -> [B, n] log-probs of the completion tokens (fp32)."""
+def completion_logprobs(logits: torch.Tensor | HeadLogits, completion: torch.Tensor,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """[B, P + n, V] logits of prompt + completion -> [B, n] log-probs of the completion tokens (fp32) under
+    softmax(logits / temperature), the distribution Sampling(temperature) drew them from (TRL divides so)."""
     n = completion.size(1)
     if isinstance(logits, HeadLogits):  # hf_layer_specs(fused_loss=True): only the completion's logits
         logits = logits._replace(hidden=logits.hidden[:, -n - 1:]).logits()
-    chosen = logits[:, -n - 1:-1].float()  # the logits that predicted each completion token
+    chosen = logits[:, -n - 1:-1].float() / temperature  # the logits that predicted each completion token
     return torch.log_softmax(chosen, -1).gather(-1, completion[..., None])[..., 0]
 
 
@@ -118,7 +125,7 @@ class PolicyLoss:
 
     def __call__(self, logits: torch.Tensor, target: RolloutTarget) -> torch.Tensor:
         target = RolloutTarget(*target)  # a pipeline's microbatch arrives as a plain tuple
-        logp = completion_logprobs(logits, target.completion)
+        logp = completion_logprobs(logits, target.completion, self.config.temperature)
         per_token, kl = grpo_token_loss(logp, target, self.config)
         self.last_kl = float(reduce_tokens(kl.detach(), target.mask, Reduction.BNPO))
         return reduce_tokens(per_token, target.mask, self.config.reduction, self.config.max_completion_length)

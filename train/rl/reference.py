@@ -25,8 +25,10 @@ __all__ = ["AdaptersOff", "FrozenCopy", "Reference"]
 class Reference(Protocol):
     """Log-probs of completion tokens under the reference policy."""
 
-    def completion_logprobs(self, inputs: tuple[torch.Tensor, ...], completion: torch.Tensor) -> torch.Tensor:
-        """inputs: (ids [B, P + n], attention_mask, position_ids) of prompt + completion -> [B, n] log-probs."""
+    def completion_logprobs(self, inputs: tuple[torch.Tensor, ...], completion: torch.Tensor,
+                            temperature: float = 1.0) -> torch.Tensor:
+        """inputs: (ids [B, P + n], attention_mask, position_ids) of prompt + completion -> [B, n] log-probs
+        under softmax(logits / temperature)."""
         ...
 
 
@@ -45,8 +47,9 @@ class FrozenCopy:
             cast_parameters(self.module, dtype)
 
     @torch.no_grad()
-    def completion_logprobs(self, inputs: tuple[torch.Tensor, ...], completion: torch.Tensor) -> torch.Tensor:
-        return completion_logprobs(self.module(inputs), completion)
+    def completion_logprobs(self, inputs: tuple[torch.Tensor, ...], completion: torch.Tensor,
+                            temperature: float = 1.0) -> torch.Tensor:
+        return completion_logprobs(self.module(inputs), completion, temperature)
 
 
 class AdaptersOff:
@@ -62,11 +65,12 @@ class AdaptersOff:
         self.module = module
 
     @torch.no_grad()
-    def completion_logprobs(self, inputs: tuple[torch.Tensor, ...], completion: torch.Tensor) -> torch.Tensor:
+    def completion_logprobs(self, inputs: tuple[torch.Tensor, ...], completion: torch.Tensor,
+                            temperature: float = 1.0) -> torch.Tensor:
         training = self.module.training
         self.module.eval()
         try:
             with adapters_disabled(self.module):
-                return completion_logprobs(self.module(inputs), completion)
+                return completion_logprobs(self.module(inputs), completion, temperature)
         finally:
             self.module.train(training)

@@ -77,6 +77,10 @@ def rollout(module: Any, opt: Any, prompt_ids: torch.Tensor, prompt_mask: torch.
     if config.reduction is Reduction.DR_GRPO and config.max_completion_length != max_new_tokens:
         raise ValueError(f"rollout: GRPOConfig(max_completion_length={config.max_completion_length}) is Dr. GRPO's "
                          f"divisor, max_new_tokens={max_new_tokens}; expected the same length")
+    if sampling.temperature > 0 and sampling.temperature != config.temperature:
+        raise ValueError(f"rollout: Sampling(temperature={sampling.temperature}) samples softmax(logits / "
+                         f"{sampling.temperature}), GRPOConfig(temperature={config.temperature}) scores the tokens "
+                         "under another distribution; expected the same temperature in both")
     if module.grid.pipe_size != 1:
         raise ValueError(f"rollout: pipe={module.grid.pipe_size}; the RL step scores whole sequences on one stage, "
                          "so use pipe=1 (hf_generate alone runs across a pipeline)")
@@ -95,14 +99,14 @@ def rollout(module: Any, opt: Any, prompt_ids: torch.Tensor, prompt_mask: torch.
         old = completion.new_zeros(completion.size(0), 0, dtype=torch.float32)  # empty: this very policy
         if score_old:
             with torch.no_grad():
-                old = completion_logprobs(module(inputs), completion)  # while the weights are whole
+                old = completion_logprobs(module(inputs), completion, config.temperature)  # the weights are whole
         t3 = time.perf_counter()
     timings.update(gather_s=(t1 - t0) + (time.perf_counter() - t3), generate_s=t2 - t1, score_s=t3 - t2)
     t4 = time.perf_counter()
     done = completion_mask(completion, stop_tokens)
     rewards = reward_fn(ids, mask, completion, done).float()
     advantages = batch_baseline(rewards) if config.reinforce else group_advantages(rewards, group_size)
-    ref = (reference.completion_logprobs(inputs, completion) if reference is not None
+    ref = (reference.completion_logprobs(inputs, completion, config.temperature) if reference is not None
            else torch.zeros(completion.shape, device=completion.device))
     timings["reward_s"] = time.perf_counter() - t4
     return Rollout(inputs, RolloutTarget(completion, done, advantages, old, ref.float()), rewards, timings)
