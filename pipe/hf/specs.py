@@ -170,6 +170,11 @@ def _check_structure(model: _Model) -> None:
                          "model's forward (an argument of each decoder layer before transformers 5.25, folded into "
                          "the attention mask since), which this reader does not build; expected rotary or learned "
                          "positions (config.alibi=False)")
+    if getattr(model.config, "output_router_logits", False) is True:  # MoE: transformers' loss has a second term
+        raise ValueError(f"hf_layer_specs: {name} has config.output_router_logits=True: transformers' forward then "
+                         f"adds router_aux_loss_coef={getattr(model.config, 'router_aux_loss_coef', None)} x the "
+                         "experts' load-balancing loss to the cross-entropy, which causal_lm_loss does not compute; "
+                         "set config.output_router_logits=False (training on the cross-entropy alone)")
     if getattr(model.config, "use_bidirectional_attention", False):
         raise ValueError(f"hf_layer_specs: {name} has use_bidirectional_attention=True; expected a causal LM")
     if model.head is None or type(model.head) is not nn.Linear:
