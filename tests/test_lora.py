@@ -307,6 +307,20 @@ def test_merged_forward_equals_adapters_and_restores_them():
     assert all(after[n] is not None and after[n].requires_grad == (".lora_" in n) for n in after)
 
 
+def test_export_hf_of_an_adapted_model_is_refused(tmp_path):
+    """export_hf writes transformers' tensors: with adapters it wrote them beside the base weights, and
+    from_pretrained skipped them as unexpected and loaded the untrained base."""
+    from pipezero.train.checkpoint.hf_export import export_hf
+
+    layers = torch.nn.Sequential(*(s.build() for s in lora_specs(_specs(), LoraConfig(target_modules=["q_proj"]))))
+    with pytest.raises(ValueError, match=r"6 tensors are not the model's, e.g. \['model.layers.0.self_attn.q_proj"
+                                         r".lora_A.weight'.*export_merged_hf\(model, dir\)"):
+        export_hf(layers, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    export_merged_hf(layers, tmp_path / "merged")  # adapters folded in: transformers' tensors only
+    assert (tmp_path / "merged" / "model.safetensors").exists()
+
+
 def test_peft_directory_config_round_trip_and_scaling_check(tmp_path_factory):
     """A peft directory's own config builds the model that loads it; another lora_alpha is refused."""
     truth = _truth(str(tmp_path_factory.getbasetemp()))

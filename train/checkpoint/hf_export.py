@@ -97,15 +97,23 @@ def _remove_stale(directory: Path, keep: set[str], only: set[str] | None = None)
 
 
 def _check_whole(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Every tensor has the model's shape on every rank (a ZeRO-3 shard released outside `gathered` has
-    0 elements): the same ValueError on every rank before anything is written."""
+    """Every tensor is one of the model's, with its shape, on every rank (a ZeRO-3 shard released outside
+    `gathered` has 0 elements; LoRA adapters are no tensor of the model): the same ValueError on every rank
+    before anything is written."""
     shapes = hf_shapes(module)
     bad = sorted(f"{n} {tuple(t.shape)}" for n, t in state.items() if n in shapes and t.shape != shapes[n])
-    every = [bad]
+    mine = (bad, sorted(set(state) - set(shapes)))
+    every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, bad)
-    found = sorted({b for part in every for b in part})
+        dist.all_gather_object(every, mine)
+    found = sorted({b for part, _ in every for b in part})
+    foreign = sorted({n for _, part in every for n in part})
+    if foreign:
+        raise ValueError(f"export_hf: {len(foreign)} tensors are not the model's, e.g. {foreign[:2]} (LoRA "
+                         "adapters): from_pretrained would skip them and load the base alone; use export_merged_hf("
+                         "model, dir) (adapters folded in) or export_peft_adapter(model, dir, config) "
+                         "(pipezero.train.checkpoint.lora_export)")
     if found:
         raise ValueError(f"export_hf: {len(found)} parameters are not whole, e.g. {found[:3]} (a ZeRO-3 partition "
                          f"released); pass the optimizer, export_hf(model, dir, optimizer=opt), or call it inside "
