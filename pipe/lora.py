@@ -292,12 +292,19 @@ def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 def load_adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
     """Copy adapter weights in by full name (adapter_state_dict's names); returns the names loaded.
 
-    strict: every local adapter must be in `state` (names of other stages' adapters are ignored)."""
+    strict: every local adapter must be in `state`, and every adapter of `state` on a local module must
+    have one here (names of other stages' adapters are ignored)."""
     mine = _adapter_weights(module)
     missing = sorted(set(mine) - set(state))
     if strict and missing:
         raise ValueError(f"load_adapter_state_dict: {len(missing)} of this rank's adapters are not in the state, "
                          f"e.g. {missing[:2]}; it holds e.g. {sorted(state)[:2]}")
+    local = {name for index, layer in _layers(module) for _, name, _ in _names(layer, index)}
+    unadapted = sorted(n for n in set(state) - set(mine) if n.rpartition(".lora_")[0] in local)
+    if strict and unadapted:
+        raise ValueError(f"load_adapter_state_dict: the state adapts {len(unadapted)} tensors of modules this rank "
+                         f"holds without adapters, e.g. {unadapted[:2]}; build the model with the state's "
+                         "target_modules (they would be dropped)")
     with torch.no_grad():
         for name in set(mine) & set(state):
             if mine[name].shape != state[name].shape:

@@ -321,6 +321,22 @@ def test_export_hf_of_an_adapted_model_is_refused(tmp_path):
     assert (tmp_path / "merged" / "model.safetensors").exists()
 
 
+def test_peft_directory_with_more_than_the_models_adapters_is_refused(tmp_path_factory, tmp_path):
+    """A directory adapting modules the model holds without adapters, or holding peft's modules_to_save,
+    loaded with those tensors silently dropped: a model other than peft's PeftModel.from_pretrained."""
+    truth = _truth(str(tmp_path_factory.getbasetemp()))  # adapters on TARGETS
+    fewer = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    layers = torch.nn.Sequential(*(s.build() for s in lora_specs(hf_layer_specs(truth["base"]), fewer)))
+    with pytest.raises(ValueError, match=r"adapts 18 tensors of modules this rank holds without adapters, e.g. "
+                                         r"\['model.layers.0.mlp.down_proj.lora_A.weight'"):
+        load_peft_adapter(layers, truth["start"])
+    saved = peft.get_peft_model(_base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         modules_to_save=["lm_head"]))
+    saved.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"1 tensors are not LoRA adapters, e.g. \['lm_head.weight'\]"):
+        load_peft_adapter(layers, tmp_path)
+
+
 def test_peft_directory_config_round_trip_and_scaling_check(tmp_path_factory):
     """A peft directory's own config builds the model that loads it; another lora_alpha is refused."""
     truth = _truth(str(tmp_path_factory.getbasetemp()))

@@ -58,7 +58,8 @@ def export_peft_adapter(module: nn.Module, directory: str | os.PathLike, config:
 def load_peft_adapter(module: nn.Module, directory: str | os.PathLike) -> list[str]:
     """Copy a peft adapter directory's weights into this rank's adapters (by name); returns those loaded.
 
-    Its rank (the shapes) and scaling (lora_alpha / r) must be the module's: ValueError naming both."""
+    Its rank (the shapes), scaling (lora_alpha / r) and targets must be the module's, and it must hold
+    adapters only: a ValueError naming what differs (nothing of the directory is dropped unsaid)."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -67,6 +68,11 @@ def load_peft_adapter(module: nn.Module, directory: str | os.PathLike) -> list[s
                          "by PeftModel.save_pretrained or export_peft_adapter")
     _check_scaling(module, directory)
     state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(directory / _WEIGHTS)).items()}
+    other = sorted(k for k in state if ".lora_" not in k)
+    if other:
+        raise ValueError(f"load_peft_adapter({str(directory)!r}): {len(other)} tensors are not LoRA adapters, e.g. "
+                         f"{other[:2]} (peft's modules_to_save or trainable tokens), which the pipeline's LoRA "
+                         "does not load; expected a plain LoRA adapter directory")
     return load_adapter_state_dict(module, state)
 
 
