@@ -348,3 +348,24 @@ def test_peft_directory_config_round_trip_and_scaling_check(tmp_path_factory):
     layers = torch.nn.Sequential(*(s.build() for s in lora_specs(hf_layer_specs(truth["base"]), other)))
     with pytest.raises(ValueError, match="r=4, lora_alpha=8 scale the update by 2.*by \\[4.0\\]"):
         load_peft_adapter(layers, truth["start"])
+
+
+def _load_fewer_on_pipe2(truth: dict) -> str | None:
+    grid = Grid(pipe=2)
+    fewer = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = PipelineModule(lora_specs(hf_layer_specs(truth["base"]), fewer), grid=grid, loss_fn=causal_lm_loss,
+                           partition_method=[1, 1, 1, 1, 50, 50])  # the last stage: no decoder layer
+    try:
+        load_peft_adapter(model, truth["start"])
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_peft_directory_refused_on_one_stage_is_refused_on_every_rank(tmp_path_factory):
+    """Only the stage holding decoder layers finds the dropped adapters; the other stage used to load and
+    go on to its next collective, where it waited for a peer that had raised."""
+    truth = _truth(str(tmp_path_factory.getbasetemp()))
+    first, last = run(_load_fewer_on_pipe2, 2, truth)
+    assert first is not None and "holds without adapters" in first, first
+    assert last is not None and "holds without adapters" in last and "rank(s) [0]" in last, last

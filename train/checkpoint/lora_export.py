@@ -58,11 +58,29 @@ def export_peft_adapter(module: nn.Module, directory: str | os.PathLike, config:
 def load_peft_adapter(module: nn.Module, directory: str | os.PathLike) -> list[str]:
     """Copy a peft adapter directory's weights into this rank's adapters (by name); returns those loaded.
 
-    Its rank (the shapes), scaling (lora_alpha / r) and targets must be the module's, and it must hold
-    adapters only: a ValueError naming what differs (nothing of the directory is dropped unsaid)."""
+    Every rank calls it. Its rank (the shapes), scaling (lora_alpha / r) and targets must be the
+    module's, and it must hold adapters only: a ValueError naming what differs (nothing of the
+    directory is dropped unsaid), raised on every rank when any rank's stage refuses it (no rank
+    goes on to a collective its peers never reach)."""
+    try:
+        loaded, problem = _load_peft_adapter(module, Path(directory)), None
+    except ValueError as err:
+        loaded, problem = [], str(err)
+    problems = [problem]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        rank, first = failed[0]
+        raise ValueError(problem if problem is not None else f"load_peft_adapter: refused on rank(s) "
+                         f"{[r for r, _ in failed]} (rank {rank}: {first})")
+    return loaded
+
+
+def _load_peft_adapter(module: nn.Module, directory: Path) -> list[str]:
     from safetensors.torch import load_file
 
-    directory = Path(directory)
     if not (directory / _WEIGHTS).exists():
         raise ValueError(f"load_peft_adapter({str(directory)!r}): no {_WEIGHTS} there; expected a directory written "
                          "by PeftModel.save_pretrained or export_peft_adapter")
