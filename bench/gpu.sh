@@ -3,7 +3,8 @@
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
-#                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune ...]
+#                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
+#                      main-resume|gpu-tests ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -82,6 +83,11 @@ for w in $what; do
     offload-big) run offload-big 480 python3 bench/zero.py --device cuda --nproc 1 --memory-cap-gib 16 --layers 20 \
                    --hidden 4096 --heads 32 --vocab 32000 --seq 2048 --batch 1 --accum 1 --steps 3 --adam fused \
                    --runs pipezero-3-offload ;;  # DeepSpeed's host peak at this size exceeds a 128 GiB box (RESULTS)
+    main-resume) main_job main-resume 1 150 --steps 20 --steps-per-print 10 --save-interval 10  # then resumed
+                 main_job main-resume 1 150 --steps 30 --steps-per-print 10 --save-interval 10 --resume
+                 run generate-resume 90 python3 examples/generate.py --checkpoint /tmp/main-resume --tokens 60 ;;
+    gpu-tests) run gpu-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_hf_generate.py \
+                 tests/test_generate_static.py tests/test_zero_offload.py ;;  # the CUDA-only cases among them
     offload-test) run offload-test 240 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py -k cuda ;;
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
     data) run data 600 python3 bench/data.py --device cuda --hf-layers 22 --hidden 2048 --seq-len 2048 --batch 8 \
