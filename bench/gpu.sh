@@ -87,7 +87,7 @@ for w in $what; do
                  main_job main-resume 1 150 --steps 30 --steps-per-print 10 --save-interval 10 --resume
                  run generate-resume 90 python3 examples/generate.py --checkpoint /tmp/main-resume --tokens 60 ;;
     gpu-tests) run gpu-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_hf_generate.py \
-                 tests/test_generate_static.py tests/test_zero_offload.py ;;  # the CUDA-only cases among them
+                 tests/test_generate_static.py tests/test_zero_offload.py tests/test_state_hand.py ;;  # CUDA cases too
     offload-test) run offload-test 240 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py -k cuda ;;
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
     data) run data 600 python3 bench/data.py --device cuda --hf-layers 22 --hidden 2048 --seq-len 2048 --batch 8 \

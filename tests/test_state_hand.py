@@ -305,3 +305,42 @@ def test_every_rank_resumes_its_own_python_random_state(tmp_path):
     for truth, resumed in results:
         assert resumed == truth
     assert results[0][0] != results[1][0]
+
+
+# -- a fused Adam resumes on its device (its kernel needs `step` there) ------------------------------------
+def _fused_job(device: str, seed: int) -> HandParts:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), stage=1)
+    return HandParts(model, opt)
+
+
+def _fused_steps(parts: HandParts, start: int, stop: int) -> list[float]:
+    device = next(parts.module.parameters()).device
+    losses = []
+    for i in range(start, stop):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(BATCH, 8, generator=g).to(device), torch.randn(BATCH, 4, generator=g).to(device)
+        loss = (parts.module(x) - y).square().mean()
+        loss.backward()
+        parts.optimizer.step()
+        parts.optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_a_fused_adam_under_zero_resumes_on_its_device(tmp_path, device):
+    """ZeroOptimizer put the loaded `step` where the checkpoint had it (the CPU), and torch's fused CUDA
+    Adam refused it at the first step after a resume (the main job on a GPU: `state_steps is on cpu`);
+    now torch's own loader places it, as the group needs."""
+    straight = _fused_job(device, 0)
+    _fused_steps(straight, 0, 2)
+    save_state(straight, tmp_path, 2)
+    losses = _fused_steps(straight, 2, 4)
+    resumed = _fused_job(device, 1)
+    load_state(resumed, tmp_path)
+    assert _fused_steps(resumed, 2, 4) == losses
+    for a, b in zip(_params(straight), _params(resumed), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

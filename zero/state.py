@@ -134,9 +134,12 @@ def load_consolidated_state_dict(opt: "ZeroOptimizer", state: dict[str, Any]) ->
                 per_bucket[b][i] = saved["state"][index]
             index += 1
     core.state.clear()
-    for b, per_param in per_bucket.items():
-        if all(s is not None for s in per_param):
-            core.state[b.master] = _shard_of(b, per_param)
+    number = {id(m): i for i, m in enumerate(m for group in core.param_groups for m in group["params"])}
+    shards = {number[id(b.master)]: _shard_of(b, per_param) for b, per_param in per_bucket.items()
+              if all(s is not None for s in per_param)}
+    # torch's own loader places each value as the group needs it (a fused or capturable Adam's step
+    # on the master's device, as its kernel requires; others' on the CPU)
+    core.load_state_dict({"state": shards, "param_groups": core.state_dict()["param_groups"]})
 
 
 def full_parameters(opt: "ZeroOptimizer") -> list[tuple[torch.Tensor, torch.Tensor]]:
