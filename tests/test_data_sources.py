@@ -212,16 +212,16 @@ def test_an_earlier_launchs_error_does_not_stop_the_rerun(tmp_path, tok_dir):
     assert got == {"docs": 2}, got
 
 
-def test_the_waiting_ranks_wait_for_a_long_build_while_the_builder_lives(tmp_path, tok_dir):
+def test_the_waiting_ranks_wait_for_a_long_build_while_the_builder_makes_progress(tmp_path, tok_dir):
     """A corpus may take hours to tokenize: the waiting ranks used to give up after a fixed wait_s (two
-    hours). Now they give up only after wait_s without a touch of the lock (the builder touches it every
-    few seconds): here a build lasting 3x wait_s is waited for; an untouched lock still times out
-    (test_a_dead_builders_lock_is_taken_over)."""
+    hours). Now they give up only after wait_s without a touch of the lock (the builder touches it as
+    documents come out of the tokenizer): here a build lasting well past wait_s is waited for; an
+    untouched lock still times out (test_a_dead_builders_lock_is_taken_over)."""
     import threading
     import time
 
     from pipezero.train.data import cache_key
-    from pipezero.train.data.cache import _heartbeat
+    from pipezero.train.data.cache import _Beat
 
     data = _jsonl(tmp_path / "d.jsonl", [{"text": "the cat sat"}, {"text": "a dog ran"}])
     lock = tmp_path / "cache" / f"{cache_key(data, tok_dir)}.lock"
@@ -241,8 +241,10 @@ def test_the_waiting_ranks_wait_for_a_long_build_while_the_builder_lives(tmp_pat
         time.sleep(0.2)  # the waiting rank has read its LOCAL_RANK
     finally:
         del os.environ["LOCAL_RANK"]
-    with _heartbeat(lock, every_s=0.1):
-        time.sleep(4.0)  # a long build (well past wait_s), alive
+    beat = _Beat(lock, every_s=0.1)
+    for _ in range(40):  # a long build (4 s, well past wait_s), documents coming out all along
+        time.sleep(0.1)
+        beat()
     lock.unlink()
     assert tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache").num_docs == 2
     waiter.join(30)

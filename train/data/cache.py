@@ -12,8 +12,8 @@ error: no collective is involved, so bad input fails on every rank alike instead
 peers in a barrier. The lock names its builder (host, pid): one left by a builder that died on
 this host (preempted or killed mid-build, so no `finally` removed it) is taken over by the next
 LOCAL_RANK 0, as train/run_dir.py does with a run's lock; one from another host is waited for,
-as long as its builder touches it (every few seconds while it builds: a long build is not a
-dead one).
+as long as its builder touches it (every few seconds while documents come out of the
+tokenizer: a long build is not a dead one, a hung one is).
 The error file says when and where it was written: a waiting rank ignores one that this host
 wrote before the rank's own process started (an earlier launch's, e.g. a ^C while tokenizing),
 since its LOCAL_RANK 0 removes it and builds again.
@@ -26,12 +26,10 @@ import json
 import os
 import shutil
 import socket
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -122,9 +120,10 @@ def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text
                      wait_s: float = 600.0) -> TokenizedCorpus:
     """The corpus of `data` tokenized by `model_dir`'s tokenizer: from the cache, or built once.
 
-    The other ranks wait for the builder as long as it lives: it touches its lock every _BEAT_S
-    seconds, and they give up after `wait_s` seconds without a touch (a builder on another host
-    that died), not after a fixed time (a large corpus may take hours to tokenize).
+    The other ranks wait for the builder as long as it makes progress: it touches its lock as
+    documents come out of the tokenizer (every _BEAT_S seconds at most), and they give up after
+    `wait_s` seconds without a touch (a builder that died on another host, or hangs), not after a
+    fixed time (a large corpus may take hours to tokenize).
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -135,8 +134,7 @@ def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and _take(lock):
         try:
             error.unlink(missing_ok=True)
-            with _heartbeat(lock):
-                _build(folder, data, model_dir, text_field, workers, progress)
+            _build(folder, data, model_dir, text_field, workers, progress, _Beat(lock))
         except (ValueError, TypeError, OSError) as err:
             _report(error, type(err).__name__, str(err))
             raise
@@ -183,27 +181,22 @@ def _dead(lock: Path) -> bool:
     return False
 
 
-_BEAT_S = 10.0  # how often a builder touches its lock
+_BEAT_S = 10.0  # at most how often a builder touches its lock
 
 
-@contextmanager
-def _heartbeat(lock: Path, every_s: float = _BEAT_S) -> Iterator[None]:
-    """Touch `lock` every `every_s` seconds while the block runs: the waiting ranks' sign of life."""
-    stop = threading.Event()
+class _Beat:
+    """Touch `lock` when called, at most every `every_s` seconds: the builder's sign of progress."""
 
-    def beat() -> None:
-        while not stop.wait(every_s):
+    def __init__(self, lock: Path, every_s: float = _BEAT_S):
+        self.lock, self.every_s, self.last = lock, every_s, time.monotonic()
+
+    def __call__(self) -> None:
+        if time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
             try:
-                os.utime(lock)
+                os.utime(self.lock)
             except OSError:
-                return
-    thread = threading.Thread(target=beat, name="pipezero-tokenize-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+                pass
 
 
 def _touched(lock: Path) -> int | None:
@@ -226,12 +219,12 @@ def _wait(folder: Path, lock: Path, error: Path, wait_s: float) -> TokenizedCorp
             raise {"TypeError": TypeError, "OSError": OSError, "RuntimeError": RuntimeError}.get(kind, ValueError)(
                 f"{text} (raised while tokenizing on the local rank 0; delete {error} to try again)")
         touched = _touched(lock)
-        if touched != seen:  # the builder is alive (it touches the lock every _BEAT_S seconds)
+        if touched != seen:  # the builder makes progress (it touches the lock as it goes)
             seen, since = touched, time.monotonic()
         time.sleep(0.1)
     raise TimeoutError(f"waited {wait_s:.0f}s for the tokenized corpus {folder} that another process builds "
-                       f"(lock {lock}), without a sign of life from it (a live builder touches the lock every "
-                       f"{_BEAT_S:.0f}s); if no process is building it, delete the lock file")
+                       f"(lock {lock}), without a sign of progress from it (a working builder touches the lock "
+                       f"every {_BEAT_S:.0f}s); if no process is building it, delete the lock file")
 
 
 def _report(error: Path, kind: str, text: str) -> None:
@@ -260,12 +253,13 @@ def _started() -> float | None:
         return None
 
 
-def _build(folder: Path, data, model_dir, text_field: str, workers: int, progress: bool) -> None:
+def _build(folder: Path, data, model_dir, text_field: str, workers: int, progress: bool,
+           beat: Callable[[], None] = lambda: None) -> None:
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _write(tmp, data, model_dir, text_field, workers, progress)
+        _write(tmp, data, model_dir, text_field, workers, progress, beat)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -275,12 +269,14 @@ def _build(folder: Path, data, model_dir, text_field: str, workers: int, progres
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write(tmp: Path, data, model_dir, text_field: str, workers: int, progress: bool) -> None:
+def _write(tmp: Path, data, model_dir, text_field: str, workers: int, progress: bool,
+           beat: Callable[[], None]) -> None:
     docs = read_documents(data, text_field)  # streamed: a bad record stops the build at its place
     offsets, top, count, trained, kinds = [0], 0, 0, 0, set()
     with open(tmp / "tokens.bin", "wb") as ft, open(tmp / "mask.bin", "wb") as fm, \
             open(tmp / "origins.txt", "w") as fo:
         for doc, (ids, mask) in _progress(encode_many(model_dir, docs, workers), progress):
+            beat()
             if len(ids) < 2:
                 raise ValueError(f"{doc.origin}: tokenizes to {len(ids)} token, too short to train on (a token "
                                  f"and its next one); drop the record or give it more text")
