@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -37,6 +37,7 @@ from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 __all__ = ["LoraConfig", "LoraLinear", "adapter_state_dict", "adapters_disabled", "apply_lora",
            "load_adapter_state_dict", "lora_specs", "merged", "trainable_parameters"]
 
+ALL_LINEAR = "all-linear"  # peft's shorthand for every linear layer but the output layer
 _PEFT_DEFAULTS = {"use_dora": False, "bias": "none", "modules_to_save": None, "layers_to_transform": None,
                   "init_lora_weights": True, "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
                   "exclude_modules": None, "lora_bias": False, "target_parameters": None,
@@ -56,7 +57,8 @@ class LoraConfig:
     lora_dropout: float = 0.0
     """Dropout on the adapter's input (the base path sees x unchanged)."""
     target_modules: tuple[str, ...] | str = ("q_proj", "v_proj")
-    """Names (matched as the end of a module's full name) or one regular expression (the whole name)."""
+    """Names (matched as the end of a module's full name), one regular expression (the whole name), or
+    peft's "all-linear": every nn.Linear of the layer list but the output layer's (lora_specs resolves it)."""
     use_rslora: bool = False
     """Rank-stabilised scaling lora_alpha / sqrt(r) (Kalajievski 2023)."""
     base_dtype: torch.dtype | None = None
@@ -191,6 +193,10 @@ def apply_lora(module: nn.Module, config: LoraConfig | Any, index: int | None = 
 
     The adapters take the dtype the layer was built in; with config.base_dtype the rest is cast to it."""
     config = LoraConfig.of(config)
+    if config.target_modules == ALL_LINEAR:
+        raise ValueError(f"apply_lora(target_modules={ALL_LINEAR!r}): one module does not say which layer is the "
+                         "output layer, which peft leaves out; use lora_specs(specs, config) (the layer list's "
+                         "last layer is the output layer) or name the modules")
     targets = _targets(module, index, config, f"layer {index} ({type(module).__name__})")
     for p in module.parameters():
         p.requires_grad_(False)
@@ -244,6 +250,8 @@ def lora_specs(specs: Sequence[Any], config: LoraConfig | Any) -> list[Any]:
     Plain modules and callables in the list are left as they are.
     """
     config = LoraConfig.of(config)
+    if config.target_modules == ALL_LINEAR:
+        config = _all_linear(specs, config)
     out, found = [], 0
     for index, spec in enumerate(specs):
         if not isinstance(spec, LayerSpec):
@@ -264,6 +272,21 @@ def lora_specs(specs: Sequence[Any], config: LoraConfig | Any) -> list[Any]:
         raise ValueError(f"LoraConfig(target_modules={config.target_modules!r}) matches no nn.Linear of the "
                          f"{len(specs)} layers; module names look like {_examples(specs)}")
     return out
+
+
+def _all_linear(specs: Sequence[Any], config: LoraConfig) -> LoraConfig:
+    """peft's "all-linear" as full names: every nn.Linear of the layer specs but the last layer's (the output
+    layer, which peft leaves out: lm_head)."""
+    layers = [(index, spec) for index, spec in enumerate(specs) if isinstance(spec, LayerSpec)]
+    names = []
+    for index, spec in layers[:-1]:
+        with torch.device("meta"):
+            module = spec.build()
+        names += [name for _, name, sub in _names(module, index) if type(sub) is nn.Linear]
+    if not names:
+        raise ValueError(f"LoraConfig(target_modules={ALL_LINEAR!r}) finds no nn.Linear outside the output layer "
+                         f"in the {len(specs)} layers (GPT-2's Conv1D are not supported); name the modules")
+    return replace(config, target_modules=tuple(names))
 
 
 def _examples(specs: Sequence[Any]) -> list[str]:

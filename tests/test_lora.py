@@ -23,7 +23,8 @@ from harness import run  # noqa: E402
 from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
 from pipezero.pipe import deferred_linear  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict, hf_tensor_plan  # noqa: E402
-from pipezero.pipe.lora import LoraConfig, adapter_state_dict, lora_specs, trainable_parameters  # noqa: E402
+from pipezero.pipe.lora import (LoraConfig, adapter_state_dict, apply_lora, lora_specs,  # noqa: E402
+                                trainable_parameters)
 from pipezero.pipe.lora_tensor import lora_tensor_plan  # noqa: E402
 from pipezero.topology import Grid  # noqa: E402
 from pipezero.train.checkpoint.lora_export import export_merged_hf, export_peft_adapter, load_peft_adapter  # noqa: E402
@@ -369,3 +370,16 @@ def test_a_peft_directory_refused_on_one_stage_is_refused_on_every_rank(tmp_path
     first, last = run(_load_fewer_on_pipe2, 2, truth)
     assert first is not None and "holds without adapters" in first, first
     assert last is not None and "holds without adapters" in last and "rank(s) [0]" in last, last
+
+
+def test_all_linear_targets_what_peft_targets():
+    """peft's target_modules="all-linear" (every linear layer but the output layer) was read as a regular
+    expression and matched nothing; lora_specs now adapts exactly the modules peft's get_peft_model does."""
+    base = _base()
+    theirs = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    wanted = {k.removeprefix("base_model.model.") for k in peft.get_peft_model_state_dict(theirs)}
+    specs = lora_specs(hf_layer_specs(base.config), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    mine = set(adapter_state_dict(torch.nn.Sequential(*(s.build() for s in specs))))
+    assert mine == wanted and "lm_head.lora_A.weight" not in mine and len(mine) == 2 * 7 * _LLAMA["num_hidden_layers"]
+    with pytest.raises(ValueError, match="one module does not say which layer is the output layer"):
+        apply_lora(torch.nn.Linear(4, 4), LoraConfig(target_modules="all-linear"))
