@@ -349,6 +349,13 @@ def test_peft_directory_config_round_trip_and_scaling_check(tmp_path_factory):
     layers = torch.nn.Sequential(*(s.build() for s in lora_specs(hf_layer_specs(truth["base"]), other)))
     with pytest.raises(ValueError, match="r=4, lora_alpha=8 scale the update by 2.*by \\[4.0\\]"):
         load_peft_adapter(layers, truth["start"])
+    patterned = tmp_path_factory.mktemp("patterned")  # per-module alpha: refused, not loaded at one scale
+    theirs = peft.get_peft_model(_base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                          alpha_pattern={"v_proj": 32}))
+    theirs.save_pretrained(patterned)
+    layers = torch.nn.Sequential(*(s.build() for s in lora_specs(hf_layer_specs(truth["base"]), config)))
+    with pytest.raises(ValueError, match=r"scales some modules apart \({'alpha_pattern': {'v_proj': 32}}\)"):
+        load_peft_adapter(layers, patterned)
 
 
 def _load_fewer_on_pipe2(truth: dict) -> str | None:

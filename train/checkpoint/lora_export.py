@@ -104,6 +104,11 @@ def _check_scaling(module: nn.Module, directory: Path) -> None:
     if not (directory / _CONFIG).exists():
         return
     saved = json.loads((directory / _CONFIG).read_text())
+    patterns = {k: saved[k] for k in ("rank_pattern", "alpha_pattern") if saved.get(k)}
+    if patterns:
+        raise ValueError(f"load_peft_adapter({str(directory)!r}): its config scales some modules apart ({patterns}); "
+                         "the pipeline's LoRA has one r and lora_alpha for every module: retrain without "
+                         "rank_pattern / alpha_pattern")
     r, alpha = saved.get("r"), saved.get("lora_alpha")
     if not isinstance(r, int) or not isinstance(alpha, (int, float)):
         return
