@@ -23,7 +23,7 @@ from pipezero.precision import LossScaler, MasterWeights
 from pipezero.train.checkpoint import CheckpointError
 from pipezero.train.checkpoint.state import load_state, save_state
 from pipezero.train.checkpoint.state_parts import HandParts
-from pipezero.zero import ZeroOptimizer
+from pipezero.zero import ZeroConfig, ZeroOptimizer
 
 BATCH = 8
 
@@ -307,15 +307,15 @@ def test_every_rank_resumes_its_own_python_random_state(tmp_path):
     assert results[0][0] != results[1][0]
 
 
-# -- a fused Adam resumes on its device (its kernel needs `step` there) ------------------------------------
-def _fused_job(device: str, seed: int) -> HandParts:
+# -- ZeroOptimizer's state resumes where its optimizer steps (fused Adam's device, the host) ---------------
+def _zero_job(device: str, seed: int, **zero) -> HandParts:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
-    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), stage=1)
-    return HandParts(model, opt)
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=not zero)
+    return HandParts(model, ZeroOptimizer(adam, config=ZeroConfig(**{"stage": 1, **zero})))
 
 
-def _fused_steps(parts: HandParts, start: int, stop: int) -> list[float]:
+def _zero_steps(parts: HandParts, start: int, stop: int) -> list[float]:
     device = next(parts.module.parameters()).device
     losses = []
     for i in range(start, stop):
@@ -329,18 +329,27 @@ def _fused_steps(parts: HandParts, start: int, stop: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device"))])
-def test_a_fused_adam_under_zero_resumes_on_its_device(tmp_path, device):
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device, zero", [
+    ("cpu", {}), pytest.param("cuda", {}, marks=_CUDA),                           # fused AdamW
+    ("cpu", {"stage": 2, "offload_optimizer": True}),                            # the host steps
+    ("cpu", {"offload_optimizer": True, "delayed_param_update": True}),
+], ids=["fused-cpu", "fused-cuda", "offload", "offload-delayed"])
+def test_zero_state_resumes_where_its_optimizer_steps(tmp_path, device, zero):
     """ZeroOptimizer put the loaded `step` where the checkpoint had it (the CPU), and torch's fused CUDA
     Adam refused it at the first step after a resume (the main job on a GPU: `state_steps is on cpu`);
-    now torch's own loader places it, as the group needs."""
-    straight = _fused_job(device, 0)
-    _fused_steps(straight, 0, 2)
+    now torch's own loader places each value as the group needs. The offloaded optimizer (on the host,
+    with or without the delayed update) resumes bitwise too."""
+    straight = _zero_job(device, 0, **zero)
+    _zero_steps(straight, 0, 2)
     save_state(straight, tmp_path, 2)
-    losses = _fused_steps(straight, 2, 4)
-    resumed = _fused_job(device, 1)
+    losses = _zero_steps(straight, 2, 4)
+    resumed = _zero_job(device, 1, **zero)
     load_state(resumed, tmp_path)
-    assert _fused_steps(resumed, 2, 4) == losses
+    assert _zero_steps(resumed, 2, 4) == losses
+    for opt in (straight.optimizer, resumed.optimizer):
+        opt.apply_delayed_update()
     for a, b in zip(_params(straight), _params(resumed), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
