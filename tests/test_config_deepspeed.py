@@ -144,6 +144,7 @@ def test_corpus_config_resolves_as_deepspeed(path):
 SCHEDULES = [
     {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 5}},
     {"type": "WarmupLR", "params": {"warmup_max_lr": 0.02, "warmup_num_steps": 4, "warmup_type": "linear"}},
+    {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_num_steps": 4}},  # up to the optimizer's lr
     {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 3,
                                          "total_num_steps": 9, "warmup_type": "linear"}},
     {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 4, "total_num_steps": 8}},

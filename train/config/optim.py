@@ -3,7 +3,9 @@
 Facts kept from DeepSpeed so its users' configs mean the same here: optimizer "Adam" has
 `adam_w_mode` true by default, i.e. decoupled weight decay (AdamW) unless it is set false;
 WarmupLR ramps from warmup_min_lr to warmup_max_lr over warmup_num_steps iterations ("log"
-ramp: log(i+1)/log(n), "linear": i/n) and then stays there; WarmupDecayLR then decays linearly
+ramp: log(i+1)/log(n), "linear": i/n) and then stays there (warmup_max_lr left out: each param
+group's own lr, as DeepSpeed's WarmupLR takes it; WarmupDecayLR's default stays 0.001, as
+DeepSpeed's); WarmupDecayLR then decays linearly
 from warmup_min_lr + delta to warmup_min_lr at total_num_steps (gamma (total - i)/(total - n));
 WarmupCosineLR multiplies the optimizer's lr by a ratio that ramps from warmup_min_ratio to 1
 and then follows a cosine down to cos_min_ratio at total_num_steps (Loshchilov & Hutter, SGDR,
@@ -111,7 +113,7 @@ class SchedulerConfig:
     warmup_num_steps: int = 1000
     warmup_type: WarmupType = WarmupType.LOG
     warmup_min_lr: float = 0.0        # WarmupLR / WarmupDecayLR (absolute lr)
-    warmup_max_lr: float = 1e-3       # WarmupLR / WarmupDecayLR (absolute lr)
+    warmup_max_lr: float | None = 1e-3  # WarmupLR / WarmupDecayLR (absolute lr); None: the optimizer's lr
     total_num_steps: int | None = None  # WarmupDecayLR / WarmupCosineLR
     warmup_min_ratio: float = 0.0     # WarmupCosineLR (ratio of the optimizer lr)
     cos_min_ratio: float = 1e-4       # WarmupCosineLR (ratio of the optimizer lr)
@@ -138,7 +140,7 @@ class SchedulerConfig:
                          cos_min_ratio=p.float("cos_min_ratio", 1e-4, lo=0.0, hi=1.0))
         else:
             extra = dict(warmup_min_lr=p.float("warmup_min_lr", 0.0, lo=0.0),
-                         warmup_max_lr=p.float("warmup_max_lr", 1e-3, lo=0.0))
+                         warmup_max_lr=_warmup_max_lr(p, kind))
         if kind is not SchedulerType.WARMUP_LR:
             if "total_num_steps" not in p.data:
                 raise ConfigError(f"{p.where('total_num_steps')} is required by {kind.value}: "
@@ -149,6 +151,14 @@ class SchedulerConfig:
                                   f"warmup_num_steps = {common['warmup_num_steps']}: raise it")
             extra["total_num_steps"] = total
         return cls(type=kind, **common, **extra)
+
+
+def _warmup_max_lr(p: Section, kind: SchedulerType) -> float | None:
+    """warmup_max_lr, or None for WarmupLR without one: DeepSpeed's WarmupLR then warms up to each param
+    group's own lr (its WarmupDecayLR keeps the default 0.001)."""
+    if "warmup_max_lr" not in p.data and kind is SchedulerType.WARMUP_LR:
+        return None
+    return p.float("warmup_max_lr", 1e-3, lo=0.0)
 
 
 def _warmup_gamma(i: int, n: int, kind: WarmupType) -> float:
@@ -176,7 +186,8 @@ def lr_at(cfg: SchedulerConfig, step: int, base_lr: float) -> float:
         return base_lr * max(0.0, cfg.cos_min_ratio + (1.0 - cfg.cos_min_ratio) * cosine_ratio)
     if cfg.type is SchedulerType.WARMUP_DECAY_LR and i >= n:
         gamma = max(0.0, (cfg.total_num_steps - i) / max(1, cfg.total_num_steps - n))
-    return cfg.warmup_min_lr + (cfg.warmup_max_lr - cfg.warmup_min_lr) * gamma
+    top = base_lr if cfg.warmup_max_lr is None else cfg.warmup_max_lr
+    return cfg.warmup_min_lr + (top - cfg.warmup_min_lr) * gamma
 
 
 def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter] | Iterable[dict]
