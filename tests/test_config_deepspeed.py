@@ -151,6 +151,12 @@ SCHEDULES = [
     {"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.1, "warmup_num_steps": 3, "total_num_steps": 9,
                                           "cos_min_ratio": 0.05, "warmup_type": "linear"}},
     {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 4, "total_num_steps": 10}},
+    # one warm-up step is two in DeepSpeed's three classes (max(2, warmup_num_steps))
+    {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 1,
+                                    "warmup_type": "linear"}},
+    {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 1, "total_num_steps": 6}},
+    {"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.1, "warmup_num_steps": 1, "total_num_steps": 6,
+                                          "warmup_type": "linear"}},
 ]
 
 
@@ -180,3 +186,14 @@ def test_lr_schedules_equal_deepspeeds_own(section):
     theirs = optimizer()
     expected = _lrs(getattr(lr_schedules, section["type"])(theirs, **section["params"]), theirs, 12)
     assert _lrs(build_scheduler(cfg.scheduler, ours), ours, 12) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+def test_zero_warmup_steps_refused_as_deepspeed_refuses(kind):
+    from deepspeed.runtime import lr_schedules
+
+    params = {"warmup_num_steps": 0, **({} if kind == "WarmupLR" else {"total_num_steps": 5})}
+    with pytest.raises(ValueError, match="positive integer"):
+        getattr(lr_schedules, kind)(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), **params)
+    with pytest.raises(ConfigError, match="warmup_num_steps"):
+        parse_config({"train_batch_size": 1, "scheduler": {"type": kind, "params": params}})

@@ -133,7 +133,7 @@ class SchedulerConfig:
                  *(("warmup_min_ratio", "cos_min_ratio") if cosine else ("warmup_min_lr", "warmup_max_lr")),
                  *(() if kind is SchedulerType.WARMUP_LR else ("total_num_steps",))),
                 {"last_batch_iteration": Ignored("resume restores the schedule position", noop=-1)})
-        common = dict(warmup_num_steps=p.int("warmup_num_steps", 1000, lo=0),
+        common = dict(warmup_num_steps=p.int("warmup_num_steps", 1000, lo=1),
                       warmup_type=WarmupType(p.choice("warmup_type", "log", [w.value for w in WarmupType])))
         if cosine:
             extra = dict(warmup_min_ratio=p.float("warmup_min_ratio", 0.0, lo=0.0, hi=1.0),
@@ -166,14 +166,15 @@ def _warmup_gamma(i: int, n: int, kind: WarmupType) -> float:
     if i >= n:
         return 1.0
     if kind is WarmupType.LOG:
-        return math.log(i + 1) / math.log(max(2, n))
+        return math.log(i + 1) / math.log(n)
     return i / n
 
 
 def lr_at(cfg: SchedulerConfig, step: int, base_lr: float) -> float:
     """The learning rate of optimizer step `step` (0-based) for an optimizer whose lr is base_lr,
-    as DeepSpeed's engine sets it: at scheduler iteration step - 1 (see the module docstring)."""
-    i, n = step - 1, cfg.warmup_num_steps
+    as DeepSpeed's engine sets it: at scheduler iteration step - 1 (see the module docstring).
+    DeepSpeed's classes warm up over max(2, warmup_num_steps) iterations: one step is two."""
+    i, n = step - 1, max(2, cfg.warmup_num_steps)
     cosine = cfg.type is SchedulerType.WARMUP_COSINE_LR
     if i < 0:  # the scheduler has not stepped yet
         return 0.0 if cosine else cfg.warmup_min_lr
