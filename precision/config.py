@@ -60,7 +60,8 @@ class ScalerConfig:
     """Clip gradients to this global L2 norm (DeepSpeed's `gradient_clipping`); 0 disables."""
     check_finite: bool | None = None
     """Skip steps whose gradients hold inf/nan. None: yes when scaling (fp16), no for the fp32 no-op
-    path (as DeepSpeed); bf16 sets it from `check_grad_overflow`. A clipped step always skips on a
+    path (as DeepSpeed at ZeRO stage 0; parse_config sets it for fp32 under ZeRO 1-3, whose DeepSpeed
+    optimizers skip); bf16 sets it from `check_grad_overflow`. A clipped step always skips on a
     non-finite norm."""
 
     def __post_init__(self) -> None:

@@ -115,3 +115,48 @@ def test_save_checkpoint_tag_and_hand_set_lr_as_deepspeed(tmp_path):
         assert (mine["global_steps"], mine["lr"]) == (ds["global_steps"], ds["lr"]) == (3, 0.123)
         for p, q in zip(mine["params"], ds["params"]):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _nonfinite_step_skipped(initialize) -> list:
+    """fp32, no clipping, ZeRO 1-3: rank 0's second loss is inf. DeepSpeed's ZeRO optimizers test every
+    step's gradient norm and skip a non-finite one on all ranks; per stage: the losses and the parameters."""
+    import torch.distributed as dist
+
+    out = []
+    for stage in (1, 2, 3):
+        model = _mlp()
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+                  "gradient_clipping": 0.0, "steps_per_print": 10**9}
+        engine, *_ = initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), config=config)
+        losses = []
+        for i in range(3):
+            g = torch.Generator().manual_seed(100 * i + dist.get_rank())
+            loss = F.cross_entropy(engine(torch.randn(2, 8, generator=g)), torch.randint(0, 4, (2,), generator=g))
+            engine.backward(loss * float("inf") if i == 1 and dist.get_rank() == 0 else loss)
+            engine.step()
+            losses.append(loss.item())
+        out.append((losses, [p.detach().clone() for p in model.parameters()]))
+    return out
+
+
+def _deepspeed_nonfinite():
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    return _nonfinite_step_skipped(deepspeed.initialize)
+
+
+def _pipezero_nonfinite():
+    from pipezero.train import initialize
+
+    return _nonfinite_step_skipped(initialize)
+
+
+def test_fp32_zero_skips_a_nonfinite_step_as_deepspeed():
+    ours = run(_pipezero_nonfinite, 2)
+    theirs = run(_deepspeed_nonfinite, 2, timeout=300, discard=True)
+    for mine, ds in zip(ours, theirs):
+        for (losses, params), (ds_losses, ds_params) in zip(mine, ds):
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ds_losses), rtol=1e-5, atol=1e-6)
+            for p, q in zip(params, ds_params):
+                assert p.isfinite().all()
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

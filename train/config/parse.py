@@ -175,6 +175,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
     accum, reduce = read_grad_dtypes(filled, precision.dtype)
     zero = replace(ZeroConfig.from_dict(filled.get("zero_optimization"), hidden_size),
                    grad_accum_dtype=accum, reduce_dtype=reduce)
+    precision = _zero_checks_finite(precision, zero.stage)
     return TrainConfig(
         batch=batch, precision=precision, zero=zero,
         pipeline=pipeline, tensorboard=TensorBoardConfig.parse(top.section("tensorboard", auto_default=True)),
@@ -183,6 +184,15 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         gradient_clipping=clip, steps_per_print=top.int("steps_per_print", None, lo=1),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False), compile=read_compile(filled.get("compile")),
         raw=raw)
+
+
+def _zero_checks_finite(precision: Precision, stage: int) -> Precision:
+    """fp32 under ZeRO 1-3 skips a step whose gradients hold inf/nan, clipping or not: DeepSpeed's ZeRO
+    optimizers take every step's gradient norm and skip on a non-finite one; at stage 0 it steps torch's
+    optimizer as it is. fp16 always checks; bf16 follows its own check_grad_overflow."""
+    if stage == 0 or precision.dtype != torch.float32 or precision.scaler.check_finite is not None:
+        return precision
+    return replace(precision, scaler=replace(precision.scaler, check_finite=True))
 
 
 def _load(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
