@@ -160,3 +160,46 @@ def test_fp32_zero_skips_a_nonfinite_step_as_deepspeed():
             for p, q in zip(params, ds_params):
                 assert p.isfinite().all()
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+_TORCH_ADAM = [{"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+               {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+               {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "adam_w_mode": False}}]
+
+
+def _config_optimizer(initialize) -> list:
+    """The config's "optimizer" with torch_adam (DeepSpeed builds torch's Adam/AdamW from the params, so
+    torch's defaults fill the rest): three steps each; the parameters."""
+    import torch.distributed as dist
+
+    out = []
+    for section in _TORCH_ADAM:
+        model = _mlp()
+        config = {"train_micro_batch_size_per_gpu": 2, "optimizer": section, "steps_per_print": 10**9}
+        engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config)
+        for i in range(3):
+            g = torch.Generator().manual_seed(100 * i + dist.get_rank())
+            engine.backward(F.cross_entropy(engine(torch.randn(2, 8, generator=g)), torch.randint(0, 4, (2,), generator=g)))
+            engine.step()
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def _deepspeed_config_optimizer():
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    return _config_optimizer(deepspeed.initialize)
+
+
+def _pipezero_config_optimizer():
+    from pipezero.train import initialize
+
+    return _config_optimizer(initialize)
+
+
+def test_torch_adam_takes_torchs_defaults_as_deepspeed():
+    ours, = run(_pipezero_config_optimizer, 1)
+    theirs, = run(_deepspeed_config_optimizer, 1, timeout=300, discard=True)
+    for section, params, ds_params in zip(_TORCH_ADAM, ours, theirs):
+        for p, q in zip(params, ds_params):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{section}: {m}")

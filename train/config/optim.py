@@ -72,20 +72,25 @@ class OptimizerConfig:
         kind = OptimizerType(_supported_type(sec, "AdamW", [t.value for t in OptimizerType],
                                              "pass your own torch optimizer (initialize(optimizer=...))"))
         p = sec.section("params")
-        p.check(("lr", "betas", "eps", "weight_decay", "adam_w_mode"), _ADAM_RULES)
+        p.check(("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"), _ADAM_RULES)
         betas = p.raw("betas", [0.9, 0.999])
         if (not isinstance(betas, (list, tuple)) or len(betas) != 2
                 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
             raise ConfigError(f"{p.where('betas')} = {betas!r}: expected two numbers in [0, 1), "
                               f"e.g. [0.9, 0.999]")
-        adam_w = p.bool("adam_w_mode", True)
+        decoupled = kind is OptimizerType.ADAMW or p.bool("adam_w_mode", True)
         return cls(type=kind, lr=p.float("lr", 1e-3, lo=0.0), betas=(float(betas[0]), float(betas[1])),
-                   eps=p.float("eps", 1e-8, lo=0.0), weight_decay=p.float("weight_decay", 0.0, lo=0.0),
-                   decoupled_weight_decay=kind is OptimizerType.ADAMW or adam_w)
+                   eps=p.float("eps", 1e-8, lo=0.0), decoupled_weight_decay=decoupled,
+                   weight_decay=p.float("weight_decay", _default_weight_decay(p, decoupled), lo=0.0))
+
+
+def _default_weight_decay(p: Section, decoupled: bool) -> float:
+    """0, FusedAdam's default; with torch_adam DeepSpeed builds torch.optim.AdamW from the params, whose
+    default is 0.01 (torch.optim.Adam's is 0)."""
+    return 0.01 if decoupled and p.bool("torch_adam", False) else 0.0
 
 
 _ADAM_RULES = {
-    "torch_adam": Ignored("torch's Adam is always used", noop=lambda v: True),
     **{k: Ignored("torch's fused kernel on CUDA, its default elsewhere", noop=lambda v: True)
        for k in ("fused", "foreach", "set_grad_none")},
     "amsgrad": Unsupported("AMSGrad's running maximum of the second moment", "set it false", noop=False),
