@@ -117,25 +117,33 @@ def test_save_checkpoint_tag_and_hand_set_lr_as_deepspeed(tmp_path):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+# (stage, bf16 section): fp32 at ZeRO 1-3, and bf16 at stage 0 with check_grad_overflow false, which
+# only DeepSpeed's ZeRO optimizers honour (its stage-0 bf16 wrapper tests the gradient norm regardless)
+_NONFINITE = [(1, None), (2, None), (3, None), (0, {"enabled": True, "check_grad_overflow": False})]
+
+
 def _nonfinite_step_skipped(initialize) -> list:
-    """fp32, no clipping, ZeRO 1-3: rank 0's second loss is inf. DeepSpeed's ZeRO optimizers test every
-    step's gradient norm and skip a non-finite one on all ranks; per stage: the losses and the parameters."""
+    """No clipping; rank 0's second loss is inf. DeepSpeed skips that step on all ranks in each case of
+    _NONFINITE (its optimizers test every step's gradient norm); per case: the losses and the parameters."""
     import torch.distributed as dist
 
     out = []
-    for stage in (1, 2, 3):
+    for stage, bf16 in _NONFINITE:
         model = _mlp()
         config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
-                  "gradient_clipping": 0.0, "steps_per_print": 10**9}
-        engine, *_ = initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), config=config)
+                  "gradient_clipping": 0.0, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+                  **({"bf16": bf16} if bf16 else {})}
+        dtype = torch.bfloat16 if bf16 else torch.float32  # SGD: Adam's first step is ±lr on bf16 rounding noise
+        engine, *_ = initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
         losses = []
         for i in range(3):
             g = torch.Generator().manual_seed(100 * i + dist.get_rank())
-            loss = F.cross_entropy(engine(torch.randn(2, 8, generator=g)), torch.randint(0, 4, (2,), generator=g))
+            x, y = torch.randn(2, 8, generator=g).to(dtype), torch.randint(0, 4, (2,), generator=g)
+            loss = F.cross_entropy(engine(x).float(), y)
             engine.backward(loss * float("inf") if i == 1 and dist.get_rank() == 0 else loss)
             engine.step()
             losses.append(loss.item())
-        out.append((losses, [p.detach().clone() for p in model.parameters()]))
+        out.append((losses, [p.detach().float().clone() for p in model.parameters()]))
     return out
 
 
@@ -151,7 +159,7 @@ def _pipezero_nonfinite():
     return _nonfinite_step_skipped(initialize)
 
 
-def test_fp32_zero_skips_a_nonfinite_step_as_deepspeed():
+def test_a_nonfinite_step_is_skipped_where_deepspeed_skips_it():
     ours = run(_pipezero_nonfinite, 2)
     theirs = run(_deepspeed_nonfinite, 2, timeout=300, discard=True)
     for mine, ds in zip(ours, theirs):

@@ -175,7 +175,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
     accum, reduce = read_grad_dtypes(filled, precision.dtype)
     zero = replace(ZeroConfig.from_dict(filled.get("zero_optimization"), hidden_size),
                    grad_accum_dtype=accum, reduce_dtype=reduce)
-    precision = _zero_checks_finite(precision, zero.stage)
+    precision = _checks_finite(precision, zero)
     return TrainConfig(
         batch=batch, precision=precision, zero=zero,
         pipeline=pipeline, tensorboard=TensorBoardConfig.parse(top.section("tensorboard", auto_default=True)),
@@ -186,13 +186,21 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         raw=raw)
 
 
-def _zero_checks_finite(precision: Precision, stage: int) -> Precision:
-    """fp32 under ZeRO 1-3 skips a step whose gradients hold inf/nan, clipping or not: DeepSpeed's ZeRO
-    optimizers take every step's gradient norm and skip on a non-finite one; at stage 0 it steps torch's
-    optimizer as it is. fp16 always checks; bf16 follows its own check_grad_overflow."""
-    if stage == 0 or precision.dtype != torch.float32 or precision.scaler.check_finite is not None:
-        return precision
-    return replace(precision, scaler=replace(precision.scaler, check_finite=True))
+def _checks_finite(precision: Precision, zero: ZeroConfig) -> Precision:
+    """Whether a step with inf/nan gradients is skipped, as DeepSpeed's optimizer for this stage decides.
+
+    Its ZeRO optimizers (stages 1-3) take every step's gradient norm and skip on a non-finite one, in fp32
+    too, clipping or not; bf16 there follows check_grad_overflow. Its stage-0 bf16 wrapper and its
+    BF16_Optimizer (stage 1 with fp32 gradient sums) skip regardless of check_grad_overflow. fp32 at stage
+    0 steps torch's optimizer as it is; fp16 always checks.
+    """
+    scaler = precision.scaler
+    if precision.dtype == torch.float32 and zero.stage >= 1 and scaler.check_finite is None:
+        return replace(precision, scaler=replace(scaler, check_finite=True))
+    bf16_wrapper = zero.stage == 0 or (zero.stage == 1 and zero.grad_accum_dtype == torch.float32)
+    if precision.dtype == torch.bfloat16 and bf16_wrapper and scaler.check_finite is False:
+        return replace(precision, scaler=replace(scaler, check_finite=True))
+    return precision
 
 
 def _load(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
