@@ -245,10 +245,12 @@ def _two_train_steps(stage: int, every: bool, name: str) -> list:
 
 
 @pytest.mark.parametrize("stage, every, name", [(0, False, "OneFOneB"), (1, False, "OneFOneB"),
-                                               (2, False, "OneFOneB"), (2, True, "OneFOneB")])
+                                               (2, False, "OneFOneB"), (2, True, "OneFOneB"),
+                                               (0, False, "ZeroBubbleH1"), (1, False, "ZeroBubbleH1")])
 def test_two_train_steps_before_one_step_add_up(stage, every, name):
     """The tied embedding's gradient too (stage 0 added it to an average still in flight, stages 1-2
-    dropped it: its bucket's earlier reduction was still under way at flush)."""
+    dropped it: its bucket's earlier reduction was still under way at flush); and the Linear weights
+    whose W assigns .grad without hooks (no hook completed their bucket's earlier reduction either)."""
     for once, twice in run(_two_train_steps, 4, stage, every, name):
         for a, b in zip(once, twice, strict=True):
             torch.testing.assert_close(b, 2 * a, rtol=1e-6, atol=1e-6)

@@ -121,7 +121,13 @@ class GradSync(ABC):
         """Do not reduce these parameters' gradients until released. `intact` (held too): their
         .grad stays exactly as autograd accumulates it, at every stage and even when reducing
         every micro-batch, because the caller adds to it before releasing (the pipeline's
-        tie-group sum of shared weights)."""
+        tie-group sum of shared weights).
+
+        Reductions of an earlier round (a previous train_step before the same optimizer step) still
+        under way are completed first: a gradient this round brings without a hook (an intact tied
+        weight, a split backward's W assigning .grad) would otherwise land beside a bucket in flight,
+        which flush does not push into and finish does not launch again: it would be lost."""
+        self.wait()
         self._held.update(id(p) for p in params if id(p) in self._where)
         self._wide.clear()  # a failed step's partial sums (a completed one's were pushed)
         intact = {id(p) for p in intact if id(p) in self._where}
@@ -129,14 +135,8 @@ class GradSync(ABC):
         self._intact.update(intact)
 
     def release(self, params: Iterable[torch.Tensor]) -> None:
-        """From now on reduce these parameters' gradients as they become ready.
-
-        A bucket of an intact parameter whose reduction of an earlier round (a previous
-        train_step before the same optimizer step) is still under way is completed first: its
-        hooks did nothing this round, and flush pushes only into a bucket not in flight."""
+        """From now on reduce these parameters' gradients as they become ready."""
         ids = {id(p) for p in params}
-        for b in dict.fromkeys(self._where[i][0] for i in ids & self._intact):
-            self._settle(b)
         self._held.difference_update(ids)
         self._intact.difference_update(ids)
 
