@@ -126,15 +126,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g_weight += (g.t() @ h).float()
             if g_bias is not None:
                 g_bias += g.float().sum(0)
-        ctx.kept = (g_hidden, g_weight, g_bias)
+        # saved, not an attribute: autograd frees them after a backward that does not retain the graph
+        # and keeps them for one that does (a split backward runs this node in I and again in W)
+        ctx.save_for_backward(g_hidden, g_weight, g_bias)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         # F.cross_entropy's mean of nothing is nan (0 / 0)
         return total / count.float()
 
     @staticmethod
     def backward(ctx, grad):
-        g_hidden, g_weight, g_bias = ctx.kept
-        ctx.kept = None
+        g_hidden, g_weight, g_bias = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
         out_h = g_hidden * grad.to(g_hidden.dtype) if g_hidden is not None else None
         out_w = (g_weight * grad).to(w_dtype) if g_weight is not None else None

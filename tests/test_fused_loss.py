@@ -169,3 +169,28 @@ def test_gpt_and_hf_layers_fused_equal_unfused():
         assert f_grads.keys() == grads.keys()
         for n in grads:
             torch.testing.assert_close(f_grads[n], grads[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {n}: {m}")
+
+
+def test_split_backward_runs_the_fused_node_twice():
+    """A zero-bubble schedule's last chunk without Linear layers (the final norm and the head: pipe 4,
+    or ZB-V's last chunk) splits the graph: I runs the fused node for the hidden gradient, W runs it
+    again for the weight's (torch's stage_backward_input / stage_backward_weight); both must equal
+    one plain backward."""
+    from pipezero.pipe.split_backward import backward_input
+
+    got = []
+    for split in (False, True):
+        hidden, weight, _, targets = _inputs(False)
+        x = hidden.detach().requires_grad_()
+        norm = torch.nn.LayerNorm(D)
+        loss = fused_cross_entropy(HeadLogits(norm(x), weight), targets, chunk_rows=4)
+        weights = [weight, *norm.parameters()]
+        if split:
+            (x_grad,), w = backward_input([loss], [None], [x], weights)
+            w.run()
+        else:
+            loss.backward()
+            x_grad = x.grad
+        got.append([x_grad, *(p.grad for p in weights)])
+    for g, want in zip(*reversed(got), strict=True):
+        torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-7)
