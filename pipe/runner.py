@@ -94,9 +94,12 @@ class PipelineRunner:
         self._gathering = chunk_gatherings(self._listener, model, {True: [s.action.chunk for s in self.steps],
                                            False: [s.action.chunk for s in self.forward_steps]}, reshard_after_forward)
         self._listener.attach_pipeline()
-        # (chunk, microbatch) whose backward is split: their forwards defer Linear weight GEMMs to W
-        split = {s.action[1:] for s in self.steps if s.action.op is Op.BACKWARD_INPUT}
-        self._split = split if split and has_deferring_linear(model) else set()
+        # under a schedule that splits some backward, every forward defers its Linear weight GEMMs (W
+        # runs them, or B right after its backward): a layer compiled both ways would have two graphs,
+        # and torch's checkpoint recompute may pick the other one than its forward ran (CheckpointError)
+        split = any(s.action.op is Op.BACKWARD_INPUT for s in self.steps)
+        self._split = {s.action[1:] for s in self.steps if s.action.op is Op.FORWARD} \
+            if split and has_deferring_linear(model) else set()
 
     # -- public --------------------------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
@@ -284,8 +287,11 @@ class PipelineRunner:
             weights = [p for p in model.chunk_parameters(chunk) if p.requires_grad]
             in_grads, self._deferred[(chunk, mb)] = backward_input(outs, grads, leaves, weights, sink)
         else:
-            torch.autograd.backward(outs, grads)
+            with collecting(sink):  # a checkpointed layer's forward re-runs as it first ran
+                torch.autograd.backward(outs, grads)
             in_grads = [t.grad for t in leaves]
+            if sink is not None and sink.apply():  # the deferred GEMMs, now: assigned .grad without hooks
+                self._listener.collect_grad_sync(self.model.chunk_parameters(chunk))
         in_grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, in_grads))
         if model.is_first(chunk):
             return []

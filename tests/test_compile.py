@@ -7,7 +7,8 @@ give the same loss every step and the same final parameters (fp32, a few ulps: a
 the same ops). The backend counts each graph it is handed: some in the first step, none after
 (no recompilation per micro-batch or per step). Cases: 1F1B with ZeRO-1 (the GPT's tied
 embedding and head), ZB-V's split backward with its deferred weight GEMMs and ZeRO-2, ZeRO-3
-with activation checkpointing, and a Hugging Face Llama's decoder layers with the fused loss.
+with activation checkpointing, a Hugging Face Llama's decoder layers with the fused loss, and
+DualPipeV (whole and split backwards in one step) with activation checkpointing.
 """
 
 import gc
@@ -76,7 +77,8 @@ def _train(kind: str, schedule: str, stage: int, recompute: int, backend, fused:
 
 
 CASES = {"1f1b-zero1-tied": ("gpt", "1f1b", 1, 0, False), "zbv-split-zero2": ("gpt", "zbv", 2, 0, False),
-         "zero3-checkpointing": ("gpt", "1f1b", 3, 1, False), "hf-llama-fused": ("hf", "1f1b", 1, 0, True)}
+         "zero3-checkpointing": ("gpt", "1f1b", 3, 1, False), "hf-llama-fused": ("hf", "1f1b", 1, 0, True),
+         "dualpipev-checkpointing": ("gpt", "dualpipev", 1, 1, False)}
 
 
 def _forget_compiled() -> None:
@@ -105,7 +107,7 @@ def test_compiled_equals_eager_without_recompiling():
                                                                           timeout=290)[0].items():
         assert graphs[0] > 0, f"{name}: nothing was compiled"
         assert graphs[-1] == graphs[0], f"{name}: graphs compiled after step 1: {graphs}"
-        if CASES[name][1] != "zbv":  # no split backward: each block one whole graph (its Linears traced,
+        if CASES[name][1] not in ("zbv", "dualpipev"):  # no split backward: each block one whole graph (its Linears traced,
             # not 5 or 9 pieces), and the loss one more
             assert graphs[0] == 2, f"{name}: {graphs[0]} graphs for one block class and the loss"
         torch.testing.assert_close(c_losses, losses, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} losses: {m}")
