@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from harness import run
 from pipezero.config_fields import ConfigError
-from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
 from pipezero.precision import LossScaler
 from pipezero.topology import Grid
 from pipezero.train import parse_config
@@ -139,13 +139,15 @@ def _truth(data: int) -> dict[str, torch.Tensor]:
     return {n: t.float() for n, t in model.state_dict().items()}
 
 
-def _pipeline(stage: int, accum: torch.dtype | None):
+def _pipeline(stage: int, accum: torch.dtype | None, schedule: str = "1f1b"):
     grid = Grid(pipe=2)
-    model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss, compile=False).to(torch.bfloat16)
+    sched = make_schedule(schedule, MICRO)
+    model = PipelineModule(gpt_specs(CFG), grid=grid, loss_fn=gpt_loss, compile=False, num_chunks=sched.num_chunks,
+                           placement=sched.placement).to(torch.bfloat16)
     config = ZeroConfig(stage=stage, grad_accum_dtype=accum, reduce_dtype=accum)
     opt = ZeroOptimizer(LossScaler(torch.optim.SGD(model.parameters(), lr=LR), dynamic=False, init_scale=1.0),
                         group=grid.data_group, config=config, module=model if stage == 3 else None)
-    runner = PipelineRunner(model, OneFOneB(num_microbatches=MICRO), optimizer=opt)
+    runner = PipelineRunner(model, sched, optimizer=opt)
     share = BATCH // grid.data_size
     for step in range(STEPS):
         mine = slice(grid.data_rank * share, (grid.data_rank + 1) * share)
@@ -173,17 +175,19 @@ def _differing(results, truth) -> tuple[int, int]:
     return tied, other
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_pipeline_sums_in_fp32_as_one_process(stage):
+@pytest.mark.parametrize("stage, schedule", [(0, "1f1b"), (1, "1f1b"), (2, "1f1b"), (3, "1f1b"), (0, "zb_h1"),
+                                             (1, "zbv")])
+def test_pipeline_sums_in_fp32_as_one_process(stage, schedule):
     """pipe 2 x data 2, ZeRO 0-3, 1F1B over 4 micro-batches, two steps: every weight, the tied embedding
     too, equals the truth (each stage sums its use of the tied weight in fp32 before the tie group adds
     them up; 0 differing elements here, at every stage although stages 2-3 reduce each micro-batch as its
-    bucket fills while stages 0-1 reduce the step's sum once). Summing in bf16 moves ~10% of the elements
+    bucket fills while stages 0-1 reduce the step's sum once; under a split backward too, whose W assigns the
+    Linear weights' .grad without hooks). Summing in bf16 moves ~10% of the elements
     by an ulp (thousands per rank), so a budget of 1/20 of that, for the tied weight and the others
     apart, leaves room for a CPU whose kernels round a few elements otherwise and still fails bf16 sums."""
     truth = run(_truth, 1, 2)[0]  # in a worker: its kernels reduce with the same threads
-    tied, other = _differing(run(_pipeline, 4, stage, torch.float32, timeout=180), truth)
-    bf16_tied, bf16_other = _differing(run(_pipeline, 4, stage, None, timeout=180), truth)
+    tied, other = _differing(run(_pipeline, 4, stage, torch.float32, schedule, timeout=180), truth)
+    bf16_tied, bf16_other = _differing(run(_pipeline, 4, stage, None, schedule, timeout=180), truth)
     assert bf16_other > 1000 and bf16_tied > 100, f"summing in bf16 must land elsewhere ({bf16_tied}, {bf16_other})"
     assert other * 20 <= bf16_other and tied * 20 <= bf16_tied, (tied, other, bf16_tied, bf16_other)
 

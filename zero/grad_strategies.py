@@ -109,6 +109,14 @@ class PersistentShardSync(GradSync):
         for b in buckets:
             self._state[b].grad = torch.zeros(b.padded, dtype=b.grad_dtype, device=b.device)
 
+    def collect(self, params: Iterable[torch.Tensor]) -> None:
+        """Gradients assigned without hooks (a split backward's W) go where a hook puts them: added
+        into the buffer, in its grad_dtype, micro-batch by micro-batch (summed in .grad they would
+        sum in the model's dtype)."""
+        for p in params:
+            if id(p) in self._where and id(p) not in self._intact and p.grad is not None:
+                self._on_grad(p)
+
     def _push(self, b: Bucket, i: int) -> None:
         self._add_local(b, i)
         self._state[b].pushed.add(i)

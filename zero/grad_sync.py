@@ -190,7 +190,8 @@ class GradSync(ABC):
 
     def collect(self, params: Iterable[torch.Tensor]) -> None:
         """Gradients of these params were set without hooks (a split weight backward assigns
-        .grad): a strategy that reduces every micro-batch pushes them now; else a no-op."""
+        .grad): a strategy that reduces every micro-batch pushes them now, one with a persistent
+        buffer (stages 0-1) adds them into it as a hook would; else a no-op."""
 
     # -- step -------------------------------------------------------------------------------
     def finish(self) -> None:

@@ -304,7 +304,8 @@ class ZeroOptimizer(ChainWrapper):
 
     def collect_grad_sync(self, params: Iterable[torch.Tensor]) -> None:
         """A micro-batch's gradients of these params were assigned without autograd hooks (torch's
-        split weight backward): with reduce_every_microbatch, reduce them now; else a no-op."""
+        split weight backward): as a hook would, reduce them now (reduce_every_microbatch) or add them
+        into the stage 0-1 buffer (in its grad_dtype); else a no-op."""
         params = list(params)
         self._unused.mark(params, always=self.stage == 0)
         self._sync.collect(params)
