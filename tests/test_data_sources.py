@@ -183,7 +183,6 @@ def test_an_earlier_launchs_error_does_not_stop_the_rerun(tmp_path, tok_dir):
     removed it and built the corpus. Now they wait for this launch's build; this launch's errors still stop
     them (test_chat_without_template_and_one_token_documents_are_refused)."""
     import socket
-    import threading
     import time
 
     from pipezero.train.data import cache_key
@@ -193,23 +192,32 @@ def test_an_earlier_launchs_error_does_not_stop_the_rerun(tmp_path, tok_dir):
     error.parent.mkdir()
     error.write_text(json.dumps({"host": socket.gethostname(), "time": time.time() - 3600}) +
                      "\nRuntimeError\nKeyboardInterrupt: ")
-    got = {}
-
-    def waiting_rank():
-        try:
-            got["docs"] = tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache", wait_s=30).num_docs
-        except Exception as err:  # noqa: BLE001 - reported below
-            got["error"] = err
-    os.environ["LOCAL_RANK"] = "1"
-    try:
-        waiter = threading.Thread(target=waiting_rank)
-        waiter.start()
-        time.sleep(0.5)  # the waiting rank looks first
-    finally:
-        del os.environ["LOCAL_RANK"]
+    waiter, got = _waiting_rank(data, tok_dir, tmp_path / "cache", wait_s=30)
     assert tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache").num_docs == 2  # LOCAL_RANK 0 builds
     waiter.join(30)
     assert got == {"docs": 2}, got
+
+
+def _waiting_rank(data, tok_dir, cache, wait_s: float):
+    """A LOCAL_RANK 1 asking for the corpus in a thread, once it has read its rank: (thread, its result)."""
+    import threading
+    import time
+
+    got = {}
+
+    def wait():
+        try:
+            got["docs"] = tokenized_corpus(data, tok_dir, cache_dir=cache, wait_s=wait_s).num_docs
+        except Exception as err:  # noqa: BLE001 - reported by the caller's assert
+            got["error"] = err
+    os.environ["LOCAL_RANK"] = "1"
+    try:
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.5)  # the waiting rank has read its LOCAL_RANK and looks first
+    finally:
+        del os.environ["LOCAL_RANK"]
+    return waiter, got
 
 
 def test_the_waiting_ranks_wait_for_a_long_build_while_the_builder_makes_progress(tmp_path, tok_dir):
@@ -217,7 +225,6 @@ def test_the_waiting_ranks_wait_for_a_long_build_while_the_builder_makes_progres
     hours). Now they give up only after wait_s without a touch of the lock (the builder touches it as
     documents come out of the tokenizer): here a build lasting well past wait_s is waited for; an
     untouched lock still times out (test_a_dead_builders_lock_is_taken_over)."""
-    import threading
     import time
 
     from pipezero.train.data import cache_key
@@ -227,20 +234,7 @@ def test_the_waiting_ranks_wait_for_a_long_build_while_the_builder_makes_progres
     lock = tmp_path / "cache" / f"{cache_key(data, tok_dir)}.lock"
     lock.parent.mkdir()
     lock.write_text("{}")  # this process plays the builder: it holds the lock
-    got = {}
-
-    def waiting_rank():
-        try:
-            got["docs"] = tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache", wait_s=1.5).num_docs
-        except Exception as err:  # noqa: BLE001 - reported below
-            got["error"] = err
-    os.environ["LOCAL_RANK"] = "1"
-    try:
-        waiter = threading.Thread(target=waiting_rank)
-        waiter.start()
-        time.sleep(0.2)  # the waiting rank has read its LOCAL_RANK
-    finally:
-        del os.environ["LOCAL_RANK"]
+    waiter, got = _waiting_rank(data, tok_dir, tmp_path / "cache", wait_s=1.5)
     beat = _Beat(lock, every_s=0.1)
     for _ in range(40):  # a long build (4 s, well past wait_s), documents coming out all along
         time.sleep(0.1)
