@@ -6,8 +6,9 @@ Shoeybi et al. 2019). An nn.Linear under a plain ColwiseParallel / ColwiseHeads 
 RowwiseParallel (default layouts) is split on plain local tensors with explicit collectives
 (pipe/tensor_linear.py): DTensor's per-operator dispatch cost ~8x on small blocks. Any other
 style or module (an Embedding, custom layouts, SequenceParallel, lora_tensor_plan's styles)
-goes to torch's `parallelize_module` and becomes DTensors, as before. This file also checks the
-plan before any collective (a dimension that does not divide by the tensor degree is a
+goes to torch's `parallelize_module` and becomes DTensors, as before (ReplicateOnShards, a
+whole module reading this rank's shard, stays plain, its gradients summed over the group).
+This file also checks the plan before any collective (a dimension that does not divide by the tensor degree is a
 ValueError naming the layer and the numbers) and marks the parameters that stay replicated
 across the tensor group as duplicates, so the global gradient norm counts them once.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -29,8 +31,8 @@ TensorPlan = Mapping[str, ParallelStyle]  # submodule path (relative to the laye
 # what PipelineModule(tensor_plan=) takes: {layer class: plan}, or a callable built layer -> plan or None
 PlanSource = Union[Mapping[type, TensorPlan], Callable[[nn.Module], "TensorPlan | None"]]
 
-__all__ = ["ColwiseHeads", "PlanSource", "TensorPlan", "apply_tensor_plan", "check_tensor_plan", "is_replicated",
-           "mark_tensor_duplicates", "plan_for", "shard_module", "whole_tensor"]
+__all__ = ["ColwiseHeads", "PlanSource", "ReplicateOnShards", "TensorPlan", "apply_tensor_plan", "check_tensor_plan",
+           "is_replicated", "mark_tensor_duplicates", "plan_for", "shard_module", "whole_tensor"]
 
 
 class ColwiseHeads(ColwiseParallel):
@@ -43,6 +45,30 @@ class ColwiseHeads(ColwiseParallel):
     def __init__(self, heads: int, **kwargs):
         super().__init__(**kwargs)
         self.heads = heads
+
+
+class ReplicateOnShards(ParallelStyle):
+    """A module kept whole on every tensor rank that reads this rank's shard: its gradients summed over the group.
+
+    Qwen3's and Gemma 3's q_norm / k_norm normalise each head with one weight shared by all
+    heads; after a column-parallel q_proj each tensor rank holds some heads, so its gradient of
+    that weight sums over its heads only. The sum over the tensor group is the whole model's
+    gradient, the same on every rank (Megatron-LM all-reduces its qk-layernorm gradients alike).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        if device_mesh.size() > 1:
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.register_hook(lambda grad: _summed(grad, group))
+        return module
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    grad = grad.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def plan_for(source: PlanSource | None, module: nn.Module) -> TensorPlan | None:

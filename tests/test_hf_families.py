@@ -184,3 +184,40 @@ def test_checkpoint_without_the_models_tensors_is_named(tmp_path):
     qwen3.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"lacks \d+ tensors .*q_norm.*do not map onto them; expected a directory"):
         hf_layer_specs(str(tmp_path))
+
+
+# -- tensor parallelism ------------------------------------------------------------------------
+def _tensor_grads(families: list[str]) -> dict:
+    """Each family at pipe 1 x tensor 2: logits, loss and the whole gradients by Hugging Face name."""
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.hf import hf_tensor_plan
+    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.tensor_parallel import whole_tensor
+    from pipezero.topology import Grid
+
+    out = {}
+    for family in families:
+        pipe = PipelineModule(hf_layer_specs(_model(family)), grid=Grid(pipe=1, tensor=2), loss_fn=causal_lm_loss,
+                              tensor_plan=hf_tensor_plan())
+        ids, _, targets = _batch()
+        logits = pipe(ids)
+        loss = pipe.loss(logits, targets)
+        loss.backward()
+        named = {n: p for layer in pipe.modules() if isinstance(layer, _HFLayer) for n, p in layer.hf_parameters()}
+        out[family] = logits.detach(), loss.detach(), {n: whole_tensor(p, p.grad) for n, p in named.items()}
+    return out
+
+
+def test_tensor_2_with_per_head_norms_equals_transformers():
+    """Qwen3's and Gemma 3's q_norm / k_norm weigh every head with one replicated weight: each tensor rank
+    saw its own heads only, so their gradients were partial (0.01 off) and differed between the ranks."""
+    families = ["qwen3", "gemma3_text"]
+    for rank_out in run(_tensor_grads, 2, families, timeout=180):
+        for family in families:
+            logits, loss, grads = rank_out[family]
+            want_logits, _, want_loss, want_grads, _ = _truth(family)
+            _close(logits, want_logits, f"{family} logits")
+            _close(loss, want_loss, f"{family} loss")
+            assert set(grads) == set(want_grads)
+            for name in want_grads:
+                _close(grads[name], want_grads[name], f"{family} gradient of {name}")

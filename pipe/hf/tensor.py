@@ -19,8 +19,10 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
 
     In the attention and the MLP every nn.Linear but the last (q/k/v, gate/up) is split
     column-wise, whole heads per tensor rank, and the last (o, down) row-wise: one all-reduce
-    after each (Shoeybi et al. 2019). Norms, embedding and head stay replicated. A family whose
-    projections are not nn.Linear (GPT-2's Conv1D) is a ValueError on every rank.
+    after each (Shoeybi et al. 2019). Norms, embedding and head stay replicated; a norm of each
+    head (Qwen3's and Gemma 3's q_norm / k_norm) sees this rank's heads only, so its gradient is
+    summed over the tensor group (ReplicateOnShards). A family whose projections are not
+    nn.Linear (GPT-2's Conv1D) is a ValueError on every rank.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -45,5 +47,20 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
                 out[f"inner.{name}.{n}"] = (ColwiseHeads(m.out_features // head_dim) if head_dim
                                             else ColwiseParallel())
             out[f"inner.{name}.{projections[-1][0]}"] = RowwiseParallel()
+            out.update(_head_norms(layer, name, child, head_dim))
         return out
     return plan
+
+
+def _head_norms(layer: nn.Module, name: str, child: nn.Module, head_dim: int | None) -> dict[str, Any]:
+    """The plan's entries for `child`'s norms of each head: their gradients summed over the tensor group."""
+    from pipezero.pipe.tensor_parallel import ReplicateOnShards
+
+    out = {}
+    for n, m in child.named_children():
+        size = sum(p.numel() for p in m.parameters())
+        if "Norm" not in type(m).__name__ or not size:
+            continue
+        if head_dim is not None and size == head_dim:
+            out[f"inner.{name}.{n}"] = ReplicateOnShards()
+    return out
