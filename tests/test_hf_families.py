@@ -221,3 +221,27 @@ def test_tensor_2_with_per_head_norms_equals_transformers():
             assert set(grads) == set(want_grads)
             for name in want_grads:
                 _close(grads[name], want_grads[name], f"{family} gradient of {name}")
+
+
+@pytest.mark.parametrize("family, pattern", [
+    ("olmo3", r"Olmo3DecoderLayer.self_attn.q_norm \(Olmo3RMSNorm, 32 parameters\) normalises across heads "
+              r"\(head_dim=8\)"),
+    ("phi3", r"Phi3DecoderLayer.self_attn: \['o_proj \(in_features=32\)'\] do not read the width 64 that its "
+             r"last projection qkv_proj returns"),
+    ("falcon", r"FalconDecoderLayer.self_attention: no projection of \['query_key_value'\] gives dense's "
+               r"in_features=32 \(\[64\]\): a fused projection"),
+    ("deepseek_v3", r"DeepseekV3DecoderLayer.self_attn: \['q_b_proj \(in_features=16\)', 'kv_b_proj"),
+])
+def test_tensor_plan_refuses_what_a_split_gets_wrong(family, pattern):
+    """Phi-3's o_proj (registered before qkv_proj) became column-parallel and qkv_proj row-parallel, Falcon's
+    fused query_key_value was cut across its parts, OLMo 3's q_norm over all heads saw half of them: each
+    failed in its first forward with a shape error from inside transformers (or, where shapes fit, would
+    compute something else); DeepSeek's latent projections likewise."""
+    from pipezero.pipe.hf import HFDecoderLayer, hf_tensor_plan
+
+    fields, tie = FAMILIES[family]
+    with torch.device("meta"):
+        layer = hf_layer_specs(_config(family, fields, tie))[1].build()  # the first decoder layer
+    assert isinstance(layer, HFDecoderLayer)
+    with pytest.raises(ValueError, match=pattern):
+        hf_tensor_plan()(layer)

@@ -22,7 +22,10 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
     after each (Shoeybi et al. 2019). Norms, embedding and head stay replicated; a norm of each
     head (Qwen3's and Gemma 3's q_norm / k_norm) sees this rank's heads only, so its gradient is
     summed over the tensor group (ReplicateOnShards). A family whose projections are not
-    nn.Linear (GPT-2's Conv1D) is a ValueError on every rank.
+    nn.Linear (GPT-2's Conv1D), whose last projection is not the output or whose fused
+    projection a split would cut across its parts (Phi-3's qkv_proj and gate_up_proj, Falcon's
+    query_key_value), or whose norms span heads (OLMo 2/3's q_norm over all heads, DeepSeek's
+    latent norms) is a ValueError on every rank, as the split would be wrong.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -47,20 +50,40 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
                 out[f"inner.{name}.{n}"] = (ColwiseHeads(m.out_features // head_dim) if head_dim
                                             else ColwiseParallel())
             out[f"inner.{name}.{projections[-1][0]}"] = RowwiseParallel()
-            out.update(_head_norms(layer, name, child, head_dim))
+            out.update(_checked_norms(layer, name, child, head_dim))
         return out
     return plan
 
 
-def _head_norms(layer: nn.Module, name: str, child: nn.Module, head_dim: int | None) -> dict[str, Any]:
-    """The plan's entries for `child`'s norms of each head: their gradients summed over the tensor group."""
+# fused projections laid out head by head and read back with the local head count: a split keeps whole heads
+_HEADWISE_FUSED = {"GPTNeoXAttention"}
+
+
+def _checked_norms(layer: nn.Module, name: str, child: nn.Module, head_dim: int | None) -> dict[str, Any]:
+    """The plan's entries for `child`'s norms; ValueError where a column/row split of `child` is not its math."""
     from pipezero.pipe.tensor_parallel import ReplicateOnShards
 
+    projections = [(n, m) for n, m in child.named_children() if isinstance(m, nn.Linear)]
+    *columns, (last, row) = projections
+    where = f"hf_tensor_plan: {type(layer.inner).__name__}.{name}"
+    wrong = [f"{n} (in_features={m.in_features})" for n, m in columns if m.in_features != row.out_features]
+    if wrong:
+        raise ValueError(f"{where}: {wrong} do not read the width {row.out_features} that its last projection "
+                         f"{last} returns (projections in another order, or chained through a latent), which a "
+                         "column/row split does not fit, so train this family with tensor=1")
+    if type(child).__name__ not in _HEADWISE_FUSED and all(m.out_features != row.in_features for _, m in columns):
+        raise ValueError(f"{where}: no projection of {[n for n, _ in columns]} gives {last}'s "
+                         f"in_features={row.in_features} ({[m.out_features for _, m in columns]}): a fused "
+                         "projection, whose contiguous split would cut across its parts, so train this family "
+                         "with tensor=1")
     out = {}
     for n, m in child.named_children():
         size = sum(p.numel() for p in m.parameters())
         if "Norm" not in type(m).__name__ or not size:
             continue
-        if head_dim is not None and size == head_dim:
-            out[f"inner.{name}.{n}"] = ReplicateOnShards()
+        if head_dim is None or size != head_dim:
+            raise ValueError(f"{where}.{n} ({type(m).__name__}, {size} parameters) normalises across heads "
+                             f"(head_dim={head_dim}): each tensor rank holds some heads only, so train this "
+                             "family with tensor=1")
+        out[f"inner.{name}.{n}"] = ReplicateOnShards()
     return out
