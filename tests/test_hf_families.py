@@ -245,3 +245,18 @@ def test_tensor_plan_refuses_what_a_split_gets_wrong(family, pattern):
     assert isinstance(layer, HFDecoderLayer)
     with pytest.raises(ValueError, match=pattern):
         hf_tensor_plan()(layer)
+
+
+def test_tensor_plan_sums_the_gradients_of_a_per_head_layer_norm():
+    """Phi's qk_layernorm is a LayerNorm of head_dim with a bias: a weight and a bias per head, not a norm
+    across heads (their sum of sizes was compared with head_dim and the family refused)."""
+    from pipezero.pipe.hf import HFDecoderLayer, hf_tensor_plan
+    from pipezero.pipe.tensor_parallel import ReplicateOnShards
+
+    fields, tie = FAMILIES["phi"]
+    with torch.device("meta"):
+        layer = hf_layer_specs(_config("phi", dict(fields, qk_layernorm=True), tie))[1].build()
+    assert isinstance(layer, HFDecoderLayer)
+    plan = hf_tensor_plan()(layer)
+    assert {k for k, v in plan.items() if isinstance(v, ReplicateOnShards)} == {
+        "inner.self_attn.q_layernorm", "inner.self_attn.k_layernorm"}

@@ -78,11 +78,11 @@ def _checked_norms(layer: nn.Module, name: str, child: nn.Module, head_dim: int 
                          "with tensor=1")
     out = {}
     for n, m in child.named_children():
-        size = sum(p.numel() for p in m.parameters())
-        if "Norm" not in type(m).__name__ or not size:
+        sizes = [p.numel() for p in m.parameters()]
+        if "Norm" not in type(m).__name__ or not sizes:
             continue
-        if head_dim is None or size != head_dim:
-            raise ValueError(f"{where}.{n} ({type(m).__name__}, {size} parameters) normalises across heads "
+        if head_dim is None or any(size != head_dim for size in sizes):  # a weight (and bias) per head
+            raise ValueError(f"{where}.{n} ({type(m).__name__}, {sum(sizes)} parameters) normalises across heads "
                              f"(head_dim={head_dim}): each tensor rank holds some heads only, so train this "
                              "family with tensor=1")
         out[f"inner.{name}.{n}"] = ReplicateOnShards()
