@@ -117,6 +117,60 @@ def test_save_checkpoint_tag_and_hand_set_lr_as_deepspeed(tmp_path):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def _save_on_two(initialize, directory: str) -> None:
+    """train_batch_size 8 of micro-batches of 2 on 2 ranks (2 accumulation steps): 7 calls, saved mid-accumulation."""
+    import torch.distributed as dist
+
+    engine = _resized_engine(initialize)
+    for i in range(7):
+        g = torch.Generator().manual_seed(100 * i + dist.get_rank())
+        engine.backward(F.cross_entropy(engine(torch.randn(2, 8, generator=g)), torch.randint(0, 4, (2,), generator=g)))
+        engine.step()
+    engine.save_checkpoint(directory)
+
+
+def _resized_engine(initialize):
+    model = _mlp()
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9}
+    return initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), config=config)[0]
+
+
+def _load_on_one(initialize, directory: str) -> list:
+    """The same train_batch_size on 1 rank (4 accumulation steps); per call after the load: boundary, global_steps."""
+    engine = _resized_engine(initialize)
+    engine.load_checkpoint(directory)
+    rows = [engine.global_steps]
+    for i in range(5):
+        g = torch.Generator().manual_seed(i)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.backward(F.cross_entropy(engine(torch.randn(2, 8, generator=g)), torch.randint(0, 4, (2,), generator=g)))
+        engine.step()
+        rows.append((boundary, engine.global_steps))
+    return rows
+
+
+def _deepspeed_resized(directory: str, world: int) -> list | None:
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    return (_save_on_two if world == 2 else _load_on_one)(deepspeed.initialize, directory)
+
+
+def _pipezero_resized(directory: str, world: int) -> list | None:
+    from pipezero.train import initialize
+
+    return (_save_on_two if world == 2 else _load_on_one)(initialize, directory)
+
+
+def test_global_steps_resume_on_another_world_size_as_deepspeed(tmp_path):
+    """Saved on 2 ranks, loaded on 1 with the same train_batch_size (so other accumulation steps): DeepSpeed
+    resumes the saved global_steps and starts a fresh accumulation; so must we."""
+    rows = {}
+    for name, fn in [("ours", _pipezero_resized), ("ds", _deepspeed_resized)]:
+        run(fn, 2, str(tmp_path / name), 2, timeout=300, discard=name == "ds")
+        rows[name], = run(fn, 1, str(tmp_path / name), 1, timeout=300, discard=name == "ds")
+    assert rows["ours"] == rows["ds"]
+
+
 # (stage, bf16 section): fp32 at ZeRO 1-3, and bf16 at stage 0 with check_grad_overflow false, which
 # only DeepSpeed's ZeRO optimizers honour (its stage-0 bf16 wrapper tests the gradient norm regardless)
 _NONFINITE = [(1, None), (2, None), (3, None), (0, {"enabled": True, "check_grad_overflow": False})]

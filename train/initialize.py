@@ -105,17 +105,19 @@ class Engine:
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str, dict[str, Any]]:
         """DeepSpeed's load_checkpoint: (the checkpoint's path, its client_state); `tag` None follows
         `latest`. Weights, optimizer state (loss scale and param-group settings included), LR schedule
-        and the step counters resume; `load_optimizer_states=False` / `load_lr_scheduler_states=False`
-        leave those as they are, `load_module_only=True` loads the weights alone (counters kept)."""
+        and global_steps resume (a fresh accumulation starts, as in DeepSpeed's, so global_steps holds under
+        another world size's gradient_accumulation_steps); `load_optimizer_states=False` /
+        `load_lr_scheduler_states=False` leave those as they are, `load_module_only=True` loads the weights
+        alone (counters kept)."""
         _check_load_args(load_module_strict, custom_load_fn)
         meta = load_state(self.parts, load_dir, None if tag is None else _step_of(tag, None),
                           optimizer=load_optimizer_states and not load_module_only,
                           scheduler=load_lr_scheduler_states and not load_module_only,
                           rng=not load_module_only)
-        if not load_module_only:
+        if not load_module_only:  # as DeepSpeed: global_steps alone, whatever the accumulation steps are now
             counters = meta["data"].get(_COUNTERS)
-            self.micro_steps = counters["micro_steps"] if counters else \
-                meta["step"] * self.gradient_accumulation_steps()
+            self.micro_steps = (counters["global_steps"] if counters else meta["step"]) * \
+                self.gradient_accumulation_steps()
         return meta["path"], dict(meta["data"].get(_CLIENT, {}))
 
     def train(self, mode: bool = True) -> "Engine":
