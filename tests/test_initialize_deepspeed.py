@@ -171,6 +171,33 @@ def test_global_steps_resume_on_another_world_size_as_deepspeed(tmp_path):
     assert rows["ours"] == rows["ds"]
 
 
+def _load_nothing(initialize, directory: str) -> tuple:
+    """A resuming loop's first run: load_checkpoint of a directory without `latest` (empty, then absent)."""
+    engine = _resized_engine(initialize)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    found = [engine.load_checkpoint(directory), engine.load_checkpoint(directory + "/absent")]
+    unchanged = all(torch.equal(p, q) for p, q in zip(before, engine.module.parameters()))
+    return found, engine.global_steps, unchanged
+
+
+def _deepspeed_load_nothing(directory: str) -> tuple:
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    return _load_nothing(deepspeed.initialize, directory)
+
+
+def _pipezero_load_nothing(directory: str) -> tuple:
+    from pipezero.train import initialize
+
+    return _load_nothing(initialize, directory)
+
+
+def test_load_checkpoint_without_latest_returns_none_as_deepspeed(tmp_path):
+    ours, = run(_pipezero_load_nothing, 1, str(tmp_path))
+    theirs, = run(_deepspeed_load_nothing, 1, str(tmp_path), timeout=300, discard=True)
+    assert ours == theirs == ([(None, None), (None, None)], 0, True)
+
+
 # (stage, bf16 section): fp32 at ZeRO 1-3, and bf16 at stage 0 with check_grad_overflow false, which
 # only DeepSpeed's ZeRO optimizers honour (its stage-0 bf16 wrapper tests the gradient norm regardless)
 _NONFINITE = [(1, None), (2, None), (3, None), (0, {"enabled": True, "check_grad_overflow": False})]

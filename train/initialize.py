@@ -29,6 +29,7 @@ from pipezero.train.build import Parts, build
 from pipezero.train.config import TrainConfig
 from pipezero.train.config.optim import OptimizerConfig, build_optimizer
 from pipezero.train.log import get_logger, warn_once
+from pipezero.train.checkpoint import has_checkpoint
 from pipezero.train.checkpoint.state import load_state, save_state
 
 __all__ = ["Engine", "initialize"]
@@ -102,14 +103,21 @@ class Engine:
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str, dict[str, Any]]:
+                        load_module_only: bool = False, custom_load_fn: Any = None
+                        ) -> tuple[str, dict[str, Any]] | tuple[None, None]:
         """DeepSpeed's load_checkpoint: (the checkpoint's path, its client_state); `tag` None follows
-        `latest`. Weights, optimizer state (loss scale and param-group settings included), LR schedule
+        `latest`, and without one nothing is loaded: (None, None), as DeepSpeed's first run of a resuming loop
+        sees. Weights, optimizer state (loss scale and param-group settings included), LR schedule
         and global_steps resume (a fresh accumulation starts, as in DeepSpeed's, so global_steps holds under
         another world size's gradient_accumulation_steps); `load_optimizer_states=False` /
         `load_lr_scheduler_states=False` leave those as they are, `load_module_only=True` loads the weights
         alone (counters kept)."""
         _check_load_args(load_module_strict, custom_load_fn)
+        if tag is None and not has_checkpoint(load_dir):
+            get_logger().warning("load_checkpoint(%s): no 'latest' file there, nothing loaded; returning (None, None) "
+                                 "as DeepSpeed does (pass tag= to load a checkpoint saved with save_latest=False)",
+                                 load_dir)
+            return None, None
         meta = load_state(self.parts, load_dir, None if tag is None else _step_of(tag, None),
                           optimizer=load_optimizer_states and not load_module_only,
                           scheduler=load_lr_scheduler_states and not load_module_only,

@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 __all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "checkpoint_meta", "export_consolidated",
-           "latest_step", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint", "set_rng_state",
+           "has_checkpoint", "latest_step", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint", "set_rng_state",
            "step_dir_name"]
 
 FORMAT_VERSION = 2  # 2: the manifest carries its own sha256
@@ -413,6 +413,12 @@ def _check_fits(path: Path, manifest: Mapping[str, Any], merged: Mapping[str, to
                 raise CheckpointError(f"{path / where[key]}: tensor {key!r} has shape "
                                       f"{tuple(merged[key].shape)} but the model wants {shape}: "
                                       f"a checkpoint of another model")
+
+
+def has_checkpoint(directory: str | os.PathLike) -> bool:
+    """Whether load_checkpoint(directory) has something to follow: a `latest` pointer, or one step's manifest."""
+    root = Path(directory)
+    return (root / _LATEST).is_file() or (root / _MANIFEST).is_file()
 
 
 def latest_step(directory: str | os.PathLike) -> int | None:
