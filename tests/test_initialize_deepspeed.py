@@ -198,6 +198,41 @@ def test_load_checkpoint_without_latest_returns_none_as_deepspeed(tmp_path):
     assert ours == theirs == ([(None, None), (None, None)], 0, True)
 
 
+def _tag_from_latest(initialize, directory: str) -> int:
+    """Resume the way scripts do it by hand: the tag read from `latest`, passed to load_checkpoint."""
+    import os
+
+    first = _resized_engine(initialize)
+    for i in range(8):
+        g = torch.Generator().manual_seed(i)
+        first.backward(F.cross_entropy(first(torch.randn(2, 8, generator=g)), torch.randint(0, 4, (2,), generator=g)))
+        first.step()
+    first.save_checkpoint(directory)
+    with open(os.path.join(directory, "latest")) as f:
+        tag = f.read().strip()
+    second = _resized_engine(initialize)
+    second.load_checkpoint(directory, tag=tag)
+    return second.global_steps
+
+
+def _deepspeed_tag_from_latest(directory: str) -> int:
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    return _tag_from_latest(deepspeed.initialize, directory)
+
+
+def _pipezero_tag_from_latest(directory: str) -> int:
+    from pipezero.train import initialize
+
+    return _tag_from_latest(initialize, directory)
+
+
+def test_the_tag_in_latest_loads_as_deepspeed(tmp_path):
+    ours, = run(_pipezero_tag_from_latest, 1, str(tmp_path / "ours"))
+    theirs, = run(_deepspeed_tag_from_latest, 1, str(tmp_path / "ds"), timeout=300, discard=True)
+    assert ours == theirs == 2
+
+
 # (stage, bf16 section): fp32 at ZeRO 1-3, and bf16 at stage 0 with check_grad_overflow false, which
 # only DeepSpeed's ZeRO optimizers honour (its stage-0 bf16 wrapper tests the gradient norm regardless)
 _NONFINITE = [(1, None), (2, None), (3, None), (0, {"enabled": True, "check_grad_overflow": False})]

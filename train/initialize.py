@@ -163,15 +163,17 @@ def _check_load_args(strict: bool, custom_load_fn: Any) -> None:
 
 
 def _step_of(tag: Any, default: int | None) -> int:
-    """A checkpoint tag as pipezero's step number: None (the default), an int, or "global_step<N>"."""
+    """A checkpoint tag as pipezero's step number: None (the default), an int, "global_step<N>", or the
+    folder name that `latest` holds ("step_<N>"), which DeepSpeed scripts read and pass back as the tag."""
     if tag is None and default is not None:
         return default
     if isinstance(tag, int) and not isinstance(tag, bool) and tag >= 0:
         return tag
-    if isinstance(tag, str) and tag.removeprefix("global_step").isdigit():
-        return int(tag.removeprefix("global_step"))
+    for prefix in ("global_step", "step_"):
+        if isinstance(tag, str) and tag.removeprefix(prefix).isdigit():
+            return int(tag.removeprefix(prefix))
     raise ValueError(f"checkpoint tag={tag!r}: pipezero names checkpoints by optimizer step; pass None, a step "
-                     f"number or DeepSpeed's default form 'global_step<N>'")
+                     f"number, DeepSpeed's default form 'global_step<N>' or what `latest` holds ('step_<N>')")
 
 
 def _check_json(client_state: Mapping[str, Any] | None) -> None:
