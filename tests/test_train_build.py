@@ -281,6 +281,8 @@ def _engine_stop_and_resume(directory: str, stage: int):
         first.save_checkpoint(directory, tag="best")
     with pytest.raises(TypeError, match="client_state"):
         first.save_checkpoint(directory, client_state={"t": torch.ones(1)})
+    with pytest.raises(TypeError, match=r"client_state\['best'\]\[1\] is a dict key"):  # JSON would load "1"
+        first.save_checkpoint(directory, client_state={"best": {1: 0.5}})
     first.save_checkpoint(directory, client_state={"epoch": 3})
     second = engine()
     path, client = second.load_checkpoint(directory)

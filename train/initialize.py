@@ -177,12 +177,28 @@ def _step_of(tag: Any, default: int | None) -> int:
 
 
 def _check_json(client_state: Mapping[str, Any] | None) -> None:
-    """Refuse (on every rank, before any collective) a client_state the checkpoint's JSON meta cannot hold."""
+    """Refuse (on every rank, before any collective) a client_state the checkpoint's JSON meta cannot hold,
+    or would give back changed: JSON turns a dict key 1 into "1" (load_checkpoint's client_state[1] fails)."""
     try:
         json.dumps(dict(client_state or {}))
     except (TypeError, ValueError) as err:
         raise TypeError(f"save_checkpoint(client_state=...): {err}; pipezero keeps client_state as JSON "
                         "(numbers, strings, lists, dicts): save tensors in the model or optimizer") from None
+    where = _non_string_keys(dict(client_state or {}), "client_state")
+    if where:
+        raise TypeError(f"save_checkpoint(client_state=...): {where[0]} is a dict key that is not a string; "
+                        "pipezero keeps client_state as JSON, which would load it back as a string "
+                        f"({len(where)} such key(s)); use string keys")
+
+
+def _non_string_keys(value: Any, path: str) -> list[str]:
+    """The paths of the dict keys in `value` that are not strings (e.g. "client_state['best'][1]")."""
+    if isinstance(value, Mapping):
+        return [found for k, v in value.items() for found in
+                ([f"{path}[{k!r}]"] if not isinstance(k, str) else []) + _non_string_keys(v, f"{path}[{k!r}]")]
+    if isinstance(value, (list, tuple)):
+        return [found for i, v in enumerate(value) for found in _non_string_keys(v, f"{path}[{i}]")]
+    return []
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
