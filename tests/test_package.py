@@ -17,6 +17,7 @@ import ast
 import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -157,3 +158,8 @@ def test_the_wheel_runs_its_commands(tmp_path):
                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert train.returncode == 0, train.stderr[-4000:]
     assert "step 2/2" in train.stdout + train.stderr and (tmp_path / "out" / "model.safetensors").is_file()
+    # the sampling command the job's last log line names runs from the wheel too (no examples/ here)
+    (hint,) = re.findall(r"sample from it: python (.+?)\)", train.stdout + train.stderr)
+    sample = subprocess.run([sys.executable, *hint.split(), "--tokens", "4"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert sample.returncode == 0 and sample.stdout.startswith("def "), (hint, sample.stderr[-2000:])

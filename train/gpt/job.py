@@ -283,7 +283,8 @@ def export(args: argparse.Namespace, gpt: GPTConfig, start: int, loss: float) ->
     """model.safetensors (with its GPTConfig in the header) and summary.json, from the latest checkpoint."""
     path = export_model(Path(args.out) / "checkpoints", Path(args.out) / "model.safetensors", gpt_specs(gpt),
                         metadata={"gpt_config": json.dumps(dataclasses.asdict(gpt))})
-    log.info("exported %s (sample from it: python examples/generate.py --checkpoint %s)", path, args.out)
+    # the module, not examples/generate.py: an installed wheel has no examples/ folder
+    log.info("exported %s (sample from it: python -m pipezero.train.gpt.generate --checkpoint %s)", path, args.out)
     summary = {"steps": args.steps, "resumed_from": start, "final_loss": loss}
     (Path(args.out) / "summary.json").write_text(json.dumps(summary))
 
