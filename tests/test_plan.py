@@ -117,6 +117,8 @@ def test_cli_plan_prints_the_table_and_writes_the_config(tmp_path, capsys, monke
                  "--global-batch", "8", "--top", "3", "--write-config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "winner:" in out and "torchrun --standalone --nproc-per-node 4" in out
+    # the launch line runs the job by module: an installed wheel has no examples/train_gpt.py
+    assert f"torchrun --standalone --nproc-per-node 4 -m pipezero.train.gpt.job --config {path}" in out
     parse_config(json.loads(path.read_text()), world_size=4, tensor=1)
     assert main(["plan", "--hardware", "h200", "--layers", "4", "--d-model", "512", "--heads", "8",
                  "--seq-len", "512", "--vocab", "1024", "--global-batch", "16", "--top", "2"]) == 0

@@ -186,14 +186,18 @@ def ds_config(p: Prediction) -> dict[str, Any]:
 
 
 def torchrun_command(p: Prediction, config_path: str = "plan_ds_config.json") -> str:
-    """The launch line for examples/train_gpt.py with the winner's config (one line per node)."""
+    """The launch line for the main job with the winner's config (one line per node).
+
+    The job by module (pipezero.train.gpt.job, what examples/train_gpt.py runs): an installed wheel has no
+    examples/ folder, and the line must run wherever `pipezero plan` does.
+    """
     hw, s = p.hardware, p.shape
     if hw.nodes == 1:
         launch = f"torchrun --standalone --nproc-per-node {p.layout.world}"
     else:
         launch = (f"torchrun --nnodes {hw.nodes} --nproc-per-node {hw.gpus_per_node} --rdzv-backend c10d "
                   "--rdzv-endpoint node0:29500 --rdzv-id plan")
-    return (f"{launch} examples/train_gpt.py --config {config_path} --tensor {p.layout.tensor} "
+    return (f"{launch} -m pipezero.train.gpt.job --config {config_path} --tensor {p.layout.tensor} "
             f"--layers {s.layers} --d-model {s.d_model} --heads {s.heads} --seq-len {s.seq_len}")
 
 
