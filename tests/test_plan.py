@@ -122,7 +122,8 @@ def test_cli_plan_prints_the_table_and_writes_the_config(tmp_path, capsys, monke
     parse_config(json.loads(path.read_text()), world_size=4, tensor=1)
     assert main(["plan", "--hardware", "h200", "--layers", "4", "--d-model", "512", "--heads", "8",
                  "--seq-len", "512", "--vocab", "1024", "--global-batch", "16", "--top", "2"]) == 0
-    assert "MFU" in capsys.readouterr().out
+    out = capsys.readouterr().out  # the launch line's job is byte-level: said, not silently another model
+    assert "MFU" in out and "vocabulary 256, on the winner's layout; for the planned vocabulary 1024" in out
 
 
 @pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2),

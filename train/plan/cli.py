@@ -16,6 +16,8 @@ from pathlib import Path
 
 __all__ = ["add_plan_parser", "run_plan"]
 
+BYTE_VOCAB = 256  # the main job's byte-level GPT (GPTConfig.vocab_size), which the printed launch line runs
+
 
 def add_plan_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     """Register `pipezero plan` and its flags (each checked as it is read: argparse's one-line error)."""
@@ -27,7 +29,7 @@ def add_plan_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     p.add_argument("--d-model", type=positive_int, default=128, help="model width")
     p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
     p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
-    p.add_argument("--vocab", type=positive_int, default=256, help="vocabulary size")
+    p.add_argument("--vocab", type=positive_int, default=BYTE_VOCAB, help="vocabulary size")
     p.add_argument("--global-batch", type=positive_int, default=32, help="sequences per optimizer step")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--hardware", default="local", choices=["local", "h200"],
@@ -131,5 +133,9 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(f"\nto launch it, save the config above as {path} (or rerun with --write-config {path}), then:\n"
               + torchrun_command(preds[0], path))
+    if args.vocab != BYTE_VOCAB:  # the line's job is byte-level: it cannot run the planned vocabulary
+        print(f"(that line runs pipezero's byte-level GPT, vocabulary {BYTE_VOCAB}, on the winner's layout; for the "
+              f"planned vocabulary {args.vocab} take the ds_config to your own model: pipezero.train.initialize or "
+              "build)")
     print(f"\nplanned in {time.perf_counter() - start:.1f} s")
     return 0
