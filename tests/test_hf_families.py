@@ -210,8 +210,9 @@ def _tensor_grads(families: list[str]) -> dict:
 
 def test_tensor_2_with_per_head_norms_equals_transformers():
     """Qwen3's and Gemma 3's q_norm / k_norm weigh every head with one replicated weight: each tensor rank
-    saw its own heads only, so their gradients were partial (0.01 off) and differed between the ranks."""
-    families = ["qwen3", "gemma3_text"]
+    saw its own heads only, so their gradients were partial (0.01 off) and differed between the ranks. GPT-NeoX's
+    fused query_key_value is split by whole heads (its q, k and v together)."""
+    families = ["qwen3", "gemma3_text", "gpt_neox"]
     for rank_out in run(_tensor_grads, 2, families, timeout=180):
         for family in families:
             logits, loss, grads = rank_out[family]
@@ -245,6 +246,25 @@ def test_tensor_plan_refuses_what_a_split_gets_wrong(family, pattern):
     assert isinstance(layer, HFDecoderLayer)
     with pytest.raises(ValueError, match=pattern):
         hf_tensor_plan()(layer)
+
+
+def test_gpt_neox_splits_whole_heads_and_refuses_a_degree_that_does_not_divide_them():
+    """GPT-NeoX's fused query_key_value (q, k, v head by head) was split by its width alone: a tensor degree
+    dividing 3 x heads but not the heads cut a head's q, k and v apart, and one dividing neither crashed in the
+    forward. Its heads are the unit now, checked before any collective."""
+    from pipezero.pipe.hf import hf_tensor_plan
+    from pipezero.pipe.tensor_parallel import check_tensor_plan
+
+    fields, tie = FAMILIES["gpt_neox"]
+    with torch.device("meta"):
+        layer = hf_layer_specs(_config("gpt_neox", fields, tie))[1].build()
+    plan = hf_tensor_plan()(layer)
+    fused = next(path for path in plan if path.endswith("query_key_value"))
+    heads = layer.get_submodule(fused).out_features // 3 // layer.inner.attention.head_size
+    assert plan[fused].heads == heads
+    check_tensor_plan(layer, plan, heads)
+    with pytest.raises(ValueError, match=rf"splits heads={heads} over tensor degree {heads + 1}"):
+        check_tensor_plan(layer, plan, heads + 1)
 
 
 def test_tensor_plan_sums_the_gradients_of_a_per_head_layer_norm():

@@ -45,10 +45,10 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
                 raise ValueError(f"hf_tensor_plan: {type(layer.inner).__name__} has projections {bad} that are not "
                                  "nn.Linear; torch's ColwiseParallel/RowwiseParallel shard nn.Linear, so train "
                                  "this family with tensor=1")
-            head_dim = getattr(child, "head_dim", None)
+            head_dim = getattr(child, "head_dim", None) or getattr(child, "head_size", None)  # GPT-NeoX: head_size
             for n, m in projections[:-1]:
-                out[f"inner.{name}.{n}"] = (ColwiseHeads(m.out_features // head_dim) if head_dim
-                                            else ColwiseParallel())
+                out[f"inner.{name}.{n}"] = (ColwiseHeads(_heads(child, m, projections[-1][1], head_dim))
+                                            if head_dim else ColwiseParallel())
             out[f"inner.{name}.{projections[-1][0]}"] = RowwiseParallel()
             out.update(_checked_norms(layer, name, child, head_dim))
         return out
@@ -57,6 +57,14 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
 
 # fused projections laid out head by head and read back with the local head count: a split keeps whole heads
 _HEADWISE_FUSED = {"GPTNeoXAttention"}
+
+
+def _heads(child: nn.Module, projection: nn.Linear, last: nn.Linear, head_dim: int) -> int:
+    """The heads a column-parallel projection holds, the unit a tensor rank takes whole: its width over
+    head_dim, or for a fused head-by-head q/k/v (GPT-NeoX) the attention's heads, each its q, k and v."""
+    if type(child).__name__ in _HEADWISE_FUSED:
+        return last.in_features // head_dim
+    return projection.out_features // head_dim
 
 
 def _checked_norms(layer: nn.Module, name: str, child: nn.Module, head_dim: int | None) -> dict[str, Any]:
