@@ -17,4 +17,4 @@ Needs the hf extra: pip install -e ".[hf]".
 from pipezero.train.finetune import main
 
 if __name__ == "__main__":
-    main()
+    main(prog="examples/train_hf.py")

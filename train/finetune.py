@@ -48,8 +48,8 @@ __all__ = ["main", "parse_args"]
 log = get_logger("finetune")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pipezero finetune", description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="a local save_pretrained directory (default: a small random Llama)")
     p.add_argument("--data", default=None, help="a file or folder of .txt/.jsonl/.parquet (default: stdlib sources)")
     p.add_argument("--text-field", default="text", help="the records' text field (JSON Lines, Parquet)")
@@ -96,9 +96,9 @@ def _fraction(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> float:
-    """The whole job; returns the last training loss."""
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> float:
+    """The whole job; returns the last training loss (`prog`: the command named in usage and errors)."""
+    args = parse_args(argv, prog)
     check_out(args.out)                                     # an unwritable --out fails now, not after training
     specs = hf_layer_specs(args.model or default_config())
     model_config = hf_config(specs)
