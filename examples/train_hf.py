@@ -14,7 +14,7 @@ TensorBoard, held-out evaluation, and the export to <out>/model. Read it top to 
 Needs the hf extra: pip install -e ".[hf]".
 """
 
-from pipezero.train.finetune import main
+from pipezero.train.finetune import run
 
 if __name__ == "__main__":
-    main(prog="examples/train_hf.py")
+    run(prog="examples/train_hf.py")

@@ -138,3 +138,21 @@ def test_help_shows_every_default(capsys):
                   "interleaved_1f1b takes any >= 2"):
         assert shown in text
     assert "(default: None)" not in text
+
+
+@pytest.mark.parametrize("script, name, cause", [
+    ("train_gpt.py", "train_gpt.py", "FileNotFoundError: data file"),
+    ("train_hf.py", "examples/train_hf.py", "ValueError: --data"),  # no --model: refused first
+])
+def test_a_known_failure_ends_with_one_line(tmp_path, script, name, cause):
+    """Bad input ends the command with one line naming the cause and exit code 1 (PIPEZERO_TRACEBACK=1 gives
+    the traceback); the fine-tuning job printed a whole traceback instead."""
+    flag = "--data-path" if script == "train_gpt.py" else "--data"
+    cmd = [sys.executable, str(ROOT / "examples" / script), "--pipe", "1", "--out", str(tmp_path / "o"), flag,
+           str(tmp_path / "missing.txt")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=ROOT)
+    lines = [line for line in done.stderr.splitlines() if cause in line]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith(name) and "missing.txt" in lines[0], lines
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]

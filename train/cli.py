@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_plan(args)
     if args.command == "finetune":  # in this process, or each of torchrun's
-        from pipezero.train.finetune import main as finetune
+        from pipezero.train.finetune import run as finetune
         finetune(rest)
         return 0
     return _train(args, rest)

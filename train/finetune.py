@@ -40,10 +40,11 @@ from pipezero.train.config.batch import keep_global_batch
 from pipezero.train.data import (MemoryCorpus, PackedBatches, load_tokenizer, pack, stdlib_files, token_mean_loss,
                                  tokenized_corpus)
 from pipezero.train.checkpoint.hf_export import export_hf
+from pipezero.train.failure import run_as_command
 from pipezero.train.log import TensorBoardWriter, get_logger
 from pipezero.train.checkpoint.state import resume_if_any, save_state, saved_batch
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "run"]
 
 log = get_logger("finetune")
 
@@ -94,6 +95,12 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text}: expected a share in (0, 1) of the documents to hold out for "
                                          f"evaluation, e.g. 0.02")
     return value
+
+
+def run(argv: list[str] | None = None, prog: str = "pipezero finetune") -> float:
+    """main() as a command: a known cause of failure (bad data, a refused checkpoint) ends the process with
+    one line per failing rank, not a traceback of each (train/failure.py)."""
+    return run_as_command(lambda args: main(args, prog), argv, prog)
 
 
 def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> float:
@@ -291,4 +298,4 @@ def _tokens(inputs: Any) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    run()

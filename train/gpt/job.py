@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pipezero.comm import TRAFFIC, is_peer_lost
+from pipezero.comm import TRAFFIC
 from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names
 from pipezero.pipe import simulate, to_image, to_png, to_text
 from pipezero.pipe.float8 import RECIPES, Float8Config
@@ -46,6 +46,7 @@ from pipezero.train.cli import DefaultsHelp
 from pipezero.train.config import TrainConfig
 from pipezero.train.config.batch import BatchConfig, keep_global_batch
 from pipezero.train.data import ShardedBatches, TokenData
+from pipezero.train.failure import run_as_command
 from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars
@@ -471,27 +472,9 @@ def _check_device(module: PipelineModule, expect: str, rank: int) -> None:
     handle = module.register_forward_hook(hook, with_kwargs=True)
 
 
-def _brief(err: BaseException) -> None:
-    """The cause in one line on the failing rank (a traceback with PIPEZERO_TRACEBACK=1), exit 1."""
-    if os.environ.get("PIPEZERO_TRACEBACK") == "1":
-        raise err
-    rank = os.environ.get("RANK")
-    print(f"train_gpt.py{f' rank {rank}' if rank is not None else ''}: {type(err).__name__}: {err}",
-          file=sys.stderr, flush=True)
-    sys.exit(1)
-
-
 def run(argv: list[str] | None = None) -> float:
     """main() as a command: a known cause of failure ends the process with one line per failing rank."""
-    try:
-        return main(argv)
-    except (ValueError, TypeError, OSError) as e:  # bad input, checkpoint, timeout or lost peer: a known cause
-        _brief(e)
-    except RuntimeError as e:  # a collective whose peer exited: gloo's own words
-        if not is_peer_lost(e):
-            raise
-        _brief(e)
-    raise AssertionError("unreachable: _brief exits")
+    return run_as_command(main, argv, "train_gpt.py")
 
 
 if __name__ == "__main__":
