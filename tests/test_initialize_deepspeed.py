@@ -44,28 +44,31 @@ def _loop(engine, model) -> tuple:
     return rows, [p.detach().clone() for p in model.parameters()]
 
 
-def _deepspeed(stage: int):
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo: no shm kernel to compile
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    model = _mlp()
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
-                                      config=_config(stage))
-    return _loop(engine, model)
-
-
-def _pipezero(stage: int):
-    from pipezero.train import initialize
-
+def _accumulate(initialize, stage: int):
     model = _mlp()
     engine, *_ = initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
                             config=_config(stage))
     return _loop(engine, model)
 
 
+def _on_deepspeed(loop, *args):
+    """loop(deepspeed.initialize, *args) in a harness worker (DeepSpeed's globals stay in its workers)."""
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo: no shm kernel to compile
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    return loop(deepspeed.initialize, *args)
+
+
+def _on_pipezero(loop, *args):
+    """loop(pipezero.train.initialize, *args) in a harness worker."""
+    from pipezero.train import initialize
+
+    return loop(initialize, *args)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_accumulation_steps_as_deepspeed(stage):
-    ours = run(_pipezero, 2, stage)
-    theirs = run(_deepspeed, 2, stage, timeout=300, discard=True)  # DeepSpeed's globals stay in its workers
+    ours = run(_on_pipezero, 2, _accumulate, stage)
+    theirs = run(_on_deepspeed, 2, _accumulate, stage, timeout=300, discard=True)
     for (rows, params), (ds_rows, ds_params) in zip(ours, theirs):
         assert [r[1:] for r in rows] == [r[1:] for r in ds_rows]  # the same boundaries
         torch.testing.assert_close(torch.tensor([r[0] for r in rows]), torch.tensor([r[0] for r in ds_rows]),
@@ -96,21 +99,9 @@ def _save_tag_and_resume(initialize, directory: str) -> dict:
             "params": [p.detach().clone() for p in second.module.parameters()]}
 
 
-def _deepspeed_resume(directory: str) -> dict:
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    return _save_tag_and_resume(deepspeed.initialize, directory)
-
-
-def _pipezero_resume(directory: str) -> dict:
-    from pipezero.train import initialize
-
-    return _save_tag_and_resume(initialize, directory)
-
-
 def test_save_checkpoint_tag_and_hand_set_lr_as_deepspeed(tmp_path):
-    ours = run(_pipezero_resume, 2, str(tmp_path / "ours"))
-    theirs = run(_deepspeed_resume, 2, str(tmp_path / "ds"), timeout=300, discard=True)
+    ours = run(_on_pipezero, 2, _save_tag_and_resume, str(tmp_path / "ours"))
+    theirs = run(_on_deepspeed, 2, _save_tag_and_resume, str(tmp_path / "ds"), timeout=300, discard=True)
     for mine, ds in zip(ours, theirs):
         assert (mine["global_steps"], mine["lr"]) == (ds["global_steps"], ds["lr"]) == (3, 0.123)
         for p, q in zip(mine["params"], ds["params"]):
@@ -149,25 +140,13 @@ def _load_on_one(initialize, directory: str) -> list:
     return rows
 
 
-def _deepspeed_resized(directory: str, world: int) -> list | None:
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    return (_save_on_two if world == 2 else _load_on_one)(deepspeed.initialize, directory)
-
-
-def _pipezero_resized(directory: str, world: int) -> list | None:
-    from pipezero.train import initialize
-
-    return (_save_on_two if world == 2 else _load_on_one)(initialize, directory)
-
-
 def test_global_steps_resume_on_another_world_size_as_deepspeed(tmp_path):
     """Saved on 2 ranks, loaded on 1 with the same train_batch_size (so other accumulation steps): DeepSpeed
     resumes the saved global_steps and starts a fresh accumulation; so must we."""
     rows = {}
-    for name, fn in [("ours", _pipezero_resized), ("ds", _deepspeed_resized)]:
-        run(fn, 2, str(tmp_path / name), 2, timeout=300, discard=name == "ds")
-        rows[name], = run(fn, 1, str(tmp_path / name), 1, timeout=300, discard=name == "ds")
+    for name, on in [("ours", _on_pipezero), ("ds", _on_deepspeed)]:
+        run(on, 2, _save_on_two, str(tmp_path / name), timeout=300, discard=name == "ds")
+        rows[name], = run(on, 1, _load_on_one, str(tmp_path / name), timeout=300, discard=name == "ds")
     assert rows["ours"] == rows["ds"]
 
 
@@ -180,21 +159,9 @@ def _load_nothing(initialize, directory: str) -> tuple:
     return found, engine.global_steps, unchanged
 
 
-def _deepspeed_load_nothing(directory: str) -> tuple:
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    return _load_nothing(deepspeed.initialize, directory)
-
-
-def _pipezero_load_nothing(directory: str) -> tuple:
-    from pipezero.train import initialize
-
-    return _load_nothing(initialize, directory)
-
-
 def test_load_checkpoint_without_latest_returns_none_as_deepspeed(tmp_path):
-    ours, = run(_pipezero_load_nothing, 1, str(tmp_path))
-    theirs, = run(_deepspeed_load_nothing, 1, str(tmp_path), timeout=300, discard=True)
+    ours, = run(_on_pipezero, 1, _load_nothing, str(tmp_path))
+    theirs, = run(_on_deepspeed, 1, _load_nothing, str(tmp_path), timeout=300, discard=True)
     assert ours == theirs == ([(None, None), (None, None)], 0, True)
 
 
@@ -215,21 +182,9 @@ def _tag_from_latest(initialize, directory: str) -> int:
     return second.global_steps
 
 
-def _deepspeed_tag_from_latest(directory: str) -> int:
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    return _tag_from_latest(deepspeed.initialize, directory)
-
-
-def _pipezero_tag_from_latest(directory: str) -> int:
-    from pipezero.train import initialize
-
-    return _tag_from_latest(initialize, directory)
-
-
 def test_the_tag_in_latest_loads_as_deepspeed(tmp_path):
-    ours, = run(_pipezero_tag_from_latest, 1, str(tmp_path / "ours"))
-    theirs, = run(_deepspeed_tag_from_latest, 1, str(tmp_path / "ds"), timeout=300, discard=True)
+    ours, = run(_on_pipezero, 1, _tag_from_latest, str(tmp_path / "ours"))
+    theirs, = run(_on_deepspeed, 1, _tag_from_latest, str(tmp_path / "ds"), timeout=300, discard=True)
     assert ours == theirs == 2
 
 
@@ -263,21 +218,9 @@ def _nonfinite_step_skipped(initialize) -> list:
     return out
 
 
-def _deepspeed_nonfinite():
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    return _nonfinite_step_skipped(deepspeed.initialize)
-
-
-def _pipezero_nonfinite():
-    from pipezero.train import initialize
-
-    return _nonfinite_step_skipped(initialize)
-
-
 def test_a_nonfinite_step_is_skipped_where_deepspeed_skips_it():
-    ours = run(_pipezero_nonfinite, 2)
-    theirs = run(_deepspeed_nonfinite, 2, timeout=300, discard=True)
+    ours = run(_on_pipezero, 2, _nonfinite_step_skipped)
+    theirs = run(_on_deepspeed, 2, _nonfinite_step_skipped, timeout=300, discard=True)
     for mine, ds in zip(ours, theirs):
         for (losses, params), (ds_losses, ds_params) in zip(mine, ds):
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ds_losses), rtol=1e-5, atol=1e-6)
@@ -309,21 +252,9 @@ def _config_optimizer(initialize) -> list:
     return out
 
 
-def _deepspeed_config_optimizer():
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    return _config_optimizer(deepspeed.initialize)
-
-
-def _pipezero_config_optimizer():
-    from pipezero.train import initialize
-
-    return _config_optimizer(initialize)
-
-
 def test_torch_adam_takes_torchs_defaults_as_deepspeed():
-    ours, = run(_pipezero_config_optimizer, 1)
-    theirs, = run(_deepspeed_config_optimizer, 1, timeout=300, discard=True)
+    ours, = run(_on_pipezero, 1, _config_optimizer)
+    theirs, = run(_on_deepspeed, 1, _config_optimizer, timeout=300, discard=True)
     for section, params, ds_params in zip(_TORCH_ADAM, ours, theirs):
         for p, q in zip(params, ds_params):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{section}: {m}")
