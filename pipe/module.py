@@ -252,7 +252,7 @@ class PipelineModule(nn.Module):
         failure): put back what was set aside, no collective. Returns the tied parameters whose
         gradient changed (the runner then releases them).
         """
-        tied = self.tied_parameters()
+        tied, sums = self.tied_parameters(), sums or {}
         if not reduce:
             for p, before in zip(tied, aside):
                 p.grad = before
@@ -263,11 +263,11 @@ class PipelineModule(nn.Module):
             params = [p for p in self._tied_spec(key).tied_parameters(self.tied[key]) if p.requires_grad]
             if not params:  # a frozen tied weight (LoRA's base) gets no gradient; the same on every owner
                 continue
-            grads = [_tied_grad(p, sums or {}) for p in params]
+            grads = [_tied_grad(p, sums) for p in params]
             all_reduce_coalesced(grads, group=group).wait()
             for p, grad in zip(params, grads):
                 before = before_of[id(p)]
-                if sums and id(p) in sums:  # the listener keeps the sum
+                if id(p) in sums:  # the listener keeps the sum
                     if before is not None:
                         grad.add_(before)
                 else:

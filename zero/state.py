@@ -133,7 +133,6 @@ def load_consolidated_state_dict(opt: "ZeroOptimizer", state: dict[str, Any]) ->
                 b, i = slots[id(p)]
                 per_bucket[b][i] = saved["state"][index]
             index += 1
-    core.state.clear()
     number = {id(m): i for i, m in enumerate(m for group in core.param_groups for m in group["params"])}
     shards = {number[id(b.master)]: _shard_of(b, per_param) for b, per_param in per_bucket.items()
               if all(s is not None for s in per_param)}
