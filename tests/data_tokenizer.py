@@ -35,3 +35,30 @@ def make_tokenizer(folder: Path, chat: bool = True) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(folder)
     return folder
+
+
+BPE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_BPE_TEXT = ["def f(x): return None", "if x: return x", "ret", "urn", "return the answer", "None of it",
+             "system user assistant", "the cat sat on the mat", "what is two plus four", "six"]
+
+
+def make_bpe_tokenizer(folder: Path, chat_template: str | None = None) -> Path:
+    """A byte-level BPE tokenizer trained here on a few lines (GPT-2's kind: "ret" + "urn" merge into
+    "return"), ChatML's special tokens, `chat_template` if given; saved to `folder`, returned."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer(models.BPE())
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    inner.train_from_iterator(_BPE_TEXT * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=BPE_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                  bos_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": BPE_SPECIALS[1:]})
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(folder)
+    return folder

@@ -46,9 +46,9 @@ def test_sources_read_every_format_in_order(tmp_path):
 
 
 def test_sft_masks_equal_trl_semantics(tok_dir):
-    """prompt/completion: TRL's completion mask (tokens past the prompt's count, EOS appended);
-    chat: transformers' own assistant mask from the template's {% generation %} marks (what TRL's
-    assistant_only_loss trains on), computed here without those marks."""
+    """prompt/completion: TRL's completion mask (EOS appended; here no token merges across the boundary:
+    tests/test_data_masks.py has those, against TRL's own code); chat: transformers' own assistant mask from
+    the template's {% generation %} marks (what TRL's assistant_only_loss trains on)."""
     tok = load_tokenizer(tok_dir)
     doc = next(iter(read_documents(_jsonl(tok_dir / "pc.jsonl", [{"prompt": "what is two plus four ",
                                                                    "completion": "six"}]))))
@@ -243,3 +243,22 @@ def test_the_waiting_ranks_wait_for_a_long_build_while_the_builder_makes_progres
     assert tokenized_corpus(data, tok_dir, cache_dir=tmp_path / "cache").num_docs == 2
     waiter.join(30)
     assert got == {"docs": 2}, got
+
+
+def test_unpacked_rows_report_the_padding_their_batches_carry():
+    """--no-packing pads each micro-batch to its longest row; its efficiency was reported as 100.0%.
+    Now it is the real tokens over the slots of the epoch's padded batches, counted here from the batches."""
+    from pipezero.train.data import PackedBatches
+
+    lengths = [2, 8, 4, 4, 6, 2, 8, 3]
+    corpus = MemoryCorpus([np.arange(n) for n in lengths])
+    layout = pack(corpus, 8, packing=False)
+    for pad in ("microbatch", "step"):
+        ranks = [PackedBatches(layout, corpus, 4, 2, data_rank=r, data_degree=2, seed=3, pad=pad) for r in range(2)]
+        slots = 0
+        for rank in ranks:  # one epoch: one step of 2 ranks x 4 rows
+            inputs, _ = rank.next_batch()
+            slots += sum(i[0].numel() for i in inputs) if pad == "microbatch" else inputs[0].numel()
+        assert ranks[0].efficiency() == pytest.approx(sum(lengths) / slots) and slots > sum(lengths)
+    packed = PackedBatches(pack(corpus, 8), corpus, batch_size=1)
+    assert packed.efficiency() == pack(corpus, 8).efficiency()

@@ -51,6 +51,49 @@ def _tokenized(name: str, records: list, chat: bool = True):
     return build
 
 
+def _damaged_cache(damage):
+    """A corpus built, then its cache folder damaged by `damage(folder)`, then asked for again."""
+    def run(tmp: Path):
+        corpus = _tokenized("d.jsonl", [{"text": "the cat sat on the mat"}, {"text": "a dog ran far"}] * 4)(tmp)
+        damage(corpus.folder)
+        return _tokenized("d.jsonl", [{"text": "the cat sat on the mat"}, {"text": "a dog ran far"}] * 4)(tmp)
+    return run
+
+
+def _zero_half(folder: Path):  # the same size, half the ids zeroed: trained on without a word before
+    raw = bytearray((folder / "tokens.bin").read_bytes())
+    raw[:len(raw) // 2] = bytes(len(raw) // 2)
+    (folder / "tokens.bin").write_bytes(bytes(raw))
+
+
+def _truncate(folder: Path):  # numpy's "mmap length is greater than file size" before
+    raw = (folder / "tokens.bin").read_bytes()
+    (folder / "tokens.bin").write_bytes(raw[:len(raw) - 8])
+
+
+def _disk_full(tmp: Path):
+    import errno
+    from unittest import mock
+
+    from data_tokenizer import make_tokenizer
+    from pipezero.train.data import tokenized_corpus
+    data = _write(tmp, "d.jsonl", json.dumps({"text": "the cat sat"}) + "\n")
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with mock.patch("pipezero.train.data.cache.np.save", side_effect=full):
+        return tokenized_corpus(data, make_tokenizer(tmp / "tok"), cache_dir=tmp / "my-cache")
+
+
+def _model_without_tokenizer(tmp: Path):
+    """A model directory of weights only: the good message came inside each worker's traceback, then
+    BrokenProcessPool; it is raised once, in the parent, before any worker starts."""
+    from pipezero.train.data import tokenized_corpus
+    model = tmp / "model"
+    model.mkdir()
+    _write(model, "config.json", "{}")
+    data = _write(tmp, "d.jsonl", json.dumps({"text": "the cat sat"}) + "\n")
+    return tokenized_corpus(data, model, cache_dir=tmp / "cache", workers=1)
+
+
 def _vocab(tmp: Path):
     _tokenized("v.jsonl", [{"text": "the cat sat"}])(tmp).check_vocab(4)
 
@@ -124,6 +167,16 @@ CASES = [
          ("c.jsonl:1", "no chat template", "prompt/completion")),
     Case("data", "one-token document", _tokenized("o.jsonl", [{"text": "the cat"}, {"text": "<eos>"}]),
          ("o.jsonl:2", "1 token")),
+    Case("data", "chat turn content null", _documents("n.jsonl", json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}) + "\n"),
+         ("n.jsonl:1", "messages[1]", "'assistant'", "null")),
+    Case("data", "token cache with half its ids zeroed", _damaged_cache(_zero_half),
+         ("tokenized corpus", "cache/", "tokens.bin", "sha256", "rm -r", "rebuild")),
+    Case("data", "token cache truncated", _damaged_cache(_truncate),
+         ("tokenized corpus", "cache/", "tokens.bin", "bytes expected", "rm -r", "rebuild")),
+    Case("data", "disk full in the cache folder", _disk_full, ("my-cache", "No space left", "--cache-dir")),
+    Case("data", "model directory without a tokenizer", _model_without_tokenizer,
+         ("model: no tokenizer files", "save_pretrained")),
     Case("data", "ids beyond the vocabulary", _vocab, ("v.jsonl:1", "beyond the model's vocabulary of 4")),
     Case("data", "data-path empty", _tokens("e.bin", b""), ("e.bin", "empty")),
     Case("data", "data-path one token", _tokens("one.txt", b"x"), ("one.txt", "1 token", "at least 2")),

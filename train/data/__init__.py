@@ -2,7 +2,8 @@
 
 - stream.py: byte / pre-tokenized token streams in fixed windows (the built-in corpus, .bin, .npy)
 - sources.py: documents of text files and folders, JSON Lines, Parquet / Arrow tables
-- tokenize.py: the model directory's tokenizer, loss masks as TRL's SFT, worker processes
+- masks.py: a document's token ids and loss mask, token for token as TRL 1.16's SFT preparation
+- tokenize.py: the model directory's tokenizer, tokenizing in worker processes
 - cache.py: the tokenized corpus, written once and memory-mapped by every run and rank
 - packing.py: documents into packed fixed-length rows (or one per row), segment and position ids
 - batches.py: a resumable global order, micro-batches and the per-token loss

@@ -92,6 +92,7 @@ class PackedBatches:
         self.data_rank, self.data_degree, self.hf_inputs, self.pad = data_rank, data_degree, hf_inputs, pad
         self.order = GlobalOrder(layout.num_rows, batch_size * data_degree, seed, shuffle)
         self._trained = layout.trained_tokens(corpus)
+        self._efficiency: tuple[int, float] = (-1, 1.0)
 
     def next_batch(self) -> tuple[Any, Any]:
         """(inputs, targets) of this rank's share of the next global batch (see the module docstring)."""
@@ -128,7 +129,18 @@ class PackedBatches:
         self.order.load_state_dict(state)
 
     def efficiency(self) -> float:
-        return self.layout.efficiency()
+        """Real tokens / token slots: of the packed rows, or of the unpacked rows as the epoch in progress pads
+        them (each micro-batch, or each step with pad="step", to its longest row; every data rank's)."""
+        if self.layout.seq_len:
+            return self.layout.efficiency()
+        epoch = self.order.epoch
+        if self._efficiency[0] != epoch:
+            steps, group = self.order.steps_per_epoch, self.batch_size // self.m if self.pad == "microbatch" else \
+                self.batch_size
+            lengths = np.add.reduceat(self.layout.seg_len, self.layout.row_start[:-1])
+            taken = lengths[self.order._order(epoch)[:steps * self.order.global_batch]].reshape(-1, group)
+            self._efficiency = (epoch, float(taken.sum()) / max(1, int(taken.max(axis=1).sum()) * group))
+        return self._efficiency[1]
 
 
 def _pad(a: np.ndarray, width: int, fill: int, name: str) -> np.ndarray:

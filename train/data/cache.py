@@ -5,6 +5,10 @@ files and the reading options, so any change makes a new one and equal inputs sh
 Layout: tokens.bin (uint32 ids, documents end to end), mask.bin (uint8 loss mask),
 offsets.npy (int64, document i is tokens[offsets[i]:offsets[i + 1]]), origins.txt (each
 document's file:line) and meta.json, written into a temporary folder and renamed whole.
+meta.json holds the sha256 of the three arrays' files, checked (with their sizes) whenever the
+cache is opened: a truncated or altered cache is refused, naming the folder to delete.
+The temporary folder is `<key>.tmp-<host>-<pid>`; one whose process is gone (SIGKILL mid-build)
+is removed by the next build on its host; SIGTERM during a build removes it at once.
 
 Who builds it: one process per machine (LOCAL_RANK 0, or the process that wins the lock
 file); the others wait for the folder, or for the builder's error file, and raise that same
@@ -25,11 +29,14 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -38,7 +45,8 @@ from pipezero.train.data.tokenize import encode_many, tokenizer_hash
 
 __all__ = ["TokenizedCorpus", "cache_key", "default_cache_dir", "tokenized_corpus"]
 
-_VERSION = "pipezero-tokens-1"
+_VERSION = "pipezero-tokens-2"  # 2: the sha256 of the arrays in meta.json, TRL 1.16's masks
+_ARRAYS = ("tokens.bin", "mask.bin", "offsets.npy")
 
 
 def default_cache_dir() -> Path:
@@ -72,8 +80,9 @@ class TokenizedCorpus:
 
     @classmethod
     def open(cls, folder: str | os.PathLike) -> "TokenizedCorpus":
+        """Map a cache folder; a damaged one (truncated, altered, unreadable) is refused naming the folder."""
         folder = Path(folder)
-        meta = json.loads((folder / "meta.json").read_text())
+        meta = _checked_meta(folder)
         n = meta["tokens"]
         tokens = np.memmap(folder / "tokens.bin", dtype=np.uint32, mode="r", shape=(n,)) if n else np.zeros(0, np.uint32)
         mask = np.memmap(folder / "mask.bin", dtype=np.uint8, mode="r", shape=(n,)) if n else np.zeros(0, np.uint8)
@@ -115,6 +124,38 @@ class TokenizedCorpus:
                              f"model's own tokenizer (--model DIR holding both), or resize the embedding")
 
 
+def _damaged(folder: Path, what: str) -> ValueError:
+    return ValueError(f"the tokenized corpus {folder} is damaged ({what}); delete the folder (rm -r '{folder}') and "
+                      f"run again to rebuild it from --data")
+
+
+def _checked_meta(folder: Path) -> dict:
+    """meta.json, once every array file has the size and the sha256 it was written with."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        n, sums, docs = int(meta["tokens"]), meta["sha256"], int(meta["docs"])
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise _damaged(folder, f"meta.json unreadable: {err}") from err
+    sizes = {"tokens.bin": 4 * n, "mask.bin": n, "offsets.npy": None}
+    for name in _ARRAYS:
+        path = folder / name
+        size = path.stat().st_size if path.is_file() else None
+        if size is None or (sizes[name] is not None and size != sizes[name]):
+            raise _damaged(folder, f"{name} is {'missing' if size is None else f'{size} bytes'}, "
+                                   f"{sizes[name]} bytes expected for {n} tokens in {docs} documents")
+        if _sha256(path) != sums.get(name):
+            raise _damaged(folder, f"{name} is not what was written: its sha256 differs from meta.json's")
+    return meta
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text_field: str = "text",
                      cache_dir: str | os.PathLike | None = None, workers: int = 0, progress: bool = False,
                      wait_s: float = 600.0) -> TokenizedCorpus:
@@ -134,7 +175,9 @@ def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and _take(lock):
         try:
             error.unlink(missing_ok=True)
-            _build(folder, data, model_dir, text_field, workers, progress, _Beat(lock))
+            _remove_stale_builds(root)
+            with _sigterm_as_exit():
+                _build(folder, data, model_dir, text_field, workers, progress, _Beat(lock))
         except (ValueError, TypeError, OSError) as err:
             _report(error, type(err).__name__, str(err))
             raise
@@ -170,15 +213,7 @@ def _dead(lock: Path) -> bool:
         pid = holder["pid"] if holder["host"] == socket.gethostname() else None
     except (OSError, ValueError, TypeError, KeyError):
         return False  # being written this instant, another host's, or an older empty lock
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return isinstance(pid, int) and pid > 0 and not _alive(pid)
 
 
 _BEAT_S = 10.0  # at most how often a builder touches its lock
@@ -229,7 +264,10 @@ def _wait(folder: Path, lock: Path, error: Path, wait_s: float) -> TokenizedCorp
 
 def _report(error: Path, kind: str, text: str) -> None:
     """The builder's error for the waiting ranks: where and when (a JSON line), its kind, its text."""
-    error.write_text(json.dumps({"host": socket.gethostname(), "time": time.time()}) + f"\n{kind}\n{text}")
+    try:
+        error.write_text(json.dumps({"host": socket.gethostname(), "time": time.time()}) + f"\n{kind}\n{text}")
+    except OSError:  # a full disk: the builder's own error is raised still; the waiting ranks time out
+        pass
 
 
 def _earlier_launch(error: Path) -> bool:
@@ -255,11 +293,18 @@ def _started() -> float | None:
 
 def _build(folder: Path, data, model_dir, text_field: str, workers: int, progress: bool,
            beat: Callable[[], None] = lambda: None) -> None:
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    tmp = folder.with_name(f"{folder.name}{_TMP}{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         _write(tmp, data, model_dir, text_field, workers, progress, beat)
+    except OSError as err:  # a full disk, a read-only folder: say which folder and what to do
+        shutil.rmtree(tmp, ignore_errors=True)
+        if err.filename is not None and not str(err.filename).startswith(str(folder.parent)):
+            raise  # not the cache's own files (a data file that vanished): its own message names it
+        raise OSError(err.errno, f"writing the tokenized corpus into {folder.parent} failed ({err.strerror or err}); "
+                                 f"free space there, or pass --cache-dir (or set PIPEZERO_CACHE) to a folder on "
+                                 f"a disk with room") from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -269,10 +314,51 @@ def _build(folder: Path, data, model_dir, text_field: str, workers: int, progres
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_TMP = ".tmp-"  # a build's temporary folder: <key>.tmp-<host>-<pid>
+
+
+def _remove_stale_builds(root: Path) -> None:
+    """Remove the temporary folders of builds on this host whose process is gone (killed with SIGKILL)."""
+    host = socket.gethostname()
+    for tmp in root.glob(f"*{_TMP}{host}-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """During a build, SIGTERM (a scheduler's preemption) raises SystemExit(143) in the main thread, so the
+    temporary folder and the lock are removed on the way out; a handler of the caller's is left alone."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _write(tmp: Path, data, model_dir, text_field: str, workers: int, progress: bool,
            beat: Callable[[], None]) -> None:
     docs = read_documents(data, text_field)  # streamed: a bad record stops the build at its place
     offsets, top, count, trained, kinds = [0], 0, 0, 0, set()
+    sums = {name: hashlib.sha256() for name in _ARRAYS}
     with open(tmp / "tokens.bin", "wb") as ft, open(tmp / "mask.bin", "wb") as fm, \
             open(tmp / "origins.txt", "w") as fo:
         for doc, (ids, mask) in _progress(encode_many(model_dir, docs, workers), progress):
@@ -282,17 +368,21 @@ def _write(tmp: Path, data, model_dir, text_field: str, workers: int, progress: 
                                  f"and its next one); drop the record or give it more text")
             if ids.min() < 0 or ids.max() >= 2**32:
                 raise ValueError(f"{doc.origin}: token ids outside [0, 2**32); the tokenizer is broken")
-            ft.write(ids.astype(np.uint32).tobytes())
-            fm.write(mask.astype(np.uint8).tobytes())
+            for f, name, raw in ((ft, "tokens.bin", ids.astype(np.uint32).tobytes()),
+                                 (fm, "mask.bin", mask.astype(np.uint8).tobytes())):
+                f.write(raw)
+                sums[name].update(raw)
             fo.write(doc.origin.replace("\n", " ") + "\n")
             count, trained = count + len(ids), trained + int(mask.sum())
             offsets.append(count)
             top = max(top, int(ids.max()))
             kinds.add(doc.kind)
     np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+    sums["offsets.npy"] = hashlib.sha256((tmp / "offsets.npy").read_bytes())
     meta = {"version": _VERSION, "data": str(data), "tokenizer": str(model_dir), "text_field": text_field,
             "docs": len(offsets) - 1, "tokens": count, "max_id": top,
-            "trained_tokens": trained, "kinds": sorted(kinds)}
+            "trained_tokens": trained, "kinds": sorted(kinds),
+            "sha256": {name: digest.hexdigest() for name, digest in sums.items()}}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
 
 

@@ -173,6 +173,19 @@ def _records(file: Path, rows: Iterator[tuple[int, Any]], text_field: str) -> It
         raise ValueError(f"{file}: no records; remove it from --data or write one JSON object per line")
 
 
+def _refuse_null_contents(where: str, messages: list) -> None:
+    """A turn whose content is null (or not text) would render as an empty turn, an assistant's as an empty answer
+    trained on; an assistant turn that calls tools may have none."""
+    for j, m in enumerate(messages):
+        content = m["content"]
+        if isinstance(content, (str, list)) or (content is None and m["role"] == "assistant" and m.get("tool_calls")):
+            continue
+        shown = "null" if content is None else f"a {type(content).__name__}"
+        raise ValueError(f"{where}: messages[{j}] (role {m['role']!r}) has \"content\": {shown}; a turn needs its "
+                         f"text (an assistant's null content would train an empty answer): write the text, or drop "
+                         f"the turn or the line")
+
+
 def _kind(record: dict, text_field: str) -> str:
     if "messages" in record or "conversations" in record:
         return "chat"
@@ -195,6 +208,7 @@ def _document(where: str, kind: str, record: dict, text_field: str) -> Document:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
             raise ValueError(f"{where}: field 'messages' missing or not a list of {{role, content}} objects (the "
                              f"file's first record is a chat); give every line {_WANTS['chat']}")
+        _refuse_null_contents(where, messages)
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{where}: the chat has no assistant turn, so nothing would be trained on; add one "
                              f"or drop the line")

@@ -1,21 +1,19 @@
-"""Documents to token ids and loss masks with the model directory's own tokenizer.
+"""The model directory's own tokenizer, and documents to token ids and loss masks in worker processes.
 
-Loss masks follow Hugging Face TRL's SFT at the token level: a plain text trains on every
-token; a prompt/completion pair tokenizes the prompt and the prompt + completion and trains
-on the tokens past the prompt's count (TRL's completion mask); a chat is rendered by the
-tokenizer's own chat template and trains on the assistant turns, each from the end of the
-generation prompt before it to the end of its own rendering (the end-of-turn tokens the
-template writes included), as TRL's assistant-only loss does with the template's generation
-marks. EOS closes every non-chat document (TRL appends it; the chat template writes its own).
-
-Work is spread over worker processes (`workers`), each loading the tokenizer once from the
-model directory; nothing is downloaded (local_files_only).
+The loss masks are TRL's (train/data/masks.py). Work is spread over worker processes
+(`workers`), each loading the tokenizer once from the model directory; nothing is downloaded
+(local_files_only). The tokenizer is loaded here first, so a model directory without one is
+refused once, before any worker starts. A worker dies with its parent (Linux: the parent-death
+signal), so a build killed by SIGKILL or SIGTERM leaves no tokenizer process behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
+import signal
+import sys
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -24,6 +22,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from pipezero.train.data.masks import encode
 from pipezero.train.data.sources import Document
 
 __all__ = ["encode", "encode_many", "load_tokenizer", "tokenizer_hash"]
@@ -43,7 +42,11 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Any:
         from transformers import AutoTokenizer
     except ImportError as err:
         raise ImportError("tokenizing --data needs transformers: pip install 'pipezero[hf]'") from err
-    return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"{root}: transformers cannot load the tokenizer saved there ({type(err).__name__}: "
+                         f"{err}); save it again beside the model (tokenizer.save_pretrained(DIR))") from err
 
 
 def tokenizer_hash(model_dir: str | os.PathLike) -> str:
@@ -56,63 +59,27 @@ def tokenizer_hash(model_dir: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def encode(tokenizer: Any, doc: Document) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids int64, loss mask uint8: 1 where the token is trained on) of one document."""
-    if doc.kind == "chat":
-        return _chat(tokenizer, doc)
-    eos = tokenizer.eos_token_id
-    if doc.kind == "completion":
-        prompt = tokenizer(doc.text)["input_ids"]
-        ids = tokenizer(doc.text + doc.completion)["input_ids"]
-        mask = [0] * len(prompt) + [1] * (len(ids) - len(prompt))
-    else:
-        ids = tokenizer(doc.text)["input_ids"]
-        mask = [1] * len(ids)
-    if eos is not None and (not ids or ids[-1] != eos):
-        ids, mask = ids + [eos], mask + [1]
-    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
-
-
-def _chat(tokenizer: Any, doc: Document) -> tuple[np.ndarray, np.ndarray]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{doc.origin}: a chat record, but the tokenizer has no chat template (its "
-                         f"tokenizer_config.json lacks 'chat_template'); add the model's template there, or write "
-                         f"the data as prompt/completion pairs")
-    messages = list(doc.messages)
-    render = lambda msgs, gen=False: tokenizer.apply_chat_template(  # noqa: E731
-        msgs, tokenize=False, add_generation_prompt=gen)
-    try:
-        full = render(messages)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                start, through = render(messages[:i], gen=True) if i else "", render(messages[:i + 1])
-                if not (full.startswith(start) and full.startswith(through)):
-                    raise ValueError(f"{doc.origin}: the chat template renders the conversation's beginning "
-                                     f"differently from the whole, so assistant turns cannot be located; use "
-                                     f"prompt/completion pairs for this model")
-                spans.append((len(start), len(through)))
-    except ValueError:
-        raise
-    except Exception as err:  # jinja's TemplateError and the template's own raise_exception
-        raise ValueError(f"{doc.origin}: the tokenizer's chat template refused this conversation ({err}); "
-                         f"fix the record's roles/contents") from err
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
-    mask = np.zeros(len(starts), dtype=np.uint8)
-    for a, b in spans:
-        mask |= ((starts >= a) & (starts < b)).astype(np.uint8)
-    return np.asarray(enc["input_ids"], dtype=np.int64), mask
-
-
 # -- workers ----------------------------------------------------------------------------------
 _WORKER_TOKENIZER: Any = None
 
 
-def _init_worker(model_dir: str) -> None:
+def _init_worker(model_dir: str, parent: int) -> None:
     global _WORKER_TOKENIZER
+    _die_with(parent)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _WORKER_TOKENIZER = load_tokenizer(model_dir)
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this worker when its parent ends, however the parent ends (Linux prctl
+    PR_SET_PDEATHSIG); a parent already gone before the call ends the worker here."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _encode_chunk(docs: Sequence[Document]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -134,15 +101,17 @@ def encode_many(model_dir: str | os.PathLike, docs: Iterable[Document], workers:
                 chunk_docs: int = 256) -> Iterator[tuple[Document, tuple[np.ndarray, np.ndarray]]]:
     """(document, encode()) of every document, in order, streaming: `workers` > 0 spreads chunks over
     that many processes (forked: each loads the tokenizer once; at most 4 chunks per worker in
-    flight, so memory stays flat however large the data), 0 runs here."""
+    flight, so memory stays flat however large the data), 0 runs here. The tokenizer is loaded
+    here first either way: a directory without one is refused once, not in every worker."""
+    tokenizer = load_tokenizer(model_dir)
     if workers <= 0:
-        tokenizer = load_tokenizer(model_dir)
         for doc in docs:
             yield doc, encode(tokenizer, doc)
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the Rust pool must not be live across the fork
-    with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=_init_worker,
-                             initargs=(str(model_dir),)) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=_init_worker,
+                               initargs=(str(model_dir), os.getpid()))
+    try:
         pending: deque = deque()
         for chunk in _chunks(docs, chunk_docs):
             pending.append((chunk, pool.submit(_encode_chunk, chunk)))
@@ -152,3 +121,5 @@ def encode_many(model_dir: str | os.PathLike, docs: Iterable[Document], workers:
         while pending:
             chunk, done = pending.popleft()
             yield from zip(chunk, done.result())
+    finally:  # an error (a bad record, ^C): the chunks in flight are dropped, not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
