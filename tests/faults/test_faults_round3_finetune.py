@@ -136,3 +136,94 @@ def test_main_job_resumes_from_the_step_its_error_names(tmp_path):
     error, resumed = run(_gpt_recovers, 1, str(tmp_path), timeout=240)[0]
     assert "--resume-from step_00000002" in error, error
     assert isinstance(resumed, float), error
+
+
+# -- LoRA exports and adapters-only checkpoints ---------------------------------------------------
+_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+
+
+def _lora(base: str, pipe: int, targets, stage: int = 1):
+    """(parts, runner) of a LoRA pipeline over `base` (ZeRO `stage`: 3 partitions every adapter)."""
+    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.lora import LoraConfig, lora_specs, trainable_parameters
+    from pipezero.topology import Grid
+    from pipezero.train.config.batch import BatchConfig
+    from pipezero.zero import ZeroConfig, ZeroOptimizer
+
+    grid = Grid(pipe=pipe)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    model = PipelineModule(lora_specs(hf_layer_specs(base), config), grid=grid, loss_fn=causal_lm_loss,
+                           partition_method="uniform")
+    opt = ZeroOptimizer(torch.optim.AdamW([{"params": trainable_parameters(model)}], lr=1e-2), group=grid.data_group,
+                        module=model if stage == 3 else None,
+                        config=ZeroConfig(stage=stage, stage3_param_persistence_threshold=0))
+    batch = BatchConfig(train_batch_size=4, micro_batch_size=4 // grid.data_size // 2, accumulation_steps=2,
+                        data_degree=grid.data_size)
+    parts = types.SimpleNamespace(module=model, optimizer=opt, grid=grid, scheduler=None, dtype=torch.float32,
+                                  config=types.SimpleNamespace(batch=batch), lora=config)
+    runner = PipelineRunner(model, OneFOneB(num_microbatches=2), optimizer=opt)
+    share = 4 // grid.data_size
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(5))
+    runner.train_step(ids[grid.data_rank * share:][:share], ids[grid.data_rank * share:][:share])
+    opt.step()  # lora_B leaves zero: a merge that drops the adapters shows
+    opt.zero_grad()
+    return parts
+
+
+def _lora_faults(base: str, root: str) -> dict:
+    from safetensors.torch import load_file
+
+    from pipezero.pipe.lora import adapter_state_dict
+    from pipezero.train.checkpoint.lora_export import export_merged_hf, export_peft_adapter
+    from pipezero.train.checkpoint.lora_state import load_adapters, save_adapters
+    from pipezero.zero import gathered
+
+    seen = {}
+    parts = _lora(base, 1, ["q_proj", "v_proj", "down_proj"], stage=3)  # pipe 1 x data 2: adapters partitioned
+    model, opt = parts.module, parts.optimizer
+    seen["peft refused"] = _error(export_peft_adapter, model, f"{root}/a0", parts.lora)
+    seen["merged refused"] = _error(export_merged_hf, model, f"{root}/m0")
+    export_peft_adapter(model, f"{root}/a1", parts.lora, optimizer=opt)
+    export_merged_hf(model, f"{root}/m1", optimizer=opt)
+    with gathered(opt):
+        seen["adapters"] = {n: t.clone() for n, t in adapter_state_dict(model).items()}
+        export_merged_hf(model, f"{root}/m2")  # the known way: inside gathered()
+    seen["peft"] = load_file(f"{root}/a1/adapter_model.safetensors")
+    seen["merged"], seen["merged in gathered"] = load_file(f"{root}/m1/model.safetensors"), \
+        load_file(f"{root}/m2/model.safetensors")
+    save_adapters(parts, f"{root}/qvd", step=1)
+    q_only = _lora(base, 1, ["q_proj"])
+    seen["q-only load"] = _error(load_adapters, q_only, f"{root}/qvd")
+    last = _lora(base, 2, r"model\.layers\.0\.self_attn\.q_proj")  # the last stage holds no adapter
+    save_adapters(last, f"{root}/first-stage-only", step=1)
+    fresh = _lora(base, 2, r"model\.layers\.0\.self_attn\.q_proj")
+    load_adapters(fresh, f"{root}/first-stage-only")
+    seen["first-stage adapters"] = (adapter_state_dict(last.module), adapter_state_dict(fresh.module))
+    return seen
+
+
+def test_lora_exporters_gather_or_refuse_and_adapter_checkpoints_keep_every_tensor(tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_LLAMA)).save_pretrained(tmp_path / "base")
+    results = run(_lora_faults, 2, str(tmp_path / "base"), str(tmp_path), timeout=300)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").state_dict()
+    for seen in results:  # every rank refuses, naming the fix (items 3, 4, 5)
+        for case, words in (("peft refused", ("export_peft_adapter", "not whole", "optimizer=opt")),
+                            ("merged refused", ("export_merged_hf", "not whole", "optimizer=opt")),
+                            ("q-only load", ("load_adapters", "adapts 12 tensors", "down_proj.lora_A", "would be dropped"))):
+            assert all(w in seen[case] for w in words), (case, seen[case])
+    seen = results[0]
+    assert len(seen["peft"]) == len(seen["adapters"]) == 18, sorted(seen["peft"])
+    for name, value in seen["adapters"].items():
+        assert torch.equal(seen["peft"]["base_model.model." + name], value), name
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert seen["merged"].keys() == seen["merged in gathered"].keys()
+    assert all(torch.equal(seen["merged"][k], seen["merged in gathered"][k]) for k in seen["merged"])
+    assert not torch.equal(seen["merged"][q], base[q])  # the adapters are in the merge
+    for saved, loaded in (r["first-stage adapters"] for r in results):  # item 18: rank 1 holds none
+        assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert len(results[0]["first-stage adapters"][0]) == 2 and not results[1]["first-stage adapters"][0]
