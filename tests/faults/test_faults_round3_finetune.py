@@ -72,7 +72,7 @@ def _finetune_faults(root: str) -> dict:
     def job(steps: int, *extra: str, model: str = "model") -> list[str]:  # the default --val-fraction: item 17
         return ["--model", f"{root}/{model}", "--data", f"{root}/chat.jsonl", "--seq-len", "32", "--steps", str(steps),
                 "--out", out, "--cache-dir", f"{root}/cache", "--tokenize-workers", "0", "--eval-interval", "2",
-                "--save-interval", "2", "--micro-batches", "4", "--batch-size", "4", *extra]
+                "--save-interval", "2", "--micro-batches", "4", "--batch-size", "1", *extra]
     seen = {"small data": main(job(4))}
     _damage(ckpt, 4, "manifest")
     seen["manifest"] = _recover(main, job(6))
