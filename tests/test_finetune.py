@@ -5,8 +5,9 @@ from the checkpoint: the exported weights are bitwise those of the straight run 
 position, LR schedule and optimizer state come back), and the export loads in transformers
 with its tokenizer. The same 4 steps at ZeRO-3 (every parameter partitioned), on pipe 2 and on
 pipe 1 x data 2 (the same global batch), export from the command too (issue 44 item 1: the export
-failed after training) and load in transformers with the straight run's weights. An unwritable --out fails before any training; a chat file for a
-tokenizer without a chat template fails with the file and line.
+failed after training) and load in transformers with the straight run's weights. An unwritable
+--out fails before any training; a chat file for a tokenizer without a chat template fails with
+the file and line.
 """
 
 from __future__ import annotations

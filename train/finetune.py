@@ -80,7 +80,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -
                    help="the decoder layers' Linears in fp8 with this torchao recipe (compute capability 8.9+)")
     p.add_argument("--steps", type=positive_int, default=100, help="optimizer steps")
     p.add_argument("--micro-batches", type=positive_int, default=None, help="micro-batches per step (default 4)")
-    p.add_argument("--batch-size", type=positive_int, default=None, help="rows per micro-batch per data rank (default 1)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="rows per micro-batch per data rank (default 1)")
     p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (AdamW, warm-up then cosine)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
     p.add_argument("--eval-interval", type=positive_int, default=50, help="steps between held-out losses")
@@ -223,8 +224,9 @@ def batches(args: argparse.Namespace, parts: Parts, corpus: Any, pad_id: int) ->
         if name == "train" and layout.num_rows < size * grid.data_size:  # held_out() sized the other
             raise ValueError(f"the train split has {layout.num_rows} rows of --seq-len {args.seq_len} ({cut} of the "
                              f"{n} documents), fewer than one batch of {size * grid.data_size} (--batch-size "
-                             f"{batch.micro_batch_size} x --micro-batches {batch.accumulation_steps} x {grid.data_size} "
-                             f"data ranks): give more documents, or a smaller --batch-size or --micro-batches")
+                             f"{batch.micro_batch_size} x --micro-batches {batch.accumulation_steps} x "
+                             f"{grid.data_size} data ranks): give more documents, or a smaller --batch-size or "
+                             f"--micro-batches")
         splits.append(PackedBatches(layout, _Subset(corpus, index), size, batch.accumulation_steps, grid.data_rank,
                                     grid.data_size, seed=args.seed, shuffle=name == "train",
                                     hf_inputs=True))

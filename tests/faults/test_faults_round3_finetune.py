@@ -214,7 +214,8 @@ def test_lora_exporters_gather_or_refuse_and_adapter_checkpoints_keep_every_tens
     for seen in results:  # every rank refuses, naming the fix (items 3, 4, 5)
         for case, words in (("peft refused", ("export_peft_adapter", "not whole", "optimizer=opt")),
                             ("merged refused", ("export_merged_hf", "not whole", "optimizer=opt")),
-                            ("q-only load", ("load_adapters", "adapts 12 tensors", "down_proj.lora_A", "would be dropped"))):
+                            ("q-only load", ("load_adapters", "adapts 12 tensors", "down_proj.lora_A",
+                                             "would be dropped"))):
             assert all(w in seen[case] for w in words), (case, seen[case])
     seen = results[0]
     assert len(seen["peft"]) == len(seen["adapters"]) == 18, sorted(seen["peft"])

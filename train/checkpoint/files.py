@@ -40,8 +40,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "checkpoint_meta", "checkpoint_names", "export_consolidated",
-           "has_checkpoint", "latest_step", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint",
+__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "checkpoint_meta", "checkpoint_names",
+           "export_consolidated", "has_checkpoint", "latest_step", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint",
            "set_rng_state", "step_dir_name"]
 
 FORMAT_VERSION = 2  # 2: the manifest carries its own sha256

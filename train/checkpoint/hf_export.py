@@ -9,9 +9,10 @@ weights are gathered whole first; a tied embedding is written once (from_pretrai
 the head to it again). Under ZeRO-3 (a model passed as module=) pass the optimizer
 (`export_hf(model, dir, optimizer=opt)` gathers the parameters itself) or call it inside
 `with gathered(opt):`; a parameter still partitioned is a ValueError on every rank, never an
-empty tensor in the file. `whole_weights` is that rule, for every exporter (lora_export.py's too). Weight files of an earlier export of another layout in the same
-directory (a model.safetensors beside new shards, shards of another stage count) are removed,
-the one that from_pretrained would read first before the new files are written.
+empty tensor in the file (`whole_weights`: that rule, for every exporter, lora_export.py's too).
+Weight files of an earlier export of another layout in the same directory (a model.safetensors
+beside new shards, shards of another stage count) are removed, the one that from_pretrained
+would read first before the new files are written.
 
     export_hf(model, "out/")    # every rank calls it
     AutoModelForCausalLM.from_pretrained("out/")
