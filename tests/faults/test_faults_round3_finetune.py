@@ -93,6 +93,7 @@ def _finetune_faults(root: str) -> dict:
     seen["edited data"] = _error(main, job(10))
     chats.write_text(original)
     seen["resumes after the refusals"] = main(job(10))
+    seen["from a path"] = main(job(10, "--resume-from", str(ckpt / "step_00000008")))  # not the latest, step 10
     return seen
 
 
@@ -118,6 +119,7 @@ def test_finetune_recovers_as_its_errors_say_and_refuses_other_runs(tmp_path):
     assert "--model weights=" in seen["other model"] and "another --out" in seen["other model"], seen["other model"]
     assert "--data=" in seen["edited data"] and "(here 'sha256 " in seen["edited data"], seen["edited data"]
     assert isinstance(seen["resumes after the refusals"], float)
+    assert seen["from a path"] == seen["resumes after the refusals"]  # steps 9 and 10 again, exactly
 
 
 # -- the main job ------------------------------------------------------------------------------
