@@ -326,7 +326,8 @@ def _resolve(root: Path, step: int | None) -> Path:
                               f"pass the directory save_checkpoint wrote to")
     name = latest.read_text().strip()
     if not name.startswith("step_") or "/" in name:
-        raise CheckpointError(f"{latest}: holds {name!r}, not a checkpoint name like 'step_00000100'")
+        raise CheckpointError(f"{latest}: holds {name!r}, not a checkpoint name like 'step_00000100'; "
+                              f"{_recovery(latest)}")
     return _or_old_copy(root, name)
 
 
