@@ -26,7 +26,7 @@ import math
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ from torch import nn
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 
 __all__ = ["LoraConfig", "LoraLinear", "adapter_state_dict", "adapters_disabled", "apply_lora",
-           "load_adapter_state_dict", "lora_specs", "merged", "trainable_parameters"]
+           "check_adapters_kept", "load_adapter_state_dict", "lora_specs", "merged", "trainable_parameters"]
 
 ALL_LINEAR = "all-linear"  # peft's shorthand for every linear layer but the output layer
 _PEFT_DEFAULTS = {"use_dora": False, "bias": "none", "modules_to_save": None, "layers_to_transform": None,
@@ -322,12 +322,9 @@ def load_adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor], s
     if strict and missing:
         raise ValueError(f"load_adapter_state_dict: {len(missing)} of this rank's adapters are not in the state, "
                          f"e.g. {missing[:2]}; it holds e.g. {sorted(state)[:2]}")
-    local = {name for index, layer in _layers(module) for _, name, _ in _names(layer, index)}
-    unadapted = sorted(n for n in set(state) - set(mine) if n.rpartition(".lora_")[0] in local)
-    if strict and unadapted:
-        raise ValueError(f"load_adapter_state_dict: the state adapts {len(unadapted)} tensors of modules this rank "
-                         f"holds without adapters, e.g. {unadapted[:2]}; build the model with the state's "
-                         "target_modules (they would be dropped)")
+    if strict:
+        local = {name for index, layer in _layers(module) for _, name, _ in _names(layer, index)}
+        check_adapters_kept("load_adapter_state_dict", state, mine, local)
     with torch.no_grad():
         for name in set(mine) & set(state):
             if mine[name].shape != state[name].shape:
@@ -336,6 +333,21 @@ def load_adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor], s
             local = mine[name].to_local() if hasattr(mine[name], "to_local") else mine[name]  # tensor: replicated
             local.copy_(state[name])
     return sorted(set(mine) & set(state))
+
+
+def check_adapters_kept(caller: str, names: Iterable[str], adapters: Iterable[str], modules: Iterable[str]) -> None:
+    """Refuse to load adapter tensors that would be dropped: those of `names` (a state's, "<module>.lora_A.weight")
+    on a module this rank holds (`modules`) that has no such adapter here (`adapters`: this rank's names).
+
+    The one rule of every adapter loader (load_adapter_state_dict by Hugging Face names, a
+    save_adapters checkpoint by the pipeline's): a q/v/down state into a q-only model is refused.
+    """
+    mine, local = set(adapters), set(modules)
+    dropped = sorted(n for n in names if ".lora_" in n and n not in mine and n.rpartition(".lora_")[0] in local)
+    if dropped:
+        raise ValueError(f"{caller}: the state adapts {len(dropped)} tensors of modules this rank holds without "
+                         f"adapters, e.g. {dropped[:2]}; build the model with the state's target_modules (they "
+                         "would be dropped)")
 
 
 def _adapter_weights(module: nn.Module) -> dict[str, nn.Parameter]:

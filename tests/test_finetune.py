@@ -3,8 +3,11 @@
 One world of 2 (pipe 2) runs 4 steps straight, then 2 steps, then a rerun to 4 that resumes
 from the checkpoint: the exported weights are bitwise those of the straight run (the data
 position, LR schedule and optimizer state come back), and the export loads in transformers
-with its tokenizer. An unwritable --out fails before any training; a chat file for a
-tokenizer without a chat template fails with the file and line.
+with its tokenizer. The same 4 steps at ZeRO-3 (every parameter partitioned), on pipe 2 and on
+pipe 1 x data 2 (the same global batch), export from the command too (issue 44 item 1: the export
+failed after training) and load in transformers with the straight run's weights. An unwritable
+--out fails before any training; a chat file for a tokenizer without a chat template fails with
+the file and line.
 """
 
 from __future__ import annotations
@@ -43,17 +46,19 @@ def _chats(path: Path) -> Path:
     return path
 
 
-def _job(root: str, out: str, steps: int) -> float:
+def _job(root: str, out: str, steps: int, *extra: str) -> float:
     from pipezero.train.finetune import main
     return main(["--model", f"{root}/model", "--data", f"{root}/chat.jsonl", "--pipe", "2", "--seq-len", "32",
                  "--steps", str(steps), "--lr", "3e-3", "--out", out, "--cache-dir", f"{root}/cache",
                  "--tokenize-workers", "0", "--eval-interval", "2", "--save-interval", "2", "--val-fraction", "0.1",
-                 "--micro-batches", "2", "--batch-size", "2"])
+                 "--micro-batches", "2", "--batch-size", "2", *extra])
 
 
 def _three_jobs(root: str) -> list[float]:
+    zero3 = ("--config", f"{root}/zero3.json")  # every parameter partitioned, however small
     return [_job(root, f"{root}/straight", 4), _job(root, f"{root}/resumed", 2), _job(root, f"{root}/resumed", 4),
-            _bytes_job(root)]
+            _bytes_job(root), _job(root, f"{root}/zero3-pipe2", 4, *zero3),
+            _job(root, f"{root}/zero3-pipe1", 4, *zero3, "--pipe", "1", "--batch-size", "1")]
 
 
 def _bytes_job(root: str) -> float:
@@ -73,6 +78,8 @@ def test_finetune_resumes_exactly_and_exports(tmp_path):
     bare = transformers.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                     num_attention_heads=2, max_position_embeddings=64)
     transformers.AutoModelForCausalLM.from_config(bare).save_pretrained(tmp_path / "bare")  # no tokenizer
+    (tmp_path / "zero3.json").write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}}))
     losses = run(_three_jobs, 2, str(tmp_path), timeout=300)
     assert (tmp_path / "bytes" / "model" / "config.json").is_file()
     assert losses[0][0] == losses[0][2] and losses[0][1] != losses[0][2], losses
@@ -87,6 +94,15 @@ def test_finetune_resumes_exactly_and_exports(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "model")
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "resumed" / "model")
     assert model(**tok("the cat", return_tensors="pt")).logits.shape[-1] == len(tok)
+    trained = model.state_dict()
+    start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    for run_dir in ("zero3-pipe2", "zero3-pipe1"):  # issue 44 item 1
+        zero3 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / run_dir / "model").state_dict()
+        assert zero3.keys() == trained.keys()
+        for name, value in trained.items():
+            torch.testing.assert_close(zero3[name], value, rtol=1e-5, atol=1e-5, msg=f"{run_dir} {name}")
+        assert not torch.equal(zero3["model.layers.0.self_attn.q_proj.weight"],
+                               start["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_unwritable_out_and_bad_data_fail_before_training(tmp_path, monkeypatch, capsys):

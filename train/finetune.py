@@ -10,11 +10,15 @@ folders, JSON Lines of text / prompt+completion / chat messages, Parquet or Arro
 into a memory-mapped cache every rank and later run reads. Documents are packed into rows of
 --seq-len (--no-packing: one per row, padded per micro-batch); the loss covers completions and
 assistant turns only where the records say so (TRL's SFT semantics), as a mean per trained
-token. The last --val-fraction of the documents is held out for evaluation. Checkpoints
-(weights, optimizer, LR schedule, data position) go to <out>/checkpoints and a rerun resumes
-from the latest, also on another data degree; TensorBoard logs to <out>; at the end the model
-is exported to <out>/model for AutoModelForCausalLM.from_pretrained. Without --model a small
-random Llama-style model trains on the standard library's sources as bytes.
+token. The last --val-fraction of the documents is held out for evaluation (more, said in the
+log, when that many do not fill one held-out batch: a row per micro-batch per data rank).
+Checkpoints (weights, optimizer, LR schedule, data position, and fingerprints of --model's
+weights and of --data) go to <out>/checkpoints and a rerun resumes from the latest, also on
+another data degree, or from --resume-from's step; a rerun on another model or on edited data
+is refused. --out is one job's (a second job there is refused: train/run_dir.py). TensorBoard
+logs to <out>; at the end the model is exported to <out>/model for
+AutoModelForCausalLM.from_pretrained (under ZeRO-3 too). Without --model a small random
+Llama-style model trains on the standard library's sources as bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -35,14 +40,18 @@ from pipezero.pipe.float8 import RECIPES, Float8Config
 from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
 from pipezero.train.build import Parts, build
 from pipezero.train.checkpoint import prune_checkpoints
+from pipezero.train.checkpoint.resume import point_batch, resume_from_point, resume_point
+from pipezero.train.cli import positive_int
 from pipezero.train.config import parse_config
 from pipezero.train.config.batch import keep_global_batch
-from pipezero.train.data import (MemoryCorpus, PackedBatches, load_tokenizer, pack, stdlib_files, token_mean_loss,
-                                 tokenized_corpus)
+from pipezero.train.data import (MemoryCorpus, PackedBatches, corpus_hash, load_tokenizer, pack, stdlib_files,
+                                 token_mean_loss, tokenized_corpus)
 from pipezero.train.checkpoint.hf_export import export_hf
 from pipezero.train.failure import run_as_command
+from pipezero.train.fingerprint import weights_fingerprint
 from pipezero.train.log import TensorBoardWriter, get_logger
-from pipezero.train.checkpoint.state import resume_if_any, save_state, saved_batch
+from pipezero.train.checkpoint.state import save_state
+from pipezero.train.run_dir import claim_run_dir
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -69,16 +78,21 @@ def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"])
     p.add_argument("--float8", default=None, choices=RECIPES,
                    help="the decoder layers' Linears in fp8 with this torchao recipe (compute capability 8.9+)")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4)")
-    p.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per data rank (default 1)")
+    p.add_argument("--steps", type=positive_int, default=100, help="optimizer steps")
+    p.add_argument("--micro-batches", type=positive_int, default=None, help="micro-batches per step (default 4)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="rows per micro-batch per data rank (default 1)")
     p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (AdamW, warm-up then cosine)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
-    p.add_argument("--eval-interval", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--save-interval", type=int, default=100)
+    p.add_argument("--eval-interval", type=positive_int, default=50, help="steps between held-out losses")
+    p.add_argument("--eval-batches", type=positive_int, default=4)
+    p.add_argument("--save-interval", type=positive_int, default=100,
+                   help="steps between checkpoints (the last step is always saved)")
     p.add_argument("--seed", type=int, default=0, help="the data order's seed")
     p.add_argument("--out", default="runs/finetune", help="TensorBoard, checkpoints and the exported model")
+    p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
+                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012, or a step "
+                        "folder's path), not the latest")
     return p.parse_args(argv)
 
 
@@ -109,22 +123,25 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
     check_out(args.out)                                     # an unwritable --out fails now, not after training
     specs = hf_layer_specs(args.model or default_config())
     model_config = hf_config(specs)
-    corpus, pad_id = documents(args, model_config)          # bad data fails here, on every rank, before a collective
-    ckpt_dir = Path(args.out) / "checkpoints"
-    cfg = train_config(args, saved_batch(ckpt_dir), model_config.hidden_size)
+    point = resume_point(Path(args.out) / "checkpoints", args.resume_from)  # the latest, or --resume-from's
+    corpus, pad_id, data_id = documents(args, model_config)  # bad data fails here, on every rank, before a collective
+    cfg = train_config(args, point_batch(point), model_config.hidden_size)
     parts = build(cfg, specs=specs, loss_fn=token_mean_loss, hidden_size=model_config.hidden_size,
                   tensor=args.tensor, tensor_plan=hf_tensor_plan() if args.tensor > 1 else None,
                   float8=Float8Config(recipe=args.float8) if args.float8 else None)
     train, val = batches(args, parts, corpus, pad_id)
-    meta = resume_if_any(parts, ckpt_dir)
-    start = 0 if meta is None else meta["step"]
-    if meta is not None:
-        train.load_state_dict(meta["data"])
-        log.info("resumed from %s at step %d", meta["path"], start)
-    loss = train_loop(args, parts, train, val, start)
-    out = export_hf(parts.module, Path(args.out) / "model")
-    if args.data is not None and parts.grid.rank == 0:  # the tokenizer that made the ids, beside the weights
-        load_tokenizer(args.model).save_pretrained(out)    # (without --data the ids were bytes: none to save)
+    identity = {"--model weights": weights_fingerprint(args.model) if args.model else "default (random)",
+                "--data": data_id}                       # recorded in every checkpoint, checked on resume
+    with claim_run_dir(args.out, parts.grid):  # one job per --out: another job's pid and host in the error
+        meta = resume_from_point(parts, point, identity)
+        start = 0 if meta is None else meta["step"]
+        if meta is not None:
+            train.load_state_dict(meta["data"])
+            log.info("resumed from %s at step %d", meta["path"], start)
+        loss = train_loop(args, parts, train, val, start, identity)
+        out = export_hf(parts.module, Path(args.out) / "model", optimizer=parts.optimizer)  # ZeRO-3: gathered
+        if args.data is not None and parts.grid.rank == 0:  # the tokenizer that made the ids, beside the weights
+            load_tokenizer(args.model).save_pretrained(out)    # (without --data the ids were bytes: none to save)
     log.info("exported to %s: AutoModelForCausalLM.from_pretrained(%r)", out, str(out))
     return loss
 
@@ -157,15 +174,17 @@ def default_config() -> Any:
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def documents(args: argparse.Namespace, config: Any) -> tuple[Any, int]:
-    """(the corpus, the padding id): --data through the model's tokenizer, or the stdlib sources as bytes."""
+def documents(args: argparse.Namespace, config: Any) -> tuple[Any, int, str]:
+    """(the corpus, the padding id, its fingerprint): --data through the model's tokenizer, or the stdlib
+    sources as bytes."""
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and args.seq_len > positions:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {positions} positions "
                          f"(max_position_embeddings): pass --seq-len {positions} or less")
     if args.data is None:
-        docs = [np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int64) for p in stdlib_files()]
-        return MemoryCorpus([d for d in docs if len(d) >= 2]), 0
+        files = stdlib_files()
+        docs = [np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int64) for p in files]
+        return MemoryCorpus([d for d in docs if len(d) >= 2]), 0, f"stdlib sha256 {corpus_hash(files)}"
     if args.model is None:
         raise ValueError(f"--data {args.data} needs --model DIR: its tokenizer turns the text into the model's ids")
     corpus = tokenized_corpus(args.data, args.model, args.text_field, args.cache_dir, args.tokenize_workers,
@@ -173,7 +192,7 @@ def documents(args: argparse.Namespace, config: Any) -> tuple[Any, int]:
     corpus.check_vocab(config.vocab_size)
     tokenizer = load_tokenizer(args.model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return corpus, int(pad or 0)
+    return corpus, int(pad or 0), f"sha256 {corpus.folder.name}"  # the cache's name: its files' and tokenizer's
 
 
 class _Subset:
@@ -193,28 +212,63 @@ class _Subset:
 
 
 def batches(args: argparse.Namespace, parts: Parts, corpus: Any, pad_id: int) -> tuple[PackedBatches, PackedBatches]:
-    """This data rank's train and held-out batches (the last --val-fraction of the documents)."""
+    """This data rank's train and held-out batches (the last documents: --val-fraction of them, or more)."""
     n = len(corpus.lengths())
-    cut = n - max(1, int(round(n * args.val_fraction)))
-    if cut < 1:
-        raise ValueError(f"--data has {n} document(s): too few to hold out --val-fraction {args.val_fraction} "
-                         f"and train on the rest; give more documents")
     grid, batch = parts.grid, parts.config.batch
+    cut = n - held_out(args, corpus, pad_id, batch.accumulation_steps * grid.data_size)
     splits = []
     for name, index in (("train", np.arange(cut)), ("held-out", np.arange(cut, n))):
         layout = pack(_Subset(corpus, index), args.seq_len, args.packing, args.long_docs, pad_id,
                       source=f"{args.data or 'stdlib'} ({name})")
         size = batch.per_rank_batch_size if name == "train" else batch.accumulation_steps  # held out: a row per mb
-        if layout.num_rows < size * grid.data_size:
-            raise ValueError(f"the {name} split has {layout.num_rows} rows of --seq-len {args.seq_len}, fewer than "
-                             f"one batch of {size * grid.data_size}: give more documents, a smaller batch, or "
-                             f"raise --val-fraction")
+        if name == "train" and layout.num_rows < size * grid.data_size:  # held_out() sized the other
+            raise ValueError(f"the train split has {layout.num_rows} rows of --seq-len {args.seq_len} ({cut} of the "
+                             f"{n} documents), fewer than one batch of {size * grid.data_size} (--batch-size "
+                             f"{batch.micro_batch_size} x --micro-batches {batch.accumulation_steps} x "
+                             f"{grid.data_size} data ranks): give more documents, or a smaller --batch-size or "
+                             f"--micro-batches")
         splits.append(PackedBatches(layout, _Subset(corpus, index), size, batch.accumulation_steps, grid.data_rank,
                                     grid.data_size, seed=args.seed, shuffle=name == "train",
                                     hf_inputs=True))
     log.info("packing efficiency %.1f%% (real tokens / token slots) over %d train rows of %d tokens",
              100 * splits[0].efficiency(), splits[0].layout.num_rows, args.seq_len)
     return splits[0], splits[1]
+
+
+def held_out(args: argparse.Namespace, corpus: Any, pad_id: int, rows: int) -> int:
+    """How many of the last documents to hold out: --val-fraction of them, or the fewest that fill one
+    held-out batch (`rows`: a row per micro-batch per data rank), which the log says; the rest train."""
+    n = len(corpus.lengths())
+    asked = max(1, int(round(n * args.val_fraction)))
+    if n - asked < 1:
+        raise ValueError(f"--data has {n} document(s): too few to hold out --val-fraction {args.val_fraction} "
+                         f"and train on the rest; give more documents")
+    if _rows(args, corpus, pad_id, n - asked, n) >= rows:
+        return asked
+    low, high = asked, asked  # low is too few; double high until it is enough, then bisect
+    while _rows(args, corpus, pad_id, n - high, n) < rows:
+        if high == n - 1:
+            raise ValueError(f"--data has {n} documents: one held-out batch needs {rows} rows of --seq-len "
+                             f"{args.seq_len} (a row per micro-batch per data rank) and all but one document make "
+                             f"{_rows(args, corpus, pad_id, 1, n)}: give more documents, or fewer --micro-batches")
+        low, high = high, min(2 * high, n - 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if _rows(args, corpus, pad_id, n - mid, n) >= rows else (mid, high)
+    log.info("holding out the last %d of %d documents: --val-fraction %g gives %d, fewer than one held-out batch "
+             "of %d rows (a row per micro-batch per data rank)", high, n, args.val_fraction, asked, rows)
+    return high
+
+
+def _rows(args: argparse.Namespace, corpus: Any, pad_id: int, start: int, stop: int) -> int:
+    """Rows of --seq-len that documents start..stop-1 make (pack's arithmetic, its log lines held back)."""
+    quiet = logging.getLogger("pipezero.data")
+    was, quiet.disabled = quiet.disabled, True
+    try:
+        return pack(_Subset(corpus, np.arange(start, stop)), args.seq_len, args.packing, args.long_docs,
+                    pad_id).num_rows
+    finally:
+        quiet.disabled = was
 
 
 def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
@@ -249,7 +303,8 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
 
 
 # -- the loop ---------------------------------------------------------------------------------------
-def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val: PackedBatches, start: int) -> float:
+def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val: PackedBatches, start: int,
+               identity: dict[str, str] | None = None) -> float:
     """Steps start+1 .. --steps: forward and backward of every micro-batch, the optimizer chain, logs, evals, saves."""
     cfg, runner, opt = parts.config, parts.runner, parts.optimizer
     tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
@@ -277,7 +332,7 @@ def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val
             log.info("step %d | held-out loss %.4f", step + 1, val_loss)
         if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
             ckpt_dir = Path(args.out) / "checkpoints"
-            save_state(parts, ckpt_dir, step + 1, train.state_dict())
+            save_state(parts, ckpt_dir, step + 1, train.state_dict(), model_config=identity)
             if parts.grid.rank == 0:
                 prune_checkpoints(ckpt_dir, keep=2)
     tb.close()

@@ -302,3 +302,7 @@ from catalogue_cli import ALL as _COMMANDS  # noqa: E402 - the pipezero command'
 from catalogue_hf import ALL as _HF  # noqa: E402 - broken Hugging Face checkpoints
 
 PURE += _COMMANDS + _HF
+
+from catalogue_finetune import ALL as _FINETUNE  # noqa: E402 - pipezero finetune's flags (issue 44)
+
+PURE += _FINETUNE

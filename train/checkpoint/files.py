@@ -40,8 +40,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "checkpoint_meta", "export_consolidated",
-           "has_checkpoint", "latest_step", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint",
+__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "checkpoint_meta", "checkpoint_names",
+           "export_consolidated", "has_checkpoint", "latest_step", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint",
            "set_rng_state", "step_dir_name"]
 
 FORMAT_VERSION = 2  # 2: the manifest carries its own sha256
@@ -310,6 +310,11 @@ def checkpoint_meta(directory: str | os.PathLike, step: int | None = None) -> di
     return dict(_read_manifest(_resolve(Path(directory), step))["meta"])
 
 
+def checkpoint_names(directory: str | os.PathLike, step: int | None = None) -> set[str]:
+    """The tensor names of a checkpoint (the latest unless `step`), every rank file's, from its manifest alone."""
+    return {k for entry in _read_manifest(_resolve(Path(directory), step))["files"] for k in entry["tensors"]}
+
+
 def _resolve(root: Path, step: int | None) -> Path:
     if step is not None:
         return _or_old_copy(root, step_dir_name(step))
@@ -321,7 +326,8 @@ def _resolve(root: Path, step: int | None) -> Path:
                               f"pass the directory save_checkpoint wrote to")
     name = latest.read_text().strip()
     if not name.startswith("step_") or "/" in name:
-        raise CheckpointError(f"{latest}: holds {name!r}, not a checkpoint name like 'step_00000100'")
+        raise CheckpointError(f"{latest}: holds {name!r}, not a checkpoint name like 'step_00000100'; "
+                              f"{_recovery(latest)}")
     return _or_old_copy(root, name)
 
 
@@ -334,6 +340,29 @@ def _or_old_copy(root: Path, name: str) -> Path:
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
+    """The checked manifest of `path`; a CheckpointError naming another complete step to resume from."""
+    try:
+        return _parse_manifest(path)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}; {_recovery(path)}") from None
+
+
+def _recovery(path: Path) -> str:
+    """What to do about the damaged checkpoint `path`: resume from the newest other one whose manifest
+    reads (named, as the jobs' flag takes it), or start afresh."""
+    root, bad = path.parent, path.name.removeprefix(".old-")
+    for other in sorted(root.glob("step_*"), reverse=True):
+        if other.name == bad:
+            continue
+        try:
+            _parse_manifest(other)
+        except CheckpointError:
+            continue
+        return f"load another step: --resume-from {other.name} (the newest complete one in {root})"
+    return f"no other complete checkpoint in {root}: start afresh with another --out (or delete {root})"
+
+
+def _parse_manifest(path: Path) -> dict[str, Any]:
     file = path / _MANIFEST
     if not file.is_file():
         raise CheckpointError(f"{file}: missing; {path} is not a complete checkpoint")
@@ -350,7 +379,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{file}: lacks the key {key!r}; the manifest is corrupted")
     if manifest["sha256"] != _manifest_digest(manifest):
         raise CheckpointError(f"{file}: its sha256 does not match its contents: the manifest was edited or "
-                              f"corrupted; load another step (--resume-from step_...)")
+                              f"corrupted")
     _check_manifest_fields(file, path, manifest)
     return manifest
 
@@ -374,15 +403,15 @@ def _verify_file(path: Path, entry: Mapping[str, Any]) -> Path:
     file = path / entry["file"]
     if not file.is_file():
         raise CheckpointError(f"{file}: missing rank file (the manifest lists it); the checkpoint is "
-                              f"incomplete, load an earlier one")
+                              f"incomplete; {_recovery(path)}")
     size = file.stat().st_size
     if size != entry["bytes"]:
         raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['bytes']}: the file is "
-                              f"{'truncated' if size < entry['bytes'] else 'longer than written'}")
+                              f"{'truncated' if size < entry['bytes'] else 'longer than written'}; {_recovery(path)}")
     digest = _sha256(file)
     if digest != entry["sha256"]:
         raise CheckpointError(f"{file}: bad checksum, sha256 {digest[:16]}... but the manifest says "
-                              f"{entry['sha256'][:16]}...: the file is corrupted")
+                              f"{entry['sha256'][:16]}...: the file is corrupted; {_recovery(path)}")
     return file
 
 

@@ -9,9 +9,10 @@ weights are gathered whole first; a tied embedding is written once (from_pretrai
 the head to it again). Under ZeRO-3 (a model passed as module=) pass the optimizer
 (`export_hf(model, dir, optimizer=opt)` gathers the parameters itself) or call it inside
 `with gathered(opt):`; a parameter still partitioned is a ValueError on every rank, never an
-empty tensor in the file. Weight files of an earlier export of another layout in the same
-directory (a model.safetensors beside new shards, shards of another stage count) are removed,
-the one that from_pretrained would read first before the new files are written.
+empty tensor in the file (`whole_weights`: that rule, for every exporter, lora_export.py's too).
+Weight files of an earlier export of another layout in the same directory (a model.safetensors
+beside new shards, shards of another stage count) are removed, the one that from_pretrained
+would read first before the new files are written.
 
     export_hf(model, "out/")    # every rank calls it
     AutoModelForCausalLM.from_pretrained("out/")
@@ -23,17 +24,18 @@ import copy
 import json
 import os
 import re
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipezero.pipe.hf import hf_config, hf_shapes, hf_state_dict
 
-__all__ = ["export_hf"]
+__all__ = ["export_hf", "whole_weights"]
 
 
 def export_hf(module: nn.Module, directory: str | os.PathLike, dtype: torch.dtype | None = None,
@@ -46,12 +48,41 @@ def export_hf(module: nn.Module, directory: str | os.PathLike, dtype: torch.dtyp
     of one with delayed_param_update, whose update still in flight is applied first (without it the
     file misses the last step's update: call opt.apply_delayed_update() before). Returns the directory.
     """
+    with whole_weights(module, optimizer, "export_hf"):
+        return _export(module, Path(directory), dtype)
+
+
+@contextmanager
+def whole_weights(module: nn.Module, optimizer: Any, caller: str) -> Iterator[None]:
+    """Inside the block every parameter of `module` is whole, for an exporter (`caller`) to read.
+
+    `optimizer`, a ZeroOptimizer: its delayed update is applied and its stage-3 partitions gathered
+    for the block. Without it (or with another optimizer, whose parameters are whole), a parameter
+    still partitioned (ZeRO-3 released it: 0 elements) is the same ValueError on every rank,
+    naming the fix, before anything is written (a collective over the world).
+    """
     from pipezero.zero import ZeroOptimizer, gathered
 
-    if isinstance(optimizer, ZeroOptimizer):  # delayed_param_update: the last step's update is not yet in the model
-        optimizer.apply_delayed_update()
-    with gathered(optimizer) if optimizer is not None else nullcontext():
-        return _export(module, Path(directory), dtype)
+    zero = optimizer if isinstance(optimizer, ZeroOptimizer) else None
+    if zero is not None:  # delayed_param_update: the last step's update is not yet in the model
+        zero.apply_delayed_update()
+    with gathered(zero) if zero is not None else nullcontext():
+        _refuse_partitioned(module, caller)
+        yield
+
+
+def _refuse_partitioned(module: nn.Module, caller: str) -> None:
+    """A parameter of 0 elements on any rank (a ZeRO-3 partition released): a ValueError on every rank."""
+    mine = [n for n, p in module.named_parameters() if (p.to_local() if isinstance(p, DTensor) else p).numel() == 0]
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    found = sorted({n for part in every for n in part})
+    if found:
+        raise ValueError(f"{caller}: {len(found)} parameters are not whole, e.g. {found[:3]} (a ZeRO-3 partition "
+                         f"released); pass the optimizer, {caller}(model, dir, ..., optimizer=opt), or call it "
+                         f"inside `with gathered(opt):`")
 
 
 def _export(module: nn.Module, directory: Path, dtype: torch.dtype | None) -> Path:
@@ -97,9 +128,9 @@ def _remove_stale(directory: Path, keep: set[str], only: set[str] | None = None)
 
 
 def _check_whole(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Every tensor is one of the model's, with its shape, on every rank (a ZeRO-3 shard released outside
-    `gathered` has 0 elements; LoRA adapters are no tensor of the model): the same ValueError on every rank
-    before anything is written."""
+    """Every tensor is one of the model's, with its shape, on every rank (LoRA adapters are no tensor of the
+    model; a partitioned one was refused by whole_weights): the same ValueError on every rank before anything
+    is written."""
     shapes = hf_shapes(module)
     bad = sorted(f"{n} {tuple(t.shape)}" for n, t in state.items() if n in shapes and t.shape != shapes[n])
     mine = (bad, sorted(set(state) - set(shapes)))
@@ -115,9 +146,8 @@ def _check_whole(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
                          "model, dir) (adapters folded in) or export_peft_adapter(model, dir, config) "
                          "(pipezero.train.checkpoint.lora_export)")
     if found:
-        raise ValueError(f"export_hf: {len(found)} parameters are not whole, e.g. {found[:3]} (a ZeRO-3 partition "
-                         f"released); pass the optimizer, export_hf(model, dir, optimizer=opt), or call it inside "
-                         f"`with gathered(opt):`")
+        raise ValueError(f"export_hf: {len(found)} tensors do not have the model's shape, e.g. {found[:3]}; export "
+                         f"a module built by hf_layer_specs from this model's config")
 
 
 def _save(state: dict[str, torch.Tensor], path: Path) -> None:

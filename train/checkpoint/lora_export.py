@@ -7,10 +7,12 @@ loads onto the base model. The adapters are small, so every rank sends its own t
 which writes the directory (replicas over the data axis are equal; tensor-parallel adapters
 are gathered whole first). A merged export folds scaling * B A into each adapted weight
 (pipe/lora.py's `merged`) and writes what train/checkpoint/hf_export.py writes for a full model. Under
-ZeRO-3 (a model passed as module=) call these inside `with gathered(opt):`. peft itself is
-not needed to write or read the directory.
+ZeRO-3 (a model passed as module=) pass the optimizer (`optimizer=opt` gathers the adapters) or
+call these inside `with gathered(opt):`; a partitioned adapter is a ValueError on every rank
+(hf_export.py's `whole_weights`), never a 0-element tensor in the file or a merge that leaves
+it out. peft itself is not needed to write or read the directory.
 
-    export_peft_adapter(model, "adapter/", config)     # every rank calls it
+    export_peft_adapter(model, "adapter/", config)     # every rank calls it (ZeRO-3: optimizer=opt)
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "adapter/")
     export_merged_hf(model, "merged/")                 # AutoModelForCausalLM.from_pretrained("merged/")
 """
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipezero.pipe.lora import LoraConfig, LoraLinear, adapter_state_dict, load_adapter_state_dict, merged
-from pipezero.train.checkpoint.hf_export import export_hf
+from pipezero.train.checkpoint.hf_export import export_hf, whole_weights
 
 __all__ = ["PEFT_PREFIX", "export_merged_hf", "export_peft_adapter", "load_peft_adapter"]
 
@@ -36,12 +38,15 @@ _WEIGHTS, _CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
 def export_peft_adapter(module: nn.Module, directory: str | os.PathLike, config: LoraConfig | Any,
-                        base_model_name_or_path: str | None = None, dtype: torch.dtype | None = None) -> Path:
-    """Write `module`'s adapters as a peft adapter directory (every rank calls it; rank 0 writes)."""
+                        base_model_name_or_path: str | None = None, dtype: torch.dtype | None = None,
+                        optimizer: Any = None) -> Path:
+    """Write `module`'s adapters as a peft adapter directory (every rank calls it; rank 0 writes).
+    `optimizer`: the ZeroOptimizer of a ZeRO-3 model, whose adapters are gathered for the write."""
     config = LoraConfig.of(config)
     directory = Path(directory)
-    mine = {PEFT_PREFIX + name: _whole(t).to(dtype or t.dtype).cpu().contiguous()
-            for name, t in adapter_state_dict(module).items()}
+    with whole_weights(module, optimizer, "export_peft_adapter"):
+        mine = {PEFT_PREFIX + name: _whole(t).to(dtype or t.dtype).cpu().contiguous()
+                for name, t in adapter_state_dict(module).items()}
     every = _gather(mine)
     if _rank() == 0:
         from safetensors.torch import save_file
@@ -94,9 +99,11 @@ def _load_peft_adapter(module: nn.Module, directory: Path) -> list[str]:
     return load_adapter_state_dict(module, state)
 
 
-def export_merged_hf(module: nn.Module, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Write `module` with its adapters merged into the base weights, as a Hugging Face checkpoint."""
-    with merged(module):
+def export_merged_hf(module: nn.Module, directory: str | os.PathLike, dtype: torch.dtype | None = None,
+                     optimizer: Any = None) -> Path:
+    """Write `module` with its adapters merged into the base weights, as a Hugging Face checkpoint.
+    `optimizer`: the ZeroOptimizer of a ZeRO-3 model, whose adapters are gathered for the merge."""
+    with whole_weights(module, optimizer, "export_merged_hf"), merged(module):
         return export_hf(module, directory, dtype)
 
 

@@ -20,10 +20,12 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+import torch.distributed as dist
 from torch import nn
 
-from pipezero.train.checkpoint.files import checkpoint_meta, latest_step, save_checkpoint
-from pipezero.train.checkpoint.state import gather_state, load_state
+from pipezero.pipe.lora import check_adapters_kept
+from pipezero.train.checkpoint.files import checkpoint_meta, checkpoint_names, latest_step, save_checkpoint
+from pipezero.train.checkpoint.state import _agree_on_load, gather_state, load_state
 
 __all__ = ["load_adapters", "resume_adapters_if_any", "save_adapters"]
 
@@ -51,10 +53,13 @@ def _view(parts: Any) -> Any:
 
 def save_adapters(parts: Any, directory: str | os.PathLike, step: int,
                   data_state: Mapping[str, Any] | None = None) -> Path:
-    """Save the trainable parameters and the rest of the training state as checkpoint `step` (every rank)."""
-    if not any(p.requires_grad for p in parts.module.parameters()):
-        raise ValueError(f"save_adapters: {type(parts.module).__name__} on rank {parts.grid.rank} has no trainable "
-                         "parameter; build it with pipe/lora.py's lora_specs (or use train/checkpoint/state.py's save_state)")
+    """Save the trainable parameters and the rest of the training state as checkpoint `step` (every rank).
+
+    A stage without adapters (the LM head alone) saves its share, nothing; a model without any is
+    refused on every rank."""
+    if not _anywhere(any(p.requires_grad for p in parts.module.parameters())):
+        raise ValueError(f"save_adapters: {type(parts.module).__name__} has no trainable parameter on any rank; "
+                         "build it with pipe/lora.py's lora_specs (or use train/checkpoint/state.py's save_state)")
     tensors, meta = gather_state(_view(parts), data_state, step)
     meta[_FLAG] = True
     return save_checkpoint(directory, step, tensors, meta, rank=parts.grid.rank,
@@ -66,7 +71,30 @@ def load_adapters(parts: Any, directory: str | os.PathLike, step: int | None = N
     if not checkpoint_meta(directory, step).get(_FLAG):
         raise ValueError(f"load_adapters({str(directory)!r}): that checkpoint was not written by save_adapters; "
                          "load a full checkpoint with train/checkpoint/state.py's load_state")
+    _agree_on_load(_dropped(parts.module, directory, step), parts.grid.world_size)
     return load_state(_view(parts), directory, step)
+
+
+def _dropped(module: nn.Module, directory: str | os.PathLike, step: int | None) -> str | None:
+    """pipe/lora.py's rule of every adapter loader, on the checkpoint's names (the pipeline's): the refusal,
+    or None."""
+    saved = [k.removeprefix("model/") for k in checkpoint_names(directory, step) if k.startswith("model/")]
+    names = [n for n, _ in module.named_parameters()]
+    try:
+        check_adapters_kept(f"load_adapters({str(directory)!r})", saved, [n for n in names if ".lora_" in n],
+                            {n.rpartition(".")[0] for n in names})
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _anywhere(mine: bool) -> bool:
+    """Whether `mine` holds on any rank (every rank learns it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return any(every)
 
 
 def resume_adapters_if_any(parts: Any, directory: str | os.PathLike) -> dict[str, Any] | None:

@@ -156,8 +156,8 @@ def _check_model_config(path: Any, saved: dict[str, Any] | None, mine: Mapping[s
     keys = sorted(set(saved) | set(mine))
     diff = [f"{k}={saved.get(k, '<unset>')!r} (here {mine.get(k, '<unset>')!r})" for k in keys
             if saved.get(k, "<unset>") != mine.get(k, "<unset>")]
-    raise CheckpointError(f"{path}: was written by a model with {', '.join(diff)}; resume with the checkpoint's "
-                          "model settings, or start afresh in another directory")
+    raise CheckpointError(f"{path}: was written with {', '.join(diff)}; resume with the model (and data) it was "
+                          "saved with, or start afresh in another directory (another --out)")
 
 
 def _link_names(zero: ByNameState) -> list[str]:
@@ -326,15 +326,16 @@ def resume_if_any(parts: StateParts, directory: str | os.PathLike, *, model_conf
     return load_state(parts, directory, model_config=model_config)
 
 
-def saved_batch(directory: str | os.PathLike) -> BatchConfig | None:
-    """The batch sizes the latest checkpoint under `directory` was trained with; None without one.
+def saved_batch(directory: str | os.PathLike, step: int | None = None) -> BatchConfig | None:
+    """The batch sizes checkpoint `step` (default: the latest) under `directory` was trained with; None
+    without a checkpoint.
 
     Read before the parts are built (no process group needed): `keep_global_batch` turns them
     into this launch's accumulation steps when the data degree changed.
     """
-    if latest_step(directory) is None:
+    if step is None and latest_step(directory) is None:
         return None
-    batch = checkpoint_meta(directory).get("batch")
+    batch = checkpoint_meta(directory, step).get("batch")
     return None if batch is None else BatchConfig(**batch)
 
 

@@ -51,7 +51,8 @@ from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_s
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars
 from pipezero.train.run_dir import claim_run_dir, export_done, record_loss, recorded_loss
-from pipezero.train.checkpoint.state import export_model, load_state, resume_if_any, save_state, saved_batch
+from pipezero.train.checkpoint.resume import ResumePoint, point_batch, resume_from_point, resume_point
+from pipezero.train.checkpoint.state import export_model, save_state
 from pipezero.zero import ZeroOptimizer
 
 __all__ = ["ds_config", "main", "parse_args", "resume", "run", "train_config"]
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> float:
     get_logger("train_gpt")  # installs the rank-aware handler: rank 0 prints, "[rank 0]" in front
     gpt = gpt_config(args)
     ckpt_dir = Path(args.out) / "checkpoints"
-    saved = saved_batch(ckpt_dir)  # resumed on another data degree (an elastic restart): keep its global batch
+    point = resume_point(ckpt_dir, args.resume_from)  # the latest, or --resume-from's: read before and after
+    saved = point_batch(point)  # resumed on another data degree (an elastic restart): keep its global batch
     cfg = train_config(args, saved)
 
     # -- the four parts, by hand: Grid, PipelineModule, ZeroOptimizer(LossScaler(AdamW)), PipelineRunner ---
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> float:
     # -- data, resume, train, export ------------------------------------------------------------------
     train, val = token_batches(args, cfg.batch.per_rank_batch_size, grid)
     with claim_run_dir(args.out, grid):  # one job per --out: another job's pid and host in the error
-        start = resume_step(args, parts, ckpt_dir, train)
+        start = resume_step(args, parts, point, train)
         if start >= args.steps:
             return finish_export(args, gpt, grid, start)
         loss = train_loop(args, parts, gpt, train, val, start)
@@ -140,7 +142,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/gpt", help="TensorBoard logs, checkpoints and the exported model")
     p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to resume from")
     p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
-                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012), not the latest")
+                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012, or a "
+                        "step folder's path), not the latest")
     p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
     p.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--steps-per-print", type=int, default=None,
@@ -239,11 +242,12 @@ def token_batches(args: argparse.Namespace, per_rank: int, grid: Grid) -> tuple[
 
 # -- checkpoints ----------------------------------------------------------------------------------------
 
-def resume_step(args: argparse.Namespace, parts: Parts, ckpt_dir: Path, train: ShardedBatches) -> int:
+def resume_step(args: argparse.Namespace, parts: Parts, point: ResumePoint | None, train: ShardedBatches) -> int:
     """The step to start from: 0, or the resumed checkpoint's (its data position restored into `train`)."""
-    meta = resume(parts, ckpt_dir, args.resume_from, dataclasses.asdict(gpt_config(args)))
+    meta = resume_from_point(parts, point, dataclasses.asdict(gpt_config(args)))
     if args.resume and meta is None:
-        raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}; drop --resume to start fresh")
+        raise FileNotFoundError(f"--resume: no checkpoint under {Path(args.out) / 'checkpoints'}; drop --resume "
+                                "to start fresh")
     if meta is None:
         return 0
     train.load_state_dict(meta["data"])
@@ -258,16 +262,7 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
 
 def resume(parts, ckpt_dir: Path, resume_from: str | None, gpt: dict | None = None) -> dict | None:
     """The latest checkpoint's meta (None: start fresh), or that of --resume-from's step."""
-    if resume_from is None:
-        return resume_if_any(parts, ckpt_dir, model_config=gpt)
-    name = Path(resume_from).name
-    if not name.startswith("step_") or not name[5:].isdigit():
-        raise ValueError(f"--resume-from {resume_from!r}: expected a checkpoint folder name like step_00000012 "
-                         f"(see {ckpt_dir})")
-    if not (ckpt_dir / name).is_dir():
-        found = sorted(p.name for p in ckpt_dir.glob("step_*")) if ckpt_dir.is_dir() else []
-        raise FileNotFoundError(f"--resume-from {name}: no such checkpoint under {ckpt_dir}; there are {found}")
-    return load_state(parts, ckpt_dir, step=int(name[5:]), model_config=gpt)
+    return resume_from_point(parts, resume_point(ckpt_dir, resume_from), gpt)
 
 
 def save(args: argparse.Namespace, parts: Parts, step: int, train: ShardedBatches, loss: float) -> None:
