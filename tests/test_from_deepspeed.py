@@ -86,7 +86,7 @@ def _deepspeed_truth(initialize, root: str) -> dict:
             return initialize(model=model, model_parameters=model.parameters(), config=_config(stage))[0]
         first = engine()
         _engine_steps(first, range(SAVED_AT))
-        first.save_checkpoint(f"{root}/z{stage}")
+        first.save_checkpoint(f"{root}/z{stage}", client_state={"epoch": 7})
         second = engine()
         second.load_checkpoint(f"{root}/z{stage}")
         out[stage] = _engine_steps(second, range(SAVED_AT, SAVED_AT + RESUMED))
@@ -115,8 +115,8 @@ def _pipezero_resumes(initialize, root: str, hf_dir: str) -> dict:
                                    ("z3", 3, "universal", 0)]:
         model = _model()
         engine = initialize(model=model, model_parameters=model.parameters(), config=_config(ours))[0]
-        path, _ = engine.load_checkpoint(f"{root}/{name}", None if tag is None else f"global_step{SAVED_AT}_{tag}")
-        assert engine.global_steps == SAVED_AT, engine.global_steps
+        _, client = engine.load_checkpoint(f"{root}/{name}", None if tag is None else f"global_step{SAVED_AT}_{tag}")
+        assert (engine.global_steps, client["epoch"]) == (SAVED_AT, 7), (engine.global_steps, client)
         out[(stage, tag, ours)] = _engine_steps(engine, range(SAVED_AT, SAVED_AT + RESUMED))
     config = {**_config(1, ranks=1), "pipeline": {"stages": 2, "schedule": "1f1b"}}
     parts = build(config, specs=hf_layer_specs(hf_dir), loss_fn=causal_lm_loss)

@@ -42,6 +42,7 @@ from pipezero.train.data import (MemoryCorpus, PackedBatches, load_tokenizer, pa
 from pipezero.train.checkpoint.hf_export import export_hf
 from pipezero.train.failure import run_as_command
 from pipezero.train.log import TensorBoardWriter, get_logger
+from pipezero.train.checkpoint.from_deepspeed import load_deepspeed_checkpoint
 from pipezero.train.checkpoint.state import resume_if_any, save_state, saved_batch
 
 __all__ = ["main", "parse_args", "run"]
@@ -79,6 +80,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -
     p.add_argument("--save-interval", type=int, default=100)
     p.add_argument("--seed", type=int, default=0, help="the data order's seed")
     p.add_argument("--out", default="runs/finetune", help="TensorBoard, checkpoints and the exported model")
+    p.add_argument("--from-deepspeed", default=None, metavar="DIR",
+                   help="start from DeepSpeed's save_checkpoint folder of --model (ZeRO 1-3 or universal: weights, "
+                        "optimizer, LR schedule, step) unless --out holds a checkpoint")
     return p.parse_args(argv)
 
 
@@ -121,6 +125,9 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
     if meta is not None:
         train.load_state_dict(meta["data"])
         log.info("resumed from %s at step %d", meta["path"], start)
+    elif args.from_deepspeed is not None:                  # DeepSpeed's names onto this grid (the data starts afresh)
+        start = load_deepspeed_checkpoint(parts, args.from_deepspeed)["step"]
+        log.info("resumed DeepSpeed's checkpoint %s at step %d", args.from_deepspeed, start)
     loss = train_loop(args, parts, train, val, start)
     out = export_hf(parts.module, Path(args.out) / "model")
     if args.data is not None and parts.grid.rank == 0:  # the tokenizer that made the ids, beside the weights

@@ -113,7 +113,8 @@ class Engine:
         another world size's gradient_accumulation_steps); `load_optimizer_states=False` /
         `load_lr_scheduler_states=False` leave those as they are, `load_module_only=True` loads the weights
         alone (counters kept). A folder DeepSpeed's own save_checkpoint wrote (ZeRO 1-3, or ds_to_universal's
-        output) loads the same way, onto this grid (train/checkpoint/from_deepspeed.py; client_state: {})."""
+        output) loads the same way, onto this grid (train/checkpoint/from_deepspeed.py), its client_state as
+        DeepSpeed's load_checkpoint returns it."""
         _check_load_args(load_module_strict, custom_load_fn)
         if is_deepspeed_checkpoint(load_dir, tag):
             return self._load_deepspeed(load_dir, tag, load_optimizer_states and not load_module_only,
@@ -139,7 +140,7 @@ class Engine:
         meta = load_deepspeed_checkpoint(self.parts, load_dir, tag, optimizer=optimizer, scheduler=scheduler)
         if not module_only:
             self.micro_steps = meta["global_steps"] * self.gradient_accumulation_steps()
-        return meta["path"], {}
+        return meta["path"], meta["client_state"]
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

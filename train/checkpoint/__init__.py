@@ -1,8 +1,9 @@
 """Checkpoints and exports: the crash-safe files (files.py: safetensors per rank + a manifest), nested
 state without pickle (flatten.py), training state by global parameter name onto any grid (state.py,
 what it needs of the parts: state_parts.py, tensor-parallel slices: tensor_state.py), typed saveable
-things (saveable.py), LoRA adapters only (lora_state.py), and Hugging Face / peft exports
-(hf_export.py, lora_export.py).
+things (saveable.py), LoRA adapters only (lora_state.py), Hugging Face / peft exports
+(hf_export.py, lora_export.py), and DeepSpeed's own checkpoints resumed on any grid (deepspeed_files.py
+reads them, from_deepspeed.py maps their names onto the parts).
 
 `pipezero.train.checkpoint` was one module (now files.py) before it was this folder: its names are
 here as they were, whatever files.py's `__all__` lists.

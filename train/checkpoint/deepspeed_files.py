@@ -41,6 +41,8 @@ from pipezero.train.checkpoint.files import CheckpointError
 __all__ = ["DeepSpeedState", "deepspeed_folder", "read_deepspeed"]
 
 _OPTIM_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments, laid out as the masters are
+_OWN_KEYS = {"module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
+             "random_ltd", "lr_scheduler", "optimizer"}  # what DeepSpeed's load_checkpoint leaves out of client_state
 
 
 class _Fields:
@@ -83,6 +85,7 @@ class DeepSpeedState:
     data_size: int = 1                                    # dp_world_size it was saved on
     zero_stage: int | str = 0                             # 1, 2, 3 or "universal"
     model_file: str = ""                                  # where the names came from (for errors)
+    client: dict[str, Any] = field(default_factory=dict)  # the model_states' other keys (client_state)
 
 
 def _load(path: Path) -> Any:
@@ -184,7 +187,7 @@ def _common(folder: Path, model: Any, model_file: Path, stage: int | str) -> Dee
                           scheduler=model.get("lr_scheduler"), global_steps=int(model.get("global_steps", 0)),
                           skipped_steps=int(model.get("skipped_steps", 0)),
                           data_size=int(_key(model, "dp_world_size", model_file)), zero_stage=stage,
-                          model_file=str(model_file))
+                          model_file=str(model_file), client={k: v for k, v in model.items() if k not in _OWN_KEYS})
 
 
 def _shapes(model: Any, model_file: Path) -> list[dict[str, torch.Size]]:
@@ -193,6 +196,15 @@ def _shapes(model: Any, model_file: Path) -> list[dict[str, torch.Size]]:
     if isinstance(shapes, dict):
         shapes = [shapes]
     return [dict(group) for group in shapes]
+
+
+def _check_keys(state: dict[str, Any], path: Path, where: str) -> None:
+    """Only Adam's state is mapped: another optimizer's (SGD's momentum_buffer...) is refused, not dropped."""
+    other = sorted(set(state) - {*_OPTIM_KEYS, "step"})
+    if other:
+        raise CheckpointError(f"{path}: {where} holds {other}, optimizer state pipezero does not map (Adam's "
+                              "exp_avg / exp_avg_sq / step are); load the weights alone (optimizer=False, "
+                              "load_optimizer_states=False)")
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
@@ -213,6 +225,8 @@ def _zero12(state: DeepSpeedState, optim: list[Any], files: list[Path], shapes: 
     masters = [_key(s, "single_partition_of_fp32_groups", f, "['optimizer_state_dict']") for s, f in zip(sd, files)]
     pieces = [_key(s, "param_slice_mappings", f, "['optimizer_state_dict']") for s, f in zip(sd, files)]
     states = [_base_state(s, "base_optimizer_state") for s in sd]
+    for g in range(len(states[0][0])):
+        _check_keys(states[0][0][g], files[0], f"['optimizer_state_dict']['base_optimizer_state'][{g}]")
     for g, group in enumerate(shapes):
         for name, shape in group.items():
             where = [(r, pieces[r][g][name].fields) for r in range(len(sd)) if name in pieces[r][g]]
@@ -232,6 +246,8 @@ def _zero3(state: DeepSpeedState, optim: list[Any], files: list[Path], shapes: l
     sd = [o["optimizer_state_dict"] for o in optim]
     flats = [_key(s, "fp32_flat_groups", f, "['optimizer_state_dict']") for s, f in zip(sd, files)]
     states = [_base_state(s, "optimizer_state_dict") for s in sd]
+    for i, sub in enumerate(states[0][0]):
+        _check_keys(sub, files[0], f"['optimizer_state_dict']['optimizer_state_dict']['state'][{i}]")
     sizes = [t.numel() for t in flats[0]]
     bounds = [sum(sizes[:i + 1]) for i in range(len(sizes))]  # where each sub-group ends
     master = [torch.cat(list(f)) for f in flats]
@@ -295,6 +311,8 @@ def _universal(folder: Path) -> DeepSpeedState:
     for g, group in enumerate(_shapes(model, model_file)):
         for name, shape in group.items():
             state.weights[name] = _universal_tensor(folder, name, "fp32", shape)
+            _check_keys({f.stem: None for f in (folder / "zero" / name).glob("*.pt") if f.stem != "fp32"},
+                        folder / "zero" / name, "the folder")
             state.optim[name] = {k: _universal_tensor(folder, name, k, shape) for k in _OPTIM_KEYS
                                  if (folder / "zero" / name / f"{k}.pt").is_file()}
             step_file = folder / "zero" / name / "step.pt"

@@ -88,9 +88,10 @@ def load_deepspeed_checkpoint(parts: StateParts, path: str | os.PathLike, tag: A
     if optimizer:
         _load_scaler(view, ds)
     load_by_name(parts, tensors, param_groups=groups if optimizer else None, optimizer=optimizer,
-                 scheduler=_scheduler_state(ds.scheduler) if scheduler else None)
+                 scheduler=_scheduler_state(ds.scheduler, ds.global_steps) if scheduler else None)
     return {"path": str(ds.path), "step": ds.global_steps, "global_steps": ds.global_steps,
-            "skipped_steps": ds.skipped_steps, "zero_stage": ds.zero_stage, "data_size": ds.data_size}
+            "skipped_steps": ds.skipped_steps, "zero_stage": ds.zero_stage, "data_size": ds.data_size,
+            "client_state": ds.client}
 
 
 def _by_pipezero_name(parts: StateParts, view: Any, ds: DeepSpeedState, mine: dict[str, list[str]]
@@ -139,15 +140,14 @@ def _agree(problem: str | None, used: set[str], ds: DeepSpeedState | None, world
                               f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}; resume a checkpoint of this model")
 
 
-def _scheduler_state(saved: dict[str, Any] | None) -> dict[str, Any] | None:
+def _scheduler_state(saved: dict[str, Any] | None, global_steps: int) -> dict[str, Any]:
     """DeepSpeed's schedulers' {"last_batch_iteration": i} as pipezero's (i + 1 optimizer steps taken);
-    a torch scheduler's state_dict (a client scheduler DeepSpeed saved) as it is."""
-    if not saved:
-        return None
-    if set(saved) == {"last_batch_iteration"}:
-        steps = int(saved["last_batch_iteration"]) + 1
-        return {"last_epoch": steps, "_step_count": steps + 1}
-    return dict(saved)
+    a torch scheduler's state_dict (a client scheduler DeepSpeed saved) as it is; none saved (DeepSpeed
+    ran without one): this job's schedule at global_steps, where its loop resumes."""
+    if saved and set(saved) != {"last_batch_iteration"}:
+        return dict(saved)
+    steps = int(saved["last_batch_iteration"]) + 1 if saved else global_steps
+    return {"last_epoch": steps, "_step_count": steps + 1}
 
 
 def _load_scaler(view: Any, ds: DeepSpeedState) -> None:
