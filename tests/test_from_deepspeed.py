@@ -39,7 +39,8 @@ def _model():
 
 def _config(stage: int, ranks: int = 2) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ROWS // 2 // ranks,
-            "steps_per_print": 10**9, "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+            "steps_per_print": 10**9, "gradient_clipping": 1.0,  # ZeRO-3: parameters in several sub-groups
+            "zero_optimization": {"stage": stage, **({"sub_group_size": 2000} if stage == 3 else {})},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                                          "warmup_num_steps": 4}}}

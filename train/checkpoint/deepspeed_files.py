@@ -32,7 +32,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -85,13 +85,19 @@ class DeepSpeedState:
     data_size: int = 1                                    # dp_world_size it was saved on
     zero_stage: int | str = 0                             # 1, 2, 3 or "universal"
     model_file: str = ""                                  # where the names came from (for errors)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # every parameter's, read or not
     client: dict[str, Any] = field(default_factory=dict)  # the model_states' other keys (client_state)
 
 
 def _load(path: Path) -> Any:
     try:
         with torch.serialization.safe_globals(_STAND_INS):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:  # a file of torch's legacy (not zip) format cannot be mapped: read it
+                if "mmap" not in str(err):
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises UnpicklingError / RuntimeError / OSError, by cause
         raise CheckpointError(f"{path}: not readable with torch.load(weights_only=True) ({str(err)[:300]}); "
                               "pipezero reads only tensors, numbers and DeepSpeed's known plain records") from None
@@ -124,15 +130,20 @@ def deepspeed_folder(path: str | Path, tag: str | None = None) -> Path:
     return folder
 
 
-def read_deepspeed(path: str | Path, tag: str | None = None) -> DeepSpeedState:
-    """Every parameter's fp32 value and Adam state, whole, of the DeepSpeed checkpoint at path (and tag)."""
+def read_deepspeed(path: str | Path, tag: str | None = None, wanted: Iterable[str] | None = None) -> DeepSpeedState:
+    """The fp32 value and Adam state, whole, of each parameter of the DeepSpeed checkpoint at path (and tag)
+    named in `wanted` (None: all; a name tied to a wanted one comes too); every parameter's shape.
+
+    The files are memory-mapped: a rank reads only the pieces of the parameters it asks for.
+    """
     folder = deepspeed_folder(path, tag)
     _refuse_layouts(folder)
-    if (folder / "zero" / "optimizer_state.pt").is_file():
-        return _universal(folder)
-    model_files = sorted(folder.glob("*model_states.pt"))
-    model_file = model_files[0]
+    model_file = sorted(folder.glob("*model_states.pt"))[0]
     model = _load(model_file)
+    shared = dict(model.get("shared_params") or {})
+    want = None if wanted is None else set(wanted) | {shared[n] for n in wanted if n in shared}
+    if (folder / "zero" / "optimizer_state.pt").is_file():
+        return _universal(folder, model, model_file, want)
     optim_files = _optim_files(folder, model, model_file)
     first = _load(optim_files[0])
     stage = int(_key(_key(first, "optimizer_state_dict", optim_files[0]), "zero_stage", optim_files[0],
@@ -140,12 +151,13 @@ def read_deepspeed(path: str | Path, tag: str | None = None) -> DeepSpeedState:
     state = _common(folder, model, model_file, stage)
     optim = [first] + [_load(f) for f in optim_files[1:]]
     shapes = _shapes(model, model_file)
+    state.shapes = {name: tuple(shape) for group in shapes for name, shape in group.items()}
     if stage in (1, 2):
-        _zero12(state, optim, optim_files, shapes)
+        _zero12(state, optim, optim_files, shapes, want)
     else:
-        _zero3(state, optim, optim_files, shapes)
+        _zero3(state, optim, optim_files, shapes, want)
     state.loss_scaler = _scaler(first["optimizer_state_dict"])
-    _frozen(state, model, model_file)
+    _frozen(state, model, model_file, want)
     return state
 
 
@@ -212,14 +224,17 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def _base_state(optim: dict[str, Any], key: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(per flat group: the optimizer's state, per flat group: its settings) of a torch state_dict."""
+    """(per flat vector: the optimizer's state, per flat vector: its group's settings) of a torch state_dict
+    whose parameters are DeepSpeed's flat vectors (ZeRO-3: one per sub-group, several in a param group)."""
     saved = optim[key]
     if isinstance(saved, list):  # older DeepSpeed: one state per group, no settings
         return saved, []
-    return [saved["state"].get(i, {}) for i in range(len(saved["param_groups"]))], saved["param_groups"]
+    flat = sorted((i, group) for group in saved["param_groups"] for i in group["params"])
+    return [saved["state"].get(i, {}) for i, _ in flat], [group for _, group in flat]
 
 
-def _zero12(state: DeepSpeedState, optim: list[Any], files: list[Path], shapes: list[dict]) -> None:
+def _zero12(state: DeepSpeedState, optim: list[Any], files: list[Path], shapes: list[dict], want: set | None
+            ) -> None:
     """ZeRO-1/2: each parameter is the pieces param_slice_mappings names, in data-rank order."""
     sd = [o["optimizer_state_dict"] for o in optim]
     masters = [_key(s, "single_partition_of_fp32_groups", f, "['optimizer_state_dict']") for s, f in zip(sd, files)]
@@ -229,6 +244,8 @@ def _zero12(state: DeepSpeedState, optim: list[Any], files: list[Path], shapes: 
         _check_keys(states[0][0][g], files[0], f"['optimizer_state_dict']['base_optimizer_state'][{g}]")
     for g, group in enumerate(shapes):
         for name, shape in group.items():
+            if want is not None and name not in want:
+                continue
             where = [(r, pieces[r][g][name].fields) for r in range(len(sd)) if name in pieces[r][g]]
 
             def whole(part_of: Any) -> torch.Tensor:
@@ -241,35 +258,36 @@ def _zero12(state: DeepSpeedState, optim: list[Any], files: list[Path], shapes: 
             state.groups.append((list(group), _settings(states[0][1][g])))
 
 
-def _zero3(state: DeepSpeedState, optim: list[Any], files: list[Path], shapes: list[dict]) -> None:
-    """ZeRO-3: parameter i is piece i of every rank's flat vector (ceil(numel / dp) each), rank after rank."""
+def _zero3(state: DeepSpeedState, optim: list[Any], files: list[Path], shapes: list[dict], want: set | None
+           ) -> None:
+    """ZeRO-3: parameter i is piece i of every rank's sub-groups (ceil(numel / dp) each), rank after rank;
+    a sub-group holds whole parameters' pieces, back to back."""
     sd = [o["optimizer_state_dict"] for o in optim]
     flats = [_key(s, "fp32_flat_groups", f, "['optimizer_state_dict']") for s, f in zip(sd, files)]
     states = [_base_state(s, "optimizer_state_dict") for s in sd]
     for i, sub in enumerate(states[0][0]):
         _check_keys(sub, files[0], f"['optimizer_state_dict']['optimizer_state_dict']['state'][{i}]")
     sizes = [t.numel() for t in flats[0]]
-    bounds = [sum(sizes[:i + 1]) for i in range(len(sizes))]  # where each sub-group ends
-    master = [torch.cat(list(f)) for f in flats]
-    moments = {k: [torch.cat([st[0][i][k] for i in range(len(sizes))]) for st in states]
-               for k in _OPTIM_KEYS if all(k in s for s in states[0][0])}
-    offset, dp = 0, len(sd)
+    keys = [k for k in _OPTIM_KEYS if all(k in sub for sub in states[0][0])]
+    sub, at, dp = 0, 0, len(sd)
     for group in shapes:
         for name, shape in group.items():
             piece = math.ceil(math.prod(shape) / dp)
-            sub = next((i for i, end in enumerate(bounds) if offset < end), len(bounds) - 1)
-
-            def whole(flat: list[torch.Tensor]) -> torch.Tensor:
-                joined = torch.cat([f[offset:offset + piece] for f in flat])[:math.prod(shape)]
-                return _reshaped(joined, shape, name, files[0])
-            state.weights[name] = whole(master)
-            state.optim[name] = {**{k: whole(v) for k, v in moments.items()}, **_step(states[0][0][sub])}
-            if states[0][1]:
-                state.groups.append(([name], _settings(states[0][1][sub])))
-            offset += piece
-    if offset != master[0].numel():
-        raise CheckpointError(f"{files[0]}: ['optimizer_state_dict']['fp32_flat_groups'] holds {master[0].numel()} "
-                              f"values, param_shapes' parameters take {offset}; the files are not of one checkpoint")
+            if at == sizes[sub] and sub + 1 < len(sizes):  # this sub-group is done: the next one's first piece
+                sub, at = sub + 1, 0
+            if want is None or name in want:
+                def whole(flat_of: Any) -> torch.Tensor:
+                    joined = torch.cat([flat_of(r)[at:at + piece] for r in range(dp)])[:math.prod(shape)]
+                    return _reshaped(joined, shape, name, files[0])
+                state.weights[name] = whole(lambda r: flats[r][sub])
+                state.optim[name] = {**{k: whole(lambda r, k=k: states[r][0][sub][k]) for k in keys},
+                                     **_step(states[0][0][sub])}
+                if states[0][1]:
+                    state.groups.append(([name], _settings(states[0][1][sub])))
+            at += piece
+    if (sub, at) != (len(sizes) - 1, sizes[-1]):
+        raise CheckpointError(f"{files[0]}: ['optimizer_state_dict']['fp32_flat_groups'] hold {sizes} values, "
+                              "param_shapes' parameters do not fill them so; the files are not of one checkpoint")
 
 
 def _step(saved: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -288,9 +306,12 @@ def _scaler(optim: dict[str, Any]) -> dict[str, Any] | None:
     return dict(scaler.fields) if isinstance(scaler, _Fields) else None
 
 
-def _frozen(state: DeepSpeedState, model: Any, model_file: Path) -> None:
-    """Parameters no optimizer held (requires_grad False): the module's values, or their ZeRO-3 fragments."""
-    for name in model.get("frozen_param_shapes") or {}:
+def _frozen(state: DeepSpeedState, model: Any, model_file: Path, want: set | None) -> None:
+    """Parameters no optimizer held (requires_grad False): the module's values (ZeRO 1-2)."""
+    for name, shape in (model.get("frozen_param_shapes") or {}).items():
+        state.shapes[name] = tuple(shape)
+        if want is not None and name not in want:
+            continue
         value = (model.get("module") or {}).get(name)
         if value is None or value.numel() == 0:
             raise CheckpointError(f"{model_file}: ['frozen_param_shapes'] names {name!r}, whose value is not in "
@@ -299,17 +320,18 @@ def _frozen(state: DeepSpeedState, model: Any, model_file: Path) -> None:
         state.weights[name] = value.float().clone()
 
 
-def _universal(folder: Path) -> DeepSpeedState:
+def _universal(folder: Path, model: Any, model_file: Path, want: set | None) -> DeepSpeedState:
     """ds_to_universal's output: zero/<name>/<key>.pt whole (a tensor, or {"param": tensor}), by param_shapes."""
-    model_file = sorted(folder.glob("*model_states.pt"))[0]
-    model, common_file = _load(model_file), folder / "zero" / "optimizer_state.pt"
-    common = _load(common_file)
+    common = _load(folder / "zero" / "optimizer_state.pt")
     state = _common(folder, model, model_file, "universal")
     saved = common.get("base_optimizer_state") or common.get("optimizer_state_dict") or {}
     groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
     steps = saved.get("state", {}) if isinstance(saved, dict) else {}
     for g, group in enumerate(_shapes(model, model_file)):
         for name, shape in group.items():
+            state.shapes[name] = tuple(shape)
+            if want is not None and name not in want:
+                continue
             state.weights[name] = _universal_tensor(folder, name, "fp32", shape)
             _check_keys({f.stem: None for f in (folder / "zero" / name).glob("*.pt") if f.stem != "fp32"},
                         folder / "zero" / name, "the folder")
@@ -322,7 +344,7 @@ def _universal(folder: Path) -> DeepSpeedState:
         if groups:
             state.groups.append((list(group), _settings(groups[min(g, len(groups) - 1)])))
     state.loss_scaler = _scaler(common)
-    _frozen(state, model, model_file)
+    _frozen(state, model, model_file, want)
     return state
 
 

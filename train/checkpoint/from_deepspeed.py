@@ -79,7 +79,7 @@ def load_deepspeed_checkpoint(parts: StateParts, path: str | os.PathLike, tag: A
     mine = deepspeed_names(parts.module)
     used: set[str] = set()
     try:
-        ds = read_deepspeed(path, None if tag is None else str(tag))
+        ds = read_deepspeed(path, None if tag is None else str(tag), wanted={n for c in mine.values() for n in c})
         tensors, used, groups = _by_pipezero_name(parts, view, ds, mine)
         problem = None
     except (CheckpointError, ValueError, KeyError) as err:
@@ -103,14 +103,14 @@ def _by_pipezero_name(parts: StateParts, view: Any, ds: DeepSpeedState, mine: di
     taken: dict[str, str] = {}  # DeepSpeed's name -> ours
     for name, candidates in mine.items():
         stored = next((c for c in candidates + [ds.shared[c] for c in candidates if c in ds.shared]
-                       if c in ds.weights), None)
+                       if c in ds.shapes), None)
         if stored is None:
             raise CheckpointError(f"{ds.model_file}: ['param_shapes'] has no parameter {candidates[0]!r} (here "
                                   f"{name!r}); resume a checkpoint of this model (its Hugging Face names)")
         p = params[name]
         want = tuple(shapes.get(id(p), whole_shape(p)))
-        if tuple(ds.weights[stored].shape) != want:
-            raise CheckpointError(f"{ds.model_file}: ['param_shapes'][{stored!r}] is {tuple(ds.weights[stored].shape)}, "
+        if ds.shapes[stored] != want:
+            raise CheckpointError(f"{ds.model_file}: ['param_shapes'][{stored!r}] is {ds.shapes[stored]}, "
                                   f"here {name!r} is {want}; resume a checkpoint of this model")
         taken[stored] = name
         tensors[f"model/{name}"] = ds.weights[stored]
@@ -134,7 +134,7 @@ def _agree(problem: str | None, used: set[str], ds: DeepSpeedState | None, world
         raise CheckpointError(problem if problem is not None else f"the DeepSpeed checkpoint was refused on rank(s) "
                               f"{[r for r, _ in failed]} (rank {rank}: {first})")
     assert ds is not None
-    unknown = sorted(set(ds.weights) - {n for _, names in everyone for n in names})
+    unknown = sorted(set(ds.shapes) - {n for _, names in everyone for n in names})
     if unknown:
         raise CheckpointError(f"{ds.model_file}: ['param_shapes'] holds {len(unknown)} parameter(s) this model lacks "
                               f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}; resume a checkpoint of this model")
