@@ -7,7 +7,7 @@ one dir/latest names):
                                                  param group, in flattening order), the LR scheduler's
                                                  state, global_steps, skipped_steps, dp_world_size
     zero_pp_rank_<d>_mp_rank_00_model_states.pt  ZeRO-3: the same, one per data rank (the module empty)
-    zero_pp_rank_<d>_mp_rank_00_optim_states.pt  one per data rank d:
+    zero_pp_rank_<d>_mp_rank_00_optim_states.pt  one per data rank d (bf16: bf16_zero_pp_rank_...):
       ZeRO-1/2  each param group's parameters back to back in one flat fp32 vector, padded at its
                 end and cut into dp equal partitions; rank d holds partition d of the masters
                 (single_partition_of_fp32_groups) and of the optimizer's moments (base_optimizer_state),
@@ -175,12 +175,14 @@ def _refuse_layouts(folder: Path) -> None:
 
 
 def _optim_files(folder: Path, model: Any, model_file: Path) -> list[Path]:
-    """zero_pp_rank_<d>_mp_rank_00_optim_states.pt for d = 0 .. dp_world_size - 1, each present."""
+    """[bf16_]zero_pp_rank_<d>_mp_rank_00_optim_states.pt for d = 0 .. dp_world_size - 1, each present
+    (bf16 training names them with the prefix)."""
     size = int(_key(model, "dp_world_size", model_file))
     if int(model.get("mp_world_size", 1)) != 1:
         raise CheckpointError(f"{model_file}: ['mp_world_size']={model['mp_world_size']}: a tensor-parallel "
                               "DeepSpeed checkpoint is not supported")
-    files = [folder / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(size)]
+    prefix = "bf16_" if (folder / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file() else ""
+    files = [folder / f"{prefix}zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(size)]
     missing = [f.name for f in files if not f.is_file()]
     if missing and not any(folder.glob("*optim_states.pt")):
         raise CheckpointError(f"{folder}: holds no *optim_states.pt (a ZeRO stage 0 checkpoint, whose optimizer "
@@ -307,17 +309,30 @@ def _scaler(optim: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _frozen(state: DeepSpeedState, model: Any, model_file: Path, want: set | None) -> None:
-    """Parameters no optimizer held (requires_grad False): the module's values (ZeRO 1-2)."""
-    for name, shape in (model.get("frozen_param_shapes") or {}).items():
+    """Parameters no optimizer held (requires_grad False): the module's values (ZeRO 1-2), or each data
+    rank's piece of them (ZeRO-3's frozen_param_fragments, one per zero_pp_rank_<d> model_states file)."""
+    frozen = model.get("frozen_param_shapes") or {}
+    pieces: list[Any] | None = None
+    for name, shape in frozen.items():
         state.shapes[name] = tuple(shape)
         if want is not None and name not in want:
             continue
         value = (model.get("module") or {}).get(name)
-        if value is None or value.numel() == 0:
-            raise CheckpointError(f"{model_file}: ['frozen_param_shapes'] names {name!r}, whose value is not in "
-                                  "['module'] (a ZeRO-3 frozen parameter is not supported); unfreeze it or save "
-                                  "under ZeRO 1-2")
-        state.weights[name] = value.float().clone()
+        if value is None or value.numel() != math.prod(shape):
+            pieces = pieces if pieces is not None else _fragments(model_file.parent, state.data_size)
+            value = torch.cat([_key(_key(p, "frozen_param_fragments", f), name, f, "['frozen_param_fragments']")
+                               .reshape(-1) for f, p in pieces])[:math.prod(shape)]
+        state.weights[name] = _reshaped(value.reshape(-1), shape, name, model_file)
+
+
+def _fragments(folder: Path, size: int) -> list[tuple[Path, Any]]:
+    """Each data rank's ZeRO-3 model_states file, in data-rank order."""
+    files = [folder / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt" for d in range(size)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{folder}: lacks {missing}, which hold the frozen parameters' pieces; the checkpoint "
+                              "is incomplete")
+    return [(f, _load(f)) for f in files]
 
 
 def _universal(folder: Path, model: Any, model_file: Path, want: set | None) -> DeepSpeedState:
