@@ -118,7 +118,7 @@ def _pipezero_resumes(initialize, root: str, hf_dir: str) -> dict:
         engine = initialize(model=model, model_parameters=model.parameters(), config=_config(ours))[0]
         _, client = engine.load_checkpoint(f"{root}/{name}", None if tag is None else f"global_step{SAVED_AT}_{tag}")
         assert (engine.global_steps, client["epoch"]) == (SAVED_AT, 7), (engine.global_steps, client)
-        out[(stage, tag, ours)] = _engine_steps(engine, range(SAVED_AT, SAVED_AT + RESUMED))
+        out[(stage, tag or "engine", ours)] = _engine_steps(engine, range(SAVED_AT, SAVED_AT + RESUMED))
     config = {**_config(1, ranks=1), "pipeline": {"stages": 2, "schedule": "1f1b"}}
     parts = build(config, specs=hf_layer_specs(hf_dir), loss_fn=causal_lm_loss)
     meta = load_deepspeed_checkpoint(parts, f"{root}/z3")
@@ -163,7 +163,8 @@ def test_deepspeed_checkpoints_resume_with_deepspeeds_losses(tmp_path):
     ours = run(_on_pipezero, 2, _pipezero_resumes, root, hf_dir, timeout=300)[0]
     ours[(2, "one process", 1)], (missing, piped) = run(_on_pipezero, 1, _one_process, root)[0]
     for (stage, how, zero), losses in ours.items():
+        where = f"DeepSpeed ZeRO-{stage} resumed by pipezero ({how}, ZeRO-{zero})"
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(truth[stage]), rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"DeepSpeed ZeRO-{stage} resumed by pipezero ({how}, ZeRO-{zero}): {m}")
+                                   msg=lambda m: f"{where}: {m}")
     assert "model.layers.2." in missing and "z2/global_step2" in missing, missing
     assert "layer_01-model_states.pt" in piped and "pipeline" in piped, piped

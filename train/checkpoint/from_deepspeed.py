@@ -73,8 +73,8 @@ def load_deepspeed_checkpoint(parts: StateParts, path: str | os.PathLike, tag: A
                               optimizer: bool = True, scheduler: bool = True) -> dict[str, Any]:
     """Load DeepSpeed's checkpoint at `path` (save_checkpoint's folder; `tag` as DeepSpeed's, None: `latest`)
     into these parts, on any grid; every rank calls it. Returns {"path", "step" (= global_steps),
-    "global_steps", "skipped_steps", "zero_stage", "data_size"}. `optimizer=False` loads the weights
-    alone, `scheduler=False` leaves the LR schedule where it is."""
+    "global_steps", "skipped_steps", "zero_stage", "data_size", "client_state"}. `optimizer=False` loads
+    the weights alone, `scheduler=False` leaves the LR schedule where it is."""
     view = by_name(parts.optimizer)
     mine = deepspeed_names(parts.module)
     used: set[str] = set()
