@@ -104,10 +104,12 @@ def _by_pipezero_name(parts: StateParts, view: Any, ds: DeepSpeedState, mine: di
     for name, candidates in mine.items():
         stored = next((c for c in candidates + [ds.shared[c] for c in candidates if c in ds.shared]
                        if c in ds.shapes), None)
+        p = params[name]
+        if stored is None and id(p) not in shapes:  # frozen, saved with exclude_frozen_parameters: kept as it is
+            continue
         if stored is None:
             raise CheckpointError(f"{ds.model_file}: ['param_shapes'] has no parameter {candidates[0]!r} (here "
-                                  f"{name!r}); resume a checkpoint of this model (its Hugging Face names)")
-        p = params[name]
+                                  f"{name!r}); resume a checkpoint of this model (matched by parameter name)")
         want = tuple(shapes.get(id(p), whole_shape(p)))
         if ds.shapes[stored] != want:
             raise CheckpointError(f"{ds.model_file}: ['param_shapes'][{stored!r}] is {ds.shapes[stored]}, "
