@@ -52,6 +52,7 @@ from pipezero.train.fingerprint import weights_fingerprint
 from pipezero.train.log import TensorBoardWriter, get_logger
 from pipezero.train.checkpoint.state import save_state
 from pipezero.train.run_dir import claim_run_dir
+from pipezero.train.checkpoint.from_deepspeed import load_deepspeed_checkpoint
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -
     p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
                    help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012, or a step "
                         "folder's path), not the latest")
+    p.add_argument("--from-deepspeed", default=None, metavar="DIR",
+                   help="start from DeepSpeed's save_checkpoint folder of --model (ZeRO 1-3 or universal: weights, "
+                        "optimizer, LR schedule, step) unless --out holds a checkpoint")
     return p.parse_args(argv)
 
 
@@ -138,6 +142,9 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
         if meta is not None:
             train.load_state_dict(meta["data"])
             log.info("resumed from %s at step %d", meta["path"], start)
+        elif args.from_deepspeed is not None:  # DeepSpeed's names onto this grid (the data starts afresh)
+            start = load_deepspeed_checkpoint(parts, args.from_deepspeed)["step"]
+            log.info("resumed DeepSpeed's checkpoint %s at step %d", args.from_deepspeed, start)
         loss = train_loop(args, parts, train, val, start, identity)
         out = export_hf(parts.module, Path(args.out) / "model", optimizer=parts.optimizer)  # ZeRO-3: gathered
         if args.data is not None and parts.grid.rank == 0:  # the tokenizer that made the ids, beside the weights

@@ -30,6 +30,7 @@ from pipezero.train.config import TrainConfig
 from pipezero.train.config.optim import OptimizerConfig, build_optimizer
 from pipezero.train.log import get_logger, warn_once
 from pipezero.train.checkpoint import has_checkpoint
+from pipezero.train.checkpoint.from_deepspeed import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from pipezero.train.checkpoint.state import load_state, save_state
 
 __all__ = ["Engine", "initialize"]
@@ -111,8 +112,13 @@ class Engine:
         and global_steps resume (a fresh accumulation starts, as in DeepSpeed's, so global_steps holds under
         another world size's gradient_accumulation_steps); `load_optimizer_states=False` /
         `load_lr_scheduler_states=False` leave those as they are, `load_module_only=True` loads the weights
-        alone (counters kept)."""
+        alone (counters kept). A folder DeepSpeed's own save_checkpoint wrote (ZeRO 1-3, or ds_to_universal's
+        output) loads the same way, onto this grid (train/checkpoint/from_deepspeed.py), its client_state as
+        DeepSpeed's load_checkpoint returns it."""
         _check_load_args(load_module_strict, custom_load_fn)
+        if is_deepspeed_checkpoint(load_dir, tag):
+            return self._load_deepspeed(load_dir, tag, load_optimizer_states and not load_module_only,
+                                        load_lr_scheduler_states and not load_module_only, load_module_only)
         if tag is None and not has_checkpoint(load_dir):
             get_logger().warning("load_checkpoint(%s): no 'latest' file there, nothing loaded; returning (None, None) "
                                  "as DeepSpeed does (pass tag= to load a checkpoint saved with save_latest=False)",
@@ -127,6 +133,14 @@ class Engine:
             self.micro_steps = (counters["global_steps"] if counters else meta["step"]) * \
                 self.gradient_accumulation_steps()
         return meta["path"], dict(meta["data"].get(_CLIENT, {}))
+
+    def _load_deepspeed(self, load_dir: str | os.PathLike, tag: Any, optimizer: bool, scheduler: bool,
+                        module_only: bool) -> tuple[str, dict[str, Any]]:
+        """A checkpoint DeepSpeed's own engine wrote (train/checkpoint/from_deepspeed.py), onto this grid."""
+        meta = load_deepspeed_checkpoint(self.parts, load_dir, tag, optimizer=optimizer, scheduler=scheduler)
+        if not module_only:
+            self.micro_steps = meta["global_steps"] * self.gradient_accumulation_steps()
+        return meta["path"], meta["client_state"]
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

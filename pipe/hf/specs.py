@@ -41,7 +41,8 @@ from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 
 __all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
-           "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_shapes", "hf_state_dict", "hf_tensor_plan"]
+           "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_parameter_names", "hf_shapes", "hf_state_dict",
+           "hf_tensor_plan"]
 
 TIED_KEY = "embed"  # TiedLayerSpec key of a tied embedding and LM head
 
@@ -472,6 +473,29 @@ def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
                 if not is_replicated(p) or not is_replica(p):  # split: every tensor rank takes part
                     out[name] = whole_tensor(p).detach()
             out.update((name, t.detach()) for name, t in layer.hf_buffers())
+    return out
+
+
+def hf_parameter_names(module: nn.Module) -> dict[str, list[str]]:
+    """Each of this rank's parameters, by `module`'s name, with its Hugging Face names: its own, then
+    those of the weights tied to it in the whole model (an LM head reusing the embedding).
+
+    How another framework's checkpoint of the Hugging Face model (DeepSpeed's) finds its tensors here;
+    a ValueError when `module` holds no layer of hf_layer_specs.
+    """
+    names = {id(p): n for n, p in module.named_parameters()}
+    out: dict[str, list[str]] = {}
+    for layer in module.modules():
+        if isinstance(layer, _HFLayer):
+            tied: dict[int, list[str]] = {}
+            for name, p in layer.model.meta.named_parameters(remove_duplicate=False):
+                tied.setdefault(id(p), []).append(name)
+            aliases = {name: group for group in tied.values() for name in group}
+            for name, p in layer.hf_parameters():
+                known = out.setdefault(names[id(p)], [])
+                known += [n for n in [name, *aliases.get(name, [])] if n not in known]
+    if not out and any(True for _ in module.parameters()):
+        raise ValueError(f"{type(module).__name__} holds no layer of hf_layer_specs")
     return out
 
 

@@ -2,7 +2,9 @@
 state without pickle (flatten.py), training state by global parameter name onto any grid (state.py,
 what it needs of the parts: state_parts.py, tensor-parallel slices: tensor_state.py), typed saveable
 things (saveable.py), LoRA adapters only (lora_state.py), Hugging Face / peft exports
-(hf_export.py, lora_export.py), and which checkpoint a job resumes (resume.py).
+(hf_export.py, lora_export.py), which checkpoint a job resumes (resume.py), and DeepSpeed's own
+checkpoints resumed on any grid (deepspeed_files.py reads them, from_deepspeed.py maps their names onto
+the parts).
 
 `pipezero.train.checkpoint` was one module (now files.py) before it was this folder: its names are
 here as they were, whatever files.py's `__all__` lists.

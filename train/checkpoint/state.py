@@ -47,8 +47,8 @@ from pipezero.train.config.batch import BatchConfig
 from pipezero.train.checkpoint.state_parts import ByNameState, StateParts
 from pipezero.train.checkpoint.tensor_state import local_slice, whole, whole_shape
 
-__all__ = ["export_model", "gather_state", "load_state", "resume_if_any", "save_state", "saved_batch",
-           "single_process_names"]
+__all__ = ["agree_on_load", "export_model", "gather_state", "load_by_name", "load_state", "resume_if_any",
+           "save_state", "saved_batch", "single_process_names"]
 
 _MODEL, _OPTIM = "model/", "optim/"
 
@@ -229,16 +229,12 @@ def load_state(parts: StateParts, directory: str | os.PathLike, step: int | None
         problem = None
     except (CheckpointError, ValueError, TypeError, KeyError) as err:
         problem = str(err)
-    _agree_on_load(problem, parts.grid.world_size)
+    agree_on_load(problem, parts.grid.world_size)
     t, meta = ckpt.tensors, ckpt.meta
     if optimizer:  # first: its links check their own state (the same on every rank) before anything is loaded
         _load_chain(parts.optimizer, chain)
-    _load_weights(parts, t, names)
-    if optimizer:
-        _load_optimizer(parts.optimizer, t, names)
-        _load_group_settings(parts, meta.get("param_groups"))
-    if scheduler and parts.scheduler is not None and meta.get("scheduler") is not None:
-        _load_scheduler(parts.scheduler, meta["scheduler"])
+    load_by_name(parts, t, param_groups=meta.get("param_groups"), optimizer=optimizer,
+                 scheduler=meta.get("scheduler") if scheduler else None)
     if rng and rank_prefix + "torch_cpu" in t and meta["grid"] == _grid_dict(parts.grid):
         set_rng_state(t, meta["rng"], prefix=rank_prefix)
     return {**meta, "step": ckpt.step, "path": str(ckpt.path)}
@@ -248,7 +244,27 @@ def _by_name(parts: StateParts) -> dict[str, torch.Tensor]:
     return {_MODEL + n: p for n, p in parts.module.named_parameters()}
 
 
-def _agree_on_load(problem: str | None, world: int) -> None:
+def load_by_name(parts: StateParts, tensors: Mapping[str, torch.Tensor], *,
+                 param_groups: list[dict[str, Any]] | None = None, optimizer: bool = True,
+                 scheduler: Mapping[str, Any] | None = None) -> None:
+    """Write whole tensors by global parameter name into these parts, on any grid and ZeRO stage.
+
+    `tensors`: "model/<name>" (fp32 weights) for every parameter of this rank, "optim/<name>/<key>"
+    (the torch optimizer's per-parameter state) for those with state; `param_groups`: the settings by
+    parameter name, as gather_state records them; `scheduler`: a state_dict for the LR scheduler. No
+    collective: check the tensors (and agree_on_load) first, nothing here refuses them.
+    """
+    parts = _by_name_parts(parts)
+    names = _param_names(parts)
+    _load_weights(parts, tensors, names)
+    if optimizer:
+        _load_optimizer(parts.optimizer, tensors, names)
+        _load_group_settings(parts, param_groups)
+    if scheduler is not None and parts.scheduler is not None:
+        _load_scheduler(parts.scheduler, scheduler)
+
+
+def agree_on_load(problem: str | None, world: int) -> None:
     """Refuse a checkpoint on every rank when any rank refuses it (e.g. only one stage's layers
     differ), so no rank starts training while the others exit."""
     problems = [problem]
