@@ -17,7 +17,8 @@ GRPOTrainer._compute_loss (tests/test_grpo.py calls that method on the same batc
 - DAPO (TRL's default): over every completion token of the step's whole batch, all data ranks
   and microbatches together: sum / tokens. A microbatch divides by rows x the batch's mean
   completion tokens per row (RolloutTarget.mean_tokens, from one all-reduce in the rollout),
-  so the mean over microbatches and data ranks is the global token mean.
+  so the mean over microbatches and data ranks (equal rows each, as TRL's per-device batches)
+  is the global token mean.
 - GRPO: per sequence then over sequences (the paper's 1/G sum_i 1/|o_i| sum_t).
 - BNPO: over the tokens of one microbatch (TRL: of the local batch).
 - DR_GRPO (Liu et al. 2025): sum / (rows x max_completion_length), a constant, the generation's
