@@ -3,9 +3,15 @@ alike and before any transfer, whether the batch fits the step.
 
 Each rank contributes flags (inputs or targets missing, ragged) and [max, -min] pairs (batch
 sizes of the first stage's inputs and the last stage's targets, the schedule's microbatch
-count), so sizes are compared, not added, across ranks: data ranks with different batch sizes,
-inputs and targets of different lengths, or stages built with different microbatch counts
-are refused with the values, instead of a stall until the pipeline timeout.
+count, the step), so sizes are compared, not added, across ranks: data ranks with different
+batch sizes, inputs and targets of different lengths, or stages built with different
+microbatch counts are refused with the values, instead of a stall until the pipeline timeout.
+
+The step is where the rank is in its sequence of train_step / eval_step calls (`step_word`):
+ranks that have called them a different number of times (a data rank with more batches than
+the others) meet here in different steps, and every rank raises, naming the ranks ahead and
+their steps (a second small gather, only then), instead of pairing the steps' collectives
+wrongly; a rank whose peer already exited hears which step it was in.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch.distributed as dist
 
 from pipezero.comm import is_peer_lost, peer_lost
 
-__all__ = ["BatchView", "check_batch", "split_batch"]
+__all__ = ["BatchView", "check_batch", "split_batch", "step_word"]
 
 _ABSENT = object()  # this rank holds no first (or last) stage: it reports nothing about that batch
 _NONE = -(1 << 62)  # a [max, -min] pair's value from ranks that report nothing
@@ -43,34 +49,62 @@ class BatchView:
     targets_neg_min: int = _NONE
     microbatches_max: int = 0
     microbatches_neg_min: int = 0
+    step_max: int = 0           # step_word of this call
+    step_neg_min: int = 0
 
     def sizes(self, name: str) -> tuple[int, int]:
         """(min, max) of `name` ("inputs", "targets", "microbatches") over the ranks combined."""
         return -getattr(self, f"{name}_neg_min"), getattr(self, f"{name}_max")
 
 
+def step_word(train_steps: int, train: bool) -> int:
+    """Where a rank is in its calls: training step k (1-based) is 2k, an evaluation after k training steps 2k + 1."""
+    return 2 * train_steps + (0 if train else 1)
+
+
 def check_batch(inputs: Any, targets: Any, m: int, need_targets: bool, *, first: bool, last: bool,
-                group: Any) -> BatchView:
+                group: Any, step: int = 0) -> BatchView:
     """Combine every rank's view over `group` (on the CPU: no wait for the GPU's queued work)
     and raise, on every rank alike, the first problem it shows; return the combined view.
 
     `first` / `last`: whether this rank holds the first / the last virtual stage (only those
-    report on the inputs / the targets).
+    report on the inputs / the targets). `step`: this call's step_word.
     """
     wants_targets = last and (need_targets or targets is not None)
     mine = _view(inputs if first else _ABSENT, targets if wants_targets else _ABSENT, m)
     mine.no_targets = int(last and targets is None)
+    mine.step_max, mine.step_neg_min = step, -step
     words = torch.tensor(astuple(mine), dtype=torch.int64)
     start = time.monotonic()
     try:
         dist.all_reduce(words, op=dist.ReduceOp.MAX, group=group)
     except RuntimeError as e:
         if is_peer_lost(e):
-            raise peer_lost(e, "the step-start batch check", start) from e
+            raise peer_lost(e, f"the step-start batch check of {_describe_step(step)}", start) from e
         raise
     combined = BatchView(*words.tolist())
+    if combined.sizes("step")[0] != combined.sizes("step")[1]:
+        _raise_uneven_steps(step, group)
     _raise_errors(combined, mine, m, need_targets)
     return combined
+
+
+def _raise_uneven_steps(step: int, group: Any) -> None:
+    """Every rank saw steps differ: gather them (every rank is here) and name who is where."""
+    steps = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(steps, torch.tensor([step], dtype=torch.int64), group=group)
+    ranks_at: dict[int, list[int]] = {}
+    for rank, word in enumerate(int(t) for t in steps):
+        ranks_at.setdefault(word, []).append(dist.get_global_rank(group, rank) if group is not None else rank)
+    where = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} at {_describe_step(w)}"
+                      for w, r in sorted(ranks_at.items(), reverse=True))
+    raise ValueError(f"the ranks called train_step / eval_step a different number of times ({where}; ahead "
+                     f"first): every rank must run the same steps in the same order; give every data rank "
+                     f"the same number of batches (an uneven shard runs ahead: drop its remainder)")
+
+
+def _describe_step(word: int) -> str:
+    return f"training step {word // 2}" if word % 2 == 0 else f"an evaluation after training step {word // 2}"
 
 
 def split_batch(batch: Any, m: int, device: torch.device) -> list:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from pipezero.comm import P2P, CommTimeout, PeerLost, nvtx_range
 from pipezero.pipe.schedule.actions import Op
-from pipezero.pipe.batch_check import check_batch, split_batch
+from pipezero.pipe.batch_check import check_batch, split_batch, step_word
 from pipezero.pipe.dealloc import free, freeable, saved_storages
 from pipezero.pipe.deferred_linear import WeightSink, collecting, has_deferring_linear
 from pipezero.pipe.gathering import chunk_gatherings
@@ -90,6 +90,7 @@ class PipelineRunner:
         self._p2ps: dict[bool, P2P] = {}  # train / eval: streams differ in requires_grad
         self._side_group = side_group(self.grid)
         self._check_group = cpu_world_group()
+        self._train_steps = 0  # train_step calls so far: the step-start check compares them over the ranks
         self._signature: int | None = None
         self._gathering = chunk_gatherings(self._listener, model, {True: [s.action.chunk for s in self.steps],
                                            False: [s.action.chunk for s in self.forward_steps]}, reshard_after_forward)
@@ -147,7 +148,9 @@ class PipelineRunner:
         m, model = self.num_microbatches, self.model
         first = any(model.is_first(c) for c in range(model.num_chunks))
         last = any(model.is_last(c) for c in range(model.num_chunks))
-        view = check_batch(inputs, targets, m, need_targets, first=first, last=last, group=self._check_group)
+        self._train_steps += int(need_targets)  # train_step needs targets, eval_step does not
+        view = check_batch(inputs, targets, m, need_targets, first=first, last=last, group=self._check_group,
+                           step=step_word(self._train_steps, train=need_targets))
         self._new_p2p_if_shapes_changed(view.signature, need_targets, bool(view.listed))
         self._inputs = split_batch(inputs, m, model.device) if first else None
         self._targets = split_batch(targets, m, model.device) if last and targets is not None else None

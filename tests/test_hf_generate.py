@@ -230,6 +230,8 @@ def _pipe2(path: str, stop: int, microbatches: int, all_stops: list[int]):
         hf_generate(module, ids, NEW, mask, cuda_graph=True)
     with pytest.raises(ValueError, match=r"cuda_graph=True\) replays the static decode step.*static_cache=False"):
         hf_generate(module, ids, NEW, mask, static_cache=False, cuda_graph=True)
+    with pytest.raises(ValueError, match=r"rows \[1, 3\] have padding after a token .*pad the prompts on the left"):
+        hf_generate(module, ids, NEW, mask.flip(-1))  # right padding: transformers gives other tokens, with a warning
     ended = [hf_generate(module, ids, NEW, mask, stop_tokens=all_stops, pad_token_id=PAD, microbatches=microbatches,
                          static_cache=static) for static in STATIC]
     config = hf_config(module)

@@ -158,6 +158,8 @@ def hf_generate(module: Any, input_ids: torch.Tensor, max_new_tokens: int,
                 static_cache: bool | None = None, cuda_graph: bool | None = None) -> torch.Tensor:
     """[B, P] prompts (left-padded; attention_mask 1 = token) -> [B, P + n] prompts and new tokens.
 
+    A right-padded mask (a 0 after a 1) is refused: the new tokens would follow the padding.
+
     module: a PipelineModule of hf_layer_specs (tensor=1); every pipe rank of one data replica
     passes the same prompts and gets the same tokens. n <= max_new_tokens: generation stops
     when every row has emitted one of stop_tokens; rows that stopped earlier are filled with
@@ -356,11 +358,17 @@ def _check(module: Any, ids: Any, n: Any, mask: Any, microbatches: Any) -> torch
     if mask.shape != ids.shape:
         raise ValueError(f"hf_generate: attention_mask of shape {tuple(mask.shape)} does not match input_ids "
                          f"{tuple(ids.shape)}; expected the same [batch, prompt] shape, 0 on left padding")
+    mask = mask.long()
     if not bool((mask.sum(-1) > 0).all()):
         raise ValueError("hf_generate: a row of attention_mask is all zeros; every prompt needs >= 1 token")
+    rows = (mask[:, 1:] < mask[:, :-1]).any(-1).nonzero()[:, 0].tolist()  # a 0 after a 1
+    if rows:
+        raise ValueError(f"hf_generate: attention_mask rows {rows[:8]} have padding after a token (row {rows[0]}: "
+                         f"{mask[rows[0]].tolist()}, right padding); new tokens follow the last column, so pad "
+                         "the prompts on the left (tokenizer.padding_side = 'left'), as generation expects")
     if microbatches is not None and (not isinstance(microbatches, int) or not 1 <= microbatches <= ids.size(0)):
         raise ValueError(f"hf_generate(microbatches={microbatches!r}): expected None or 1..batch={ids.size(0)}")
-    return mask.long()
+    return mask
 
 
 def _describe(x: object) -> str:

@@ -76,6 +76,18 @@ def data_ranks_batch_sizes_differ():
     _mlp(pipe=1).train_step(_x(n), _x(n))
 
 
+@case(("called train_step / eval_step a different number of times", "rank 0 at training step 2",
+       "rank 1 at an evaluation after training step 1"))
+def data_ranks_uneven_step_counts():
+    """Data rank 0 runs one training step more (a shard with one batch more), then both evaluate:
+    without a step count in the step-start check, rank 0's train step met rank 1's evaluation."""
+    import torch.distributed as dist
+    runner = _mlp(pipe=1)
+    for _ in range(2 if dist.get_rank() == 0 else 1):
+        runner.train_step(_x(), _x())
+    runner.eval_step(_x(), _x())
+
+
 @case(("tensors differ in their batch dimension",))
 def ragged_input_tuple():
     from pipezero.pipe import LayerSpec, OneFOneB, PipelineModule, PipelineRunner

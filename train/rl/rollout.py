@@ -3,11 +3,17 @@
 One call is the experience phase of DeepSpeed-Chat's hybrid engine: the ZeRO shards are
 gathered once (`gathered(opt, dtype)`: whole weights, optionally bf16), the policy generates
 with its KV cache (pipe/hf/generate.py) and, if asked, scores the old log-probs while the
-weights are whole, the copies are freed, then the user's reward function scores each completion and the
-advantages follow (group-relative for GRPO, a batch baseline for REINFORCE). The returned
+weights are whole, the copies are freed, then the user's reward functions score each completion
+(summed ignoring NaN, as TRL sums them) and the advantages follow (group-relative for GRPO, a
+batch baseline for REINFORCE); one all-reduce over the data group counts the step's completion
+tokens (DAPO's divisor) and carries whether a reward function failed on any rank. The returned
 `Rollout` feeds `train_step` (or a PipelineRunner: its inputs and target are tensors split
 into microbatches). Scoring runs the module whole, so the RL step itself is pipe=1; the
 generation alone also runs across a pipeline.
+
+Positions: `policy_inputs` counts each row's positions from its attention mask, as generation
+did, so left padding shifts nothing. TRL's training forward passes no position ids and so
+counts left padding as positions; pipezero keeps generation's positions on purpose.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from pipezero.pipe.hf.generate import Sampling, hf_generate
 from pipezero.train.rl.advantages import batch_baseline, group_advantages
@@ -25,10 +32,12 @@ from pipezero.train.rl.loss import GRPOConfig, PolicyLoss, Reduction, RolloutTar
 from pipezero.train.rl.reference import Reference
 from pipezero.zero.gathered import gathered
 
-__all__ = ["RewardFn", "Rollout", "completion_mask", "policy_inputs", "rollout", "train_step"]
+__all__ = ["RewardFn", "Rollout", "completion_mask", "mean_completion_tokens", "policy_inputs", "rollout",
+           "train_step"]
 
-RewardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""(prompt_ids [B, P], prompt_mask [B, P], completion [B, n], completion_mask [B, n]) -> rewards [B]."""
+RewardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
+"""(prompt_ids [B, P], prompt_mask [B, P], completion [B, n], completion_mask [B, n]) -> B rewards: a [B]
+tensor or a list of B numbers, None (or NaN) for a completion the function cannot score."""
 
 
 @dataclass(slots=True)
@@ -49,6 +58,21 @@ def completion_mask(completion: torch.Tensor, stop_tokens: Sequence[int]) -> tor
     return (after == 0).long()
 
 
+def mean_completion_tokens(mask: torch.Tensor, data_group: Any | None) -> torch.Tensor:
+    """[B, n] completion mask -> [B], each row the step's completion tokens per row over every data rank
+    (one all-reduce over data_group; None: this rank's rows alone): RolloutTarget.mean_tokens, DAPO's divisor."""
+    return _agree(mask, 0, data_group)[0]
+
+
+def _agree(mask: torch.Tensor, failed: int, data_group: Any | None) -> tuple[torch.Tensor, int]:
+    """(mean_completion_tokens, how many data ranks had failed) from one all-reduce."""
+    counts = torch.tensor([int(mask.sum()), mask.size(0), failed], dtype=torch.long, device=mask.device)
+    if data_group is not None and dist.get_world_size(data_group) > 1:
+        dist.all_reduce(counts, group=data_group)
+    tokens, rows, failures = counts.tolist()
+    return torch.full((mask.size(0),), tokens / max(rows, 1), device=mask.device), failures
+
+
 def policy_inputs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                   completion: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, attention_mask, position_ids) of left-padded prompt + completion, positions as generation counted them."""
@@ -58,7 +82,8 @@ def policy_inputs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     return ids, mask, positions
 
 
-def rollout(module: Any, opt: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, reward_fn: RewardFn, *,
+def rollout(module: Any, opt: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+            reward_fn: RewardFn | Sequence[RewardFn], *,
             group_size: int, max_new_tokens: int, sampling: Sampling, stop_tokens: Sequence[int],
             pad_token_id: int, config: GRPOConfig = GRPOConfig(), reference: Reference | None = None,
             gather_dtype: torch.dtype | None = None, generator: torch.Generator | None = None,
@@ -66,8 +91,10 @@ def rollout(module: Any, opt: Any, prompt_ids: torch.Tensor, prompt_mask: torch.
     """Sample group_size completions of each prompt from the policy and turn them into a Rollout.
 
     opt: the ZeroOptimizer (any stage) that owns the policy's weights; under ZeRO-3 they are
-    gathered once for the phase. reference: needed when config.beta > 0. score_old: keep the
-    sampling policy's log-probs (scored while the weights are whole) for several steps on one
+    gathered once for the phase. reward_fn: one RewardFn or several, whose rewards are summed
+    ignoring NaN (TRL's nansum; NaN where every function gave NaN: advantage 0); a failing or
+    malformed reward is raised on every data rank. reference: needed when config.beta > 0.
+    score_old: keep the sampling policy's log-probs (scored while the weights are whole) for several steps on one
     rollout; without it the ratio is taken against the training forward's own detached
     log-probs, exact for one step per rollout (TRL's num_iterations=1) and one forward cheaper.
     """
@@ -104,12 +131,55 @@ def rollout(module: Any, opt: Any, prompt_ids: torch.Tensor, prompt_mask: torch.
     timings.update(gather_s=(t1 - t0) + (time.perf_counter() - t3), generate_s=t2 - t1, score_s=t3 - t2)
     t4 = time.perf_counter()
     done = completion_mask(completion, stop_tokens)
-    rewards = reward_fn(ids, mask, completion, done).float()
+    try:  # a failure on one data rank is raised on every rank, not left to hang the next collective
+        rewards, error = _rewards(reward_fn, (ids, mask, completion, done), group_size), None
+    except Exception as e:  # noqa: BLE001 (the user's function: any error, re-raised below)
+        rewards, error = None, e
+    mean_tokens, failures = _agree(done, int(error is not None), module.grid.data_group)
+    if error is not None:
+        raise error
+    if failures:
+        raise RuntimeError(f"rollout: the reward function failed on {failures} other data rank(s); their error "
+                           "is on those ranks")
     advantages = batch_baseline(rewards) if config.reinforce else group_advantages(rewards, group_size)
     ref = (reference.completion_logprobs(inputs, completion, config.temperature) if reference is not None
            else torch.zeros(completion.shape, device=completion.device))
     timings["reward_s"] = time.perf_counter() - t4
-    return Rollout(inputs, RolloutTarget(completion, done, advantages, old, ref.float()), rewards, timings)
+    target = RolloutTarget(completion, done, advantages, old, ref.float(), mean_tokens)
+    return Rollout(inputs, target, rewards, timings)
+
+
+def _rewards(reward_fn: RewardFn | Sequence[RewardFn], args: tuple[torch.Tensor, ...],
+             group_size: int) -> torch.Tensor:
+    """[B] rewards: each function's, summed ignoring NaN; NaN where every function gave NaN (or None)."""
+    fns = [reward_fn] if callable(reward_fn) else list(reward_fn)
+    if not fns or not all(callable(f) for f in fns):
+        raise TypeError(f"rollout(reward_fn={reward_fn!r}): expected a reward function or a non-empty list of them")
+    per_fn = torch.stack([_as_rewards(f, f(*args), args[2], group_size) for f in fns], 1)
+    return per_fn.nansum(1).masked_fill(per_fn.isnan().all(1), torch.nan)
+
+
+def _as_rewards(fn: RewardFn, out: Any, completion: torch.Tensor, group_size: int) -> torch.Tensor:
+    """One function's output as [B] fp32 rewards (None -> NaN), or an error naming the function."""
+    b = completion.size(0)
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    expected = (f"expected {b} rewards, one per completion ({b // group_size} prompts x group_size "
+                f"{group_size}), as a [{b}] tensor or a list")
+    if isinstance(out, torch.Tensor):
+        if out.dim() != 1 or out.numel() != b:
+            raise ValueError(f"rollout: reward function {name} returned a tensor of shape {tuple(out.shape)}; "
+                             f"{expected}")
+        return out.detach().float().to(completion.device)
+    if not isinstance(out, (list, tuple)):
+        raise TypeError(f"rollout: reward function {name} returned {type(out).__name__}; {expected}")
+    if len(out) != b:
+        raise ValueError(f"rollout: reward function {name} returned {len(out)} rewards; {expected}")
+    try:
+        values = [torch.nan if r is None else float(r) for r in out]
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"rollout: reward function {name} returned a list holding a non-number ({e}); "
+                        f"{expected}, None for a completion it cannot score") from e
+    return torch.tensor(values, dtype=torch.float32, device=completion.device)
 
 
 def train_step(module: Any, opt: Any, batch: Rollout, loss: PolicyLoss) -> float:
