@@ -207,7 +207,7 @@ class PipelineModule(nn.Module):
 
     # -- tied weights -------------------------------------------------------------------
     def _make_tie_groups(self) -> None:
-        """One process group per tied key and (data, tensor) coordinate, created on every rank
+        """One process group per tied key and coordinate off the pipe axis, created on every rank
         in the same order (dist.new_group is collective); then broadcast from the first owner."""
         grid = self.grid
         for key, indices in _tied_indices(self._specs).items():
@@ -215,12 +215,11 @@ class PipelineModule(nn.Module):
             ranks_pipe = sorted(set(owners))
             if len(ranks_pipe) < 2:
                 continue
-            for data in range(grid.data_size):
-                for tensor in range(grid.tensor_size):
-                    ranks = [grid.rank_of(pipe=p, data=data, tensor=tensor) for p in ranks_pipe]
-                    group = dist.new_group(ranks)
-                    if grid.rank in ranks:
-                        self._tie_groups[key] = (group, grid.rank_of(pipe=owners[0]))
+            for line in grid.axis_groups("pipe"):  # one per (data, sequence, tensor) coordinate
+                ranks = [line[p] for p in ranks_pipe]
+                group = dist.new_group(ranks)
+                if grid.rank in ranks:
+                    self._tie_groups[key] = (group, grid.rank_of(pipe=owners[0]))
         for key, (group, src) in self._tie_groups.items():
             spec = self._specs[_tied_indices(self._specs)[key][0]]
             for p in spec.tied_parameters(self.tied[key]):

@@ -134,7 +134,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     inner = optimizer if optimizer is not None else build_optimizer(
         cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])
     scaler = _scaler(cfg, inner, dtype)
-    zero = ZeroOptimizer(scaler, group=grid.data_group, module=module if cfg.zero.stage == 3 else None,
+    zero = ZeroOptimizer(scaler, group=grid.data_sequence_group, module=module if cfg.zero.stage == 3 else None,
                          config=cfg.zero)
     scheduler = build_scheduler(cfg.scheduler, inner) if cfg.scheduler is not None else None
     runner = PipelineRunner(module, schedule, optimizer=zero, timeout_s=cfg.pipeline.timeout,

@@ -11,7 +11,7 @@ auto.py), so every rank reaches the same verdict without communicating.
 
     cfg = parse_config("ds_config.json", world_size=4, hidden_size=768)
     scaler = LossScaler.from_config(inner, cfg.precision.scaler)
-    zero = ZeroOptimizer(scaler, group=grid.data_group, config=cfg.zero)
+    zero = ZeroOptimizer(scaler, group=grid.data_sequence_group, config=cfg.zero)
 """
 
 from __future__ import annotations

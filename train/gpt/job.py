@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> float:
                            float8=Float8Config(recipe=args.float8) if args.float8 else None).to(cfg.compute_dtype)
     adamw = build_optimizer(cfg.optimizer, model.parameters())     # torch AdamW: the config's lr, betas, decay
     scaler = LossScaler.from_config(adamw, cfg.precision.scaler)   # fp16 loss scale, inf/nan skips, clipping
-    opt = ZeroOptimizer(scaler, group=grid.data_group, config=cfg.zero,
+    opt = ZeroOptimizer(scaler, group=grid.data_sequence_group, config=cfg.zero,
                         module=model if cfg.zero.stage == 3 else None)  # stage 3 also partitions the weights
     runner = PipelineRunner(model, schedule, optimizer=opt, timeout_s=cfg.pipeline.timeout,
                             reshard_after_forward=cfg.pipeline.reshard_after_forward)
