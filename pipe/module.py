@@ -25,6 +25,7 @@ from pipezero.pipe.float8 import Float8Config, check_float8, to_float8
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.schedule.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.shared_layers import check_shared_layers
+from pipezero.pipe.sequence.layers import split_sequence
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec, layer_name
 from pipezero.pipe.stage_errors import LayerError, describe_input, layer_error
 from pipezero.pipe.tensor_parallel import (PlanSource, apply_tensor_plan, check_tensor_plan,
@@ -79,6 +80,8 @@ class PipelineModule(nn.Module):
         for chunk in range(num_chunks):
             for index in range(*self.chunk_range(chunk)):
                 self._build(index)
+        if grid.sequence_size > 1:  # attention exchanges with the sequence group, each slice's loss its share
+            self.loss_fn = split_sequence(self._specs, self, loss_fn, grid)
         self._tie_groups: dict[str, Any] = {}
         self._make_tie_groups()
         if grid.tensor_size > 1:

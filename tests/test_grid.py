@@ -43,8 +43,8 @@ def _check_all(shapes):
             assert grid.group_ranks(axis) == members
             group = getattr(grid, f"{axis}_group")
             assert dist.get_process_group_ranks(group) == members
-            mesh = grid.data_sequence_mesh if axis == "data_sequence" else grid.mesh[axis]
-            assert mesh.size() == len(members)
+            if axis != "data_sequence":
+                assert grid.mesh[axis].size() == len(members)
         assert grid.data_sequence_size == d * s and grid.data_sequence_rank == me[1] * s + me[2]
         assert grid.axes == (("pipe", p), ("data", d), ("sequence", s), ("tensor", t))
         assert grid.is_first_stage == (me[0] == 0)

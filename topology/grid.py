@@ -4,9 +4,8 @@ The grid's axes are one ordered list, `AXES`, slowest first: pipe, data, sequenc
 A rank's coordinates are its digits in that mixed radix (tensor fastest, as in Megatron-LM
 and DeepSpeed): rank = ((pipe * data_deg + data) * sequence_deg + sequence) * tensor_deg + tensor.
 A new axis (experts) is one more entry of the list. The grid is a torch DeviceMesh with those
-dims; `grid.mesh` is that mesh, so DTensor and FSDP work on its sub-meshes; its one flattened
-dim, "data_sequence" (FLATTENED), the ranks that reduce gradients together, is
-`grid.data_sequence_mesh`.
+dims; `grid.mesh` is that mesh, so DTensor and FSDP work on its sub-meshes. FLATTENED names the
+groups that join several axes: "data_sequence", the ranks that reduce gradients together.
 
 Across nodes: torchrun gives each node's agent one contiguous block of global ranks
 (node n holds ranks n * nproc_per_node ... (n + 1) * nproc_per_node - 1), so the axes that
@@ -28,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -174,11 +173,21 @@ class Grid:
         self.data_group = self.mesh.get_group("data")
         self.sequence_group = self.mesh.get_group("sequence")
         self.tensor_group = self.mesh.get_group("tensor")
-        flat = {name: self.mesh[joined]._flatten(name) for name, joined in FLATTENED.items()}  # collective
-        self.data_sequence_mesh: DeviceMesh = flat["data_sequence"]  # 1-D (torch wants flattened meshes kept)
-        self.data_sequence_group = self.data_sequence_mesh.get_group()
+        self.data_sequence_group = self._flattened_group("data_sequence")
         self.data_sequence_size = self.data_size * self.sequence_size
         self.data_sequence_rank = self.data_rank * self.sequence_size + self.sequence_rank
+
+    def _flattened_group(self, name: str) -> Any:
+        """The process group of this rank along FLATTENED[name]: an axis's own when the others are 1, else
+        new groups over axis_groups (dist.new_group is collective: every rank makes all, in order)."""
+        used = [axis for axis in FLATTENED[name] if getattr(self, f"{axis}_size") > 1]
+        if len(used) < 2:
+            return self.mesh.get_group(used[0] if used else FLATTENED[name][0])
+        mine = None
+        for ranks in self.axis_groups(name):
+            group = dist.new_group(ranks)
+            mine = group if self.rank in ranks else mine
+        return mine
 
     # -- coordinates --------------------------------------------------------------
     def coords(self, rank: int) -> Coords:

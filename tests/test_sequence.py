@@ -1,0 +1,123 @@
+"""Sequence parallelism (pipe/sequence/) equals transformers' model on the whole sequence in one process.
+
+The truth: the tiny model's loss and gradients on whole rows (packed documents through position ids
+that restart, as transformers reads them), one row per microbatch. Each grid splits every row in
+`sequence` slices (shard_batch), runs Ulysses attention around the model's own SDPA, and takes one
+SGD step of lr 1 through ZeroOptimizer, so each parameter's change is its averaged gradient: the
+loss and every gradient must equal the truth's within 1e-5 (fp32). Documents cross the slice
+boundaries; key/value heads (2) are fewer than the degree 4 (replicated) and as many as 2 (split).
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from harness import run  # noqa: E402
+from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
+from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
+from pipezero.pipe.hf.specs import _HFLayer  # noqa: E402
+from pipezero.pipe.sequence import check_heads, next_token_labels, shard_batch, whole_positions  # noqa: E402
+from pipezero.topology import Grid  # noqa: E402
+from pipezero.zero import ZeroOptimizer  # noqa: E402
+
+VOCAB, SEQ, ROWS = 64, 16, 4
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+CONFIGS = {"llama": lambda: transformers.LlamaConfig(**_COMMON),
+           "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=8)}
+SCHEDULES = {"1f1b": (OneFOneB, 1, "looped"), "interleaved": (Interleaved1F1B, 2, "looped"),
+             "zbv": (ZeroBubbleV, 2, "v")}
+DOCS = [5, 7, 4]  # packed: documents of 5, 7 and 4 tokens cross the slice boundaries at 4, 8 and 12
+
+
+def _model(family):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation="sdpa")
+
+
+def _batch(packed):
+    """(ids, positions, labels) of ROWS whole rows: labels shifted on the whole row, none across documents."""
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(7))
+    positions, labels = whole_positions(ids), next_token_labels(ids)
+    if packed:
+        positions = torch.cat([torch.arange(n) for n in DOCS]).expand(ROWS, SEQ).contiguous()
+        ends = torch.tensor(DOCS).cumsum(0) - 1
+        labels[:, ends] = -100  # a document's last token does not predict the next document's first
+    return ids, positions, labels
+
+
+def _truth(family, packed):
+    """Loss (mean over rows of each row's token mean) and gradients by Hugging Face name, in one process."""
+    model = _model(family)
+    ids, positions, labels = _batch(packed)
+    losses = [causal_lm_loss(model(ids[i:i + 1], position_ids=positions[i:i + 1], use_cache=False).logits,
+                             labels[i:i + 1])
+              for i in range(ROWS)]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _run(family, pipe, sequence, schedule, stage, packed):
+    make, chunks, placement = SCHEDULES[schedule]
+    grid = Grid(pipe=pipe, sequence=sequence)
+    model = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss, num_chunks=chunks,
+                           placement=placement, partition_method="uniform")
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), stage=stage, group=grid.data_sequence_group,
+                        module=model if stage == 3 else None)
+    before = _by_name(model, opt)
+    m = ROWS // grid.data_size
+    runner = PipelineRunner(model, make(num_microbatches=m), optimizer=opt)
+    ids, positions, labels = _batch(packed)
+    rows = slice(grid.data_rank * m, (grid.data_rank + 1) * m)
+    inputs, targets = shard_batch((ids[rows], None, positions[rows]), labels[rows], grid)
+    loss = runner.train_step(inputs, targets).item()
+    opt.step()
+    after = _by_name(model, opt)
+    return loss, {n: before[n] - after[n] for n in after}  # SGD of lr 1: the gradient
+
+
+def _by_name(model, opt):
+    names = {id(p): n for layer in model.modules() if isinstance(layer, _HFLayer) for n, p in layer.hf_parameters()}
+    return {names[id(p)]: full.clone() for p, full in opt.full_parameters()}
+
+
+CASES = [  # (family, pipe, sequence, schedule, ZeRO stage, packed) on 4 ranks: data = 4 / (pipe x sequence)
+    ("llama", 1, 4, "1f1b", 0, True),          # 2 key/value heads < degree 4: replicated
+    ("llama", 1, 2, "1f1b", 1, True),          # data 2 x sequence 2, ZeRO-1
+    ("llama", 2, 2, "1f1b", 0, True),          # the slices flow between stages
+    ("llama", 2, 2, "interleaved", 1, False),
+    ("llama", 2, 2, "zbv", 0, True),
+    ("qwen3", 1, 2, "1f1b", 3, True),          # ZeRO-3 over data x sequence; Qwen3's per-head norms
+]
+
+
+def _all_cases():
+    out = []
+    for family, pipe, sequence, schedule, stage, packed in CASES:
+        loss, grads = _run(family, pipe, sequence, schedule, stage, packed)
+        out.append((loss, grads))
+    return out
+
+
+def test_sequence_parallel_equals_one_process():
+    results = run(_all_cases, 4, timeout=600)
+    for i, (family, pipe, sequence, schedule, stage, packed) in enumerate(CASES):
+        want_loss, want = _truth(family, packed)
+        for rank, got in enumerate(results):
+            loss, grads = got[i]
+            where = f"{CASES[i]} rank {rank}"
+            assert loss == pytest.approx(want_loss, abs=1e-5), where
+            assert grads, where
+            for name, g in grads.items():
+                torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{where} {name}: {m}")
+
+
+def test_heads_the_degree_cannot_split_are_refused_naming_both():
+    check_heads(4, 2, 4, "m")  # replicated key/value heads
+    check_heads(8, 4, 2, "m")  # split
+    with pytest.raises(ValueError, match="6 heads do not divide by 4"):
+        check_heads(6, 6, 4, "m")
+    with pytest.raises(ValueError, match="sequence degree 4 and 6 key/value heads"):
+        check_heads(12, 6, 4, "m")
