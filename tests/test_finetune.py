@@ -1,7 +1,7 @@
 """pipezero.train.finetune (examples/train_hf.py): the job users run, on a chat JSONL and a local model.
 
 One world of 2 (pipe 2) runs 4 steps straight, then 2 steps, then a rerun to 4 that resumes
-from the checkpoint: the exported weights are bitwise those of the straight run (the data
+from the checkpoint (and 2 steps with --sequence-parallel 2 must give the 2-step loss): the exported weights are bitwise those of the straight run (the data
 position, LR schedule and optimizer state come back), and the export loads in transformers
 with its tokenizer. An unwritable --out fails before any training; a chat file for a
 tokenizer without a chat template fails with the file and line.
@@ -43,9 +43,9 @@ def _chats(path: Path) -> Path:
     return path
 
 
-def _job(root: str, out: str, steps: int) -> float:
+def _job(root: str, out: str, steps: int, layout: tuple[str, ...] = ("--pipe", "2")) -> float:
     from pipezero.train.finetune import main
-    return main(["--model", f"{root}/model", "--data", f"{root}/chat.jsonl", "--pipe", "2", "--seq-len", "32",
+    return main(["--model", f"{root}/model", "--data", f"{root}/chat.jsonl", *layout, "--seq-len", "32",
                  "--steps", str(steps), "--lr", "3e-3", "--out", out, "--cache-dir", f"{root}/cache",
                  "--tokenize-workers", "0", "--eval-interval", "2", "--save-interval", "2", "--val-fraction", "0.1",
                  "--micro-batches", "2", "--batch-size", "2"])
@@ -53,7 +53,7 @@ def _job(root: str, out: str, steps: int) -> float:
 
 def _three_jobs(root: str) -> list[float]:
     return [_job(root, f"{root}/straight", 4), _job(root, f"{root}/resumed", 2), _job(root, f"{root}/resumed", 4),
-            _bytes_job(root)]
+            _bytes_job(root), _job(root, f"{root}/sequence", 2, ("--pipe", "1", "--sequence-parallel", "2"))]
 
 
 def _bytes_job(root: str) -> float:
@@ -76,6 +76,8 @@ def test_finetune_resumes_exactly_and_exports(tmp_path):
     losses = run(_three_jobs, 2, str(tmp_path), timeout=300)
     assert (tmp_path / "bytes" / "model" / "config.json").is_file()
     assert losses[0][0] == losses[0][2] and losses[0][1] != losses[0][2], losses
+    # each row split over 2 sequence ranks (the prompts' untrained tokens unevenly): pipe 2's loss at step 2
+    assert losses[0][4] == pytest.approx(losses[0][1], abs=1e-5), losses
     from safetensors.torch import load_file
 
     files = sorted((tmp_path / "straight" / "model").glob("*.safetensors"))
