@@ -6,6 +6,8 @@ that restart, as transformers reads them), one row per microbatch. Each grid spl
 SGD step of lr 1 through ZeroOptimizer, so each parameter's change is its averaged gradient: the
 loss and every gradient must equal the truth's within 1e-5 (fp32). Documents cross the slice
 boundaries; key/value heads (2) are fewer than the degree 4 (replicated) and as many as 2 (split).
+The GPT of pipezero.train.gpt (its packed rows: ids, positions, segment ids) against its one-process
+GPT the same way, pipe 2 x sequence 2 (the tied embedding and head on two stages).
 """
 
 import pytest
@@ -29,6 +31,15 @@ CONFIGS = {"llama": lambda: transformers.LlamaConfig(**_COMMON),
 SCHEDULES = {"1f1b": (OneFOneB, 1, "looped"), "interleaved": (Interleaved1F1B, 2, "looped"),
              "zbv": (ZeroBubbleV, 2, "v")}
 DOCS = [5, 7, 4]  # packed: documents of 5, 7 and 4 tokens cross the slice boundaries at 4, 8 and 12
+
+
+def _gpt_config():
+    from pipezero.train.gpt.model import GPTConfig
+
+    return GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, seq_len=SEQ)
+
+
+GPT_CONFIG = _gpt_config()
 
 
 def _model(family):
@@ -87,10 +98,54 @@ CASES = [  # (family, pipe, sequence, schedule, ZeRO stage, packed) on 4 ranks: 
     ("llama", 1, 4, "1f1b", 0, True),          # 2 key/value heads < degree 4: replicated
     ("llama", 1, 2, "1f1b", 1, True),          # data 2 x sequence 2, ZeRO-1
     ("llama", 2, 2, "1f1b", 0, True),          # the slices flow between stages
-    ("llama", 2, 2, "interleaved", 1, False),
-    ("llama", 2, 2, "zbv", 0, True),
+    ("llama", 2, 2, "interleaved", 1, True),  # two chunks per rank
+    ("llama", 2, 2, "zbv", 0, False),         # a V of chunks, split backward
     ("qwen3", 1, 2, "1f1b", 3, True),          # ZeRO-3 over data x sequence; Qwen3's per-head norms
 ]
+
+
+GPT_CASES = [(2, 2, 1)]  # the GPT's blocks: (pipe, sequence, ZeRO stage), packed rows, 1F1B, tied across stages
+
+
+def _gpt_batch():
+    """(ids, positions, segments) and the next-token targets of packed rows (train/data's GPT inputs)."""
+    ids, positions, labels = _batch(packed=True)
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(DOCS)]).expand(ROWS, SEQ).contiguous()
+    return (ids, positions, segments), labels.clamp(min=0)  # the GPT's loss trains every position
+
+
+def _gpt_truth():
+    from pipezero.train.gpt.model import GPT, gpt_loss
+
+    model = GPT(GPT_CONFIG)
+    inputs, targets = _gpt_batch()
+    loss = torch.stack([gpt_loss(model(tuple(t[i:i + 1] for t in inputs)), targets[i:i + 1])
+                        for i in range(ROWS)]).mean()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _gpt_run(pipe, sequence, stage):
+    from pipezero.train.gpt.model import gpt_loss, gpt_specs
+
+    grid = Grid(pipe=pipe, sequence=sequence)
+    model = PipelineModule(gpt_specs(GPT_CONFIG), grid=grid, loss_fn=gpt_loss, partition_method="uniform")
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), stage=stage, group=grid.data_sequence_group)
+    names = {id(p): _gpt_name(n) for n, p in model.named_parameters()}
+    before = {names[id(p)]: full.clone() for p, full in opt.full_parameters()}
+    m = ROWS // grid.data_size
+    runner = PipelineRunner(model, OneFOneB(num_microbatches=m), optimizer=opt)
+    inputs, targets = _gpt_batch()
+    rows = slice(grid.data_rank * m, (grid.data_rank + 1) * m)
+    inputs, targets = shard_batch(tuple(t[rows] for t in inputs), targets[rows], grid)
+    loss = runner.train_step(inputs, targets).item()
+    opt.step()
+    return loss, {names[id(p)]: before[names[id(p)]] - full for p, full in opt.full_parameters()}
+
+
+def _gpt_name(name):
+    """The pipeline's parameter name as the one-process GPT names it (the tied embedding is its layer 0)."""
+    return "layers.0." + name.split(".", 2)[2] if name.startswith("tied.") else name
 
 
 def _all_cases():
@@ -98,20 +153,23 @@ def _all_cases():
     for family, pipe, sequence, schedule, stage, packed in CASES:
         loss, grads = _run(family, pipe, sequence, schedule, stage, packed)
         out.append((loss, grads))
-    return out
+    return out, [_gpt_run(*case) for case in GPT_CASES]
 
 
 def test_sequence_parallel_equals_one_process():
     results = run(_all_cases, 4, timeout=600)
-    for i, (family, pipe, sequence, schedule, stage, packed) in enumerate(CASES):
-        want_loss, want = _truth(family, packed)
-        for rank, got in enumerate(results):
-            loss, grads = got[i]
-            where = f"{CASES[i]} rank {rank}"
-            assert loss == pytest.approx(want_loss, abs=1e-5), where
-            assert grads, where
-            for name, g in grads.items():
-                torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{where} {name}: {m}")
+    truths = [_truth(family, packed) for family, _, _, _, _, packed in CASES]
+    for cases, truths, index in ((CASES, truths, 0), (GPT_CASES, [_gpt_truth()] * len(GPT_CASES), 1)):
+        for i, case in enumerate(cases):
+            want_loss, want = truths[i]
+            for rank, got in enumerate(results):
+                loss, grads = got[index][i]
+                where = f"{case} rank {rank}"
+                assert loss == pytest.approx(want_loss, abs=1e-5), where
+                assert grads, where
+                for name, g in grads.items():
+                    torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-4,
+                                               msg=lambda m: f"{where} {name}: {m}")
 
 
 def test_heads_the_degree_cannot_split_are_refused_naming_both():

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipezero.pipe.sequence.comms import heads_to_sequence, sequence_to_heads
+from pipezero.pipe.sequence.comms import gather_sequence, heads_to_sequence, sequence_to_heads
 
 __all__ = ["Ulysses", "check_heads"]
 
@@ -57,6 +57,16 @@ class Ulysses:
         v = sequence_to_heads(self.replicated(value), self.group, self.degree)
         out, extra = attend(q, k, v, *args, **kwargs)
         return heads_to_sequence(out, self.group, self.degree), extra
+
+    def heads_first(self, attend: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The same for an attend that returns [b, heads / degree, s, d] (SDPA's layout): [b, heads, s_local, d]."""
+        out, _ = self(lambda q, k, v: (attend(q, k, v, *args, **kwargs).transpose(1, 2), None), query, key, value)
+        return out.transpose(1, 2)
+
+    def whole(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The whole sequence of a per-token tensor every rank holds a slice of (segment ids, positions)."""
+        return gather_sequence(x, self.group, self.degree, dim)
 
     def replicated(self, kv: torch.Tensor) -> torch.Tensor:
         """Key/value heads repeated up to the degree when there are fewer (each rank reads one)."""
