@@ -7,7 +7,8 @@ SGD step of lr 1 through ZeroOptimizer, so each parameter's change is its averag
 loss and every gradient must equal the truth's within 1e-5 (fp32). Documents cross the slice
 boundaries; key/value heads (2) are fewer than the degree 4 (replicated) and as many as 2 (split).
 The GPT of pipezero.train.gpt (its packed rows: ids, positions, segment ids) against its one-process
-GPT the same way, pipe 2 x sequence 2 (the tied embedding and head on two stages).
+GPT the same way, pipe 2 x sequence 2 (the tied embedding and head on two stages); LoRA adapters
+(lora_specs) against peft's model on the same base and starting adapters.
 """
 
 import pytest
@@ -148,18 +149,67 @@ def _gpt_name(name):
     return "layers.0." + name.split(".", 2)[2] if name.startswith("tied.") else name
 
 
-def _all_cases():
+def _peft_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def _lora_truth(root):
+    """peft's model on the base (adapters' B made non-zero, saved as its starting adapter directory)."""
+    import peft
+
+    base = _model("llama")
+    base.save_pretrained(f"{root}/base")
+    model = peft.get_peft_model(base, _peft_config())
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(f"{root}/start")
+    ids, positions, labels = _batch(packed=True)
+    loss = torch.stack([causal_lm_loss(model(ids[i:i + 1], position_ids=positions[i:i + 1], use_cache=False).logits,
+                                       labels[i:i + 1]) for i in range(ROWS)]).mean()
+    loss.backward()
+    grads = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad.clone()
+             for n, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), grads
+
+
+def _lora_run(root):
+    """Data 2 x sequence 2, ZeRO-1 over the adapters: one SGD step of lr 1 gives their gradients."""
+    from pipezero.pipe.lora import adapter_state_dict, lora_specs, trainable_parameters
+    from pipezero.train.checkpoint.lora_export import load_peft_adapter
+
+    grid = Grid(sequence=2)
+    model = PipelineModule(lora_specs(hf_layer_specs(f"{root}/base"), _peft_config()), grid=grid,
+                           loss_fn=causal_lm_loss)
+    load_peft_adapter(model, f"{root}/start")
+    opt = ZeroOptimizer(torch.optim.SGD(trainable_parameters(model), lr=1.0), stage=1, group=grid.data_sequence_group)
+    before = {n: t.clone() for n, t in adapter_state_dict(model).items()}
+    runner = PipelineRunner(model, OneFOneB(num_microbatches=2), optimizer=opt)
+    ids, positions, labels = _batch(packed=True)
+    rows = slice(grid.data_rank * 2, grid.data_rank * 2 + 2)
+    loss = runner.train_step(*shard_batch((ids[rows], None, positions[rows]), labels[rows], grid)).item()
+    opt.step()
+    return loss, {n: before[n] - t for n, t in adapter_state_dict(model).items()}
+
+
+def _all_cases(root):
     out = []
     for family, pipe, sequence, schedule, stage, packed in CASES:
         loss, grads = _run(family, pipe, sequence, schedule, stage, packed)
         out.append((loss, grads))
-    return out, [_gpt_run(*case) for case in GPT_CASES]
+    return out, [_gpt_run(*case) for case in GPT_CASES], [_lora_run(root)]
 
 
-def test_sequence_parallel_equals_one_process():
-    results = run(_all_cases, 4, timeout=600)
+def test_sequence_parallel_equals_one_process(tmp_path):
+    lora = _lora_truth(tmp_path)
+    results = run(_all_cases, 4, str(tmp_path), timeout=600)
     truths = [_truth(family, packed) for family, _, _, _, _, packed in CASES]
-    for cases, truths, index in ((CASES, truths, 0), (GPT_CASES, [_gpt_truth()] * len(GPT_CASES), 1)):
+    for cases, truths, index in ((CASES, truths, 0), (GPT_CASES, [_gpt_truth()] * len(GPT_CASES), 1),
+                                 (["lora"], [lora], 2)):
         for i, case in enumerate(cases):
             want_loss, want = truths[i]
             for rank, got in enumerate(results):
