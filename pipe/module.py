@@ -95,7 +95,7 @@ class PipelineModule(nn.Module):
         if self.compile_config is not None:
             compile_layers(self.layers.values(), self.compile_config, repeated)
             if loss_fn is not None and self.num_virtual_stages - 1 in self.stage_ids:
-                self.loss_fn = compile_loss(loss_fn, self.compile_config)
+                self.loss_fn = compile_loss(self.loss_fn, self.compile_config)
 
     # -- structure --------------------------------------------------------------------
     def chunk_range(self, chunk: int) -> tuple[int, int]:

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from harness import run  # noqa: E402
 from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
+from pipezero.pipe.compile import CompileConfig  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs  # noqa: E402
 from pipezero.pipe.hf.specs import _HFLayer  # noqa: E402
 from pipezero.pipe.sequence import check_heads, next_token_labels, shard_batch, whole_positions  # noqa: E402
@@ -71,11 +72,12 @@ def _truth(family, packed):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _run(family, pipe, sequence, schedule, stage, packed):
+def _run(family, pipe, sequence, schedule, stage, packed, compiled=False):
     make, chunks, placement = SCHEDULES[schedule]
     grid = Grid(pipe=pipe, sequence=sequence)
     model = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss, num_chunks=chunks,
-                           placement=placement, partition_method="uniform")
+                           placement=placement, partition_method="uniform",
+                           compile=CompileConfig(backend="aot_eager") if compiled else False)
     opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), stage=stage, group=grid.data_sequence_group,
                         module=model if stage == 3 else None)
     before = _by_name(model, opt)
@@ -102,6 +104,7 @@ CASES = [  # (family, pipe, sequence, schedule, ZeRO stage, packed) on 4 ranks: 
     ("llama", 2, 2, "interleaved", 1, True),  # two chunks per rank
     ("llama", 2, 2, "zbv", 0, False),         # a V of chunks, split backward
     ("qwen3", 1, 2, "1f1b", 3, True),          # ZeRO-3 over data x sequence; Qwen3's per-head norms
+    ("llama", 1, 2, "1f1b", 0, True, True),    # compiled layers and loss (CUDA's default; traced on CPU)
 ]
 
 
@@ -198,16 +201,15 @@ def _lora_run(root):
 
 def _all_cases(root):
     out = []
-    for family, pipe, sequence, schedule, stage, packed in CASES:
-        loss, grads = _run(family, pipe, sequence, schedule, stage, packed)
-        out.append((loss, grads))
+    for case in CASES:
+        out.append(_run(*case))
     return out, [_gpt_run(*case) for case in GPT_CASES], [_lora_run(root)]
 
 
 def test_sequence_parallel_equals_one_process(tmp_path):
     lora = _lora_truth(tmp_path)
     results = run(_all_cases, 4, str(tmp_path), timeout=600)
-    truths = [_truth(family, packed) for family, _, _, _, _, packed in CASES]
+    truths = [_truth(case[0], case[5]) for case in CASES]
     for cases, truths, index in ((CASES, truths, 0), (GPT_CASES, [_gpt_truth()] * len(GPT_CASES), 1),
                                  (["lora"], [lora], 2)):
         for i, case in enumerate(cases):

@@ -36,6 +36,7 @@ def _exchange(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+@torch.compiler.disable  # a compiled layer (pipe/compile.py) runs the exchange eagerly, a graph break
 def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """x [degree, ...]: part j goes to rank j; the result's part i came from rank i (autograd-aware)."""
     return _AllToAll.apply(x, group)
@@ -59,6 +60,7 @@ def heads_to_sequence(x: torch.Tensor, group, degree: int) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(b, s // degree, degree * heads_local, d)
 
 
+@torch.compiler.disable
 def gather_sequence(x: torch.Tensor, group, degree: int, dim: int = 1) -> torch.Tensor:
     """The whole of a tensor every rank holds a slice of along `dim` (no gradient: positions, masks)."""
     parts = [torch.empty_like(x) for _ in range(degree)]

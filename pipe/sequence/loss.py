@@ -55,12 +55,19 @@ class ShardMean:
         labels = targets[0] if isinstance(targets, (tuple, list)) else targets
         mine = (labels != self.ignore_index).sum() if not labels.is_floating_point() else labels.new_tensor(
             labels.numel())
-        counts = mine.detach().to(torch.float64).reshape(1).clone()
-        dist.all_reduce(counts, group=self.group)
-        if int(mine) == 0:  # no trained token here: the mean would be 0/0
+        mine, total = _counts(mine, self.group)
+        if mine == 0:  # no trained token here: the mean would be 0/0
             return _zero(output)
         loss = self.loss_fn(output, targets)
-        return loss * (float(mine) * self.degree / counts.item())
+        return loss * (mine * self.degree / total)
+
+
+@torch.compiler.disable  # eager under a compiled loss (pipe/compile.py): traced, the in-place sum was lost
+def _counts(mine: torch.Tensor, group: Any) -> tuple[int, int]:
+    """(this shard's trained tokens, the sequence group's): one small all-reduce."""
+    counts = mine.detach().to(torch.float64).reshape(1).clone()
+    dist.all_reduce(counts, group=group)
+    return int(mine), int(counts.item())
 
 
 def _zero(output: Any) -> torch.Tensor:
