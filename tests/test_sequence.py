@@ -231,3 +231,24 @@ def test_heads_the_degree_cannot_split_are_refused_naming_both():
         check_heads(6, 6, 4, "m")
     with pytest.raises(ValueError, match="sequence degree 4 and 6 key/value heads"):
         check_heads(12, 6, 4, "m")
+
+
+def _refusals():
+    grid = Grid(sequence=2, tensor=2)
+    try:
+        PipelineModule(hf_layer_specs(_model("llama").config), grid=grid, loss_fn=causal_lm_loss)
+    except ValueError as err:
+        tensor = str(err)
+    grid = Grid(sequence=4)
+    config = _model("llama").config
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 6, 6, 4
+    try:
+        PipelineModule(hf_layer_specs(config), grid=grid, loss_fn=causal_lm_loss)
+    except ValueError as err:
+        return tensor, str(err)
+
+
+def test_refusals_come_on_every_rank_before_any_collective():
+    for tensor, heads in run(_refusals, 4, timeout=300):
+        assert "a sequence axis with a tensor axis is not supported yet" in tensor
+        assert "6 heads do not divide by 4" in heads

@@ -38,6 +38,9 @@ def split_sequence(specs: Sequence[Any], layers: nn.Module, loss_fn: Callable | 
                          "mixes tokens through a split attention (SplitsSequence: hf_layer_specs' decoder layers, "
                          "the GPT's blocks), so each rank would attend within its slice only; use those layers "
                          "or sequence=1")
+    if grid.tensor_size > 1:  # the exchange would need the tensor rank's heads to split: not built yet
+        raise ValueError(f"sequence parallelism on {grid!r}: a sequence axis with a tensor axis is not supported "
+                         "yet; use tensor=1 (or sequence=1)")
     for spec in splitting:
         spec.cls.check_sequence(*spec.args, degree=degree, **spec.kwargs)
     for layer in layers.modules():
