@@ -22,9 +22,7 @@ def side_group(grid: Any) -> Any:
     if dist.get_backend(grid.pipe_group) != "nccl":
         return grid.pipe_group
     mine = None
-    for data in range(grid.data_size):
-        for tensor in range(grid.tensor_size):
-            ranks = [grid.rank_of(pipe=p, data=data, tensor=tensor) for p in range(grid.pipe_size)]
-            group = dist.new_group(ranks, backend="gloo")
-            mine = group if grid.rank in ranks else mine
+    for ranks in grid.axis_groups("pipe"):
+        group = dist.new_group(ranks, backend="gloo")
+        mine = group if grid.rank in ranks else mine
     return mine

@@ -17,7 +17,7 @@ ValueError on every rank, before any collective.
 
     specs = lora_specs(hf_layer_specs(path), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     model = PipelineModule(specs, grid, loss_fn=causal_lm_loss)
-    opt = ZeroOptimizer(torch.optim.AdamW(trainable_parameters(model)), stage=1, group=grid.data_group)
+    opt = ZeroOptimizer(torch.optim.AdamW(trainable_parameters(model)), stage=1, group=grid.data_sequence_group)
 """
 
 from __future__ import annotations

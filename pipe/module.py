@@ -25,6 +25,7 @@ from pipezero.pipe.float8 import Float8Config, check_float8, to_float8
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.schedule.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.shared_layers import check_shared_layers
+from pipezero.pipe.sequence.layers import split_sequence
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec, layer_name
 from pipezero.pipe.stage_errors import LayerError, describe_input, layer_error
 from pipezero.pipe.tensor_parallel import (PlanSource, apply_tensor_plan, check_tensor_plan,
@@ -79,6 +80,8 @@ class PipelineModule(nn.Module):
         for chunk in range(num_chunks):
             for index in range(*self.chunk_range(chunk)):
                 self._build(index)
+        if grid.sequence_size > 1:  # attention exchanges with the sequence group, each slice's loss its share
+            self.loss_fn = split_sequence(self._specs, self, loss_fn, grid)
         self._tie_groups: dict[str, Any] = {}
         self._make_tie_groups()
         if grid.tensor_size > 1:
@@ -92,7 +95,7 @@ class PipelineModule(nn.Module):
         if self.compile_config is not None:
             compile_layers(self.layers.values(), self.compile_config, repeated)
             if loss_fn is not None and self.num_virtual_stages - 1 in self.stage_ids:
-                self.loss_fn = compile_loss(loss_fn, self.compile_config)
+                self.loss_fn = compile_loss(self.loss_fn, self.compile_config)
 
     # -- structure --------------------------------------------------------------------
     def chunk_range(self, chunk: int) -> tuple[int, int]:
@@ -207,7 +210,7 @@ class PipelineModule(nn.Module):
 
     # -- tied weights -------------------------------------------------------------------
     def _make_tie_groups(self) -> None:
-        """One process group per tied key and (data, tensor) coordinate, created on every rank
+        """One process group per tied key and coordinate off the pipe axis, created on every rank
         in the same order (dist.new_group is collective); then broadcast from the first owner."""
         grid = self.grid
         for key, indices in _tied_indices(self._specs).items():
@@ -215,12 +218,11 @@ class PipelineModule(nn.Module):
             ranks_pipe = sorted(set(owners))
             if len(ranks_pipe) < 2:
                 continue
-            for data in range(grid.data_size):
-                for tensor in range(grid.tensor_size):
-                    ranks = [grid.rank_of(pipe=p, data=data, tensor=tensor) for p in ranks_pipe]
-                    group = dist.new_group(ranks)
-                    if grid.rank in ranks:
-                        self._tie_groups[key] = (group, grid.rank_of(pipe=owners[0]))
+            for line in grid.axis_groups("pipe"):  # one per (data, sequence, tensor) coordinate
+                ranks = [line[p] for p in ranks_pipe]
+                group = dist.new_group(ranks)
+                if grid.rank in ranks:
+                    self._tie_groups[key] = (group, grid.rank_of(pipe=owners[0]))
         for key, (group, src) in self._tie_groups.items():
             spec = self._specs[_tied_indices(self._specs)[key][0]]
             for p in spec.tied_parameters(self.tied[key]):

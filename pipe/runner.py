@@ -48,13 +48,15 @@ class PipelineTimeout(TimeoutError):
 
 
 def _check_reduces_over_data(optimizer: Any, grid: Any) -> None:
-    """Refuse an optimizer that would let data replicas train apart (each on its own gradients)."""
-    if optimizer is None or grid.data_size == 1 or isinstance(optimizer, StepListener):
+    """Refuse an optimizer that would let data replicas (or sequence shards) train apart, each on its own
+    gradients."""
+    if optimizer is None or grid.data_sequence_size == 1 or isinstance(optimizer, StepListener):
         return
+    axes, what = ("data axis", "data replicas") if grid.sequence_size == 1 else ("data x sequence axes", "ranks")
     raise ValueError(f"PipelineRunner(optimizer={type(optimizer).__name__}) on {grid!r}: it does not "
-                     f"reduce gradients over the data axis, so the {grid.data_size} data replicas would each step on "
-                     "their own gradients and drift apart; wrap it, ZeroOptimizer(optimizer, stage=0, "
-                     "group=grid.data_group) averages them as DDP does (stages 1-3 shard too), or pass "
+                     f"reduce gradients over the {axes}, so the {grid.data_sequence_size} {what} would each step "
+                     "on their own gradients and drift apart; wrap it, ZeroOptimizer(optimizer, stage=0, "
+                     "group=grid.data_sequence_group) averages them as DDP does (stages 1-3 shard too), or pass "
                      "optimizer=None and reduce the gradients yourself before stepping")
 
 
@@ -62,8 +64,8 @@ class PipelineRunner:
     """Executes a schedule on a PipelineModule: train_step (forward + backward), eval_step (forward).
 
     Does not call optimizer.step(): the user does, after train_step returns (tied-weight
-    gradients are already summed then). With a data degree > 1 pass an optimizer that
-    reduces gradients over grid.data_group (ZeroOptimizer; stage 0 behaves like DDP; any other
+    gradients are already summed then). With a data or sequence degree > 1 pass an optimizer that
+    reduces gradients over grid.data_sequence_group (ZeroOptimizer; stage 0 behaves like DDP; any other
     is refused, its replicas would drift apart) or None (you reduce them): the
     link of its chain that is a StepListener (pipe/readiness.py) hears when gradients are
     final, so reductions overlap the pipeline's cool-down, and when each chunk's parameters
@@ -305,13 +307,14 @@ class PipelineRunner:
 
     # -- the loss ---------------------------------------------------------------------------
     def _mean_loss(self) -> torch.Tensor:
-        """Mean over microbatches (and data replicas), broadcast from the last stage over the pipe."""
+        """Mean over microbatches and data x sequence ranks (a sequence shard's loss is its share times
+        the degree: pipe/sequence/loss.py), broadcast from the last stage over the pipe."""
         loss = torch.zeros((), dtype=torch.float32, device=self.model.device)
         if self.grid.pipe_rank == self.last_pipe_rank:
             loss = torch.stack([self._losses[mb].float() for mb in range(self.num_microbatches)]).mean()
-            if self.grid.data_size > 1:
-                dist.all_reduce(loss, group=self.grid.data_group)
-                loss /= self.grid.data_size
+            if self.grid.data_sequence_size > 1:
+                dist.all_reduce(loss, group=self.grid.data_sequence_group)
+                loss /= self.grid.data_sequence_size
         if self.grid.pipe_size > 1:
             dist.broadcast(loss, src=self.grid.rank_of(pipe=self.last_pipe_rank), group=self.grid.pipe_group)
         return loss

@@ -197,3 +197,17 @@ def test_zero_warmup_steps_refused_as_deepspeed_refuses(kind):
         getattr(lr_schedules, kind)(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), **params)
     with pytest.raises(ConfigError, match="warmup_num_steps"):
         parse_config({"train_batch_size": 1, "scheduler": {"type": kind, "params": params}})
+
+
+@pytest.mark.parametrize("given", [{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3},
+                                   {"train_batch_size": 12, "gradient_accumulation_steps": 3}])
+def test_sequence_parallel_size_shares_the_batch_as_deepspeed_does(given):
+    """The sequence ranks of a replica take one batch: DeepSpeed's data degree is world / sequence_parallel_size."""
+    raw = {**given, "sequence_parallel_size": 2}
+    ds = _deepspeed(raw, 4)
+    cfg = parse_config(raw, world_size=4)
+    assert cfg.sequence == 2 and cfg.batch.data_degree == 2
+    assert (cfg.batch.train_batch_size, cfg.batch.micro_batch_size, cfg.batch.accumulation_steps) == (
+        ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
+    with pytest.raises(ConfigError, match="sequence_parallel_size 3 does not divide the world size 4"):
+        parse_config({**raw, "sequence_parallel_size": 3}, world_size=4)

@@ -1,13 +1,13 @@
 """pipezero.train.finetune (examples/train_hf.py): the job users run, on a chat JSONL and a local model.
 
 One world of 2 (pipe 2) runs 4 steps straight, then 2 steps, then a rerun to 4 that resumes
-from the checkpoint: the exported weights are bitwise those of the straight run (the data
-position, LR schedule and optimizer state come back), and the export loads in transformers
+from the checkpoint: the exported weights are bitwise those of the straight run (the data position,
+LR schedule and optimizer state come back), and the export loads in transformers
 with its tokenizer. The same 4 steps at ZeRO-3 (every parameter partitioned), on pipe 2 and on
 pipe 1 x data 2 (the same global batch), export from the command too (issue 44 item 1: the export
 failed after training) and load in transformers with the straight run's weights. An unwritable
 --out fails before any training; a chat file for a tokenizer without a chat template fails with
-the file and line.
+the file and line. 2 steps with --sequence-parallel 2 give the 2-step pipe 2 loss.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def _three_jobs(root: str) -> list[float]:
     zero3 = ("--config", f"{root}/zero3.json")  # every parameter partitioned, however small
     return [_job(root, f"{root}/straight", 4), _job(root, f"{root}/resumed", 2), _job(root, f"{root}/resumed", 4),
             _bytes_job(root), _job(root, f"{root}/zero3-pipe2", 4, *zero3),
-            _job(root, f"{root}/zero3-pipe1", 4, *zero3, "--pipe", "1", "--batch-size", "1")]
+            _job(root, f"{root}/zero3-pipe1", 4, *zero3, "--pipe", "1", "--batch-size", "1"),
+            _job(root, f"{root}/sequence", 2, "--pipe", "1", "--sequence-parallel", "2")]
 
 
 def _bytes_job(root: str) -> float:
@@ -83,6 +84,8 @@ def test_finetune_resumes_exactly_and_exports(tmp_path):
     losses = run(_three_jobs, 2, str(tmp_path), timeout=300)
     assert (tmp_path / "bytes" / "model" / "config.json").is_file()
     assert losses[0][0] == losses[0][2] and losses[0][1] != losses[0][2], losses
+    # each row split over 2 sequence ranks (the prompts' untrained tokens unevenly): pipe 2's loss at step 2
+    assert losses[0][6] == pytest.approx(losses[0][1], abs=1e-5), losses
     from safetensors.torch import load_file
 
     files = sorted((tmp_path / "straight" / "model").glob("*.safetensors"))

@@ -6,48 +6,65 @@ import pytest
 import torch.distributed as dist
 
 from harness import run
-from pipezero.topology import AXES, Grid, grid_shape, rank_coords
+from pipezero.topology import AXES, FLATTENED, Grid, axis_groups, grid_shape, grid_sizes, rank_coords
 
 
-def _factorisations(n):
-    return [(p, d, t) for p, d, t in itertools.product(range(1, n + 1), repeat=3) if p * d * t == n]
+def _factorisations(n, axes=3):
+    return [f for f in itertools.product(range(1, n + 1), repeat=axes) if _prod(f) == n]
 
 
-def _expected(rank, p, d, t):
-    # independent: enumerate the grid in (pipe, data, tensor) order, tensor fastest
-    order = list(itertools.product(range(p), range(d), range(t)))
+def _prod(sizes):
+    out = 1
+    for s in sizes:
+        out *= s
+    return out
+
+
+def _expected(rank, p, d, s, t):
+    # independent: enumerate the grid in (pipe, data, sequence, tensor) order, tensor fastest
+    order = list(itertools.product(range(p), range(d), range(s), range(t)))
     return order[rank]
 
 
 def _check_all(shapes):
     out = []
-    for p, d, t in shapes:
-        grid = Grid(pipe=p, data=d, tensor=t)
-        me = _expected(grid.rank, p, d, t)
-        assert (grid.pipe_rank, grid.data_rank, grid.tensor_rank) == me
+    for p, d, s, t in shapes:
+        grid = Grid(pipe=p, data=d, tensor=t, sequence=s)
+        me = _expected(grid.rank, p, d, s, t)
+        assert (grid.pipe_rank, grid.data_rank, grid.sequence_rank, grid.tensor_rank) == me
         for r in range(grid.world_size):
             c = grid.coords(r)
-            assert (c.pipe, c.data, c.tensor) == _expected(r, p, d, t)
-            assert grid.rank_of(pipe=c.pipe, data=c.data, tensor=c.tensor) == r
-        for axis, i in (("pipe", 0), ("data", 1), ("tensor", 2)):
+            assert (c.pipe, c.data, c.sequence, c.tensor) == _expected(r, p, d, s, t)
+            assert grid.rank_of(pipe=c.pipe, data=c.data, sequence=c.sequence, tensor=c.tensor) == r
+        for axis, moving in (("pipe", {0}), ("data", {1}), ("sequence", {2}), ("tensor", {3}),
+                             ("data_sequence", {1, 2})):
             members = [r for r in range(grid.world_size)
-                       if all(_expected(r, p, d, t)[j] == me[j] for j in range(3) if j != i)]
+                       if all(_expected(r, p, d, s, t)[j] == me[j] for j in range(4) if j not in moving)]
             assert grid.group_ranks(axis) == members
             group = getattr(grid, f"{axis}_group")
             assert dist.get_process_group_ranks(group) == members
-            assert grid.mesh[axis].size() == len(members)
+            if axis != "data_sequence":
+                assert grid.mesh[axis].size() == len(members)
+        assert grid.data_sequence_size == d * s and grid.data_sequence_rank == me[1] * s + me[2]
+        assert grid.axes == (("pipe", p), ("data", d), ("sequence", s), ("tensor", t))
         assert grid.is_first_stage == (me[0] == 0)
         assert grid.is_last_stage == (me[0] == p - 1)
-        assert Grid(pipe=p, data=None, tensor=t).data_size == d
+        assert Grid(pipe=p, data=None, tensor=t, sequence=s).data_size == d
         out.append(repr(grid))
     return out
 
 
+def _shown(p, d, s, t):
+    return f"Grid(pipe={p}, data={d}, tensor={t})" if s == 1 else f"Grid(pipe={p}, data={d}, sequence={s}, tensor={t})"
+
+
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_every_factorisation(world):
-    shapes = _factorisations(world)
+    # every (pipe, data, tensor) factorisation, and at 4 and 8 ranks those with a sequence axis of 2
+    shapes = [(p, d, 1, t) for p, d, t in _factorisations(world)]
+    shapes += [(p, d, 2, t) for p, d, t in _factorisations(world // 2)] if world >= 4 else []
     results = run(_check_all, world, shapes)
-    assert results[0] == [f"Grid(pipe={p}, data={d}, tensor={t})" for p, d, t in shapes]
+    assert results[0] == [_shown(*shape) for shape in shapes]
 
 
 def _bad_grid(kwargs):
@@ -63,6 +80,8 @@ def _bad_grid(kwargs):
     (dict(pipe=3, data=None, tensor=1), "cannot infer the data degree"),
     (dict(pipe=0, data=None, tensor=1), "Grid(pipe=0)"),
     (dict(pipe=1, data=None, tensor=-2), "Grid(tensor=-2)"),
+    (dict(pipe=1, data=None, tensor=1, sequence=3), "Grid(pipe=1, data=None, sequence=3, tensor=1) cannot infer"),
+    (dict(pipe=1, data=4, tensor=1, sequence=2), "Grid(pipe=1, data=4, sequence=2, tensor=1) needs 8 processes"),
 ])
 def test_bad_sizes_raise_on_every_rank(kwargs, message):
     messages = run(_bad_grid, 4, kwargs, timeout=60)
@@ -71,6 +90,7 @@ def test_bad_sizes_raise_on_every_rank(kwargs, message):
 
 def test_grid_shape_is_pure():
     assert grid_shape(8, pipe=2, data=None, tensor=2) == (2, 2, 2)
+    assert grid_sizes(16, pipe=2, data=None, sequence=2, tensor=2) == (2, 2, 2, 2)
     with pytest.raises(ValueError, match="positive integer"):
         grid_shape(4, pipe=True)
 
@@ -87,24 +107,43 @@ def test_describe_marks_this_rank():
 
 
 def _groups(shape, axis):
-    """Every group along `axis`: the ranks that share the other two coordinates."""
+    """Every group along `axis`: the ranks that share the other coordinates (independent of axis_groups)."""
     index = AXES.index(axis)
     groups = {}
-    for rank in range(shape[0] * shape[1] * shape[2]):
-        c = rank_coords(rank, shape)
-        key = tuple(v for i, v in enumerate((c.pipe, c.data, c.tensor)) if i != index)
-        groups.setdefault(key, []).append(rank)
+    for rank in range(_prod(shape)):
+        c = _expected(rank, *shape)
+        groups.setdefault(tuple(v for i, v in enumerate(c) if i != index), []).append(rank)
     return sorted(groups.values())
 
 
+def test_axis_groups_and_the_flattened_group_are_pure_arithmetic():
+    for shape in _factorisations(8, axes=4) + _factorisations(12, axes=4):
+        for axis in AXES:
+            assert axis_groups(shape, [axis]) == _groups(shape, axis), (shape, axis)
+        p, d, s, t = shape
+        flat = axis_groups(shape, FLATTENED["data_sequence"])  # data x sequence: same pipe and tensor
+        assert len(flat) == p * t and all(len(g) == d * s for g in flat)
+        for g in flat:
+            coords = [rank_coords(r, shape) for r in g]
+            assert len({(c.pipe, c.tensor) for c in coords}) == 1
+            assert [(c.data, c.sequence) for c in coords] == list(itertools.product(range(d), range(s)))
+    assert axis_groups((1, 2, 2, 1), ["sequence"]) == [[0, 1], [2, 3]]
+    assert axis_groups((1, 2, 2, 1), ["data"]) == [[0, 2], [1, 3]]
+    assert rank_coords(3, (2, 2, 1)) == rank_coords(3, (2, 2, 1, 1))  # the older three-axis shape
+    with pytest.raises(ValueError, match="not among the grid's axes"):
+        axis_groups((1, 1, 1, 1), ["expert"])
+
+
 @pytest.mark.parametrize("shape, per_node, crossing", [
-    ((2, 2, 1), 2, {"pipe"}),          # the multi-node test: 2 nodes x 2 processes, pipe 2 x data 2
-    ((4, 2, 2), 8, {"pipe"}),          # 2 nodes of 8 GPUs: each node holds two whole stages
-    ((2, 8, 2), 8, {"pipe", "data"}),  # a stage's data group spans 2 nodes of its own; tensor stays inside
+    ((2, 2, 1, 1), 2, {"pipe"}),          # the multi-node test: 2 nodes x 2 processes, pipe 2 x data 2
+    ((4, 2, 1, 2), 8, {"pipe"}),          # 2 nodes of 8 GPUs: each node holds two whole stages
+    ((2, 8, 1, 2), 8, {"pipe", "data"}),  # a stage's data group spans 2 nodes of its own; tensor stays inside
+    ((2, 2, 2, 2), 8, {"pipe"}),          # sequence and tensor inside a node, the stage owns it
+    ((1, 2, 4, 2), 8, {"data"}),          # 8 sequence x tensor ranks per node: only data crosses
 ])
 def test_pipe_crosses_nodes_data_and_tensor_stay_inside(shape, per_node, crossing):
     # torchrun gives node n the contiguous global ranks n * per_node .. (n + 1) * per_node - 1
     crossed = {axis for axis in AXES if any(len({r // per_node for r in g}) > 1 for g in _groups(shape, axis))}
     assert crossed == crossing
-    if shape == (2, 2, 1):  # each stage's data group is one node
+    if shape == (2, 2, 1, 1):  # each stage's data group is one node
         assert _groups(shape, "data") == [[0, 1], [2, 3]] and _groups(shape, "pipe") == [[0, 2], [1, 3]]

@@ -1,24 +1,33 @@
-"""Grid: the 3D rank grid (pipe x data x tensor) as an explicit, validated object.
+"""Grid: the rank grid (pipe x data x sequence x tensor) as an explicit, validated object.
 
-Rank order puts tensor fastest, then data, then pipe, so the ranks of one tensor group
-are adjacent (as in Megatron-LM and DeepSpeed): rank = (pipe * data_deg + data) * tensor_deg + tensor.
-The grid is a torch DeviceMesh with dims ("pipe", "data", "tensor"); `grid.mesh` is that
-mesh, so DTensor and FSDP work on its sub-meshes.
+The grid's axes are one ordered list, `AXES`, slowest first: pipe, data, sequence, tensor.
+A rank's coordinates are its digits in that mixed radix (tensor fastest, as in Megatron-LM
+and DeepSpeed): rank = ((pipe * data_deg + data) * sequence_deg + sequence) * tensor_deg + tensor.
+A new axis (experts) is one more entry of the list. The grid is a torch DeviceMesh with those
+dims; `grid.mesh` is that mesh, so DTensor and FSDP work on its sub-meshes. FLATTENED names the
+groups that join several axes: "data_sequence", the ranks that reduce gradients together.
 
 Across nodes: torchrun gives each node's agent one contiguous block of global ranks
 (node n holds ranks n * nproc_per_node ... (n + 1) * nproc_per_node - 1), so the axes that
-vary fastest stay inside a node. Tensor groups exchange activations in every layer and data
-groups all-reduce or reduce-scatter every gradient, so they get the fast links inside a node
-(NVLink); the pipe axis sends one activation per micro-batch between neighbouring stages and
-is the one that crosses the slower network. With 2 nodes x 2 processes, pipe 2 x data 2
-puts stage 0 (data ranks 0, 1) on one node and stage 1 on the other. When tensor x data is
-a multiple of the processes per node, each stage owns whole nodes and only its data group
-spans several of them; a tensor degree above the processes per node would cross nodes.
+vary fastest stay inside a node. Tensor groups exchange activations in every layer, and
+sequence groups exchange queries, keys, values and outputs all-to-all in every attention, so
+both get the fast links inside a node (NVLink), tensor innermost; data groups all-reduce or
+reduce-scatter every gradient once a step; the pipe axis sends one activation per micro-batch
+between neighbouring stages and is the one that crosses the slower network. With 2 nodes x 2
+processes, pipe 2 x data 2 puts stage 0 (data ranks 0, 1) on one node and stage 1 on the
+other. When tensor x sequence x data is a multiple of the processes per node, each stage owns
+whole nodes and only its data group spans several of them.
+
+Gradients are reduced, and ZeRO partitions, over data x sequence (`data_sequence_group`, as
+DeepSpeed reduces over its data-parallel x sequence-parallel group): the sequence ranks of one
+data replica hold gradients of different parts of the same batch (pipe/sequence/).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -26,93 +35,186 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from pipezero.topology.device import process_device
 from pipezero.topology.env import init_distributed
 
-AXES = ("pipe", "data", "tensor")
+__all__ = ["AXES", "FLATTENED", "Coords", "Grid", "axis_groups", "grid_shape", "grid_sizes", "rank_coords"]
+
+AXES = ("pipe", "data", "sequence", "tensor")  # slowest first; a rank's digits in this order
+FLATTENED = {"data_sequence": ("data", "sequence")}  # name -> the axes it joins (gradient reduction, ZeRO)
 
 
-def grid_shape(world_size: int, pipe: int = 1, data: int | None = None, tensor: int = 1) -> tuple[int, int, int]:
-    """Check the degrees against the world size and infer `data` when it is None.
+def _call(sizes: dict[str, int | None]) -> str:
+    """How the user wrote the grid: Grid(pipe=2, data=3, tensor=1), sequence shown only when set."""
+    shown = [f"{name}={sizes[name]!r}" for name in ("pipe", "data", "sequence", "tensor")
+             if name != "sequence" or sizes[name] != 1]
+    return f"Grid({', '.join(shown)})"
+
+
+def grid_sizes(world_size: int, pipe: int = 1, data: int | None = None, sequence: int = 1,
+               tensor: int = 1) -> tuple[int, int, int, int]:
+    """The degrees in AXES order, checked against the world size, `data` inferred when None.
 
     Pure arithmetic, so every rank raises the same ValueError before any collective.
     """
-    for name, value in (("pipe", pipe), ("tensor", tensor), ("data", data)):
+    for name, value in (("pipe", pipe), ("sequence", sequence), ("tensor", tensor), ("data", data)):
         if value is None and name == "data":
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"Grid({name}={value!r}): every degree must be a positive integer")
+    others = pipe * sequence * tensor
     if data is None:
-        if world_size % (pipe * tensor):
+        if world_size % others:
+            named = " * ".join(n for n in ("pipe", "sequence", "tensor") if n != "sequence" or sequence != 1)
             raise ValueError(
-                f"Grid(pipe={pipe}, data=None, tensor={tensor}) cannot infer the data degree: "
-                f"{world_size} processes do not divide by pipe*tensor={pipe * tensor}; "
-                f"start a multiple of {pipe * tensor} processes or change pipe/tensor")
-        data = world_size // (pipe * tensor)
-    if pipe * data * tensor != world_size:
+                f"{_call(dict(pipe=pipe, data=None, sequence=sequence, tensor=tensor))} cannot infer the data "
+                f"degree: {world_size} processes do not divide by {named}={others}; "
+                f"start a multiple of {others} processes or change {named.replace(' * ', '/')}")
+        data = world_size // others
+    if data * others != world_size:
         raise ValueError(
-            f"Grid(pipe={pipe}, data={data}, tensor={tensor}) needs {pipe * data * tensor} processes, "
+            f"{_call(dict(pipe=pipe, data=data, sequence=sequence, tensor=tensor))} needs {data * others} processes, "
             f"but {world_size} were started; pass data=None to infer it or launch "
-            f"torchrun --nproc-per-node={pipe * data * tensor}")
+            f"torchrun --nproc-per-node={data * others}")
+    return pipe, data, sequence, tensor
+
+
+def grid_shape(world_size: int, pipe: int = 1, data: int | None = None, tensor: int = 1) -> tuple[int, int, int]:
+    """(pipe, data, tensor) of a grid without a sequence axis: grid_sizes' older three-axis form."""
+    pipe, data, _, tensor = grid_sizes(world_size, pipe, data, 1, tensor)
     return pipe, data, tensor
 
 
 @dataclass(frozen=True)
 class Coords:
-    """Where one rank sits on the grid."""
+    """Where one rank sits on the grid (sequence last: Coords(pipe, data, tensor) is a grid without one)."""
 
     pipe: int
     data: int
     tensor: int
+    sequence: int = 0
 
 
-def rank_coords(rank: int, shape: tuple[int, int, int]) -> Coords:
-    """The (pipe, data, tensor) coordinates of a global rank on a grid of `shape`; pure arithmetic."""
-    pipe_size, data_size, tensor_size = shape
-    if not 0 <= rank < pipe_size * data_size * tensor_size:
-        raise ValueError(f"rank {rank} is outside the grid of {pipe_size * data_size * tensor_size} ranks")
-    return Coords(rank // (tensor_size * data_size), (rank // tensor_size) % data_size, rank % tensor_size)
+def _sizes(shape: Sequence[int]) -> tuple[int, ...]:
+    """A shape in AXES order; a 3-tuple is the older (pipe, data, tensor) of a grid without a sequence axis."""
+    if len(shape) == 3:
+        return shape[0], shape[1], 1, shape[2]
+    if len(shape) != len(AXES):
+        raise ValueError(f"grid shape {tuple(shape)}: expected one size per axis of {AXES}")
+    return tuple(shape)
+
+
+def rank_coords(rank: int, shape: Sequence[int]) -> Coords:
+    """The coordinates of a global rank on a grid of `shape` (sizes in AXES order); pure arithmetic."""
+    sizes = _sizes(shape)
+    world = _product(sizes)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside the grid of {world} ranks")
+    digits = {}
+    for name, size in reversed(list(zip(AXES, sizes))):  # tensor first: the fastest digit
+        rank, digits[name] = divmod(rank, size)
+    return Coords(**digits)
+
+
+def _flat_rank(coords: dict[str, int], sizes: Sequence[int]) -> int:
+    rank = 0
+    for name, size in zip(AXES, sizes):
+        rank = rank * size + coords[name]
+    return rank
+
+
+def axis_groups(shape: Sequence[int], axes: Sequence[str]) -> list[list[int]]:
+    """Every group of ranks along `axes` (the ranks that share all other coordinates), each in
+    rank order, the groups in rank order of their first member; pure arithmetic.
+
+    axis_groups((2, 1, 1, 2), ["pipe"]) == [[0, 2], [1, 3]]. Several axes give their flattened
+    groups: axis_groups(shape, FLATTENED["data_sequence"]).
+    """
+    sizes = _sizes(shape)
+    unknown = [a for a in axes if a not in AXES]
+    if unknown:
+        raise ValueError(f"axes {unknown} are not among the grid's axes {AXES}")
+    fixed = [(n, s) for n, s in zip(AXES, sizes) if n not in axes]
+    moving = [(n, s) for n, s in zip(AXES, sizes) if n in axes]
+    groups = []
+    for outer in itertools.product(*(range(s) for _, s in fixed)):
+        base = dict(zip((n for n, _ in fixed), outer))
+        groups.append(sorted(_flat_rank({**base, **dict(zip((n for n, _ in moving), inner))}, sizes)
+                             for inner in itertools.product(*(range(s) for _, s in moving))))
+    return sorted(groups)
+
+
+def _product(sizes: Sequence[int]) -> int:
+    out = 1
+    for s in sizes:
+        out *= s
+    return out
 
 
 class Grid:
-    """The pipe x data x tensor rank grid of the default process group.
+    """The pipe x data x sequence x tensor rank grid of the default process group.
 
-    Tensor varies fastest, then data, then pipe: on a multi-node torchrun launch the tensor and
-    data groups stay inside a node and the pipeline crosses nodes (the module docstring says why).
+    Tensor varies fastest, then sequence, then data, then pipe: on a multi-node torchrun launch
+    the tensor and sequence groups stay inside a node and the pipeline crosses nodes (the module
+    docstring says why). `axes` is the ordered list of (name, size); each axis has its
+    `<axis>_size`, `<axis>_rank` and `<axis>_group`; `data_sequence_group` is the flattened group
+    that reduces gradients (data_group stays the data axis alone).
     """
 
-    def __init__(self, pipe: int = 1, data: int | None = None, tensor: int = 1):
+    def __init__(self, pipe: int = 1, data: int | None = None, tensor: int = 1, sequence: int = 1):
         init_distributed()
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.shape = grid_shape(self.world_size, pipe, data, tensor)
-        self.pipe_size, self.data_size, self.tensor_size = self.shape
+        self.shape = grid_sizes(self.world_size, pipe, data, sequence, tensor)
+        self.axes: tuple[tuple[str, int], ...] = tuple(zip(AXES, self.shape))
+        self.pipe_size, self.data_size, self.sequence_size, self.tensor_size = self.shape
         self.mesh: DeviceMesh = init_device_mesh(process_device().type, self.shape, mesh_dim_names=AXES)
         me = self.coords(self.rank)
-        self.pipe_rank, self.data_rank, self.tensor_rank = me.pipe, me.data, me.tensor
+        self.pipe_rank, self.data_rank, self.sequence_rank, self.tensor_rank = (me.pipe, me.data, me.sequence,
+                                                                                 me.tensor)
         self.pipe_group = self.mesh.get_group("pipe")
         self.data_group = self.mesh.get_group("data")
+        self.sequence_group = self.mesh.get_group("sequence")
         self.tensor_group = self.mesh.get_group("tensor")
+        self.data_sequence_group = self._flattened_group("data_sequence")
+        self.data_sequence_size = self.data_size * self.sequence_size
+        self.data_sequence_rank = self.data_rank * self.sequence_size + self.sequence_rank
+
+    def _flattened_group(self, name: str) -> Any:
+        """The process group of this rank along FLATTENED[name]: an axis's own when the others are 1, else
+        new groups over axis_groups (dist.new_group is collective: every rank makes all, in order)."""
+        used = [axis for axis in FLATTENED[name] if getattr(self, f"{axis}_size") > 1]
+        if len(used) < 2:
+            return self.mesh.get_group(used[0] if used else FLATTENED[name][0])
+        mine = None
+        for ranks in self.axis_groups(name):
+            group = dist.new_group(ranks)
+            mine = group if self.rank in ranks else mine
+        return mine
 
     # -- coordinates --------------------------------------------------------------
     def coords(self, rank: int) -> Coords:
-        """The (pipe, data, tensor) coordinates of a global rank."""
+        """The coordinates of a global rank."""
         return rank_coords(rank, self.shape)
 
-    def rank_of(self, pipe: int | None = None, data: int | None = None, tensor: int | None = None) -> int:
+    def rank_of(self, pipe: int | None = None, data: int | None = None, tensor: int | None = None,
+                sequence: int | None = None) -> int:
         """The global rank at these coordinates; an omitted axis means this rank's own."""
-        pipe = self.pipe_rank if pipe is None else pipe
-        data = self.data_rank if data is None else data
-        tensor = self.tensor_rank if tensor is None else tensor
-        for name, value, size in (("pipe", pipe, self.pipe_size), ("data", data, self.data_size),
-                                  ("tensor", tensor, self.tensor_size)):
-            if not 0 <= value < size:
-                raise ValueError(f"{name}={value} is outside 0..{size - 1} on {self}")
-        return (pipe * self.data_size + data) * self.tensor_size + tensor
+        given = dict(pipe=pipe, data=data, sequence=sequence, tensor=tensor)
+        coords = {name: getattr(self, f"{name}_rank") if given[name] is None else given[name] for name in AXES}
+        for name, size in self.axes:
+            if not 0 <= coords[name] < size:
+                raise ValueError(f"{name}={coords[name]} is outside 0..{size - 1} on {self}")
+        return _flat_rank(coords, self.shape)
 
     def group_ranks(self, axis: str) -> list[int]:
-        """Global ranks of this rank's group along `axis`, in axis order."""
-        if axis not in AXES:
-            raise ValueError(f"axis {axis!r} is not one of {AXES}")
-        size = getattr(self, f"{axis}_size")
-        return [self.rank_of(**{axis: i}) for i in range(size)]
+        """Global ranks of this rank's group along `axis` (or a FLATTENED name), in rank order."""
+        axes = FLATTENED.get(axis, (axis,))
+        if axes[0] not in AXES:
+            raise ValueError(f"axis {axis!r} is not one of {AXES} or {tuple(FLATTENED)}")
+        return next(g for g in axis_groups(self.shape, axes) if self.rank in g)
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """Every group along `axis` (or a FLATTENED name), the same list on every rank: what a
+        collective dist.new_group per group loops over."""
+        return axis_groups(self.shape, FLATTENED.get(axis, (axis,)))
 
     # -- pipeline ends ------------------------------------------------------------------
     @property
@@ -127,14 +229,18 @@ class Grid:
         return self.pipe_rank == self.pipe_size - 1
 
     # -- display -------------------------------------------------------------------
+    def _shown(self) -> list[str]:
+        return [name for name, size in self.axes if name != "sequence" or size > 1]
+
     def describe(self) -> str:
-        """A short table of who is where, for logs."""
-        rows = ["rank  pipe  data  tensor"]
+        """A short table of who is where, for logs (the sequence column when that axis is used)."""
+        names = self._shown()
+        rows = ["rank  " + "  ".join(names)]
         for r in range(self.world_size):
             c = self.coords(r)
             mark = "  <- me" if r == self.rank else ""
-            rows.append(f"{r:>4}  {c.pipe:>4}  {c.data:>4}  {c.tensor:>6}{mark}")
+            rows.append(f"{r:>4}  " + "  ".join(f"{getattr(c, n):>{len(n)}}" for n in names) + mark)
         return "\n".join(rows)
 
     def __repr__(self) -> str:
-        return f"Grid(pipe={self.pipe_size}, data={self.data_size}, tensor={self.tensor_size})"
+        return f"Grid({', '.join(f'{name}={size}' for name, size in self.axes if name in self._shown())})"

@@ -109,6 +109,10 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
         hidden_size = model_width(model)
     cfg = _config(config, hidden_size, tensor, auto_values)
     _check_build_args(cfg, specs, model, loss_fn, optimizer)
+    if cfg.sequence > 1 and specs is None:
+        raise ValueError(f'ds_config "sequence_parallel_size" = {cfg.sequence} splits every sequence over pipeline '
+                         "layers that exchange slices for heads (pipe/sequence/): pass specs= (hf_layer_specs, "
+                         'gpt_specs), or set "sequence_parallel_size" to 1 with model=')
     if tensor > 1 and specs is None:
         raise ValueError(f"build(tensor={tensor}) shards pipeline layers by tensor_plan: pass specs= (and "
                          "tensor_plan=, e.g. gpt_tensor_plan()), or tensor=1 with model=")
@@ -116,7 +120,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     dtype = resolve_precision(cfg.compute_dtype, dev)
     fp8 = Float8Config.of(float8)  # checked where it converts (PipelineModule, to_float8), on every rank
     init_distributed()
-    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=tensor)
+    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=tensor, sequence=cfg.sequence)
     schedule = None
     if specs is not None:
         schedule = make_schedule(cfg.pipeline.schedule, cfg.batch.accumulation_steps, cfg.pipeline.chunks)
@@ -134,7 +138,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     inner = optimizer if optimizer is not None else build_optimizer(
         cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])
     scaler = _scaler(cfg, inner, dtype)
-    zero = ZeroOptimizer(scaler, group=grid.data_group, module=module if cfg.zero.stage == 3 else None,
+    zero = ZeroOptimizer(scaler, group=grid.data_sequence_group, module=module if cfg.zero.stage == 3 else None,
                          config=cfg.zero)
     scheduler = build_scheduler(cfg.scheduler, inner) if cfg.scheduler is not None else None
     runner = PipelineRunner(module, schedule, optimizer=zero, timeout_s=cfg.pipeline.timeout,

@@ -38,6 +38,7 @@ import torch
 from pipezero.pipe import schedule_names
 from pipezero.pipe.float8 import RECIPES, Float8Config
 from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
+from pipezero.pipe.sequence import ShardSum
 from pipezero.train.build import Parts, build
 from pipezero.train.checkpoint import prune_checkpoints
 from pipezero.train.checkpoint.resume import point_batch, resume_from_point, resume_point
@@ -74,6 +75,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -
     p.add_argument("--config", default=None, help="a ds_config.json; the flags below override its keys")
     p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2 on an even world, else 1)")
     p.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--sequence-parallel", type=int, default=None, metavar="N",
+                   help="split every sequence over N ranks (Ulysses attention; default: the config's "
+                        "sequence_parallel_size, else 1)")
     p.add_argument("--schedule", default=None, choices=schedule_names())
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"])
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
     point = resume_point(Path(args.out) / "checkpoints", args.resume_from)  # the latest, or --resume-from's
     corpus, pad_id, data_id = documents(args, model_config)  # bad data fails here, on every rank, before a collective
     cfg = train_config(args, point_batch(point), model_config.hidden_size)
-    parts = build(cfg, specs=specs, loss_fn=token_mean_loss, hidden_size=model_config.hidden_size,
+    parts = build(cfg, specs=specs, loss_fn=ShardSum(token_mean_loss), hidden_size=model_config.hidden_size,
                   tensor=args.tensor, tensor_plan=hf_tensor_plan() if args.tensor > 1 else None,
                   float8=Float8Config(recipe=args.float8) if args.float8 else None)
     train, val = batches(args, parts, corpus, pad_id)
@@ -236,7 +240,8 @@ def batches(args: argparse.Namespace, parts: Parts, corpus: Any, pad_id: int) ->
                              f"--micro-batches")
         splits.append(PackedBatches(layout, _Subset(corpus, index), size, batch.accumulation_steps, grid.data_rank,
                                     grid.data_size, seed=args.seed, shuffle=name == "train",
-                                    hf_inputs=True))
+                                    hf_inputs=True, sequence_rank=grid.sequence_rank,
+                                    sequence_degree=grid.sequence_size))
     log.info("packing efficiency %.1f%% (real tokens / token slots) over %d train rows of %d tokens",
              100 * splits[0].efficiency(), splits[0].layout.num_rows, args.seq_len)
     return splits[0], splits[1]
@@ -301,6 +306,8 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
     raw.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
         "warmup_num_steps": warmup, "total_num_steps": args.steps, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}})
     raw.setdefault("gradient_clipping", 1.0)
+    if args.sequence_parallel is not None:
+        raw["sequence_parallel_size"] = args.sequence_parallel
     raw["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
     raw.setdefault("steps_per_print", 10)
     cfg = parse_config(raw, tensor=args.tensor, hidden_size=hidden_size, auto_values={
@@ -327,7 +334,7 @@ def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val
             parts.scheduler.step()
         opt.zero_grad()
         dt = time.perf_counter() - t0
-        tokens_s = _tokens(inputs) * parts.grid.data_size / dt
+        tokens_s = _tokens(inputs) * parts.grid.data_sequence_size / dt  # a sequence rank holds a slice
         tb.scalars({"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tokens_s, "perf/step_s": dt,
                     "perf/data_share": t_data / dt, "data/packing_efficiency": train.efficiency()}, step + 1)
         if (step + 1) % cfg.steps_per_print == 0 or step + 1 in (start + 1, args.steps):

@@ -38,6 +38,7 @@ from pipezero.pipe.hf.match import check_checkpoint, keeps_tie, size_fields
 from pipezero.pipe.hf.layer_inputs import MASKS, PerMicroBatch, mask_builder, mask_kind
 from pipezero.pipe.hf.static_cache import StaticKVCache
 from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
+from pipezero.pipe.sequence.hf_attention import check_hf_sequence, register_ulysses, whole_mask_inputs
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 
 __all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
@@ -54,8 +55,8 @@ class _Model:
     def __init__(self, config: Any, weights: CheckpointTensors | ModelTensors | None):
         from transformers import AutoModelForCausalLM
 
-        with torch.device("meta"):
-            self.meta = AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):  # a copy of the config: sequence parallelism switches its attention
+            self.meta = AutoModelForCausalLM.from_config(copy.deepcopy(config))
         self.config, self.weights = self.meta.config, weights
         self.names = {id(m): name for name, m in self.meta.named_modules()}
         self.embed, self.head = self.meta.get_input_embeddings(), self.meta.get_output_embeddings()
@@ -75,6 +76,13 @@ class _Model:
         self.head_bias = self.tied and self.head.bias is not None
         self.fused_loss = False  # the head returns HeadLogits (hf_layer_specs(fused_loss=True))
         self.per_micro_batch = PerMicroBatch()  # the decoder layers' mask and cos/sin, made once
+        self.sequence: tuple[Any, int] | None = None  # (group, degree) once split (pipe/sequence/)
+
+    def split_sequence(self, group: Any, degree: int) -> None:
+        """Every decoder layer's attention through Ulysses from now on (once per model)."""
+        if self.sequence is None:
+            register_ulysses(self.meta, group, degree)
+            self.sequence = (group, degree)
 
     def path(self, module: nn.Module) -> str:
         """The module's name in the whole model, with a trailing dot ('model.layers.3.')."""
@@ -329,6 +337,15 @@ class HFDecoderLayer(_HFLayer):
         self.rotary_args = (model.config.layer_types[index],) if takes_kind else ()
         model.fill(self, self.prefix)
 
+    @classmethod
+    def check_sequence(cls, model: _Model, index: int, degree: int) -> None:
+        """Refuse a sequence degree this layer's heads cannot be split by (SplitsSequence; every rank)."""
+        check_hf_sequence(model.config, degree, f"hf_layer_specs: {type(model.meta).__name__}")
+
+    def split_sequence(self, group: Any, degree: int) -> None:
+        """Attention through Ulysses on this rank's slice of the sequence (pipe/sequence/)."""
+        self.model.split_sequence(group, degree)
+
     def forward(self, x: tuple) -> tuple:
         hidden, positions, *rest = x
         cache = rest[1] if len(rest) > 1 else None  # a transformers Cache: pipe/hf/generate.py's decode path
@@ -354,6 +371,8 @@ class HFDecoderLayer(_HFLayer):
     def _mask(self, hidden: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any) -> Any:
         """transformers' mask for this layer's attention kind (None where SDPA's causal kernel does)."""
         sized = {} if cache is None else {"layer_idx": self.index}
+        if self.model.sequence is not None and cache is None:  # a slice: the mask of the whole sequence
+            hidden, positions, padding = whole_mask_inputs(hidden, positions, padding, *self.model.sequence)
         return self.make_mask(config=self.model.config, inputs_embeds=hidden, attention_mask=padding, cache=cache,
                               position_ids=positions, **sized)
 

@@ -73,7 +73,7 @@ def gather_state(parts: StateParts, data_state: Mapping[str, Any] | None, step: 
     """
     parts = _by_name_parts(parts)
     zero, names = parts.optimizer, _param_names(parts)
-    writer = parts.grid.data_rank == 0 and parts.grid.tensor_rank == 0
+    writer = parts.grid.data_rank == 0 and parts.grid.tensor_rank == 0 and parts.grid.sequence_rank == 0
     tensors: dict[str, torch.Tensor] = {}
     for p, master in zero.full_parameters():
         value = whole(p, master)  # tensor-parallel: every tensor rank takes part
@@ -180,7 +180,8 @@ def _chain_state(zero: ByNameState) -> tuple[dict[str, torch.Tensor], list[Any]]
 
 
 def _grid_dict(grid: Any) -> dict[str, int]:
-    return {"pipe": grid.pipe_size, "data": grid.data_size, "tensor": grid.tensor_size}
+    sequence = {"sequence": grid.sequence_size} if grid.sequence_size > 1 else {}  # older checkpoints: none
+    return {"pipe": grid.pipe_size, "data": grid.data_size, "tensor": grid.tensor_size, **sequence}
 
 
 def save_state(parts: StateParts, directory: str | os.PathLike, step: int,

@@ -53,9 +53,11 @@ class _Grid(Protocol):
     world_size: int
     data_rank: int
     tensor_rank: int
+    sequence_rank: int
     pipe_size: int
     data_size: int
     tensor_size: int
+    sequence_size: int
 
 
 class StateParts(Protocol):
@@ -76,8 +78,10 @@ class WorldGrid:
     rank: int = 0
     world_size: int = 1
     tensor_rank: int = 0
+    sequence_rank: int = 0
     pipe_size: int = 1
     tensor_size: int = 1
+    sequence_size: int = 1
 
     @property
     def data_rank(self) -> int:

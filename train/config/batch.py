@@ -34,22 +34,25 @@ class BatchConfig:
         return self.micro_batch_size * self.accumulation_steps
 
 
-def data_degree(world_size: int, pipe: int, tensor: int = 1) -> int:
-    """world_size // (pipe * tensor), or a ConfigError naming the numbers."""
-    for name, value in (("world_size", world_size), ("pipe", pipe), ("tensor", tensor)):
+def data_degree(world_size: int, pipe: int, tensor: int = 1, sequence: int = 1) -> int:
+    """world_size // (pipe * tensor * sequence), or a ConfigError naming the numbers. The sequence ranks
+    of one data replica share its batch (each takes a slice of every row), as in DeepSpeed."""
+    for name, value in (("world_size", world_size), ("pipe", pipe), ("tensor", tensor), ("sequence", sequence)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}: expected a positive integer")
-    if world_size % (pipe * tensor):
-        raise ConfigError(f'ds_config["pipeline"]["stages"] = {pipe} x tensor {tensor} does not divide '
-                          f"the world size {world_size}: start a multiple of {pipe * tensor} processes "
+    others = pipe * tensor * sequence
+    if world_size % others:
+        seq = f' x sequence_parallel_size {sequence}' if sequence > 1 else ""
+        raise ConfigError(f'ds_config["pipeline"]["stages"] = {pipe} x tensor {tensor}{seq} does not divide '
+                          f"the world size {world_size}: start a multiple of {others} processes "
                           f"or change the stages")
-    return world_size // (pipe * tensor)
+    return world_size // others
 
 
 def resolve_batch(ds_config: Mapping[str, Any], *, world_size: int, pipe: int = 1, tensor: int = 1,
-                  micro_batches: int | None = None) -> BatchConfig:
+                  micro_batches: int | None = None, sequence: int = 1) -> BatchConfig:
     """Read the three batch keys of a ds_config and complete them."""
-    dp = data_degree(world_size, pipe, tensor)
+    dp = data_degree(world_size, pipe, tensor, sequence)
     top = Section(ds_config, ())
     tbs, mbs, gas = (top.int(key, None, lo=1) for key in (_TBS, _MBS, _GAS))
     autos = [key for key in (_TBS, _MBS, _GAS) if ds_config.get(key) == AUTO]

@@ -18,7 +18,8 @@ __all__ = ["TOP_KEYS", "TOP_RULES"]
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16",
             "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline", "compile",  # compile: compile.py
-            "data_types", "communication_data_type")  # data_types.py
+            "data_types", "communication_data_type",  # data_types.py
+            "sequence_parallel_size")  # the grid's sequence axis (pipe/sequence/)
 
 
 def _off(value: Any) -> bool:
@@ -62,7 +63,6 @@ TOP_RULES = {
     "timers": Ignored(_KNOB, noop=_anything),
     "vocabulary_size": Ignored(_KNOB, noop=_anything),
     "use_data_before_expert_parallelism": Ignored(_KNOB, noop=False),
-    "sequence_parallel_size": Unsupported("Ulysses sequence parallelism", "set it to 1", noop=1),
     "torch_autocast": Unsupported("torch.autocast around the forward pass", "use the fp16 or bf16 section",
                                   noop=_off),
     "tensor_parallel": Unsupported("AutoTP tensor parallelism", "shard layers with build(tensor=..., tensor_plan=...)",

@@ -5,13 +5,13 @@ reader, owned by the package that uses it: precision/ reads fp16/bf16 (`read_pre
 reads zero_optimization (`ZeroConfig.from_dict`; data_types.py adds the dtypes gradients are summed
 and reduced in), and this module reads the rest (batch keys,
 gradient_clipping, optimizer, scheduler, tensorboard, steps_per_print, wall_clock_breakdown,
-pipezero's pipeline section) and sorts the top-level keys (keys.py). Hugging Face's
+sequence_parallel_size, pipezero's pipeline section) and sorts the top-level keys (keys.py). Hugging Face's
 "auto" values are resolved first, from what the caller knows (`auto_values`, `hidden_size`,
 auto.py), so every rank reaches the same verdict without communicating.
 
     cfg = parse_config("ds_config.json", world_size=4, hidden_size=768)
     scaler = LossScaler.from_config(inner, cfg.precision.scaler)
-    zero = ZeroOptimizer(scaler, group=grid.data_group, config=cfg.zero)
+    zero = ZeroOptimizer(scaler, group=grid.data_sequence_group, config=cfg.zero)
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class TrainConfig:
     steps_per_print: int | None = None  # None: DeepSpeed's default, no periodic print
     wall_clock_breakdown: bool = False
     compile: CompileConfig | bool | None = None   # "compile" (compile.py); None: pipezero's default
+    sequence: int = 1                # "sequence_parallel_size" (DeepSpeed's key): the grid's sequence axis
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -168,8 +169,9 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
     top = Section(filled, (), auto_default=False)
     pipeline = PipelineConfig.parse(top.section("pipeline"))
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    sequence = top.int("sequence_parallel_size", 1, lo=1)
     batch = resolve_batch(filled, world_size=world, pipe=pipeline.stages, tensor=tensor,
-                          micro_batches=pipeline.micro_batches)
+                          micro_batches=pipeline.micro_batches, sequence=sequence)
     clip = top.float("gradient_clipping", 1.0, lo=0.0)
     precision = read_precision(filled, clip_grad_norm=clip)
     accum, reduce = read_grad_dtypes(filled, precision.dtype)
@@ -183,7 +185,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         scheduler=SchedulerConfig.parse(top.section("scheduler")) if "scheduler" in filled else None,
         gradient_clipping=clip, steps_per_print=top.int("steps_per_print", None, lo=1),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False), compile=read_compile(filled.get("compile")),
-        raw=raw)
+        sequence=sequence, raw=raw)
 
 
 def _checks_finite(precision: Precision, zero: ZeroConfig) -> Precision:

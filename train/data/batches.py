@@ -13,7 +13,9 @@ scale) where scale [B] holds m * D / N, N the global batch's trained tokens. Wit
 `token_mean_loss` each micro-batch's loss is its summed cross-entropy times that scale; the
 runner's mean over m micro-batches and the replicas' mean over D then give exactly the mean
 over every trained token of the global batch (as one process computes it, and as TRL
-normalises), however the tokens fall into micro-batches.
+normalises), however the tokens fall into micro-batches. With a sequence axis each sequence
+rank takes one slice of every row (`sequence_rank`, pipe/sequence/batch.py), and the loss,
+wrapped in pipe/sequence's ShardSum, is multiplied by the degree (the mean over ranks divides by it).
 
 Unpacked rows differ in length: `pad="microbatch"` pads each micro-batch to its longest row
 and returns the step as a list of micro-batches (PipelineRunner(variable_shapes=True) takes
@@ -27,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pipezero.pipe.sequence.batch import shard_sequence
 
 from pipezero.train.data.packing import IGNORE, Corpus, Layout
 
@@ -80,9 +84,12 @@ class PackedBatches:
 
     def __init__(self, layout: Layout, corpus: Corpus, batch_size: int, num_microbatches: int = 1,
                  data_rank: int = 0, data_degree: int = 1, seed: int = 0, shuffle: bool = True,
-                 hf_inputs: bool = False, pad: str = "microbatch"):
+                 hf_inputs: bool = False, pad: str = "microbatch", sequence_rank: int = 0, sequence_degree: int = 1):
         if not 0 <= data_rank < data_degree:
             raise ValueError(f"data_rank={data_rank}: expected 0 <= data_rank < data_degree={data_degree}")
+        if layout.seq_len % sequence_degree:
+            raise ValueError(f"rows of {layout.seq_len} tokens do not split into sequence_degree={sequence_degree} "
+                             f"equal slices; use a --seq-len that is a multiple of {sequence_degree}")
         if batch_size % num_microbatches:
             raise ValueError(f"batch_size={batch_size} rows per data rank do not split into "
                              f"num_microbatches={num_microbatches}; use a multiple of it")
@@ -90,6 +97,7 @@ class PackedBatches:
             raise ValueError(f"pad={pad!r}: expected 'microbatch' or 'step'")
         self.layout, self.corpus, self.batch_size, self.m = layout, corpus, batch_size, num_microbatches
         self.data_rank, self.data_degree, self.hf_inputs, self.pad = data_rank, data_degree, hf_inputs, pad
+        self.sequence_rank, self.sequence_degree = sequence_rank, sequence_degree  # each rank: a slice of each row
         self.order = GlobalOrder(layout.num_rows, batch_size * data_degree, seed, shuffle)
         self._trained = layout.trained_tokens(corpus)
         self._efficiency: tuple[int, float] = (-1, 1.0)
@@ -114,7 +122,9 @@ class PackedBatches:
         ids, labels = stack("ids", self.layout.pad_id), stack("labels", IGNORE)
         positions, segments = stack("positions", 0), stack("segments", 0)
         inputs = (ids, None, positions) if self.hf_inputs else (ids, positions, segments)
-        return inputs, (labels, torch.full((len(made),), scale, dtype=torch.float32))
+        targets = (labels, torch.full((len(made),), scale, dtype=torch.float32))
+        return (shard_sequence(inputs, self.sequence_rank, self.sequence_degree),  # labels shifted on the whole row
+                shard_sequence(targets, self.sequence_rank, self.sequence_degree))
 
     def __iter__(self) -> "PackedBatches":
         return self

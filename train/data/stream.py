@@ -18,8 +18,11 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from pipezero.pipe.sequence.batch import shard_sequence, whole_positions
 
 __all__ = ["ShardedBatches", "TokenData", "corpus_hash", "load_tokens", "stdlib_corpus", "stdlib_files"]
 
@@ -160,9 +163,14 @@ class ShardedBatches:
     """
 
     def __init__(self, data: TokenData, batch_size: int, data_rank: int = 0, data_degree: int = 1,
-                 split: str = "train", seed: int = 0, shuffle: bool = True):
+                 split: str = "train", seed: int = 0, shuffle: bool = True, sequence_rank: int = 0,
+                 sequence_degree: int = 1):
         if not 0 <= data_rank < data_degree:
             raise ValueError(f"data_rank={data_rank}: expected 0 <= data_rank < data_degree={data_degree}")
+        if data.seq_len % sequence_degree:
+            raise ValueError(f"windows of {data.seq_len} tokens do not split into sequence_degree={sequence_degree} "
+                             f"equal slices; use a seq_len that is a multiple of {sequence_degree}")
+        self.sequence_rank, self.sequence_degree = sequence_rank, sequence_degree
         self.data, self.batch_size, self.split, self.seed, self.shuffle = data, batch_size, split, seed, shuffle
         self.data_rank, self.data_degree = data_rank, data_degree
         self.steps_per_epoch = data.num_windows(split) // (batch_size * data_degree)
@@ -180,15 +188,22 @@ class ShardedBatches:
             self._cache = (epoch, torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n))
         return self._cache[1]
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of [batch_size, seq_len] for this rank's share of the next global batch."""
+    def next_batch(self) -> tuple[Any, torch.Tensor]:
+        """(inputs, targets) of [batch_size, seq_len] for this rank's share of the next global batch; with a
+        sequence degree, this rank's slice, the inputs as (ids, positions, segments)."""
         if self.step >= self.steps_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
         global_bs = self.batch_size * self.data_degree
         start = self.step * global_bs + self.data_rank * self.batch_size
         index = self._order(self.epoch)[start:start + self.batch_size]
         self.step += 1
-        return self.data.windows(self.split, index)
+        x, y = self.data.windows(self.split, index)
+        if self.sequence_degree == 1:
+            return x, y
+        # a slice of every window (pipe/sequence/): the GPT's (ids, positions, segments), positions of the whole
+        x = (x, whole_positions(x), torch.zeros_like(x))
+        return (shard_sequence(x, self.sequence_rank, self.sequence_degree),
+                shard_sequence(y, self.sequence_rank, self.sequence_degree))
 
     def __iter__(self) -> "ShardedBatches":
         return self

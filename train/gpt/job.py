@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> float:
     cfg = train_config(args, saved)
 
     # -- the four parts, by hand: Grid, PipelineModule, ZeroOptimizer(LossScaler(AdamW)), PipelineRunner ---
-    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=args.tensor)  # starts the process group
+    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=args.tensor, sequence=cfg.sequence)  # the process group
     device = process_device()  # the GPU this rank's LOCAL_RANK names (nccl), else the CPU
     schedule = make_schedule(cfg.pipeline.schedule, cfg.batch.accumulation_steps, cfg.pipeline.chunks)
     model = PipelineModule(gpt_specs(gpt), grid, loss_fn=gpt_loss, num_chunks=cfg.pipeline.chunks,
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> float:
                            float8=Float8Config(recipe=args.float8) if args.float8 else None).to(cfg.compute_dtype)
     adamw = build_optimizer(cfg.optimizer, model.parameters())     # torch AdamW: the config's lr, betas, decay
     scaler = LossScaler.from_config(adamw, cfg.precision.scaler)   # fp16 loss scale, inf/nan skips, clipping
-    opt = ZeroOptimizer(scaler, group=grid.data_group, config=cfg.zero,
+    opt = ZeroOptimizer(scaler, group=grid.data_sequence_group, config=cfg.zero,
                         module=model if cfg.zero.stage == 3 else None)  # stage 3 also partitions the weights
     runner = PipelineRunner(model, schedule, optimizer=opt, timeout_s=cfg.pipeline.timeout,
                             reshard_after_forward=cfg.pipeline.reshard_after_forward)
@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
     p.add_argument("--tensor", type=int, default=1,
                    help="tensor-parallel degree: each Block's heads and MLP split over this many ranks")
+    p.add_argument("--sequence-parallel", type=_positive, default=None, metavar="N",
+                   help="split every sequence over N ranks (Ulysses attention; default: the config's "
+                        "sequence_parallel_size, else 1)")
     p.add_argument("--schedule", default=None, choices=schedule_names(),
                    help="pipeline schedule (default: the config's, else 1f1b)")
     p.add_argument("--chunks", type=int, default=None,
@@ -188,6 +191,8 @@ def ds_config(args: argparse.Namespace) -> dict:
         "warmup_num_steps": max(1, args.steps // 20), "total_num_steps": args.steps, "warmup_min_ratio": 0.1,
         "cos_min_ratio": 0.1}})
     cfg.setdefault("gradient_clipping", 1.0)
+    if args.sequence_parallel is not None:
+        cfg["sequence_parallel_size"] = args.sequence_parallel
     cfg["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
     if args.steps_per_print:
         cfg["steps_per_print"] = args.steps_per_print
@@ -219,9 +224,10 @@ def check_layout(args: argparse.Namespace, parts: Parts, saved: BatchConfig | No
     """--data against the grid torchrun gave, the parts in the log, --expect-device, a changed data degree."""
     grid, batch = parts.grid, parts.config.batch
     if args.data is not None and args.data != grid.data_size:
+        others = grid.pipe_size * grid.tensor_size * grid.sequence_size
         raise ValueError(f"--data {args.data} but {grid.world_size} processes / (pipe {grid.pipe_size} x tensor "
-                         f"{grid.tensor_size}) give {grid.data_size}: launch torchrun --nproc-per-node "
-                         f"{grid.pipe_size * grid.tensor_size * args.data}")
+                         f"{grid.tensor_size} x sequence {grid.sequence_size}) give {grid.data_size}: launch "
+                         f"torchrun --nproc-per-node {others * args.data}")
     log.info("grid %s, optimizer %s, schedule %s, %s on %s\n%s", grid, parts.optimizer, parts.schedule,
              str(parts.dtype).removeprefix("torch."), parts.device, parts.module.describe())
     if args.expect_device:
@@ -235,8 +241,9 @@ def check_layout(args: argparse.Namespace, parts: Parts, saved: BatchConfig | No
 def token_batches(args: argparse.Namespace, per_rank: int, grid: Grid) -> tuple[ShardedBatches, ShardedBatches]:
     """Byte tokens of --data-path (else the stdlib sources): this data rank's share of every global batch."""
     data = TokenData.from_file(args.data_path, args.seq_len) if args.data_path else TokenData.stdlib(args.seq_len)
-    train = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="train")
-    val = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="val", shuffle=False)
+    slices = dict(sequence_rank=grid.sequence_rank, sequence_degree=grid.sequence_size)  # pipe/sequence/
+    train = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="train", **slices)
+    val = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="val", shuffle=False, **slices)
     return train, val
 
 

@@ -125,7 +125,21 @@ class Block(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.sequence: Any = None  # split_sequence's pipe.sequence.Ulysses: attention over the sequence group
         _fill(self, _seed(cfg, 1 + index))
+
+    @classmethod
+    def check_sequence(cls, cfg: GPTConfig, index: int, degree: int) -> None:
+        """Refuse a sequence degree the heads cannot be split by (pipe/sequence/'s SplitsSequence)."""
+        from pipezero.pipe.sequence.attention import check_heads
+
+        check_heads(cfg.n_head, cfg.n_head, degree, f"GPTConfig(n_head={cfg.n_head})")
+
+    def split_sequence(self, group: Any, degree: int) -> None:
+        """From now on h holds a slice of the sequence; attention exchanges it all-to-all for heads."""
+        from pipezero.pipe.sequence.attention import Ulysses
+
+        self.sequence = Ulysses(group, degree)
 
     def forward(self, h: Any, attn_mask: torch.Tensor | None = None, cache: Any = None) -> Any:
         """attn_mask [B, 1, T, keys] (True: attend) replaces the causal mask.
@@ -136,19 +150,27 @@ class Block(nn.Module):
         """
         if isinstance(h, (tuple, list)):
             hidden, segments = h
-            same = segments[:, None, :, None] == segments[:, None, None, :]
+            whole = segments if self.sequence is None else self.sequence.whole(segments)  # a slice: all keys
+            same = whole[:, None, :, None] == whole[:, None, None, :]
             causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
             return self.forward(hidden, same & causal), segments
         q, k, v = rearrange(self.qkv(self.ln1(h)), "b t (nh three hd) -> three b nh t hd",
                             three=3, hd=self.head_dim)  # nh: this tensor rank's heads
         if cache is not None:
             k, v = cache.append(k, v)
-        if attn_mask is None:
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.sequence is not None:  # this rank's slice: whole sequences of heads / degree (pipe/sequence/)
+            att = self.sequence.heads_first(_attend, q, k, v, attn_mask)
         else:
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            att = _attend(q, k, v, attn_mask)
         h = h + self.proj(rearrange(att, "b nh t hd -> b t (nh hd)"))
         return h + self.out(F.gelu(self.fc(self.ln2(h))))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA, causal unless a mask [B, 1, T, keys] (True: attend) is given."""
+    if attn_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
 
 class FinalNorm(nn.Module):

@@ -1,0 +1,52 @@
+"""Which layers split the sequence, and the one call that splits a PipelineModule's.
+
+A layer that mixes tokens (attention) and can run on a slice of the sequence implements
+`SplitsSequence`: `check_sequence` (a classmethod on the spec's arguments, so every rank refuses
+a bad degree before any collective, whether or not it builds the layer) and `split_sequence`
+(from now on, exchange with the sequence group). Per-token layers (embeddings, norms, MLPs, the
+head) need nothing: they run on the slice as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+from torch import nn
+
+from pipezero.pipe.sequence.loss import ShardMean, ShardSum
+
+__all__ = ["SplitsSequence", "split_sequence"]
+
+
+@runtime_checkable
+class SplitsSequence(Protocol):
+    """A layer that mixes tokens and runs on a slice of the sequence once split."""
+
+    @classmethod
+    def check_sequence(cls, *args: Any, degree: int, **kwargs: Any) -> None: ...
+
+    def split_sequence(self, group: Any, degree: int) -> None: ...
+
+
+def split_sequence(specs: Sequence[Any], layers: nn.Module, loss_fn: Callable | None, grid: Any) -> Callable | None:
+    """Check every spec's layer against the sequence degree (on every rank), split the built ones,
+    and return the loss function each shard computes (pipe/sequence/loss.py)."""
+    degree = grid.sequence_size
+    splitting = [spec for spec in specs if issubclass(spec.cls, SplitsSequence)]
+    if not splitting:
+        raise ValueError(f"sequence parallelism of degree {degree} on {grid!r}: none of the {len(specs)} layers "
+                         "mixes tokens through a split attention (SplitsSequence: hf_layer_specs' decoder layers, "
+                         "the GPT's blocks), so each rank would attend within its slice only; use those layers "
+                         "or sequence=1")
+    if grid.tensor_size > 1:  # the exchange would need the tensor rank's heads to split: not built yet
+        raise ValueError(f"sequence parallelism on {grid!r}: a sequence axis with a tensor axis is not supported "
+                         "yet; use tensor=1 (or sequence=1)")
+    for spec in splitting:
+        spec.cls.check_sequence(*spec.args, degree=degree, **spec.kwargs)
+    for layer in layers.modules():
+        if isinstance(layer, SplitsSequence):
+            layer.split_sequence(grid.sequence_group, degree)
+    if loss_fn is None:
+        return None
+    shard = loss_fn if isinstance(loss_fn, (ShardMean, ShardSum)) else ShardMean(loss_fn)
+    return shard.bind(grid.sequence_group, degree)
