@@ -57,11 +57,12 @@ class WeightGrad:
 
 
 def backward_input(outs: list, grads: list, leaves: list, weights: list,
-                   sink: WeightSink | None = None) -> tuple[Sequence, WeightGrad]:
+                   sink: WeightSink | None = None, whole: bool = False) -> tuple[Sequence, WeightGrad]:
     """I: the gradients of `leaves` (the chunk's inputs) now, and what W needs later.
 
     `weights` are the chunk's parameters that need gradients; `grads` is [None] for a loss;
-    `sink` collected the chunk's deferring Linear layers during its forward (or None).
+    `sink` collected the chunk's deferring Linear layers during its forward (or None); `whole`: no graph
+    split, the whole backward now unless I has nothing to compute (selective recompute allows one backward).
     """
     if sink:  # Linear weight GEMMs wait in the sink; everything else runs now, hooks included
         with collecting(sink):  # a checkpointed layer's forward re-runs as it first ran
@@ -69,6 +70,9 @@ def backward_input(outs: list, grads: list, leaves: list, weights: list,
         return tuple(t.grad for t in leaves), WeightGrad(sink=sink)
     if not leaves:
         return (), WeightGrad(backward=(outs, grads))
+    if whole:
+        torch.autograd.backward(outs, grads)
+        return tuple(t.grad for t in leaves), WeightGrad()
     if _stage_backward_input is not None:
         in_grads, groups = _stage_backward_input(outs, None if grads == [None] else grads, leaves, iter(weights))
         return in_grads, WeightGrad(groups=(weights, groups))

@@ -16,6 +16,7 @@ the weights' later); selective passes a policy through `create_selective_checkpo
 from __future__ import annotations
 
 import functools
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -26,9 +27,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from pipezero.pipe.memory.offload import HostOffload
 
-__all__ = ["MODES", "SAVED_OPS", "RecomputeConfig", "checkpoint_blocks", "checkpointed", "checkpointed_runs"]
+__all__ = ["MODES", "SAVED_OPS", "RecomputeConfig", "checkpoint_blocks", "checkpointed", "checkpointed_runs",
+           "in_selective_run"]
 
 MODES = ("none", "full", "selective")
+_selective = threading.local()  # set while a selectively checkpointed run's forward (or its recompute) runs
 
 
 def _ops(*names: str) -> frozenset:
@@ -101,6 +104,25 @@ def _context_fn(mode: str) -> Callable | None:
     return None
 
 
+def in_selective_run() -> bool:
+    """Is a selectively checkpointed run's forward, or its recompute, running on this thread?
+
+    torch replays the kept matmul outputs by their order of calls, so the recompute must run exactly
+    the forward's ops: what layers share per microbatch from a cache (a Hugging Face stage's mask and
+    rotary cos/sin, pipe/hf/specs.py) is then made by each layer, as a cache hit in the forward and a
+    miss in the recompute (another microbatch ran between them) would run different ops.
+    """
+    return getattr(_selective, "on", False)
+
+
+def _marked_selective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    before, _selective.on = in_selective_run(), True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _selective.on = before
+
+
 def checkpointed(fn: Callable[..., Any], args: tuple, config: RecomputeConfig,
                  offload: HostOffload | None = None, **kwargs: Any) -> Any:
     """fn(*args, **kwargs) checkpointed as `config` says (offload: where the kept inputs wait).
@@ -110,6 +132,8 @@ def checkpointed(fn: Callable[..., Any], args: tuple, config: RecomputeConfig,
     """
     context = _context_fn(config.mode)
     extra = {"context_fn": context} if context is not None else {}
+    if context is not None:
+        fn = functools.partial(_marked_selective, fn)
     with offload.run() if offload is not None else nullcontext():
         return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
@@ -131,6 +155,9 @@ def _call_run(run: Callable[[int, int, Any], Any], start: int, end: int, spread:
     return run(start, end, tuple(inputs) if spread else inputs[0])
 
 
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # transformers' names for a layer's KV cache
+
+
 def checkpoint_blocks(blocks: Iterable[nn.Module], config: RecomputeConfig,
                       offload: HostOffload | None = None) -> int:
     """Checkpoint each block's forward in place (a whole model's layers: pipe/compile.py's model_blocks);
@@ -148,4 +175,8 @@ def _checkpointed_forward(forward: Callable[..., Any], config: RecomputeConfig, 
                           *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):  # a KV cache, filled by the forward
+        raise ValueError("a checkpointed block was given a KV cache (cache=) while training: its recompute "
+                         "would append the keys and values a second time; call the model with use_cache=False "
+                         "(as transformers' own gradient checkpointing does), or turn activation checkpointing off")
     return checkpointed(forward, args, config, offload, **kwargs)
