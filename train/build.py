@@ -133,6 +133,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
             to_float8(model_blocks(module), fp8, dev)
         _compile_blocks(module, CompileConfig.of(cfg.compile if compile is None else compile, dev))
         _checkpoint_blocks(module, cfg.recompute)
+    if cfg.recompute.enabled:
+        get_logger().info("activation checkpointing: %s", cfg.recompute.describe())
     cast_parameters(module, dtype)  # buffers (HF rotary frequencies) keep their fp32, as from_pretrained's
     inner = optimizer if optimizer is not None else build_optimizer(
         cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])

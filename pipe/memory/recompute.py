@@ -79,6 +79,13 @@ class RecomputeConfig:
         """Does any layer recompute?"""
         return self.mode != "none"
 
+    def describe(self) -> str:
+        """One line for the log, e.g. "selective recompute of every layer, its inputs on the host"."""
+        if not self.enabled:
+            return "no activation checkpointing"
+        runs = "every layer" if self.interval == 1 else f"every run of {self.interval} layers"
+        return f"{self.mode} recompute of {runs}" + (", its inputs in pinned host memory" if self.offload else "")
+
     @classmethod
     def of(cls, value: "RecomputeConfig | str | bool | None") -> "RecomputeConfig":
         """A config from a RecomputeConfig, a mode name, True (full) or False / None (none)."""

@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> float:
                            recompute=cfg.recompute,
                            device=device, tensor_plan=gpt_tensor_plan(),
                            float8=Float8Config(recipe=args.float8) if args.float8 else None).to(cfg.compute_dtype)
+    if cfg.recompute.enabled:
+        log.info("activation checkpointing: %s", cfg.recompute.describe())
     adamw = build_optimizer(cfg.optimizer, model.parameters())     # torch AdamW: the config's lr, betas, decay
     scaler = LossScaler.from_config(adamw, cfg.precision.scaler)   # fp16 loss scale, inf/nan skips, clipping
     opt = ZeroOptimizer(scaler, group=grid.data_group, config=cfg.zero,
