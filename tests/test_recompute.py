@@ -3,7 +3,7 @@
 The truth is the same layers trained in one process without checkpointing (1F1B, pipe 1); the
 checkpointed runs are pipe 2 under 1F1B and under ZB-V (split backward: the deferred Linear GEMMs,
 and torch's graph split with deferred_linear=False), for the project's GPT and a tiny Llama through
-hf_layer_specs, with and without LoRA. A recompute must be exact: loss, every gradient and every
+hf_layer_specs, with and without LoRA; ZB-H1 and DualPipeV too. A recompute must be exact: loss, every gradient and every
 parameter after an SGD step within 1e-6 (fp32), and each block must really run its forward twice.
 A whole model (build(model=...)) is checkpointed the same way. What a forward keeps alive for backward
 is measured deterministically on CPU: the bytes of every storage an op made that is still alive after
@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from harness import run
 from pipezero.config_fields import ConfigError
-from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
+from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
 from pipezero.pipe.compile import model_blocks
 from pipezero.pipe.lora import LoraConfig, lora_specs, trainable_parameters
 from pipezero.pipe.memory.offload import HostOffload
@@ -46,6 +46,8 @@ CASES = [  # (model, schedule, recompute, deferred_linear)
     ("llama", "zbv", SELECTIVE, True),
     ("llama-lora", "1f1b", SELECTIVE_OFF, True),
     ("llama-lora", "zbv", FULL_OFF, True),
+    ("gpt", "zb_h1", FULL_OFF, False),                     # no graph split: one backward call, one recompute
+    ("llama-lora", "dualpipev", SELECTIVE_OFF, True),
 ]
 
 
@@ -77,15 +79,15 @@ def _train(model: str, schedule: str, recompute: RecomputeConfig | None, deferre
     pipe = dist.get_world_size()
     grid = Grid(pipe=pipe)
     specs, loss_fn = _specs(model)
-    chunks, placement, make = (2, "v", ZeroBubbleV) if schedule == "zbv" else (1, "looped", OneFOneB)
-    module = PipelineModule(specs, grid, loss_fn=loss_fn, num_chunks=chunks, placement=placement,
+    plan = make_schedule(schedule, MICRO)
+    module = PipelineModule(specs, grid, loss_fn=loss_fn, num_chunks=plan.num_chunks, placement=plan.placement,
                             partition_method="uniform", recompute=recompute, deferred_linear=deferred)
     with torch.no_grad():  # LoRA's B starts at zero; give it values, the same on every grid (by name)
         for name, p in module.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))))
     calls = _count_block_forwards(module)
-    runner = PipelineRunner(module, make(num_microbatches=MICRO))
+    runner = PipelineRunner(module, plan)
     opt = torch.optim.SGD(trainable_parameters(module), lr=LR)
     loss = runner.train_step(*_batch()).item()
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
@@ -114,7 +116,8 @@ def test_checkpointed_pipelines_equal_one_process():
         ranks = [rank[i] for rank in got]
         for rank in ranks:
             assert rank[0] == pytest.approx(loss, rel=1e-6, abs=1e-6), case
-        # each rank ran its blocks forward once per microbatch, and again in the recompute
+        # each rank ran its blocks forward once per microbatch, and once again in the recompute (a graph
+        # split would recompute in each of its backward calls)
         assert sum(r[3] for r in ranks) == 2 * calls, (case, calls, [r[3] for r in ranks])
         for name, want in (("grad", grads), ("param", params)):
             have = _merged(ranks, {"grad": 1, "param": 2}[name])
