@@ -5,7 +5,7 @@ checkpointed runs are pipe 2 under 1F1B and under ZB-V (split backward: the defe
 and torch's graph split with deferred_linear=False), for the project's GPT and a tiny Llama through
 hf_layer_specs, with and without LoRA; ZB-H1 and DualPipeV too. A recompute must be exact: loss, every gradient and every
 parameter after an SGD step within 1e-6 (fp32), and each block must really run its forward twice.
-A whole model (build(model=...)) is checkpointed the same way. What a forward keeps alive for backward
+A whole model (build(model=...), initialize at ZeRO-3) is checkpointed the same way. What a forward keeps alive for backward
 is measured deterministically on CPU: the bytes of every storage an op made that is still alive after
 the forward (none > selective > full); the offload moves exactly the blocks' inputs. The ds_config
 section is read as DeepSpeed's own parser reads it.
@@ -159,6 +159,38 @@ def test_build_model_checkpoints_its_blocks():
         assert got_loss == loss and got_calls == 2 * calls, (got_loss, loss, got_calls, calls)
         for n in grads:
             torch.testing.assert_close(got[n], grads[n], rtol=1e-6, atol=1e-6, msg=n)
+
+
+def _initialize_losses(extra: dict) -> tuple[list[float], int]:
+    """Three steps of a DeepSpeed-style loop (initialize) at ZeRO-3 over data 2."""
+    from pipezero.train import initialize
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA))
+    engine, *_ = initialize(model=model, config={
+        "train_batch_size": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, **extra})
+    calls = [0]
+    for block in model_blocks(engine.module):
+        block.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    gen, rank, losses = torch.Generator().manual_seed(1), dist.get_rank(), []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (4, SEQ), generator=gen)[2 * rank:2 * rank + 2]
+        loss = torch.nn.functional.cross_entropy(engine(ids, use_cache=False).logits.flatten(0, 1), ids.flatten())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, calls[0]
+
+
+def _initialize_cases() -> list:
+    return [_initialize_losses(extra) for extra in ({}, {"activation_checkpointing": {"cpu_checkpointing": True}},
+                                                    {"pipeline": {"activation_checkpointing": "selective"}})]
+
+
+def test_initialize_zero3_checkpointed_trains_the_same():
+    for (plain, calls), *checkpointed in run(_initialize_cases, 2, timeout=300):
+        for losses, recomputed in checkpointed:
+            assert losses == pytest.approx(plain, rel=1e-6, abs=1e-6) and recomputed == 2 * calls
 
 
 # -- what a forward keeps for backward ------------------------------------------------------------
