@@ -1,14 +1,15 @@
 """Activation checkpointing (pipe/memory/): full, selective and offloaded equal one process, and keep less.
 
 The truth is the same layers trained in one process without checkpointing (1F1B, pipe 1); the
-checkpointed runs are pipe 2 under 1F1B and under ZB-V (split backward: the deferred Linear GEMMs,
-and torch's graph split with deferred_linear=False), for the project's GPT and a tiny Llama through
-hf_layer_specs, with and without LoRA; ZB-H1 and DualPipeV too. A recompute must be exact: loss, every gradient and every
-parameter after an SGD step within 1e-6 (fp32), and each block must really run its forward twice.
-A whole model (build(model=...), initialize at ZeRO-3) is checkpointed the same way. What a forward keeps alive for backward
-is measured deterministically on CPU: the bytes of every storage an op made that is still alive after
-the forward (none > selective > full); the offload moves exactly the blocks' inputs. The ds_config
-section is read as DeepSpeed's own parser reads it.
+checkpointed runs are pipe 2 under 1F1B, ZB-H1, ZB-V and DualPipeV (split backward: the deferred
+Linear GEMMs, or with deferred_linear=False no graph split for a checkpointed chunk), for the
+project's GPT and a tiny Llama through hf_layer_specs, with and without LoRA. A recompute must be
+exact: loss, every gradient and every parameter after an SGD step within 1e-6 (fp32), and each
+block must really run its forward twice. A whole model (build(model=...), initialize at ZeRO-3) is
+checkpointed the same way. What a forward keeps alive for backward is measured deterministically
+on CPU: the bytes of every storage an op made that is still alive after the forward (none >
+selective > full); the offload moves exactly the blocks' inputs. The ds_config section is read as
+DeepSpeed's own parser reads it.
 """
 
 import zlib
