@@ -16,12 +16,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from pipezero.comm import all_reduce_coalesced, mark_replica
 from pipezero.pipe.compile import CompileConfig, compile_layers, compile_loss, repeated_classes
 from pipezero.pipe.deferred_linear import defer_linear_weights
 from pipezero.pipe.float8 import Float8Config, check_float8, to_float8
+from pipezero.pipe.memory.offload import HostOffload
+from pipezero.pipe.memory.recompute import RecomputeConfig, checkpointed_runs
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.schedule.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.shared_layers import check_shared_layers
@@ -39,8 +40,10 @@ class PipelineModule(nn.Module):
     """The local layers of a pipelined model, grouped into this rank's virtual chunks.
 
     `model(x, chunk=c)` runs chunk c; `model.parameters()` are this rank's only, so any
-    optimizer chain composes with it. `activation_checkpoint_interval=k` recomputes each run
-    of k layers in backward (torch.utils.checkpoint, non-reentrant; Chen et al. 2016).
+    optimizer chain composes with it. `recompute` (a RecomputeConfig, "full" or "selective") recomputes
+    each run of layers in backward, all of it or all but the matmuls, its inputs on the host with
+    offload=True (pipe/memory/recompute.py); `activation_checkpoint_interval=k` is the same as
+    RecomputeConfig(mode="full", interval=k).
     `tensor_plan` ({layer class: plan} or a callable module -> plan or None) shards each built
     layer over grid.mesh["tensor"] (pipe/tensor_parallel.py); tied layers stay replicated.
     `compile` (True or a CompileConfig; default: on CUDA without tensor parallelism; False: off)
@@ -56,13 +59,16 @@ class PipelineModule(nn.Module):
                  activation_checkpoint_interval: int = 0, placement: str = "looped",
                  seed: int = 0, device: torch.device | str | None = None,
                  tensor_plan: PlanSource | None = None, compile: CompileConfig | bool | None = None,
-                 deferred_linear: bool = True, float8: Float8Config | bool | None = None):
+                 deferred_linear: bool = True, float8: Float8Config | bool | None = None,
+                 recompute: RecomputeConfig | str | None = None):
         super().__init__()
         _check_args(layers, num_chunks, activation_checkpoint_interval, placement, deferred_linear)
         self.grid, self.loss_fn, self.placement = grid, loss_fn, placement
         self.num_stages, self.num_chunks = grid.pipe_size, num_chunks
         self.num_virtual_stages = self.num_stages * num_chunks
-        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.recompute = _recompute(recompute, activation_checkpoint_interval)
+        self.activation_checkpoint_interval = self.recompute.interval if self.recompute.enabled else 0
+        self._offload = HostOffload() if self.recompute.offload else None
         self.seed, self.tensor_plan, self.deferred_linear = seed, tensor_plan, deferred_linear
         self.device = torch.device(device) if device is not None else process_device()
         self.float8_config = Float8Config.of(float8)
@@ -134,12 +140,10 @@ class PipelineModule(nn.Module):
     def forward(self, x: Any, chunk: int = 0) -> Any:
         """Run local `chunk` on `x` (a tensor or a tuple of tensors)."""
         lo, hi = self.chunk_range(chunk)
-        k = self.activation_checkpoint_interval
-        if not k or not torch.is_grad_enabled():
+        if not self.recompute.enabled or not torch.is_grad_enabled():
             return self._run(lo, hi, x, chunk)
-        for start in range(lo, hi, k):
-            x = checkpoint(self._run, start, min(hi, start + k), x, chunk, use_reentrant=False)
-        return x
+        return checkpointed_runs(lambda start, end, h: self._run(start, end, h, chunk), lo, hi, x,
+                                 self.recompute, self._offload)
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
         """loss_fn(output, target) of the last virtual stage."""
@@ -317,6 +321,16 @@ def _check_plans(layers: Sequence[Any], source: PlanSource | None, degree: int) 
                              "leave them out of the plan")
         if plan:
             check_tensor_plan(module, plan, degree, where)
+
+
+def _recompute(recompute: RecomputeConfig | str | None, interval: int) -> RecomputeConfig:
+    """The layers' checkpointing from `recompute`, or from the older activation_checkpoint_interval."""
+    if recompute is not None and interval:
+        raise ValueError(f"PipelineModule(recompute={recompute!r}, activation_checkpoint_interval={interval}): "
+                         "pass one; RecomputeConfig(mode='full', interval=k) is the interval's meaning")
+    if interval:
+        return RecomputeConfig(mode="full", interval=interval)
+    return RecomputeConfig.of(recompute)
 
 
 def _check_args(layers: Sequence[Any], num_chunks: int, interval: int, placement: str, deferred_linear: bool) -> None:

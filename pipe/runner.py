@@ -290,7 +290,8 @@ class PipelineRunner:
         leaves = [t for t in _tensors(x) if t.requires_grad]
         if keep_graph:
             weights = [p for p in model.chunk_parameters(chunk) if p.requires_grad]
-            in_grads, self._deferred[(chunk, mb)] = backward_input(outs, grads, leaves, weights, sink)
+            whole = model.recompute.enabled  # a graph split would recompute the chunk once per backward call
+            in_grads, self._deferred[(chunk, mb)] = backward_input(outs, grads, leaves, weights, sink, whole)
         else:
             with collecting(sink):  # a checkpointed layer's forward re-runs as it first ran
                 torch.autograd.backward(outs, grads)

@@ -15,6 +15,12 @@ and W. Two ways, picked per (chunk, microbatch):
   bottleneck). Without those helpers (a private torch module) W re-runs the retained graph's
   backward: exact, at one more backward-input. On the first stage (its inputs need no
   gradient) I is empty and W is the whole backward.
+
+A chunk with checkpointed layers (pipe/memory/recompute.py) does not take the graph split: torch's
+split makes several backward calls over the chunk and each recomputes the checkpointed forward (a
+fully checkpointed chunk ran its forward four times, not twice), and a selective checkpoint's kept
+matmul outputs serve one backward call only (torch frees them as it reads them). Such a chunk, when
+it has no deferred GEMMs, runs its whole backward in I (`whole=True`) and W has nothing left to do.
 """
 
 from __future__ import annotations
@@ -57,11 +63,12 @@ class WeightGrad:
 
 
 def backward_input(outs: list, grads: list, leaves: list, weights: list,
-                   sink: WeightSink | None = None) -> tuple[Sequence, WeightGrad]:
+                   sink: WeightSink | None = None, whole: bool = False) -> tuple[Sequence, WeightGrad]:
     """I: the gradients of `leaves` (the chunk's inputs) now, and what W needs later.
 
     `weights` are the chunk's parameters that need gradients; `grads` is [None] for a loss;
-    `sink` collected the chunk's deferring Linear layers during its forward (or None).
+    `sink` collected the chunk's deferring Linear layers during its forward (or None); `whole`: no graph
+    split, the whole backward now unless I has nothing to compute (checkpointed layers: one recompute).
     """
     if sink:  # Linear weight GEMMs wait in the sink; everything else runs now, hooks included
         with collecting(sink):  # a checkpointed layer's forward re-runs as it first ran
@@ -69,6 +76,9 @@ def backward_input(outs: list, grads: list, leaves: list, weights: list,
         return tuple(t.grad for t in leaves), WeightGrad(sink=sink)
     if not leaves:
         return (), WeightGrad(backward=(outs, grads))
+    if whole:
+        torch.autograd.backward(outs, grads)
+        return tuple(t.grad for t in leaves), WeightGrad()
     if _stage_backward_input is not None:
         in_grads, groups = _stage_backward_input(outs, None if grads == [None] else grads, leaves, iter(weights))
         return in_grads, WeightGrad(groups=(weights, groups))

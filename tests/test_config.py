@@ -226,7 +226,7 @@ BAD = [
     (("pipeline", "partition_method"), [1, -2, 1], 1, ["partition_method", "per-layer costs", ">= 0"]),
     (("pipeline", "partition_method"), [0.0, 1.5, 7.4], 1, []),  # per-layer costs are accepted
     (("amp",), {"enabled": True}, 1, ['["amp"]', "fp16 or bf16"]),
-    (("activation_checkpointing",), {"partition_activations": True}, 1, []),  # a warning: it needs model code
+    (("activation_checkpointing",), {"partition_activations": True}, 1, []),  # tensor 1: nothing to split
     (("sparse_attention",), {"mode": "fixed"}, 1, ['["sparse_attention"]', "is not supported by pipezero"]),
     (("my_own_key",), 1, 1, []),  # in no DeepSpeed version: DeepSpeed ignores it, pipezero warns
     (("train_micro_batch_size_per_gpuu",), 8, 1, ['did you mean "train_micro_batch_size_per_gpu"']),

@@ -24,6 +24,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from pipezero.pipe.compile import CompileConfig, compile_layers, model_blocks
 from pipezero.pipe.float8 import Float8Config, to_float8
+from pipezero.pipe.memory.offload import HostOffload
+from pipezero.pipe.memory.recompute import RecomputeConfig, checkpoint_blocks
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
@@ -103,7 +105,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     PipelineModule's default: on CUDA without tensor parallelism) compiles each repeated pipeline layer
     and the loss, or with model= the model's repeated blocks (pipe/compile.py, model_blocks).
     `float8` (True or a pipe.float8.Float8Config; default off) trains those blocks' Linears in fp8
-    through torchao (pipe/float8.py).
+    through torchao (pipe/float8.py). Activation checkpointing (ds_config's activation_checkpointing and
+    pipeline keys, TrainConfig.recompute) applies to the pipeline's layers, or with model= to those blocks.
     """
     if hidden_size is None and isinstance(model, nn.Module):
         hidden_size = model_width(model)
@@ -126,14 +129,16 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
         schedule = make_schedule(cfg.pipeline.schedule, cfg.batch.accumulation_steps, cfg.pipeline.chunks)
         module = PipelineModule(list(specs), grid, loss_fn=loss_fn, partition_method=cfg.pipeline.partition_method,
                                 num_chunks=cfg.pipeline.chunks, placement=schedule.placement,
-                                activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
-                                seed=seed, device=dev, tensor_plan=tensor_plan,
+                                recompute=cfg.recompute, seed=seed, device=dev, tensor_plan=tensor_plan,
                                 compile=cfg.compile if compile is None else compile, float8=fp8)
     else:
         module = model.to(dev)
         if fp8 is not None:  # before compiling: the compiled blocks trace the fp8 Linears
             to_float8(model_blocks(module), fp8, dev)
         _compile_blocks(module, CompileConfig.of(cfg.compile if compile is None else compile, dev))
+        _checkpoint_blocks(module, cfg.recompute)
+    if cfg.recompute.enabled:
+        get_logger().info("activation checkpointing: %s", cfg.recompute.describe())
     cast_parameters(module, dtype)  # buffers (HF rotary frequencies) keep their fp32, as from_pretrained's
     inner = optimizer if optimizer is not None else build_optimizer(
         cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])
@@ -152,6 +157,18 @@ def _compile_blocks(model: nn.Module, config: CompileConfig | None) -> None:
     if config is not None:
         blocks = model_blocks(model)
         compile_layers(blocks, config, {type(b) for b in blocks})
+
+
+def _checkpoint_blocks(model: nn.Module, config: RecomputeConfig) -> None:
+    """A whole model's repeated blocks checkpointed as ds_config says, as PipelineModule checkpoints its layers."""
+    if not config.enabled:
+        return
+    blocks = model_blocks(model)
+    if not blocks:
+        raise ValueError(f"activation checkpointing ({config.mode}) checkpoints a model's repeated blocks (the "
+                         f"members of an nn.ModuleList of one class), and {type(model).__name__} has none: "
+                         "turn it off, or pass specs= to checkpoint pipeline layers")
+    checkpoint_blocks(blocks, config, HostOffload() if config.offload else None)
 
 
 def _config(config: Any, hidden_size: int | None, tensor: int = 1,

@@ -45,6 +45,7 @@ from pipezero.train.checkpoint.resume import point_batch, resume_from_point, res
 from pipezero.train.cli import positive_int
 from pipezero.train.config import parse_config
 from pipezero.train.config.batch import keep_global_batch
+from pipezero.train.config.recompute import add_recompute_flags, apply_recompute_flags
 from pipezero.train.data import (MemoryCorpus, PackedBatches, corpus_hash, load_tokenizer, pack, stdlib_files,
                                  token_mean_loss, tokenized_corpus)
 from pipezero.train.checkpoint.hf_export import export_hf
@@ -83,6 +84,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"])
     p.add_argument("--float8", default=None, choices=RECIPES,
                    help="the decoder layers' Linears in fp8 with this torchao recipe (compute capability 8.9+)")
+    add_recompute_flags(p)
     p.add_argument("--steps", type=positive_int, default=100, help="optimizer steps")
     p.add_argument("--micro-batches", type=positive_int, default=None, help="micro-batches per step (default 4)")
     p.add_argument("--batch-size", type=positive_int, default=None,
@@ -296,6 +298,7 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
     pipeline = {"stages": 2 if world % 2 == 0 else 1, "schedule": "1f1b", **raw.get("pipeline", {})}
     pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule)) if v is not None})
     raw["pipeline"] = pipeline
+    apply_recompute_flags(raw, args)
     raw["zero_optimization"] = {"stage": 1, **raw.get("zero_optimization", {}),
                                 **({"stage": args.zero_stage} if args.zero_stage is not None else {})}
     if args.precision is not None:

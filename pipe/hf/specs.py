@@ -38,6 +38,7 @@ from pipezero.pipe.hf.match import check_checkpoint, keeps_tie, size_fields
 from pipezero.pipe.hf.layer_inputs import MASKS, PerMicroBatch, mask_builder, mask_kind
 from pipezero.pipe.hf.static_cache import StaticKVCache
 from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
+from pipezero.pipe.memory.recompute import in_selective_run
 from pipezero.pipe.sequence.hf_attention import check_hf_sequence, register_ulysses, whole_mask_inputs
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 
@@ -365,8 +366,11 @@ class HFDecoderLayer(_HFLayer):
 
     def _shared(self, key: tuple, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any,
                 make: Callable[[], Any]) -> Any:
-        """make(), once per micro-batch for the stage's layers; while decoding (a cache) every call."""
-        return make() if cache is not None else self.model.per_micro_batch.get(positions, padding, key, make)
+        """make(), once per micro-batch for the stage's layers; while decoding (a cache) or in a selectively
+        checkpointed run (its recompute must run the forward's very ops: pipe/memory/recompute.py) every call."""
+        if cache is not None or in_selective_run():
+            return make()
+        return self.model.per_micro_batch.get(positions, padding, key, make)
 
     def _mask(self, hidden: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any) -> Any:
         """transformers' mask for this layer's attention kind (None where SDPA's causal kernel does)."""

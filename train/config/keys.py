@@ -19,7 +19,8 @@ TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
             "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16",
             "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline", "compile",  # compile: compile.py
             "data_types", "communication_data_type",  # data_types.py
-            "sequence_parallel_size")  # the grid's sequence axis (pipe/sequence/)
+            "sequence_parallel_size",  # the grid's sequence axis (pipe/sequence/)
+            "activation_checkpointing")  # recompute.py
 
 
 def _off(value: Any) -> bool:
@@ -52,9 +53,6 @@ TOP_RULES = {
     "disable_python_gc": Ignored(_KNOB, noop=False),
     "managed_gradient_accumulation": Ignored(_KNOB, noop=True),
     "dataloader_drop_last": Ignored("pipezero builds no data loader; keep your own", noop=False),
-    "activation_checkpointing": Ignored(
-        "it configures deepspeed.checkpointing calls in model code; pipezero checkpoints pipeline layers "
-        'with "pipeline": {"activation_checkpoint_interval": N}', noop=_off),
     "aio": Ignored("only for NVMe offload, which pipezero does not offer", noop=_anything),
     "checkpoint": Ignored("pipezero's checkpoints have their own manifest", noop=_off),
     "datastates_ckpt": Ignored("pipezero's checkpoints are written by train/checkpoint/files.py", noop=_off),

@@ -5,7 +5,8 @@ reader, owned by the package that uses it: precision/ reads fp16/bf16 (`read_pre
 reads zero_optimization (`ZeroConfig.from_dict`; data_types.py adds the dtypes gradients are summed
 and reduced in), and this module reads the rest (batch keys,
 gradient_clipping, optimizer, scheduler, tensorboard, steps_per_print, wall_clock_breakdown,
-sequence_parallel_size, pipezero's pipeline section) and sorts the top-level keys (keys.py). Hugging Face's
+sequence_parallel_size, pipezero's pipeline section; activation_checkpointing with the pipeline's
+checkpointing keys in recompute.py) and sorts the top-level keys (keys.py). Hugging Face's
 "auto" values are resolved first, from what the caller knows (`auto_values`, `hidden_size`,
 auto.py), so every rank reaches the same verdict without communicating.
 
@@ -33,8 +34,10 @@ from pipezero.pipe.compile import CompileConfig
 from pipezero.train.config.batch import BatchConfig, resolve_batch
 from pipezero.train.config.compile import read_compile
 from pipezero.train.config.data_types import read_grad_dtypes
+from pipezero.train.config.recompute import read_recompute
 from pipezero.train.config.keys import TOP_KEYS, TOP_RULES
 from pipezero.train.config.optim import OptimizerConfig, SchedulerConfig
+from pipezero.pipe.memory.recompute import RecomputeConfig
 from pipezero.zero.config import ZeroConfig
 
 __all__ = ["BatchConfig", "ConfigError", "ConfigTypeError", "PipelineConfig", "TensorBoardConfig", "TrainConfig",
@@ -77,7 +80,8 @@ class PipelineConfig:
     schedule: str = "1f1b"                   # a name of pipe/schedule/registry.py's SCHEDULES
     chunks: int = 1                          # virtual stages per rank (the schedule's default)
     micro_batches: int | None = None         # = gradient_accumulation_steps when given
-    activation_checkpoint_interval: int = 0  # 0: no activation checkpointing
+    activation_checkpoint_interval: int = 0  # layers per checkpointed run (TrainConfig.recompute has the rest:
+                                             # "activation_checkpointing": "none" | "full" | "selective")
     partition_method: str | tuple[float, ...] = "parameters"  # "parameters", "uniform", "type:<regex>", costs
     reshard_after_forward: bool = False      # ZeRO-3: free a chunk whenever another chunk runs (pipe/gathering.py)
     timeout: float = 300.0                   # seconds a rank waits for a peer before PipelineTimeout
@@ -86,7 +90,7 @@ class PipelineConfig:
     def parse(cls, sec: Section) -> "PipelineConfig":
         """Read the section and check that chunks fit the schedule."""
         sec.check(("stages", "schedule", "chunks", "micro_batches", "activation_checkpoint_interval",
-                   "partition_method", "reshard_after_forward", "timeout"), _DS_PIPELINE_RULES)
+                   "activation_checkpointing", "partition_method", "reshard_after_forward", "timeout"), _DS_PIPELINE_RULES)
         name = sec.raw("schedule", "1f1b")
         try:
             entry = schedule_entry(name)
@@ -145,6 +149,7 @@ class TrainConfig:
     wall_clock_breakdown: bool = False
     compile: CompileConfig | bool | None = None   # "compile" (compile.py); None: pipezero's default
     sequence: int = 1                # "sequence_parallel_size" (DeepSpeed's key): the grid's sequence axis
+    recompute: RecomputeConfig = RecomputeConfig()  # activation checkpointing (recompute.py)
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -168,6 +173,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
     filled = fill_auto(raw, auto_values or {})
     top = Section(filled, (), auto_default=False)
     pipeline = PipelineConfig.parse(top.section("pipeline"))
+    recompute = read_recompute(filled.get("activation_checkpointing"), top.section("pipeline"), tensor)
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     sequence = top.int("sequence_parallel_size", 1, lo=1)
     batch = resolve_batch(filled, world_size=world, pipe=pipeline.stages, tensor=tensor,
@@ -185,7 +191,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         scheduler=SchedulerConfig.parse(top.section("scheduler")) if "scheduler" in filled else None,
         gradient_clipping=clip, steps_per_print=top.int("steps_per_print", None, lo=1),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False), compile=read_compile(filled.get("compile")),
-        sequence=sequence, raw=raw)
+        sequence=sequence, recompute=recompute, raw=raw)
 
 
 def _checks_finite(precision: Precision, zero: ZeroConfig) -> Precision:

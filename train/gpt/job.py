@@ -45,6 +45,7 @@ from pipezero.train.checkpoint import prune_checkpoints, step_dir_name
 from pipezero.train.cli import DefaultsHelp
 from pipezero.train.config import TrainConfig
 from pipezero.train.config.batch import BatchConfig, keep_global_batch
+from pipezero.train.config.recompute import add_recompute_flags, apply_recompute_flags
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.failure import run_as_command
 from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
@@ -77,9 +78,11 @@ def main(argv: list[str] | None = None) -> float:
     schedule = make_schedule(cfg.pipeline.schedule, cfg.batch.accumulation_steps, cfg.pipeline.chunks)
     model = PipelineModule(gpt_specs(gpt), grid, loss_fn=gpt_loss, num_chunks=cfg.pipeline.chunks,
                            placement=schedule.placement, partition_method=cfg.pipeline.partition_method,
-                           activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
+                           recompute=cfg.recompute,
                            device=device, tensor_plan=gpt_tensor_plan(),
                            float8=Float8Config(recipe=args.float8) if args.float8 else None).to(cfg.compute_dtype)
+    if cfg.recompute.enabled:
+        log.info("activation checkpointing: %s", cfg.recompute.describe())
     adamw = build_optimizer(cfg.optimizer, model.parameters())     # torch AdamW: the config's lr, betas, decay
     scaler = LossScaler.from_config(adamw, cfg.precision.scaler)   # fp16 loss scale, inf/nan skips, clipping
     opt = ZeroOptimizer(scaler, group=grid.data_sequence_group, config=cfg.zero,
@@ -123,6 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"], help="default: the config's, else fp32")
     p.add_argument("--float8", default=None, choices=RECIPES,
                    help="the Blocks' Linears in fp8 with this torchao recipe (a GPU of compute capability 8.9+)")
+    add_recompute_flags(p)
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--micro-batches", type=_positive, default=None, help="micro-batches per step (default 4)")
     p.add_argument("--batch-size", type=_positive, default=None,
@@ -179,6 +183,7 @@ def ds_config(args: argparse.Namespace) -> dict:
     pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule), ("chunks", args.chunks),
                                        ("timeout", args.pipeline_timeout)) if v is not None})
     cfg["pipeline"] = pipeline
+    apply_recompute_flags(cfg, args)
     zero = {"stage": 2, **cfg.get("zero_optimization", {})}
     zero.update({"stage": args.zero_stage} if args.zero_stage is not None else {})
     cfg["zero_optimization"] = zero

@@ -1,0 +1,189 @@
+"""Activation checkpointing of a model's layers: full or selective, with the kept inputs on the host.
+
+Full (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"): each run of `interval`
+layers keeps only its inputs and runs its forward again in backward. Selective (Korthikanti et al.
+2022, "Reducing Activation Recomputation in Large Transformer Models"): the recompute skips the
+expensive ops, whose outputs are kept (the matmuls and the attention kernels), and re-runs the cheap
+ones (norms, activations, rotary, softmax, dropout), which hold most of the bytes. Both are torch's own
+`torch.utils.checkpoint` (non-reentrant, so a split backward can take the input gradient first and
+the weights' later); selective passes a policy through `create_selective_checkpoint_contexts`.
+`offload=True` moves each run's kept inputs to pinned host memory (pipe/memory/offload.py).
+
+    PipelineModule(specs, grid, recompute=RecomputeConfig(mode="selective", offload=True))
+    checkpoint_blocks(model_blocks(model), RecomputeConfig(mode="full"))   # a whole model, no pipeline
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from pipezero.pipe.memory.offload import HostOffload
+
+__all__ = ["MODES", "SAVED_OPS", "RecomputeConfig", "checkpoint_blocks", "checkpointed", "checkpointed_runs",
+           "in_selective_run"]
+
+MODES = ("none", "full", "selective")
+_selective = threading.local()  # set while a selectively checkpointed run's forward (or its recompute) runs
+
+
+def _ops(*names: str) -> frozenset:
+    """The aten overload packets of these names that this torch has (the attention kernels vary)."""
+    found = set()
+    for name in names:
+        try:
+            found.add(getattr(torch.ops.aten, name))
+        except AttributeError:
+            continue
+    return frozenset(found)
+
+
+# What selective recomputation keeps: the matmuls' outputs and the attention kernels' (all the FLOPs;
+# the kernels' own saved statistics come with them), not the elementwise ops between them.
+SAVED_OPS = _ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+                 "_efficient_attention_forward")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RecomputeConfig:
+    """Which layers recompute their forward in backward, how much of it, and where their inputs wait."""
+
+    mode: str = "none"      # "none", "full" (recompute everything) or "selective" (keep matmul outputs)
+    interval: int = 1       # layers per checkpointed run (DeepSpeed's activation_checkpoint_interval)
+    offload: bool = False   # each run's kept inputs in pinned host memory (DeepSpeed's cpu_checkpointing)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"RecomputeConfig(mode={self.mode!r}): expected one of {MODES}")
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"RecomputeConfig(interval={self.interval!r}): expected a positive integer "
+                             "(layers per checkpointed run)")
+        if not isinstance(self.offload, bool):
+            raise TypeError(f"RecomputeConfig(offload={self.offload!r}): expected True or False")
+        if self.offload and self.mode == "none":
+            raise ValueError("RecomputeConfig(mode='none', offload=True): offload moves the inputs that "
+                             "checkpointed layers keep, and mode='none' checkpoints none; use mode='full' "
+                             "or 'selective'")
+
+    @property
+    def enabled(self) -> bool:
+        """Does any layer recompute?"""
+        return self.mode != "none"
+
+    def describe(self) -> str:
+        """One line for the log, e.g. "selective recompute of every layer, its inputs on the host"."""
+        if not self.enabled:
+            return "no activation checkpointing"
+        runs = "every layer" if self.interval == 1 else f"every run of {self.interval} layers"
+        return f"{self.mode} recompute of {runs}" + (", its inputs in pinned host memory" if self.offload else "")
+
+    @classmethod
+    def of(cls, value: "RecomputeConfig | str | bool | None") -> "RecomputeConfig":
+        """A config from a RecomputeConfig, a mode name, True (full) or False / None (none)."""
+        if isinstance(value, RecomputeConfig):
+            return value
+        if value is None or value is False:
+            return cls()
+        if value is True:
+            return cls(mode="full")
+        if isinstance(value, str):
+            return cls(mode=value)
+        raise TypeError(f"recompute={value!r}: expected a RecomputeConfig, one of {MODES}, True or False")
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _context_fn(mode: str) -> Callable | None:
+    if mode == "selective":
+        return functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    return None
+
+
+def in_selective_run() -> bool:
+    """Is a selectively checkpointed run's forward, or its recompute, running on this thread?
+
+    torch replays the kept matmul outputs by their order of calls, so the recompute must run exactly
+    the forward's ops: what layers share per microbatch from a cache (a Hugging Face stage's mask and
+    rotary cos/sin, pipe/hf/specs.py) is then made by each layer, as a cache hit in the forward and a
+    miss in the recompute (another microbatch ran between them) would run different ops.
+    """
+    return getattr(_selective, "on", False)
+
+
+def _marked_selective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    before, _selective.on = in_selective_run(), True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _selective.on = before
+
+
+def checkpointed(fn: Callable[..., Any], args: tuple, config: RecomputeConfig,
+                 offload: HostOffload | None = None, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) checkpointed as `config` says (offload: where the kept inputs wait).
+
+    Only positional tensors are the run's kept inputs (torch keeps keyword arguments as they are);
+    a pipeline layer's tuple of tensors is passed spread, so each is one.
+    """
+    context = _context_fn(config.mode)
+    extra = {"context_fn": context} if context is not None else {}
+    if context is not None:
+        fn = functools.partial(_marked_selective, fn)
+    with offload.run() if offload is not None else nullcontext():
+        return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def checkpointed_runs(run: Callable[[int, int, Any], Any], lo: int, hi: int, x: Any,
+                      config: RecomputeConfig, offload: HostOffload | None = None) -> Any:
+    """Layers [lo, hi) as runs of config.interval, each checkpointed: `run(start, end, x)` runs them."""
+    if offload is not None:
+        offload.begin()
+    for start in range(lo, hi, config.interval):
+        end = min(hi, start + config.interval)
+        spread = isinstance(x, tuple)
+        x = checkpointed(functools.partial(_call_run, run, start, end, spread), x if spread else (x,),
+                         config, offload)
+    return x
+
+
+def _call_run(run: Callable[[int, int, Any], Any], start: int, end: int, spread: bool, *inputs: Any) -> Any:
+    return run(start, end, tuple(inputs) if spread else inputs[0])
+
+
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # transformers' names for a layer's KV cache
+
+
+def checkpoint_blocks(blocks: Iterable[nn.Module], config: RecomputeConfig,
+                      offload: HostOffload | None = None) -> int:
+    """Checkpoint each block's forward in place (a whole model's layers: pipe/compile.py's model_blocks);
+    returns how many. Without gradients (eval, generation) a block runs as it is."""
+    count = 0
+    if not config.enabled:
+        return count
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed_forward, block.forward, config, offload)
+        count += 1
+    return count
+
+
+def _checkpointed_forward(forward: Callable[..., Any], config: RecomputeConfig, offload: HostOffload | None,
+                          *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):  # a KV cache, filled by the forward
+        raise ValueError("a checkpointed block was given a KV cache (cache=) while training: its recompute "
+                         "would append the keys and values a second time; call the model with use_cache=False "
+                         "(as transformers' own gradient checkpointing does), or turn activation checkpointing off")
+    return checkpointed(forward, args, config, offload, **kwargs)
