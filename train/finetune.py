@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
     """The whole job; returns the last training loss (`prog`: the command named in usage and errors)."""
     args = parse_args(argv, prog)
     check_out(args.out)                                     # an unwritable --out fails now, not after training
-    specs = hf_layer_specs(args.model or default_config())
+    specs = hf_layer_specs(args.model or default_config(), fused_loss=True)  # the logits never whole
     model_config = hf_config(specs)
     corpus, pad_id = documents(args, model_config)          # bad data fails here, on every rank, before a collective
     ckpt_dir = Path(args.out) / "checkpoints"
