@@ -7,18 +7,19 @@ memory-efficient kernel with the mask read at every score). Here each document i
 on its own with SDPA's `is_causal=True` (no mask), so:
 
 * on CPU, torch's flash CPU kernel runs per document (scores never whole: linear memory,
-  forward and backward); the result is the masked result up to float rounding, since a
-  masked-out score contributes exactly zero to the softmax;
-* on CUDA in fp16 / bf16, one `torch.nn.attention.varlen.varlen_attn` call over the row's
-  cumulative document lengths (flash varlen: one kernel for all documents, as the
-  flash-attention packing of Hugging Face and Megatron does); fp32 on CUDA takes the
-  per-document loop (flash needs half precision).
+  forward and backward); on CUDA, flash (or cuDNN / memory-efficient) attention per document,
+  the kernels SDPA picks for a plain causal call;
+* the result is the masked result up to float rounding: a masked-out score contributes exactly
+  zero to the softmax.
 
 FlexAttention (a document-causal block mask) was the other candidate: its eager fallback
 materialises the whole scores (quadratic on CPU, where CI runs) and its fast path needs
 torch.compile (minutes of compilation on a 2-core CPU); per-document SDPA is exact and
-linear everywhere with no compilation. The Python loop over documents costs one SDPA call
-per document on CPU (and on CUDA in fp32): fine for the tens of documents of a row.
+linear everywhere with no compilation. The cost is one SDPA call per document (a Python loop):
+nothing beside the attention of a long document, but launch-bound for hundreds of short ones on
+a GPU, where one flash varlen call over the cumulative lengths (`Documents.cu_seqlens`,
+torch.nn.attention.varlen.varlen_attn, CUDA only) is the next step; it is not taken here yet,
+for want of a GPU test of it.
 
 `document_attention(q, k, v, docs)` is the single entry point (the Hugging Face layers'
 registered attention function and the GPT's Block both call it; a sequence-parallel wrapper
@@ -41,12 +42,13 @@ __all__ = ["Documents", "document_attention", "documents_from_positions", "docum
 class Documents:
     """Where each document of a [B, T] micro-batch lies: spans (row, start, end), end exclusive.
 
-    cu_seqlens: the same over the flattened B * T tokens, int32 (flash varlen's layout);
-    longest: the longest document's length."""
+    cu_seqlens: the same over the flattened B * T tokens, int32 on the ids' device (flash varlen's layout);
+    longest: the longest document's length; shape: (B, T)."""
 
     spans: tuple[tuple[int, int, int], ...]
     cu_seqlens: torch.Tensor
     longest: int
+    shape: tuple[int, int]
 
     @property
     def single(self) -> bool:
@@ -55,6 +57,7 @@ class Documents:
         return len(rows) == len(self.spans)
 
 
+@torch.compiler.disable  # a host sync and Python ints: a graph break, not a recompilation per layout
 def documents_from_starts(starts: torch.Tensor) -> Documents:
     """Documents of a [B, T] boolean tensor, True where a document starts (column 0 always starts one)."""
     if starts.dim() != 2:
@@ -67,7 +70,7 @@ def documents_from_starts(starts: torch.Tensor) -> Documents:
     bounds = flat + [batch * tokens]
     spans = tuple((lo // tokens, lo % tokens, lo % tokens + hi - lo) for lo, hi in zip(bounds, bounds[1:]))
     cu = torch.tensor(bounds, dtype=torch.int32, device=starts.device)
-    return Documents(spans, cu, max(hi - lo for lo, hi in zip(bounds, bounds[1:])))
+    return Documents(spans, cu, max(hi - lo for lo, hi in zip(bounds, bounds[1:])), (batch, tokens))
 
 
 def documents_from_positions(positions: torch.Tensor) -> Documents:
@@ -84,6 +87,7 @@ def documents_from_segments(segments: torch.Tensor) -> Documents:
     return documents_from_starts(starts)
 
 
+@torch.compiler.disable  # a loop over the micro-batch's documents: traced, it would recompile for each layout
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
                        scale: float | None = None) -> torch.Tensor:
     """Causal attention within each document: q [B, H, T, D], k and v [B, Hkv, T, D] -> [B, H, T, D].
@@ -94,13 +98,11 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
     if k.shape[0] != batch or k.shape[2] != tokens or heads % k.shape[1]:
         raise ValueError(f"document_attention: q {tuple(q.shape)} and k {tuple(k.shape)} do not fit; expected "
                          f"k [{batch}, H_kv, {tokens}, D] with H_kv dividing {heads}")
-    if docs.cu_seqlens[-1] != batch * tokens:
-        raise ValueError(f"document_attention: the documents cover {int(docs.cu_seqlens[-1])} tokens, q has "
-                         f"{batch} x {tokens}; make them from this micro-batch's position or segment ids")
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return _varlen(q, k, v, docs, scale)
+    if docs.shape != (batch, tokens):
+        raise ValueError(f"document_attention: the documents are of a {docs.shape[0]} x {docs.shape[1]} micro-batch, "
+                         f"q of {batch} x {tokens}; make them from this micro-batch's position or segment ids")
     groups = heads // k.shape[1]
-    if groups > 1:  # repeated here: SDPA's enable_gqa leaves the CPU flash kernel
+    if groups > 1:  # repeated here: not every SDPA kernel serves enable_gqa
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if docs.single:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -110,14 +112,3 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
     rows = [torch.cat([p for p, (r, _, _) in zip(pieces, docs.spans) if r == row], dim=2) for row in range(batch)]
     return torch.cat(rows, dim=0)
 
-
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
-            scale: float | None) -> torch.Tensor:
-    """One flash varlen call over the flattened tokens (CUDA, half precision)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    batch, heads, tokens, dim = q.shape
-    flat = [t.transpose(1, 2).reshape(batch * tokens, t.shape[1], dim) for t in (q, k, v)]
-    out = varlen_attn(*flat, docs.cu_seqlens, docs.cu_seqlens, docs.longest, docs.longest, scale=scale,
-                      window_size=(-1, 0), enable_gqa=heads != k.shape[1])
-    return out.reshape(batch, tokens, heads, dim).transpose(1, 2)

@@ -11,14 +11,16 @@ Bekman et al. 2025, arXiv 2506.13996). Being plain autograd, the tiles compose w
 everything else that hooks it: ZeRO's gradient hooks, the split backward's deferred weight
 GEMMs, tensor-parallel hooks and layer-level activation checkpointing around it.
 
-The cost is one more forward of the MLP (about a third of its FLOPs) and a Python loop per
-tile; so tiling is on by default only from TILE_FROM_ROWS tokens in a micro-batch (8,192),
-where the intermediate tensors are large (TinyLlama's shape: 4 x 8K x 5,632 x 2 bytes = 369
-MB per layer in bf16) and the recomputed forward is small beside attention's quadratic
-FLOPs (at 8K and hidden 2,048, causal attention already costs ~2.4x the MLP per layer; at 32K
-the recompute adds ~9% of a layer's FLOPs, at 128K ~3%). Below that, the MLP runs whole.
-Tiles have TILE_ROWS rows (2,048: GEMMs of that height run at full speed on a GPU). The
-result is the untiled one up to float rounding (the weight gradients are summed over tiles);
+The cost is one more forward of the MLP (a third of its FLOPs) and a Python loop over tiles. So
+tiling is on by default only from TILE_FROM_ROWS tokens in a micro-batch (8,192): there the MLP's
+saved tensors are large (TinyLlama's shape: 4 x 8K x 5,632 x 2 bytes = 369 MB per layer in bf16,
+8 GB over its 22 layers) and causal attention's quadratic FLOPs take a growing share of the layer
+(they equal the MLP's at 3 x intermediate tokens, 17K for TinyLlama), so the recomputation costs
+~19% of a TinyLlama layer's FLOPs at 8K, ~10% at 32K and ~4% at 128K, and less on a GPU where
+attention runs below the GEMMs' speed. Below 8K the MLP runs whole: there the recomputation would
+be measurable and its memory is not what limits the length. Tiles have TILE_ROWS rows (2,048:
+GEMMs of that height run at full speed on a GPU). The result is the untiled one up to float
+rounding (the weight gradients are summed over tiles);
 dropout inside the MLP draws other masks than one untiled call would.
 """
 

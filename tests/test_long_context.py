@@ -62,7 +62,7 @@ def test_document_attention_equals_the_masked_attention():
     g = torch.randn_like(out)
     for name, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
         _close(a, b, f"d{name}")
-    with pytest.raises(ValueError, match="cover 64 tokens, q has 1 x 32"):
+    with pytest.raises(ValueError, match="of a 2 x 32 micro-batch, q of 1 x 32"):
         document_attention(q[:1], k[:1], v[:1], docs)
 
 
@@ -198,17 +198,10 @@ def test_hf_packed_rows_under_pipe2_1f1b_equal_transformers():
         _close(grads[name], p.grad, name)
 
 
-def _saved_bytes(seq: int) -> int:
-    """Bytes of the distinct storages autograd keeps for backward: finetune's default Llama, one packed row."""
-    from pipezero.pipe import PipelineModule
-    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
-    from pipezero.topology import Grid
-    from pipezero.train.finetune import default_config
-
-    module = PipelineModule(hf_layer_specs(default_config(), fused_loss=True), grid=Grid(pipe=1),
-                            loss_fn=causal_lm_loss)
+def _saved_bytes(module: torch.nn.Module, seq: int) -> int:
+    """Bytes of the distinct storages autograd keeps for backward of one packed row of four documents."""
     ids = torch.randint(0, 256, (1, seq))
-    positions = torch.arange(seq).remainder(seq // 4)[None]  # four documents
+    positions = torch.arange(seq).remainder(seq // 4)[None]
     storages: dict[int, int] = {}
 
     def keep(t: torch.Tensor) -> torch.Tensor:
@@ -221,10 +214,18 @@ def _saved_bytes(seq: int) -> int:
 
 
 def test_saved_activations_grow_linearly_with_the_packed_length(monkeypatch):
-    """Twice the tokens keep twice the bytes (the masked attention kept [T, T] scores: 2.9x here), and
-    the tiled MLP keeps less than the whole one."""
-    small, large = _saved_bytes(512), _saved_bytes(1024)
-    assert large / small < 2.1, (small, large)
+    """finetune's default Llama: twice the tokens keep twice the bytes (1.89x here; the masked attention's
+    [T, T] scores made it 2.18x from 512 to 1,024 tokens and 2.47x from 1,024 to 2,048), and the tiled MLP
+    keeps less than the whole one."""
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.topology import Grid
+    from pipezero.train.finetune import default_config
+
+    module = PipelineModule(hf_layer_specs(default_config(), fused_loss=True), grid=Grid(pipe=1),
+                            loss_fn=causal_lm_loss)
+    small, large = _saved_bytes(module, 512), _saved_bytes(module, 1024)
+    assert large / small < 2.05, (small, large)
     monkeypatch.setattr(tiled_mlp, "TILE_FROM_ROWS", 1)
     monkeypatch.setattr(tiled_mlp, "TILE_ROWS", 128)
-    assert _saved_bytes(1024) < 0.8 * large
+    assert _saved_bytes(module, 1024) < 0.8 * large
