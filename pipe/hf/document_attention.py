@@ -43,7 +43,7 @@ def documents_config(config: Any) -> Any:
     """A copy of config whose layers attend through the registered function (the original is untouched:
     the mask builders and the export read it)."""
     _register()
-    layer_config = copy.copy(config)
+    layer_config = copy.deepcopy(config)  # deep: the setter also sets any sub-config
     layer_config._attn_implementation = IMPLEMENTATION
     return layer_config
 
