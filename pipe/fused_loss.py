@@ -67,22 +67,30 @@ def hf_head_logits(config: Any, hidden: torch.Tensor, weight: torch.Tensor,
 
 
 def fused_cross_entropy(output: HeadLogits | torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                        chunk_rows: int | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy of logits, or of HeadLogits without making the logits whole."""
+                        chunk_rows: int | None = None, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy (mean or sum) of logits, or of HeadLogits without making the logits whole."""
     if isinstance(output, HeadLogits):
-        return linear_cross_entropy(*output, targets=targets, ignore_index=ignore_index, chunk_rows=chunk_rows)
+        return linear_cross_entropy(*output, targets=targets, ignore_index=ignore_index, chunk_rows=chunk_rows,
+                                    reduction=reduction)
     if not isinstance(output, torch.Tensor):
         raise TypeError(f"fused_cross_entropy: expected logits (a tensor) or HeadLogits, got {type(output).__name__}")
-    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index)
+    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index,
+                           reduction=reduction)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          scale: float = 1.0, softcap: float | None = None, *, targets: torch.Tensor,
-                         ignore_index: int = -100, chunk_rows: int | None = None) -> torch.Tensor:
+                         ignore_index: int = -100, chunk_rows: int | None = None,
+                         reduction: str = "mean") -> torch.Tensor:
     """mean CE(softcap(scale * (hidden @ weight^T + bias)), targets) over targets != ignore_index.
 
-    hidden [..., d] with targets [...]; chunk_rows rows at a time (default: 2^25 logits per chunk).
+    hidden [..., d] with targets [...]; chunk_rows rows at a time (default: 2^25 logits per chunk, so a
+    micro-batch of fewer rows is one chunk, computed as the unfused head and loss would: the chunking
+    starts past that size and costs nothing, the gradients being made in the forward pass either way).
+    reduction "sum": the sum over those targets (0 when there is none), as F.cross_entropy's.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy(reduction={reduction!r}): expected 'mean' or 'sum'")
     d = hidden.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != d:
         raise ValueError(f"linear_cross_entropy: weight {tuple(weight.shape)} does not fit hidden {tuple(hidden.shape)}"
@@ -97,14 +105,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
         raise ValueError(f"linear_cross_entropy(chunk_rows={chunk_rows}): expected a positive number of rows")
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _LinearCrossEntropy.apply(hidden.reshape(-1, d), weight, bias, targets.reshape(-1), float(scale),
-                                     softcap, ignore_index, rows, grads)
+                                     softcap, ignore_index, rows, grads, reduction == "sum")
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Loss and gradients in one pass over row chunks; backward scales the kept gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, softcap, ignore_index, rows, grads):
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, ignore_index, rows, grads, summed):
         valid = targets != ignore_index
         count = valid.sum()
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -112,7 +120,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         g_hidden = torch.empty_like(hidden) if need[0] else None
         g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need[1] else None
         g_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need[2] else None
-        inv = 1.0 / count.clamp(min=1).float()
+        inv = 1.0 if summed else 1.0 / count.clamp(min=1).float()
         for lo in range(0, hidden.shape[0], rows):
             h, t, ok = hidden[lo:lo + rows], targets[lo:lo + rows], valid[lo:lo + rows]
             loss, g = _chunk(h, weight, bias, t, ok, scale, softcap, grads)
@@ -131,7 +139,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(g_hidden, g_weight, g_bias)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         # F.cross_entropy's mean of nothing is nan (0 / 0)
-        return total / count.float()
+        return total if summed else total / count.float()
 
     @staticmethod
     def backward(ctx, grad):
@@ -140,7 +148,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         out_h = g_hidden * grad.to(g_hidden.dtype) if g_hidden is not None else None
         out_w = (g_weight * grad).to(w_dtype) if g_weight is not None else None
         out_b = (g_bias * grad).to(b_dtype) if g_bias is not None else None
-        return out_h, out_w, out_b, None, None, None, None, None, None
+        return out_h, out_w, out_b, None, None, None, None, None, None, None
 
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,

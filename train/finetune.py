@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
     """The whole job; returns the last training loss (`prog`: the command named in usage and errors)."""
     args = parse_args(argv, prog)
     check_out(args.out)                                     # an unwritable --out fails now, not after training
-    specs = hf_layer_specs(args.model or default_config())
+    specs = hf_layer_specs(args.model or default_config(), fused_loss=True)  # the logits never whole
     model_config = hf_config(specs)
     point = resume_point(Path(args.out) / "checkpoints", args.resume_from)  # the latest, or --resume-from's
     corpus, pad_id, data_id = documents(args, model_config)  # bad data fails here, on every rank, before a collective

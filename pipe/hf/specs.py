@@ -34,6 +34,8 @@ from torch import nn
 
 from pipezero.comm import is_replica
 from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
+from pipezero.pipe.document_attention import Documents, documents_from_positions
+from pipezero.pipe.hf.document_attention import DOCUMENTS_KWARG, documents_config, supports_documents
 from pipezero.pipe.hf.match import check_checkpoint, keeps_tie, size_fields
 from pipezero.pipe.hf.layer_inputs import MASKS, PerMicroBatch, mask_builder, mask_kind
 from pipezero.pipe.hf.static_cache import StaticKVCache
@@ -41,6 +43,7 @@ from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.memory.recompute import in_selective_run
 from pipezero.pipe.sequence.hf_attention import check_hf_sequence, register_ulysses, whole_mask_inputs
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
+from pipezero.pipe.tiled_mlp import tile_mlp
 
 __all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
            "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_parameter_names", "hf_shapes", "hf_state_dict",
@@ -328,9 +331,14 @@ class HFDecoderLayer(_HFLayer):
         super().__init__()
         self.model, self.index = model, index
         self.prefix = model.path(model.layers[index])
-        self.inner = type(model.layers[index])(model.config, layer_idx=index)
-        self.rotary = type(model.rotary)(config=model.config) if model.rotary is not None else None
         self.attention_kind = mask_kind(model.config, index)
+        self.documents = supports_documents(model.config, self.attention_kind)  # packed rows without a mask
+        layer_config = documents_config(model.config) if self.documents else model.config
+        self.inner = type(model.layers[index])(layer_config, layer_idx=index)
+        mlp = getattr(self.inner, "mlp", None)
+        if isinstance(mlp, nn.Module) and type(mlp).__name__.endswith("MLP"):  # dense, per token (not MoE)
+            tile_mlp(mlp)
+        self.rotary = type(model.rotary)(config=model.config) if model.rotary is not None else None
         self.make_mask = mask_builder(self.attention_kind)
         sliding = self.attention_kind == "sliding_attention"
         self.window = getattr(model.config, "sliding_window", None) if sliding else None  # the static cache's mask
@@ -356,13 +364,27 @@ class HFDecoderLayer(_HFLayer):
             extra["position_embeddings"] = self._shared(
                 ("rotary", self.rotary_args, hidden.dtype, hidden.device), positions, padding, cache,
                 lambda: self.rotary(hidden, positions, *self.rotary_args))
-        if isinstance(cache, StaticKVCache):  # pipe/hf/generate.py's static decode step
+        docs = self._documents(positions, padding, cache)
+        if docs is not None:  # packed rows: each document attended alone, no mask (pipe/hf/document_attention.py)
+            mask, extra[DOCUMENTS_KWARG] = None, docs
+        elif isinstance(cache, StaticKVCache):  # pipe/hf/generate.py's static decode step
             mask = cache.attention_mask(self.window, hidden.dtype)
         else:
             mask = self._shared(("mask", self.attention_kind, hidden.dtype), positions, padding, cache,
                                 lambda: self._mask(hidden, positions, padding, cache))
         out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
         return (out[0] if isinstance(out, tuple) else out, positions, *rest)
+
+    def _documents(self, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any) -> Documents | None:
+        """The micro-batch's documents where the mask-free path serves this layer; None: transformers' mask
+        (one document per row, where it is no mask; padding; decoding; a document longer than the window)."""
+        dropout = self.training and getattr(self.model.config, "attention_dropout", 0.0)
+        if not self.documents or padding is not None or cache is not None or dropout:
+            return None
+        docs = self._shared(("documents",), positions, None, None, lambda: documents_from_positions(positions))
+        if docs.single or (self.window is not None and docs.longest > self.window):
+            return None
+        return docs
 
     def _shared(self, key: tuple, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any,
                 make: Callable[[], Any]) -> Any:

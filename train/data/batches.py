@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy
 from pipezero.pipe.sequence.batch import shard_sequence
 
 from pipezero.train.data.packing import IGNORE, Corpus, Layout
@@ -164,10 +164,9 @@ def _pad(a: np.ndarray, width: int, fill: int, name: str) -> np.ndarray:
     return np.concatenate([a, extra])
 
 
-def token_mean_loss(logits: torch.Tensor, targets: tuple) -> torch.Tensor:
+def token_mean_loss(logits: torch.Tensor | HeadLogits, targets: tuple) -> torch.Tensor:
     """Summed next-token cross-entropy of the trained tokens (label != -100) times the batch's
-    scale: the pipeline's per-micro-batch loss whose means over micro-batches and replicas are
+    scale (of logits, or of hf_layer_specs(fused_loss=True)'s HeadLogits, never whole): the pipeline's per-micro-batch loss whose means over micro-batches and replicas are
     the global batch's per-token mean (module docstring). targets: (labels [B, T], scale [B])."""
     labels, scale = targets
-    total = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    return total * scale[0]
+    return fused_cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum") * scale[0]

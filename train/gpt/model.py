@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from pipezero.pipe.document_attention import Documents, document_attention, documents_from_segments
+from pipezero.pipe.tiled_mlp import tiled_rows
+
 __all__ = ["Block", "Embedding", "FinalNorm", "GPT", "GPTConfig", "Head", "LayerRecipe", "TIED_KEY",
            "TIED_WEIGHT_ATTR", "flops_per_token", "gpt_from_pipeline", "gpt_layers", "gpt_loss", "gpt_specs",
            "gpt_stage_layers", "gpt_tensor_plan", "head_forward"]
@@ -146,28 +149,39 @@ class Block(nn.Module):
 
         cache (generate.py's LayerCache or StaticLayerCache): append(k, v) stores the new keys
         and values and returns the ones to attend over. h = (hidden, segments [B, T]) (packed
-        rows): attention is causal within each segment only (a block-diagonal mask through SDPA).
+        rows): attention is causal within each segment only, each document attended on its own
+        (pipe/document_attention.py: no [T, T] mask). The MLP runs in row tiles past
+        pipe/tiled_mlp.py's threshold.
         """
         if isinstance(h, (tuple, list)):
             hidden, segments = h
             whole = segments if self.sequence is None else self.sequence.whole(segments)  # a slice: all keys
-            same = whole[:, None, :, None] == whole[:, None, None, :]
-            causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
-            return self.forward(hidden, same & causal), segments
+            return self._forward(hidden, None, None, documents_from_segments(whole)), segments
+        return self._forward(h, attn_mask, cache, None)
+
+    def _forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None, cache: Any,
+                 docs: Documents | None) -> torch.Tensor:
         q, k, v = rearrange(self.qkv(self.ln1(h)), "b t (nh three hd) -> three b nh t hd",
                             three=3, hd=self.head_dim)  # nh: this tensor rank's heads
         if cache is not None:
             k, v = cache.append(k, v)
         if self.sequence is not None:  # this rank's slice: whole sequences of heads / degree (pipe/sequence/)
-            att = self.sequence.heads_first(_attend, q, k, v, attn_mask)
+            att = self.sequence.heads_first(_attend, q, k, v, attn_mask, docs)
         else:
-            att = _attend(q, k, v, attn_mask)
+            att = _attend(q, k, v, attn_mask, docs)
         h = h + self.proj(rearrange(att, "b nh t hd -> b t (nh hd)"))
-        return h + self.out(F.gelu(self.fc(self.ln2(h))))
+        return h + tiled_rows(self._mlp, self.ln2(h))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA, causal unless a mask [B, 1, T, keys] (True: attend) is given."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+            docs: Documents | None = None) -> torch.Tensor:
+    """SDPA: each packed document on its own (no [T, T] mask), else causal unless a mask
+    [B, 1, T, keys] (True: attend) is given."""
+    if docs is not None:
+        return document_attention(q, k, v, docs)
     if attn_mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)

@@ -1,0 +1,114 @@
+"""Causal attention over packed documents without an s x s mask: memory linear in the sequence.
+
+A packed row holds several documents; each token may attend only to earlier tokens of its
+own document. The masked way builds a [T, T] boolean block-diagonal mask, which grows
+quadratically and takes SDPA off its flash kernels (an explicit mask means the math or
+memory-efficient kernel with the mask read at every score). Here each document is attended
+on its own with SDPA's `is_causal=True` (no mask), so:
+
+* on CPU, torch's flash CPU kernel runs per document (scores never whole: linear memory,
+  forward and backward); on CUDA, flash (or cuDNN / memory-efficient) attention per document,
+  the kernels SDPA picks for a plain causal call;
+* the result is the masked result up to float rounding: a masked-out score contributes exactly
+  zero to the softmax.
+
+FlexAttention (a document-causal block mask) was the other candidate: its eager fallback
+materialises the whole scores (quadratic on CPU, where CI runs) and its fast path needs
+torch.compile (minutes of compilation on a 2-core CPU); per-document SDPA is exact and
+linear everywhere with no compilation. The cost is one SDPA call per document (a Python loop):
+nothing beside the attention of a long document, but launch-bound for hundreds of short ones on
+a GPU, where one flash varlen call over the cumulative lengths (`Documents.cu_seqlens`,
+torch.nn.attention.varlen.varlen_attn, CUDA only) is the next step; it is not taken here yet,
+for want of a GPU test of it.
+
+`document_attention(q, k, v, docs)` is the single entry point (the Hugging Face layers'
+registered attention function and the GPT's Block both call it; a sequence-parallel wrapper
+puts its all-to-all around it). `Documents` are the boundaries, found once per micro-batch
+from the packed row's position ids (a new document where a position does not follow the
+previous one: transformers' rule for packed position ids) or segment ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Documents", "document_attention", "documents_from_positions", "documents_from_segments"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Documents:
+    """Where each document of a [B, T] micro-batch lies: spans (row, start, end), end exclusive.
+
+    cu_seqlens: the same over the flattened B * T tokens, int32 on the ids' device (flash varlen's layout);
+    longest: the longest document's length; shape: (B, T)."""
+
+    spans: tuple[tuple[int, int, int], ...]
+    cu_seqlens: torch.Tensor
+    longest: int
+    shape: tuple[int, int]
+
+    @property
+    def single(self) -> bool:
+        """One document per row: plain causal attention is the same thing."""
+        rows = {row for row, _, _ in self.spans}
+        return len(rows) == len(self.spans)
+
+
+@torch.compiler.disable  # a host sync and Python ints: a graph break, not a recompilation per layout
+def documents_from_starts(starts: torch.Tensor) -> Documents:
+    """Documents of a [B, T] boolean tensor, True where a document starts (column 0 always starts one)."""
+    if starts.dim() != 2:
+        raise ValueError(f"documents: expected [batch, tokens] position or segment ids, got shape "
+                         f"{tuple(starts.shape)}")
+    batch, tokens = starts.shape
+    starts = starts.clone()
+    starts[:, 0] = True
+    flat = torch.nonzero(starts.flatten()).flatten().tolist()  # one host sync per micro-batch
+    bounds = flat + [batch * tokens]
+    spans = tuple((lo // tokens, lo % tokens, lo % tokens + hi - lo) for lo, hi in zip(bounds, bounds[1:]))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=starts.device)
+    return Documents(spans, cu, max(hi - lo for lo, hi in zip(bounds, bounds[1:])), (batch, tokens))
+
+
+def documents_from_positions(positions: torch.Tensor) -> Documents:
+    """A new document wherever a position id is not the previous one + 1 (positions restart per document)."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    return documents_from_starts(starts)
+
+
+def documents_from_segments(segments: torch.Tensor) -> Documents:
+    """A new document wherever the segment id changes."""
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return documents_from_starts(starts)
+
+
+@torch.compiler.disable  # a loop over the micro-batch's documents: traced, it would recompile for each layout
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
+                       scale: float | None = None) -> torch.Tensor:
+    """Causal attention within each document: q [B, H, T, D], k and v [B, Hkv, T, D] -> [B, H, T, D].
+
+    Hkv may divide H (grouped-query attention: each key/value head serves H / Hkv query heads).
+    """
+    batch, heads, tokens, dim = q.shape
+    if k.shape[0] != batch or k.shape[2] != tokens or heads % k.shape[1]:
+        raise ValueError(f"document_attention: q {tuple(q.shape)} and k {tuple(k.shape)} do not fit; expected "
+                         f"k [{batch}, H_kv, {tokens}, D] with H_kv dividing {heads}")
+    if docs.shape != (batch, tokens):
+        raise ValueError(f"document_attention: the documents are of a {docs.shape[0]} x {docs.shape[1]} micro-batch, "
+                         f"q of {batch} x {tokens}; make them from this micro-batch's position or segment ids")
+    groups = heads // k.shape[1]
+    if groups > 1:  # repeated here: not every SDPA kernel serves enable_gqa
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if docs.single:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    pieces = [F.scaled_dot_product_attention(q[row:row + 1, :, lo:hi], k[row:row + 1, :, lo:hi],
+                                             v[row:row + 1, :, lo:hi], is_causal=True, scale=scale)
+              for row, lo, hi in docs.spans]
+    rows = [torch.cat([p for p, (r, _, _) in zip(pieces, docs.spans) if r == row], dim=2) for row in range(batch)]
+    return torch.cat(rows, dim=0)
+

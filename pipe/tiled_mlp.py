@@ -1,0 +1,79 @@
+"""The MLP in row tiles, each tile recomputed in backward: no [tokens, intermediate] tensor is whole.
+
+A transformer's MLP works on each token alone, and its intermediate activations (a Llama
+MLP keeps four [tokens, intermediate] tensors for backward: gate, silu(gate), up and their
+product) dominate a layer's saved activations (intermediate is ~3.5x hidden). Run over
+tiles of rows, each tile under torch.utils.checkpoint (non-reentrant), the forward keeps
+only the tiles' inputs (views of the MLP's input) and the backward re-runs one tile's
+forward at a time before its backward, so at most one tile's intermediate is alive: the
+MLP's memory is O(tokens x hidden) + O(tile x intermediate) (DeepSpeed ALST's TiledMLP,
+Bekman et al. 2025, arXiv 2506.13996). Being plain autograd, the tiles compose with
+everything else that hooks it: ZeRO's gradient hooks, the split backward's deferred weight
+GEMMs, tensor-parallel hooks and layer-level activation checkpointing around it.
+
+The cost is one more forward of the MLP (a third of its FLOPs) and a Python loop over tiles. So
+tiling is on by default only from TILE_FROM_ROWS tokens in a micro-batch (8,192): there the MLP's
+saved tensors are large (TinyLlama's shape: 4 x 8K x 5,632 x 2 bytes = 369 MB per layer in bf16,
+8 GB over its 22 layers) and causal attention's quadratic FLOPs take a growing share of the layer
+(they equal the MLP's at 3 x intermediate tokens, 17K for TinyLlama), so the recomputation costs
+~19% of a TinyLlama layer's FLOPs at 8K, ~10% at 32K and ~4% at 128K, and less on a GPU where
+attention runs below the GEMMs' speed. Below 8K the MLP runs whole: there the recomputation would
+be measurable and its memory is not what limits the length. Tiles have TILE_ROWS rows (2,048:
+GEMMs of that height run at full speed on a GPU). The result is the untiled one up to float
+rounding (the weight gradients are summed over tiles);
+dropout inside the MLP draws other masks than one untiled call would.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["TILE_FROM_ROWS", "TILE_ROWS", "tile_mlp", "tiled_rows"]
+
+TILE_FROM_ROWS = 8192  # tokens per micro-batch from which the MLP runs in tiles by default
+TILE_ROWS = 2048       # rows per tile
+
+
+def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_rows: int | None = None,
+               from_rows: int | None = None) -> torch.Tensor:
+    """fn(x) for a row-wise fn (each token alone) on x [..., d], in tiles of tile_rows rows (TILE_ROWS) when
+    x has at least from_rows rows (TILE_FROM_ROWS) and autograd records (no gradient: fn(x) whole, nothing
+    is kept anyway)."""
+    tile_rows = TILE_ROWS if tile_rows is None else tile_rows
+    from_rows = TILE_FROM_ROWS if from_rows is None else from_rows
+    if tile_rows < 1:
+        raise ValueError(f"tiled_rows(tile_rows={tile_rows}): expected a positive number of rows per tile")
+    rows = x[..., 0].numel()
+    if rows < from_rows or rows <= tile_rows or not torch.is_grad_enabled():
+        return fn(x)
+    flat = x.reshape(rows, x.shape[-1])
+    outs = [checkpoint(fn, flat[lo:lo + tile_rows], use_reentrant=False) for lo in range(0, rows, tile_rows)]
+    out = torch.cat(outs)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_TILED: dict[type, type] = {}
+
+
+def tile_mlp(mlp: nn.Module, tile_rows: int | None = None, from_rows: int | None = None) -> nn.Module:
+    """Make `mlp` (a module applied to each token alone: an HF decoder layer's `mlp`) run in tiles.
+
+    The module keeps its parameters, names and state_dict: only its class becomes a subclass whose
+    forward goes through tiled_rows (as torch.nn.utils.parametrize swaps a module's class). Returns it.
+    """
+    cls = type(mlp)
+    if cls not in _TILED.values():
+        if cls not in _TILED:
+            _TILED[cls] = type(f"Tiled{cls.__name__}", (cls,), {"forward": _tiled_forward})
+        mlp.__class__ = _TILED[cls]
+    mlp.tile_rows, mlp.tile_from_rows = tile_rows, from_rows
+    return mlp
+
+
+def _tiled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    whole = super(type(self), self).forward
+    return tiled_rows(whole, x, self.tile_rows, self.tile_from_rows)

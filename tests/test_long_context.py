@@ -1,0 +1,231 @@
+"""Long sequences in linear memory: packed documents without an s x s mask, the MLP and the loss in tiles.
+
+Each against the masked / untiled truth (fp32, losses and gradients): pipe/document_attention.py
+against SDPA with the block-diagonal mask; the GPT's packed rows against its masked Block; tiny
+Llama, Qwen3 and Gemma 2 packed rows against transformers' own forward on the same packed
+position ids (Gemma 2's soft-capped eager attention falls back to transformers' masks, and so
+does a sliding-window layer whose window is shorter than a document), the MLP
+tiled throughout; the Llama again under pipe 2 (1F1B) on gloo. And the memory: the bytes autograd
+keeps for backward grow linearly with the packed row's length (quadratically before).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run
+from pipezero.pipe import tiled_mlp
+from pipezero.pipe.document_attention import document_attention, documents_from_positions, documents_from_segments
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, TOL = 64, 1e-6
+SEGMENTS = [[0] * 9 + [1] * 17 + [2] * 6, [3] * 20 + [4] * 12]  # two packed rows of 32 tokens
+
+
+def _segments() -> torch.Tensor:
+    return torch.tensor(SEGMENTS)
+
+
+def _positions(segments: torch.Tensor) -> torch.Tensor:
+    """Positions restarting at every document."""
+    pos = torch.zeros_like(segments)
+    for t in range(1, segments.shape[1]):
+        pos[:, t] = torch.where(segments[:, t] == segments[:, t - 1], pos[:, t - 1] + 1, 0)
+    return pos
+
+
+def _masked_sdpa(q, k, v, segments):
+    same = segments[:, None, :, None] == segments[:, None, None, :]
+    causal = torch.ones(same.shape[-2:], dtype=torch.bool).tril()
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                          attn_mask=same & causal)
+
+
+def _close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=TOL, atol=TOL, msg=lambda m: f"{what}: {m}")
+
+
+def test_document_attention_equals_the_masked_attention():
+    torch.manual_seed(0)
+    seg = _segments()
+    q = torch.randn(2, 4, 32, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 32, 8, requires_grad=True) for _ in range(2))  # grouped-query
+    docs = documents_from_segments(seg)
+    assert docs.spans == ((0, 0, 9), (0, 9, 26), (0, 26, 32), (1, 0, 20), (1, 20, 32)) and docs.longest == 20
+    assert documents_from_positions(_positions(seg)).spans == docs.spans
+    out, ref = document_attention(q, k, v, docs), _masked_sdpa(q, k, v, seg)
+    _close(out, ref, "attention")
+    g = torch.randn_like(out)
+    for name, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        _close(a, b, f"d{name}")
+    with pytest.raises(ValueError, match="of a 2 x 32 micro-batch, q of 1 x 32"):
+        document_attention(q[:1], k[:1], v[:1], docs)
+
+
+@pytest.fixture
+def tiles(monkeypatch):
+    """The MLP in tiles of 5 rows from any size (TILE_FROM_ROWS is 8,192 rows by default)."""
+    monkeypatch.setattr(tiled_mlp, "TILE_FROM_ROWS", 1)
+    monkeypatch.setattr(tiled_mlp, "TILE_ROWS", 5)
+
+
+def _gpt_loss_and_grads(model, ids, targets, segments, masked: bool):
+    from pipezero.train.gpt.model import Block, gpt_loss
+
+    model.zero_grad()
+    layers = list(model.layers)
+    hidden, seg = layers[0]((ids, _positions(segments), segments))
+    same = seg[:, None, :, None] == seg[:, None, None, :]
+    mask = same & torch.ones(same.shape[-2:], dtype=torch.bool).tril()
+    for layer in layers[1:-2]:
+        assert isinstance(layer, Block)
+        hidden = layer(hidden, mask) if masked else layer((hidden, seg))[0]
+    loss = gpt_loss(layers[-1](layers[-2](hidden)), targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_gpt_packed_rows_without_a_mask_equal_the_masked_block(tiles):
+    from pipezero.train.gpt.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, d_model=16, seq_len=32, seed=3))
+    gen = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, VOCAB, (2, 32), generator=gen), torch.randint(0, VOCAB, (2, 32), generator=gen)
+    loss, grads = _gpt_loss_and_grads(model, ids, targets, _segments(), masked=False)
+    tiled_mlp.TILE_FROM_ROWS = 10**9  # the truth: masked, untiled
+    ref_loss, ref_grads = _gpt_loss_and_grads(model, ids, targets, _segments(), masked=True)
+    _close(loss, ref_loss, "loss")
+    for name in ref_grads:
+        _close(grads[name], ref_grads[name], name)
+
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2, tie_word_embeddings=False)
+FAMILIES = {  # name: (model_type, config fields, attention implementation, mask-free layers)
+    "llama": ("llama", {}, "sdpa", [True, True]),
+    "qwen3": ("qwen3", {}, "sdpa", [True, True]),
+    "gemma2": ("gemma2", dict(sliding_window=8, final_logit_softcapping=3.0), None, [False, False]),  # soft caps
+    "qwen3-sliding": ("qwen3", dict(use_sliding_window=True, sliding_window=8,  # layer 0: window < documents
+                                    layer_types=["sliding_attention", "full_attention"]), "sdpa", [True, True]),
+}
+
+
+def _hf_model(family: str):
+    model_type, fields, attention, _ = FAMILIES[family]
+    config = transformers.AutoConfig.for_model(model_type, **_COMMON, **fields)
+    torch.manual_seed(0)
+    kwargs = {} if attention is None else {"attn_implementation": attention}
+    model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _hf_inputs():
+    gen = torch.Generator().manual_seed(1)
+    seg = _segments()
+    return (torch.randint(3, VOCAB, seg.shape, generator=gen), _positions(seg),
+            torch.randint(0, VOCAB, seg.shape, generator=gen))
+
+
+def _hf_truth(family: str):
+    """transformers' own forward on the packed position ids (without a cache: with one it does not look
+    for packed documents), which builds the block-diagonal mask from them."""
+    model = _hf_model(family)
+    ids, positions, targets = _hf_inputs()
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _hf_pipeline(family: str, pipe: int = 1):
+    """The same through hf_layer_specs(fused_loss=True) (MLP in tiles of 5 rows): (loss, grads by HF name)."""
+    from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.hf.specs import HFDecoderLayer, _HFLayer
+    from pipezero.topology import Grid
+
+    tiled_mlp.TILE_FROM_ROWS, tiled_mlp.TILE_ROWS = 1, 5
+    module = PipelineModule(hf_layer_specs(_hf_model(family), fused_loss=True), grid=Grid(pipe=pipe),
+                            loss_fn=causal_lm_loss)
+    layers = [m for m in module.modules() if isinstance(m, HFDecoderLayer)]
+    for layer in layers:
+        assert layer.documents == FAMILIES[family][3][layer.index], (family, layer.index)
+        if layer.documents and layer.window is None:  # a mask-free layer builds no mask
+            layer.make_mask = None
+    ids, positions, targets = _hf_inputs()
+    if pipe == 1:
+        loss = module.loss(module((ids, None, positions)), targets)
+        loss.backward()
+    else:
+        runner = PipelineRunner(module, make_schedule("1f1b", 2))
+        loss = runner.train_step((ids, None, positions), targets)
+    named = {n: p for layer in module.modules() if isinstance(layer, _HFLayer) for n, p in layer.hf_parameters()}
+    return loss.detach(), {n: p.grad.clone() for n, p in named.items() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_packed_rows_equal_transformers(family, tiles):
+    loss, grads = _hf_pipeline(family)
+    ref_loss, ref_grads = _hf_truth(family)
+    _close(loss, ref_loss, f"{family} loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        _close(grads[name], ref_grads[name], f"{family} {name}")
+
+
+def test_hf_packed_rows_under_pipe2_1f1b_equal_transformers():
+    """pipe 2, 1F1B over two micro-batches (one packed row each) on gloo: the mean of their losses and the
+    summed gradients of both stages equal transformers' forward of each row, averaged."""
+    ranks = run(_hf_pipeline, 2, "llama", 2, timeout=180)
+    model = _hf_model("llama")
+    ids, positions, targets = _hf_inputs()
+    from pipezero.pipe.hf import causal_lm_loss
+    losses = [causal_lm_loss(model(input_ids=ids[i:i + 1], position_ids=positions[i:i + 1], use_cache=False).logits,
+                             targets[i:i + 1]) for i in range(2)]
+    (sum(losses) / 2).backward()
+    _close(ranks[1][0], (sum(losses) / 2).detach(), "loss")
+    grads = {**ranks[0][1], **ranks[1][1]}
+    assert grads.keys() == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        _close(grads[name], p.grad, name)
+
+
+def _saved_bytes(module: torch.nn.Module, seq: int) -> int:
+    """Bytes of the distinct storages autograd keeps for backward of one packed row of four documents."""
+    ids = torch.randint(0, 256, (1, seq))
+    positions = torch.arange(seq).remainder(seq // 4)[None]
+    storages: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        module.loss(module((ids, None, positions)), ids)
+    return sum(storages.values())
+
+
+def test_saved_activations_grow_linearly_with_the_packed_length(monkeypatch):
+    """finetune's default Llama: twice the tokens keep twice the bytes (1.89x here; the masked attention's
+    [T, T] scores made it 2.18x from 512 to 1,024 tokens and 2.47x from 1,024 to 2,048), and the tiled MLP
+    keeps less than the whole one."""
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.topology import Grid
+    from pipezero.train.finetune import default_config
+
+    module = PipelineModule(hf_layer_specs(default_config(), fused_loss=True), grid=Grid(pipe=1),
+                            loss_fn=causal_lm_loss)
+    small, large = _saved_bytes(module, 512), _saved_bytes(module, 1024)
+    assert large / small < 2.05, (small, large)
+    monkeypatch.setattr(tiled_mlp, "TILE_FROM_ROWS", 1)
+    monkeypatch.setattr(tiled_mlp, "TILE_ROWS", 128)
+    assert _saved_bytes(module, 1024) < 0.8 * large
