@@ -41,6 +41,7 @@ from pipezero.train.data import (MemoryCorpus, PackedBatches, load_tokenizer, pa
                                  tokenized_corpus)
 from pipezero.train.checkpoint.hf_export import export_hf
 from pipezero.train.failure import run_as_command
+from pipezero.train.flags import add_wandb_flag, wandb_section
 from pipezero.train.log import TensorBoardWriter, get_logger
 from pipezero.train.checkpoint.state import resume_if_any, save_state, saved_batch
 
@@ -79,6 +80,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -
     p.add_argument("--save-interval", type=int, default=100)
     p.add_argument("--seed", type=int, default=0, help="the data order's seed")
     p.add_argument("--out", default="runs/finetune", help="TensorBoard, checkpoints and the exported model")
+    add_wandb_flag(p)
     return p.parse_args(argv)
 
 
@@ -241,6 +243,7 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
         "warmup_num_steps": warmup, "total_num_steps": args.steps, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}})
     raw.setdefault("gradient_clipping", 1.0)
     raw["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
+    wandb_section(raw, args.wandb)
     raw.setdefault("steps_per_print", 10)
     cfg = parse_config(raw, tensor=args.tensor, hidden_size=hidden_size, auto_values={
         "optimizer.params.lr": args.lr, "scheduler.params.total_num_steps": args.steps,
@@ -252,7 +255,7 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
 def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val: PackedBatches, start: int) -> float:
     """Steps start+1 .. --steps: forward and backward of every micro-batch, the optimizer chain, logs, evals, saves."""
     cfg, runner, opt = parts.config, parts.runner, parts.optimizer
-    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
+    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True, wandb=cfg.wandb)
     loss = float("nan")
     for step in range(start, args.steps):
         t0 = time.perf_counter()

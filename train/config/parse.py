@@ -4,7 +4,7 @@ DeepSpeed users' configs are accepted with DeepSpeed 0.19.8's meaning. Each sect
 reader, owned by the package that uses it: precision/ reads fp16/bf16 (`read_precision`), zero/
 reads zero_optimization (`ZeroConfig.from_dict`; data_types.py adds the dtypes gradients are summed
 and reduced in), and this module reads the rest (batch keys,
-gradient_clipping, optimizer, scheduler, tensorboard, steps_per_print, wall_clock_breakdown,
+gradient_clipping, optimizer, scheduler, tensorboard, wandb (monitor.py), steps_per_print, wall_clock_breakdown,
 pipezero's pipeline section) and sorts the top-level keys (keys.py). Hugging Face's
 "auto" values are resolved first, from what the caller knows (`auto_values`, `hidden_size`,
 auto.py), so every rank reaches the same verdict without communicating.
@@ -34,6 +34,7 @@ from pipezero.train.config.batch import BatchConfig, resolve_batch
 from pipezero.train.config.compile import read_compile
 from pipezero.train.config.data_types import read_grad_dtypes
 from pipezero.train.config.keys import TOP_KEYS, TOP_RULES
+from pipezero.train.config.monitor import WandbConfig
 from pipezero.train.config.optim import OptimizerConfig, SchedulerConfig
 from pipezero.zero.config import ZeroConfig
 
@@ -144,6 +145,7 @@ class TrainConfig:
     steps_per_print: int | None = None  # None: DeepSpeed's default, no periodic print
     wall_clock_breakdown: bool = False
     compile: CompileConfig | bool | None = None   # "compile" (compile.py); None: pipezero's default
+    wandb: WandbConfig = WandbConfig()            # "wandb" (monitor.py): W&B beside TensorBoard
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -183,7 +185,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         scheduler=SchedulerConfig.parse(top.section("scheduler")) if "scheduler" in filled else None,
         gradient_clipping=clip, steps_per_print=top.int("steps_per_print", None, lo=1),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False), compile=read_compile(filled.get("compile")),
-        raw=raw)
+        wandb=WandbConfig.parse(top.section("wandb", auto_default=True)), raw=raw)
 
 
 def _checks_finite(precision: Precision, zero: ZeroConfig) -> Precision:

@@ -47,6 +47,7 @@ from pipezero.train.config import TrainConfig
 from pipezero.train.config.batch import BatchConfig, keep_global_batch
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.failure import run_as_command
+from pipezero.train.flags import add_wandb_flag, wandb_section
 from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars
@@ -147,6 +148,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="steps between log lines (default: the config's, else 10)")
     p.add_argument("--expect-device", default=None, choices=["cuda", "cpu"],
                    help="check that every parameter and each stage's activations live on this device (GPU smoke)")
+    add_wandb_flag(p)
 
 
 def _positive(text: str) -> int:
@@ -186,6 +188,7 @@ def ds_config(args: argparse.Namespace) -> dict:
         "cos_min_ratio": 0.1}})
     cfg.setdefault("gradient_clipping", 1.0)
     cfg["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
+    wandb_section(cfg, args.wandb)
     if args.steps_per_print:
         cfg["steps_per_print"] = args.steps_per_print
     cfg.setdefault("steps_per_print", 10)
@@ -405,7 +408,7 @@ class Logs:
 def open_logs(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, start: int) -> Logs:
     """TensorBoard, timers and the progress bar; the schedule's simulated timeline drawn once up front."""
     cfg, cuda = parts.config, parts.device.type == "cuda"
-    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
+    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True, wandb=cfg.wandb)
     timers = Timers(enabled=cfg.wall_clock_breakdown, sync=torch.cuda.synchronize if cuda else None)
     sim = simulate(parts.schedule, parts.grid.pipe_size)
     _picture(tb, "pipeline/simulated", sim, start, args.out)
