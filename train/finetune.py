@@ -41,8 +41,9 @@ from pipezero.train.data import (MemoryCorpus, PackedBatches, load_tokenizer, pa
                                  tokenized_corpus)
 from pipezero.train.checkpoint.hf_export import export_hf
 from pipezero.train.failure import run_as_command
-from pipezero.train.flags import add_wandb_flag, wandb_section
+from pipezero.train.flags import add_preempt_flag, add_wandb_flag, wandb_section
 from pipezero.train.log import TensorBoardWriter, get_logger
+from pipezero.train.preempt import Preemption
 from pipezero.train.checkpoint.state import resume_if_any, save_state, saved_batch
 
 __all__ = ["main", "parse_args", "run"]
@@ -81,6 +82,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -
     p.add_argument("--seed", type=int, default=0, help="the data order's seed")
     p.add_argument("--out", default="runs/finetune", help="TensorBoard, checkpoints and the exported model")
     add_wandb_flag(p)
+    add_preempt_flag(p)
     return p.parse_args(argv)
 
 
@@ -256,6 +258,7 @@ def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val
     """Steps start+1 .. --steps: forward and backward of every micro-batch, the optimizer chain, logs, evals, saves."""
     cfg, runner, opt = parts.config, parts.runner, parts.optimizer
     tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True, wandb=cfg.wandb)
+    stop = Preemption(args.save_on_signal, parts.device)  # SIGTERM / SIGUSR1: save at a step boundary, exit 0
     loss = float("nan")
     for step in range(start, args.steps):
         t0 = time.perf_counter()
@@ -278,11 +281,13 @@ def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val
             val_loss = evaluate(runner, val, args.eval_batches)
             tb.scalar("val/loss", val_loss, step + 1)
             log.info("step %d | held-out loss %.4f", step + 1, val_loss)
-        if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
+        if stop.requested() or (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
             ckpt_dir = Path(args.out) / "checkpoints"
             save_state(parts, ckpt_dir, step + 1, train.state_dict())
             if parts.grid.rank == 0:
                 prune_checkpoints(ckpt_dir, keep=2)
+        stop.exit_if_requested(step + 1, args.steps, close=tb.close)
+    stop.restore()
     tb.close()
     return loss
 

@@ -47,9 +47,10 @@ from pipezero.train.config import TrainConfig
 from pipezero.train.config.batch import BatchConfig, keep_global_batch
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.failure import run_as_command
-from pipezero.train.flags import add_wandb_flag, wandb_section
+from pipezero.train.flags import add_preempt_flag, add_wandb_flag, wandb_section
 from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once
+from pipezero.train.preempt import Preemption
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars
 from pipezero.train.run_dir import claim_run_dir, export_done, record_loss, recorded_loss
 from pipezero.train.checkpoint.state import export_model, load_state, resume_if_any, save_state, saved_batch
@@ -149,6 +150,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expect-device", default=None, choices=["cuda", "cpu"],
                    help="check that every parameter and each stage's activations live on this device (GPU smoke)")
     add_wandb_flag(p)
+    add_preempt_flag(p)
 
 
 def _positive(text: str) -> int:
@@ -321,6 +323,7 @@ def train_loop(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, train: Sh
     """Steps start+1 .. --steps: the schedule's forward and backward, the optimizer chain, logs, evals, saves."""
     cfg, runner, opt = parts.config, parts.runner, parts.optimizer
     logs = open_logs(args, parts, gpt, start)
+    stop = Preemption(args.save_on_signal, parts.device)  # SIGTERM / SIGUSR1: save at a step boundary, exit 0
     loss = torch.tensor(float("nan"))
     for step in range(start, args.steps):
         TRAFFIC.reset()
@@ -346,8 +349,10 @@ def train_loop(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, train: Sh
             val_loss = evaluate(runner, val, batches=4)
             logs.tb.scalar("val/loss", val_loss, step + 1)
             log.info("step %d | val loss %.4f", step + 1, val_loss)
-        if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
+        if stop.requested() or (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
             save(args, parts, step + 1, train, loss.item())
+        stop.exit_if_requested(step + 1, args.steps, close=logs.tb.close)
+    stop.restore()
     logs.tb.close()
     return loss.item()
 
