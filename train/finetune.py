@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipezero.pipe import schedule_names
-from pipezero.pipe.float8 import RECIPES, Float8Config
+from pipezero.pipe.float8 import Float8Config
 from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
 from pipezero.train.build import Parts, build
 from pipezero.train.checkpoint import prune_checkpoints
@@ -41,7 +40,7 @@ from pipezero.train.data import (MemoryCorpus, PackedBatches, load_tokenizer, pa
                                  tokenized_corpus)
 from pipezero.train.checkpoint.hf_export import export_hf
 from pipezero.train.failure import run_as_command
-from pipezero.train.flags import add_preempt_flag, add_wandb_flag, wandb_section
+from pipezero.train.flags import finetune_parser, wandb_section
 from pipezero.train.log import TensorBoardWriter, get_logger
 from pipezero.train.preempt import Preemption
 from pipezero.train.checkpoint.state import resume_if_any, save_state, saved_batch
@@ -52,53 +51,8 @@ log = get_logger("finetune")
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="a local save_pretrained directory (default: a small random Llama)")
-    p.add_argument("--data", default=None, help="a file or folder of .txt/.jsonl/.parquet (default: stdlib sources)")
-    p.add_argument("--text-field", default="text", help="the records' text field (JSON Lines, Parquet)")
-    p.add_argument("--no-packing", dest="packing", action="store_false", help="one document per row, padded")
-    p.add_argument("--long-docs", default="split", choices=["split", "truncate"],
-                   help="what becomes of a document longer than --seq-len")
-    p.add_argument("--seq-len", type=_seq_len, default=512, help="tokens per row")
-    p.add_argument("--val-fraction", type=_fraction, default=0.02, help="share of the documents held out")
-    p.add_argument("--cache-dir", default=None, help="tokenized corpora (default $PIPEZERO_CACHE or ~/.cache)")
-    p.add_argument("--tokenize-workers", type=int, default=min(8, os.cpu_count() or 1))
-    p.add_argument("--config", default=None, help="a ds_config.json; the flags below override its keys")
-    p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2 on an even world, else 1)")
-    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--schedule", default=None, choices=schedule_names())
-    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
-    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--float8", default=None, choices=RECIPES,
-                   help="the decoder layers' Linears in fp8 with this torchao recipe (compute capability 8.9+)")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 4)")
-    p.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per data rank (default 1)")
-    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (AdamW, warm-up then cosine)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
-    p.add_argument("--eval-interval", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--save-interval", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0, help="the data order's seed")
-    p.add_argument("--out", default="runs/finetune", help="TensorBoard, checkpoints and the exported model")
-    add_wandb_flag(p)
-    add_preempt_flag(p)
-    return p.parse_args(argv)
-
-
-def _seq_len(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 2 (a token and its next one)")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text}: expected a share in (0, 1) of the documents to hold out for "
-                                         f"evaluation, e.g. 0.02")
-    return value
+    """The flags (train/flags.py, read without torch for --help); they override --config's keys."""
+    return finetune_parser(prog).parse_args(argv)
 
 
 def run(argv: list[str] | None = None, prog: str = "pipezero finetune") -> float:
