@@ -1,0 +1,61 @@
+"""The planner's measurements on a busy machine: a busy spell does not set the peak; no MFU above 100%.
+
+`pipezero plan` on a loaded machine printed MFU 424% and another winner on each run: the matmul peak
+was the least of 16 laps of about a millisecond each, and a busy spell longer than those 16 laps set
+it (100x apart between runs). Laps now go on until enough of them agree with the least (a fake clock
+plays the spell here), and an MFU above 100%, which only a peak measured too low gives, prints as
+'?' with a line saying the measurement is unreliable.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pipezero.train.plan import hardware
+
+
+def _busy_then_idle(busy_calls: int, busy_s: float, idle_s: float):
+    """perf_counter of a machine busy for its first `busy_calls` readings (each `busy_s` after the last)."""
+    state = {"now": 0.0, "calls": 0}
+
+    def perf_counter() -> float:
+        state["calls"] += 1
+        state["now"] += busy_s if state["calls"] <= busy_calls else idle_s
+        return state["now"]
+    return perf_counter
+
+
+def test_a_busy_spell_longer_than_a_few_laps_does_not_set_the_peak(monkeypatch):
+    clock = _busy_then_idle(busy_calls=40, busy_s=0.02, idle_s=0.0005)  # 40 readings: more than 16 laps
+    monkeypatch.setattr(hardware, "time", types.SimpleNamespace(perf_counter=clock))
+    tflops, settled = hardware._matmul_tflops(torch)
+    assert settled and tflops == pytest.approx(2 * 512 ** 3 / 0.0005 / 1e12), tflops  # the idle laps' rate, not the spell's
+    ns, settled = hardware._adam_ns(torch)
+    assert settled and ns == pytest.approx(0.0005 / (1 << 18) * 1e9)
+
+
+def test_a_machine_busy_all_along_is_reported_unsettled(monkeypatch):
+    laps = iter([1.0, 2.0, 3.0] * 1000)  # never 3 laps within 5% of the least
+    clock = _busy_then_idle(busy_calls=10 ** 9, busy_s=0.5, idle_s=0.0)
+    monkeypatch.setattr(hardware, "time", types.SimpleNamespace(perf_counter=clock))
+    best, settled = hardware.best_seconds(lambda: next(laps), budget_s=2.0)
+    assert best == 1.0 and not settled
+
+
+def test_no_mfu_above_100_percent_is_printed():
+    from pipezero.train.plan import explain, format_table, plan
+    from pipezero.train.plan.model import ModelShape, flops_profile
+
+    shape = ModelShape(layers=4, d_model=256, heads=4, seq_len=128, vocab=256)
+    real = hardware.h200(1, 8)
+    low = replace(real, peak_tflops=real.peak_tflops / 500)  # a peak measured 500x too low
+    preds = plan(shape, flops_profile(shape, real.peak_tflops * 1e12 * real.efficiency), low, 32, "bf16", top=3)
+    text = format_table(preds) + "\n" + explain(preds[0])
+    shown = [float(v) for v in re.findall(r"([\d.]+)%", text)]
+    assert preds[0].mfu > 1 and shown and max(shown) <= 100, text
+    assert "MFU ?" in text and "that measurement is unreliable" in text, text
