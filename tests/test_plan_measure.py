@@ -34,7 +34,8 @@ def test_a_busy_spell_longer_than_a_few_laps_does_not_set_the_peak(monkeypatch):
     clock = _busy_then_idle(busy_calls=40, busy_s=0.02, idle_s=0.0005)  # 40 readings: more than 16 laps
     monkeypatch.setattr(hardware, "time", types.SimpleNamespace(perf_counter=clock))
     tflops, settled = hardware._matmul_tflops(torch)
-    assert settled and tflops == pytest.approx(2 * 512 ** 3 / 0.0005 / 1e12), tflops  # the idle laps' rate, not the spell's
+    # the idle laps' rate, not the spell's
+    assert settled and tflops == pytest.approx(2 * 512 ** 3 / 0.0005 / 1e12), tflops
     ns, settled = hardware._adam_ns(torch)
     assert settled and ns == pytest.approx(0.0005 / (1 << 18) * 1e9)
 

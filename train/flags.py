@@ -90,7 +90,8 @@ def job_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=None,
                    help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's, else 2")
-    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"], help="default: the config's, else fp32")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="default: the config's, else fp32")
     p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES,
                    help="the Blocks' Linears in fp8 with this torchao recipe (a GPU of compute capability 8.9+)")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")

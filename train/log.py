@@ -117,6 +117,8 @@ class TensorBoardWriter:
 
     def scalars(self, values: Mapping[str, float | torch.Tensor], step: int, prefix: str = "") -> None:
         """Many scalars at once, each tagged prefix + key: TensorBoard's points and one W&B row."""
+        if self._writer is None and self._wandb is None:
+            return  # not the writing rank: no float() of a device tensor here
         points = {prefix + tag: float(value) for tag, value in values.items()}
         if self._writer is not None:
             for tag, value in points.items():
