@@ -60,3 +60,17 @@ def test_no_mfu_above_100_percent_is_printed():
     shown = [float(v) for v in re.findall(r"([\d.]+)%", text)]
     assert preds[0].mfu > 1 and shown and max(shown) <= 100, text
     assert "MFU ?" in text and "that measurement is unreliable" in text, text
+
+
+def test_a_loaded_machine_is_named_in_the_plan(monkeypatch, capsys):
+    """Other work on the cores moves the ranks' contention and gloo's latency between runs (the winner
+    changed from run to run at load 25 on 2 cores): the plan says so in a line."""
+    from pipezero.train.cli import main
+
+    monkeypatch.setattr(hardware, "_measure_ranks", lambda processes: (2.0, 1e-3, 1e9))  # spawns: test_plan's
+    monkeypatch.setattr(hardware.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(hardware.os, "getloadavg", lambda: (25.0, 20.0, 10.0))
+    assert main(["plan", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    busy = [line for line in out.splitlines() if line.startswith("(the machine was busy while measuring: ")]
+    assert len(busy) == 1 and "load average 25.0 on 2 cores" in busy[0] and "plan again" in busy[0], out

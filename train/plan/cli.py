@@ -120,8 +120,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"{shape.label}, vocab {shape.vocab}, {args.precision}, global batch {args.global_batch} on {hw.name}; "
           f"{source}; the best {len(preds)} layouts that fit")
     if hw.unsettled:
-        print(f"(the machine was busy while measuring: the {' and '.join(hw.unsettled)} timings did not settle; "
-              "the ranking may differ from run to run, so plan again when it is idle)")
+        print(f"(the machine was busy while measuring: {'; '.join(hw.unsettled)}; the ranking may differ from "
+              "run to run, so plan again when it is idle)")
     print(format_table(preds))
     print("\nwinner:\n" + explain(preds[0]))
     print("\nds_config.json:\n" + json.dumps(ds_config(preds[0])))

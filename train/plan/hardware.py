@@ -10,7 +10,10 @@ figure for Hopper at large shapes, the planner's one free parameter at cluster s
 Measured here, every number is the least of repeated timings (`best_seconds`): on a machine
 shared with other work a timing only ever comes out slower than the code's own cost, so the
 least is what repeats from run to run, once enough laps agree with it. A measurement whose laps
-never settle within the time budget is named in `Hardware.unsettled` and `pipezero plan` says so.
+never settle within the time budget is named in `Hardware.unsettled`, and so is a load average
+above the cores (the ranks' contention and gloo's latency are measured as they are, with whatever
+else runs: other work makes them, and so the ranking, differ from run to run); `pipezero plan`
+prints them.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class Hardware:
     optimizer_temp_bytes: float = 4.0  # per parameter, alive for a moment in the optimizer step (torch's foreach
                                        # Adam on a GPU: one fp32 temporary of the shard; a CPU steps tensor by tensor)
     host_offload: bool = True          # whether offloading to a host makes sense (not on a CPU device)
-    unsettled: tuple[str, ...] = ()    # measurements whose repeats never agreed (a busy machine)
+    unsettled: tuple[str, ...] = ()    # why the measurements may not repeat (a busy machine), in words
 
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "nodes"):
@@ -96,13 +99,23 @@ def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
         memory_gb = _ram_gb() / processes
     slowdown, latency, bandwidth = _measure_ranks(processes) if processes > 1 else (1.0, 1e-4, 1e9)
     (tflops, peak_settled), (adam, adam_settled) = _matmul_tflops(torch), _adam_ns(torch)
-    unsettled = tuple(name for name, ok in (("matmul peak", peak_settled), ("Adam step", adam_settled)) if not ok)
+    unsettled = tuple(f"the {name} timings did not settle" for name, ok in
+                      (("matmul peak", peak_settled), ("Adam step", adam_settled)) if not ok) + _busy(cores)
     return Hardware(name=f"{processes} CPU processes on {cores} cores", gpus_per_node=processes,
                     memory_gb=memory_gb, peak_tflops=tflops, efficiency=1.0,
                     intra_gbps=bandwidth / 1e9, intra_latency_us=latency * 1e6,
                     optimizer_ns_per_param=adam, reserved_gb=CPU_RESERVED_GB,
                     compute_slowdown=slowdown, host_offload=False, layer_overhead_us=0.0,
                     optimizer_temp_bytes=0.0, unsettled=unsettled)
+
+
+def _busy(cores: int) -> tuple[str, ...]:
+    """The 1-minute load average, where it says other work shares the cores (else nothing)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return ()
+    return (f"load average {load:.1f} on {cores} cores",) if load > cores else ()
 
 
 def best_seconds(lap: Callable[[], float], least: int = 8, agree: int = 3, within: float = 0.05,
