@@ -74,3 +74,19 @@ def test_a_loaded_machine_is_named_in_the_plan(monkeypatch, capsys):
     out = capsys.readouterr().out
     busy = [line for line in out.splitlines() if line.startswith("(the machine was busy while measuring: ")]
     assert len(busy) == 1 and "load average 25.0 on 2 cores" in busy[0] and "plan again" in busy[0], out
+
+
+def test_a_split_backward_timed_faster_than_the_forward_plans_on():
+    """On a loaded machine the split block (F, I, W) was once timed faster than a third of the whole
+    block: the zero-bubble layouts got a negative backward and `pipezero plan` ended with 'Costs.
+    backward_input=-2.25e-06 must be a finite number >= 0'."""
+    from pipezero.train.plan import plan, predict
+    from pipezero.train.plan.layout import Layout
+    from pipezero.train.plan.model import ModelShape, flops_profile
+
+    shape = ModelShape(layers=4, d_model=64, heads=2, seq_len=32, vocab=256)
+    hw = replace(hardware.h200(1, 4), layer_overhead_us=0.0)  # as measured: no launch cost added
+    profile = [replace(p, split_seconds=p.seconds / 100) for p in flops_profile(shape, hw.peak_tflops * 1e12)]
+    assert plan(shape, profile, hw, 16, "bf16", top=5)  # every layout simulated, none refused
+    zbv = Layout(pipe=2, data=2, tensor=1, schedule="zbv", chunks=2, microbatches=4, microbatch_size=2, zero=1)
+    assert predict(profile, zbv, hw, shape, "bf16").time.total > 0
