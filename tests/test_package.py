@@ -8,14 +8,13 @@ House rules (ARCHITECTURE.md), checked on the source of every package module:
 * no `getattr` / `hasattr` probe, by a literal name, of an attribute defined only in other
   packages (torch's own Optimizer / Module attributes aside): a contract is a typed protocol.
 The wheel test builds the wheel as CI does (from a copy of the checkout), unpacks it elsewhere and runs
-`pipezero plan --help` and `pipezero train` for two steps of a tiny GPT on two CPU processes.
+`pipezero plan --help` and `pipezero train --steps 2` (no config) for a tiny GPT on two CPU processes.
 """
 
 from __future__ import annotations
 
 import ast
 import collections
-import json
 import os
 import re
 import shutil
@@ -131,7 +130,7 @@ def test_the_wheel_lists_every_subpackage():
 
 @pytest.mark.timeout(900)  # a wheel build and a 2-process job: minutes on a loaded 2-core machine
 def test_the_wheel_runs_its_commands(tmp_path):
-    """Built as CI builds it, unpacked outside the checkout: `pipezero plan --help`, `pipezero train` 2 steps."""
+    """Built as CI builds it, unpacked outside the checkout: `pipezero plan --help`, `pipezero train --steps 2`."""
     source, wheels = tmp_path / "source", tmp_path / "wheels"  # a copy: no stale build/ of the checkout
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "runs",
                                                                  "__pycache__", ".pytest_cache"))
@@ -150,11 +149,11 @@ def test_the_wheel_runs_its_commands(tmp_path):
     assert where.stdout.startswith(str(site)), where.stdout
     plan = subprocess.run([*cli, "plan", "--help"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0 and "--global-batch" in plan.stdout, plan.stderr[-2000:]
-    config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps({"pipeline": {"stages": 2}}))
     tiny = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "2",
             "--micro-batches", "2", "--steps-per-print", "1", "--eval-interval", "2"]
-    train = subprocess.run([*cli, "train", str(config), "--steps", "2", "--out", str(tmp_path / "out"), *tiny],
+    # no config: the wheel ships none (the job's defaults: 2 pipeline stages, 2 processes); `train --steps 2`
+    # read "2" as a config path before CONFIG became optional
+    train = subprocess.run([*cli, "train", "--steps", "2", "--out", str(tmp_path / "out"), *tiny],
                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert train.returncode == 0, train.stderr[-4000:]
     assert "step 2/2" in train.stdout + train.stderr and (tmp_path / "out" / "model.safetensors").is_file()

@@ -1,34 +1,32 @@
 """The `pipezero` console command: simulate a schedule, or train the GPT example from a ds_config.
 
     pipezero simulate --schedule zbv --stages 4 --microbatches 8      # grid, bubble, peak memory, PNG
-    pipezero train CONFIG [train_gpt.py flags]                        # torchrun-style, or re-launched
+    pipezero train [CONFIG] [the main job's flags]                   # torchrun-style, or re-launched
     pipezero plan --layers 4 --d-model 128 --global-batch 32           # ranked layouts, winner's ds_config
     pipezero finetune --model DIR --data PATH [--config ds_config.json]  # pipezero/train/finetune.py
 
 `train` runs the main job, pipezero.train.gpt.job (the package's own, so an installed wheel
-runs it; examples/train_gpt.py is the same job as a script). Under torchrun (RANK is set) it
-runs in this process; otherwise it re-launches itself through torch.distributed.run with
---nproc-per-node processes (default: the pipeline stages x --data).
+runs it; examples/train_gpt.py is the same job as a script); without CONFIG it trains with the
+flags' defaults. Under torchrun (RANK is set) it runs in this process; otherwise it re-launches
+itself through torch.distributed.run with --nproc-per-node processes (default: the pipeline
+stages x --data). Every parser comes from train/flags.py, which imports no torch: `--help`
+answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["DefaultsHelp", "cost", "examples_dir", "main", "positive_int"]
+from pipezero.train.flags import (SCHEDULE_NAMES, DefaultsHelp, cost, finetune_parser, job_parser, parse_job_args,
+                                  positive_int)
+from pipezero.train.plan.cli import add_plan_parser
 
-
-class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows every default; a flag whose default is None says in its own help what applies."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
+__all__ = ["DefaultsHelp", "cost", "examples_dir", "main", "positive_int"]  # the flags' helpers, as before
 
 def examples_dir() -> Path:
     """The repository's examples/ folder, or a FileNotFoundError that says how to get it.
@@ -97,44 +95,53 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (expected >= 1)")
-    return value
+_LAUNCHER = ("--nproc-per-node", "--max-restarts")  # pipezero train's own flags, not the job's
 
 
-def cost(text: str) -> float:
-    """argparse type: a finite number >= 0 (a cost in the simulator's time units)."""
-    value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
-    return value
+def _train_parser() -> argparse.ArgumentParser:
+    """The main job's flags and the launcher's: `pipezero train --help` shows them all, with defaults."""
+    p = job_parser("pipezero train")
+    p.allow_abbrev = False  # a launcher flag is told apart from the job's by its full name
+    launch = p.add_argument_group("launcher (without torchrun's RANK set)")
+    launch.add_argument("--nproc-per-node", type=positive_int, default=None,
+                        help="processes to start (default: the pipeline stages x --data)")
+    launch.add_argument("--max-restarts", type=int, default=0, help="torchrun's restarts after a failure")
+    return p
 
 
-def _nproc(config: str, rest: list[str]) -> int:
+def _job_argv(rest: list[str]) -> list[str]:
+    """The command line without the launcher's flags: what each of torchrun's processes reads."""
+    out, skip = [], False
+    for token in rest:
+        if skip:
+            skip = False
+        elif token in _LAUNCHER:
+            skip = True
+        elif not token.startswith(tuple(f"{flag}=" for flag in _LAUNCHER)):
+            out.append(token)
+    return out
+
+
+def _nproc(args: argparse.Namespace) -> int:
     """Pipeline stages (flag, else config, else 2) x data degree (--data flag, else 1)."""
-    flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--pipe", type=int)
-    flags.add_argument("--data", type=int, default=1)
-    known, _ = flags.parse_known_args(rest)
-    stages = known.pipe
+    stages = args.pipe
     if stages is None:
-        stages = json.loads(Path(config).read_text()).get("pipeline", {}).get("stages", 2)
-    return stages * known.data
+        stages = json.loads(Path(args.config).read_text()).get("pipeline", {}).get("stages", 2) if args.config else 2
+    return stages * (args.data or 1)
 
 
-def _train(args: argparse.Namespace, rest: list[str]) -> int:
-    if not Path(args.config).is_file():
+def _train(rest: list[str]) -> int:
+    parser = _train_parser()
+    args = parse_job_args(rest, parser)  # bad flags and --help end here, before torch loads
+    if args.config is not None and not Path(args.config).is_file():
         raise SystemExit(f"pipezero train: config {args.config!r} is not a file")
-    argv = ["--config", args.config, *rest]
+    argv = _job_argv(rest)
     if "RANK" in os.environ:  # already under torchrun: one of its workers
         from pipezero.train.gpt.job import run
 
         run(argv)
         return 0
-    nproc = args.nproc_per_node or _nproc(args.config, rest)
+    nproc = args.nproc_per_node or _nproc(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={args.max_restarts}", "-m", "pipezero.train.gpt.job", *argv]
     print("pipezero train: " + " ".join(cmd), file=sys.stderr)
@@ -142,28 +149,21 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from pipezero.pipe.schedule.registry import schedule_names
-
     parser = argparse.ArgumentParser(prog="pipezero", description="pipeline-parallel training toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="simulate a schedule: text grid, bubble, peak memory, PNG",
                          formatter_class=DefaultsHelp)
-    sim.add_argument("--schedule", choices=schedule_names(), default="1f1b")
-    sim.add_argument("--stages", type=positive_int, default=4)
-    sim.add_argument("--microbatches", type=positive_int, default=8)
+    sim.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b", help="the schedule to simulate")
+    sim.add_argument("--stages", type=positive_int, default=4, help="pipeline stages (ranks)")
+    sim.add_argument("--microbatches", type=positive_int, default=8, help="micro-batches per step")
     sim.add_argument("--chunks", type=positive_int, default=None,
                      help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
     sim.add_argument("--forward", type=cost, default=1.0, help="cost of F")
     sim.add_argument("--backward-input", type=cost, default=1.0, help="cost of I (B = I + W)")
     sim.add_argument("--backward-weight", type=cost, default=1.0, help="cost of W")
     sim.add_argument("--png", default=None, help="where to write the picture")
-    from pipezero.train.plan.cli import add_plan_parser
-
     add_plan_parser(sub, DefaultsHelp)
-    train = sub.add_parser("train", help="train the main job's GPT (examples/train_gpt.py's flags) with a ds_config")
-    train.add_argument("config")
-    train.add_argument("--nproc-per-node", type=int, default=None)
-    train.add_argument("--max-restarts", type=int, default=0)
+    sub.add_parser("train", add_help=False, help="train the main job's GPT; pipezero train --help shows its flags")
     sub.add_parser("finetune", add_help=False, help="fine-tune --model DIR on --data PATH (pipezero.train.finetune)")
     return parser
 
@@ -182,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_plan(args)
     if args.command == "finetune":  # in this process, or each of torchrun's
+        finetune_parser().parse_args(rest)  # bad flags and --help end here, before torch loads
         from pipezero.train.finetune import run as finetune
         finetune(rest)
         return 0
-    return _train(args, rest)
+    return _train(rest)
 
 
 if __name__ == "__main__":

@@ -35,23 +35,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipezero.pipe import schedule_names
-from pipezero.pipe.float8 import RECIPES, Float8Config
+from pipezero.pipe.float8 import Float8Config
 from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
 from pipezero.pipe.sequence import ShardSum
 from pipezero.train.build import Parts, build
 from pipezero.train.checkpoint import prune_checkpoints
 from pipezero.train.checkpoint.resume import point_batch, resume_from_point, resume_point
-from pipezero.train.cli import positive_int
 from pipezero.train.config import parse_config
 from pipezero.train.config.batch import keep_global_batch
-from pipezero.train.config.recompute import add_recompute_flags, apply_recompute_flags
+from pipezero.train.config.recompute import apply_recompute_flags
 from pipezero.train.data import (MemoryCorpus, PackedBatches, corpus_hash, load_tokenizer, pack, stdlib_files,
                                  token_mean_loss, tokenized_corpus)
 from pipezero.train.checkpoint.hf_export import export_hf
 from pipezero.train.failure import run_as_command
 from pipezero.train.fingerprint import weights_fingerprint
+from pipezero.train.flags import finetune_parser, wandb_section
 from pipezero.train.log import TensorBoardWriter, get_logger
+from pipezero.train.preempt import Preemption
 from pipezero.train.checkpoint.state import save_state
 from pipezero.train.run_dir import claim_run_dir
 from pipezero.train.checkpoint.from_deepspeed import load_deepspeed_checkpoint
@@ -62,63 +62,8 @@ log = get_logger("finetune")
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="a local save_pretrained directory (default: a small random Llama)")
-    p.add_argument("--data", default=None, help="a file or folder of .txt/.jsonl/.parquet (default: stdlib sources)")
-    p.add_argument("--text-field", default="text", help="the records' text field (JSON Lines, Parquet)")
-    p.add_argument("--no-packing", dest="packing", action="store_false", help="one document per row, padded")
-    p.add_argument("--long-docs", default="split", choices=["split", "truncate"],
-                   help="what becomes of a document longer than --seq-len")
-    p.add_argument("--seq-len", type=_seq_len, default=512, help="tokens per row")
-    p.add_argument("--val-fraction", type=_fraction, default=0.02, help="share of the documents held out")
-    p.add_argument("--cache-dir", default=None, help="tokenized corpora (default $PIPEZERO_CACHE or ~/.cache)")
-    p.add_argument("--tokenize-workers", type=int, default=min(8, os.cpu_count() or 1))
-    p.add_argument("--config", default=None, help="a ds_config.json; the flags below override its keys")
-    p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2 on an even world, else 1)")
-    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--sequence-parallel", type=int, default=None, metavar="N",
-                   help="split every sequence over N ranks (Ulysses attention; default: the config's "
-                        "sequence_parallel_size, else 1)")
-    p.add_argument("--schedule", default=None, choices=schedule_names())
-    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
-    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--float8", default=None, choices=RECIPES,
-                   help="the decoder layers' Linears in fp8 with this torchao recipe (compute capability 8.9+)")
-    add_recompute_flags(p)
-    p.add_argument("--steps", type=positive_int, default=100, help="optimizer steps")
-    p.add_argument("--micro-batches", type=positive_int, default=None, help="micro-batches per step (default 4)")
-    p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="rows per micro-batch per data rank (default 1)")
-    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (AdamW, warm-up then cosine)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
-    p.add_argument("--eval-interval", type=positive_int, default=50, help="steps between held-out losses")
-    p.add_argument("--eval-batches", type=positive_int, default=4)
-    p.add_argument("--save-interval", type=positive_int, default=100,
-                   help="steps between checkpoints (the last step is always saved)")
-    p.add_argument("--seed", type=int, default=0, help="the data order's seed")
-    p.add_argument("--out", default="runs/finetune", help="TensorBoard, checkpoints and the exported model")
-    p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
-                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012, or a step "
-                        "folder's path), not the latest")
-    p.add_argument("--from-deepspeed", default=None, metavar="DIR",
-                   help="start from DeepSpeed's save_checkpoint folder of --model (ZeRO 1-3 or universal: weights, "
-                        "optimizer, LR schedule, step) unless --out holds a checkpoint")
-    return p.parse_args(argv)
-
-
-def _seq_len(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 2 (a token and its next one)")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text}: expected a share in (0, 1) of the documents to hold out for "
-                                         f"evaluation, e.g. 0.02")
-    return value
+    """The flags (train/flags.py, read without torch for --help); they override --config's keys."""
+    return finetune_parser(prog).parse_args(argv)
 
 
 def run(argv: list[str] | None = None, prog: str = "pipezero finetune") -> float:
@@ -312,6 +257,7 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
     if args.sequence_parallel is not None:
         raw["sequence_parallel_size"] = args.sequence_parallel
     raw["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
+    wandb_section(raw, args.wandb)
     raw.setdefault("steps_per_print", 10)
     cfg = parse_config(raw, tensor=args.tensor, hidden_size=hidden_size, auto_values={
         "optimizer.params.lr": args.lr, "scheduler.params.total_num_steps": args.steps,
@@ -324,7 +270,8 @@ def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val
                identity: dict[str, str] | None = None) -> float:
     """Steps start+1 .. --steps: forward and backward of every micro-batch, the optimizer chain, logs, evals, saves."""
     cfg, runner, opt = parts.config, parts.runner, parts.optimizer
-    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
+    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True, wandb=cfg.wandb)
+    stop = Preemption(args.save_on_signal, parts.device)  # SIGTERM / SIGUSR1: save at a step boundary, exit 0
     loss = float("nan")
     for step in range(start, args.steps):
         t0 = time.perf_counter()
@@ -347,11 +294,13 @@ def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val
             val_loss = evaluate(runner, val, args.eval_batches)
             tb.scalar("val/loss", val_loss, step + 1)
             log.info("step %d | held-out loss %.4f", step + 1, val_loss)
-        if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
+        if stop.requested() or (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
             ckpt_dir = Path(args.out) / "checkpoints"
             save_state(parts, ckpt_dir, step + 1, train.state_dict(), model_config=identity)
             if parts.grid.rank == 0:
                 prune_checkpoints(ckpt_dir, keep=2)
+        stop.exit_if_requested(step + 1, args.steps, close=tb.close)
+    stop.restore()
     tb.close()
     return loss
 

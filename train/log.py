@@ -5,7 +5,9 @@ Here the `pipezero` logger has one handler that prefixes the rank and, by defaul
 rank 0 through; `set_log_ranks(None)` shows every rank. `warn_once` is pipezero's one
 warn-once helper (it lives in pipezero.config_fields, the bottom layer, for the config readers);
 `warn_once(msg, logger=get_logger())` goes through that handler. The TensorBoard writer exists
-on one rank and is a no-op elsewhere, so call sites need no `if rank == 0`.
+on one rank and is a no-op elsewhere, so call sites need no `if rank == 0`; given ds_config's
+`wandb` section it writes every scalar to Weights & Biases too (train/wandb_sink.py), the one place
+scalars leave a job.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TextIO
 
 import torch
 
 from pipezero.config_fields import warn_once
+
+if TYPE_CHECKING:
+    from pipezero.train.config.monitor import WandbConfig
 
 __all__ = ["Phase", "Progress", "TensorBoardWriter", "Timers", "current_rank", "get_logger",
            "set_log_ranks", "warn_once"]
@@ -82,18 +87,24 @@ def set_log_ranks(ranks: Iterable[int] | None = (0,)) -> None:
 class TensorBoardWriter:
     """One SummaryWriter at `output_path/job_name` on `writer_rank`; every method is a no-op elsewhere.
 
-    Images need pillow (torch's add_image encodes PNG with it).
+    With an enabled `wandb` config the same rank also opens a W&B run and every scalar goes to
+    both. Images need pillow (torch's add_image encodes PNG with it); they go to TensorBoard only.
     """
 
     def __init__(self, output_path: str, job_name: str, enabled: bool = True,
-                 writer_rank: int = 0, rank: int | None = None):
+                 writer_rank: int = 0, rank: int | None = None, wandb: WandbConfig | None = None):
         rank = current_rank() if rank is None else rank
         self.log_dir = os.path.join(output_path, job_name)
         self._writer = None
+        self._wandb = None
         if enabled and rank == writer_rank:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=self.log_dir)
+        if wandb is not None and wandb.enabled and rank == writer_rank:
+            from pipezero.train.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(wandb, output_path)
 
     @property
     def active(self) -> bool:
@@ -102,13 +113,18 @@ class TensorBoardWriter:
 
     def scalar(self, tag: str, value: float | torch.Tensor, step: int) -> None:
         """One scalar point."""
-        if self._writer is not None:
-            self._writer.add_scalar(tag, float(value), step)
+        self.scalars({tag: value}, step)
 
     def scalars(self, values: Mapping[str, float | torch.Tensor], step: int, prefix: str = "") -> None:
-        """Many scalars at once, each tagged prefix + key."""
-        for tag, value in values.items():
-            self.scalar(prefix + tag, value, step)
+        """Many scalars at once, each tagged prefix + key: TensorBoard's points and one W&B row."""
+        if self._writer is None and self._wandb is None:
+            return  # not the writing rank: no float() of a device tensor here
+        points = {prefix + tag: float(value) for tag, value in values.items()}
+        if self._writer is not None:
+            for tag, value in points.items():
+                self._writer.add_scalar(tag, value, step)
+        if self._wandb is not None:
+            self._wandb.log(points, step)
 
     def image(self, tag: str, image: torch.Tensor | Any, step: int) -> None:
         """An image: CHW float in [0, 1], or HWC uint8 (tensor or numpy, e.g. pipe.to_image's timeline)."""
@@ -127,10 +143,13 @@ class TensorBoardWriter:
             self._writer.flush()
 
     def close(self) -> None:
-        """Flush and close the event file."""
+        """Flush and close the event file; finish the W&B run."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> "TensorBoardWriter":
         return self

@@ -18,6 +18,7 @@ __all__ = ["TOP_KEYS", "TOP_RULES"]
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16",
             "zero_optimization", "optimizer", "scheduler", "tensorboard", "pipeline", "compile",  # compile: compile.py
+            "wandb",  # monitor.py
             "data_types", "communication_data_type",  # data_types.py
             "sequence_parallel_size",  # the grid's sequence axis (pipe/sequence/)
             "activation_checkpointing")  # recompute.py
@@ -41,7 +42,7 @@ TOP_RULES = {
     "dump_state": Ignored("print the TrainConfig instead", noop=False),
     "flops_profiler": Ignored("MFU is logged from examples/gpt.py's FLOPs count", noop=_off),
     "comms_logger": Ignored("bytes moved per collective are always counted (pipezero.comm.TRAFFIC)", noop=_off),
-    **{k: Ignored("only TensorBoard is written", noop=_off) for k in ("wandb", "csv_monitor", "comet")},
+    **{k: Ignored("TensorBoard and W&B are written", noop=_off) for k in ("csv_monitor", "comet")},
     "zero_allow_untested_optimizer": Ignored("any torch optimizer may be wrapped", noop=_anything),
     "zero_force_ds_cpu_optimizer": Ignored("CPU offload steps torch's own optimizer", noop=_anything),
     "prescale_gradients": Ignored("gradients are averaged by the reduction itself", noop=False),

@@ -4,9 +4,9 @@ DeepSpeed users' configs are accepted with DeepSpeed 0.19.8's meaning. Each sect
 reader, owned by the package that uses it: precision/ reads fp16/bf16 (`read_precision`), zero/
 reads zero_optimization (`ZeroConfig.from_dict`; data_types.py adds the dtypes gradients are summed
 and reduced in), and this module reads the rest (batch keys,
-gradient_clipping, optimizer, scheduler, tensorboard, steps_per_print, wall_clock_breakdown,
-sequence_parallel_size, pipezero's pipeline section; activation_checkpointing with the pipeline's
-checkpointing keys in recompute.py) and sorts the top-level keys (keys.py). Hugging Face's
+gradient_clipping, optimizer, scheduler, tensorboard, wandb (monitor.py), steps_per_print,
+wall_clock_breakdown, sequence_parallel_size, pipezero's pipeline section; activation_checkpointing
+with the pipeline's checkpointing keys in recompute.py) and sorts the top-level keys (keys.py). Hugging Face's
 "auto" values are resolved first, from what the caller knows (`auto_values`, `hidden_size`,
 auto.py), so every rank reaches the same verdict without communicating.
 
@@ -36,6 +36,7 @@ from pipezero.train.config.compile import read_compile
 from pipezero.train.config.data_types import read_grad_dtypes
 from pipezero.train.config.recompute import read_recompute
 from pipezero.train.config.keys import TOP_KEYS, TOP_RULES
+from pipezero.train.config.monitor import WandbConfig
 from pipezero.train.config.optim import OptimizerConfig, SchedulerConfig
 from pipezero.pipe.memory.recompute import RecomputeConfig
 from pipezero.zero.config import ZeroConfig
@@ -150,6 +151,7 @@ class TrainConfig:
     compile: CompileConfig | bool | None = None   # "compile" (compile.py); None: pipezero's default
     sequence: int = 1                # "sequence_parallel_size" (DeepSpeed's key): the grid's sequence axis
     recompute: RecomputeConfig = RecomputeConfig()  # activation checkpointing (recompute.py)
+    wandb: WandbConfig = WandbConfig()            # "wandb" (monitor.py): W&B beside TensorBoard
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -191,7 +193,8 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         scheduler=SchedulerConfig.parse(top.section("scheduler")) if "scheduler" in filled else None,
         gradient_clipping=clip, steps_per_print=top.int("steps_per_print", None, lo=1),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False), compile=read_compile(filled.get("compile")),
-        sequence=sequence, recompute=recompute, raw=raw)
+        sequence=sequence, recompute=recompute, wandb=WandbConfig.parse(top.section("wandb", auto_default=True)),
+        raw=raw)
 
 
 def _checks_finite(precision: Precision, zero: ZeroConfig) -> Precision:

@@ -26,7 +26,7 @@ from typing import Any
 from pipezero.config_fields import ConfigError, Ignored, Section
 from pipezero.pipe.memory.recompute import MODES, RecomputeConfig
 
-__all__ = ["SECTION_KEYS", "add_recompute_flags", "apply_recompute_flags", "read_recompute"]
+__all__ = ["SECTION_KEYS", "apply_recompute_flags", "read_recompute"]
 
 SECTION_KEYS = ("partition_activations", "cpu_checkpointing")
 _RULES = {
@@ -69,17 +69,6 @@ def read_recompute(raw: Any, pipeline: Section, tensor: int = 1) -> RecomputeCon
     if mode == "none":
         return RecomputeConfig()
     return RecomputeConfig(mode=mode, interval=interval or 1, offload=offload)
-
-
-def add_recompute_flags(parser: argparse.ArgumentParser) -> None:
-    """--activation-checkpointing and --offload-activations (pipezero finetune's and the main job's)."""
-    parser.add_argument("--activation-checkpointing", default=None, choices=MODES,
-                        help="recompute each layer's forward in backward: all of it (full) or all but the matmuls "
-                             "(selective); default: the config's (ds_config pipeline.activation_checkpointing)")
-    parser.add_argument("--offload-activations", action="store_true",
-                        help="keep the checkpointed layers' inputs in pinned host memory, fetched back ahead of "
-                             "their backward (ds_config activation_checkpointing.cpu_checkpointing; implies "
-                             "--activation-checkpointing full unless given)")
 
 
 def apply_recompute_flags(raw: dict, args: argparse.Namespace) -> dict:

@@ -34,22 +34,23 @@ from pathlib import Path
 import torch
 
 from pipezero.comm import TRAFFIC
-from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule, schedule_names
+from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
 from pipezero.pipe import simulate, to_image, to_png, to_text
-from pipezero.pipe.float8 import RECIPES, Float8Config
+from pipezero.pipe.float8 import Float8Config
 from pipezero.pipe.schedule.timeline import chrome_trace, gather_events
 from pipezero.precision import LossScaler, global_grad_norm
 from pipezero.topology import Grid, process_device
 from pipezero.train import Parts, build_optimizer, build_scheduler, parse_config
 from pipezero.train.checkpoint import prune_checkpoints, step_dir_name
-from pipezero.train.cli import DefaultsHelp
 from pipezero.train.config import TrainConfig
 from pipezero.train.config.batch import BatchConfig, keep_global_batch
-from pipezero.train.config.recompute import add_recompute_flags, apply_recompute_flags
+from pipezero.train.config.recompute import apply_recompute_flags
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.failure import run_as_command
+from pipezero.train.flags import parse_job_args, wandb_section
 from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once
+from pipezero.train.preempt import Preemption
 from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars
 from pipezero.train.run_dir import claim_run_dir, export_done, record_loss, recorded_loss
 from pipezero.train.checkpoint.resume import ResumePoint, point_batch, resume_from_point, resume_point
@@ -109,61 +110,8 @@ def main(argv: list[str] | None = None) -> float:
 # -- the command line and the ds_config it makes -------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags; the parallel layout, precision and batch ones override --config's keys."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=DefaultsHelp)
-    p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2)")
-    p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
-    p.add_argument("--tensor", type=int, default=1,
-                   help="tensor-parallel degree: each Block's heads and MLP split over this many ranks")
-    p.add_argument("--sequence-parallel", type=_positive, default=None, metavar="N",
-                   help="split every sequence over N ranks (Ulysses attention; default: the config's "
-                        "sequence_parallel_size, else 1)")
-    p.add_argument("--schedule", default=None, choices=schedule_names(),
-                   help="pipeline schedule (default: the config's, else 1f1b)")
-    p.add_argument("--chunks", type=int, default=None,
-                   help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
-    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's, else 2")
-    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"], help="default: the config's, else fp32")
-    p.add_argument("--float8", default=None, choices=RECIPES,
-                   help="the Blocks' Linears in fp8 with this torchao recipe (a GPU of compute capability 8.9+)")
-    add_recompute_flags(p)
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
-    p.add_argument("--micro-batches", type=_positive, default=None, help="micro-batches per step (default 4)")
-    p.add_argument("--batch-size", type=_positive, default=None,
-                   help="sequences per micro-batch per data rank (default 4)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--d-model", type=int, default=128, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warm-up + cosine)")
-    p.add_argument("--config", default=None, help="a ds_config.json; the flags above override its keys")
-    p.add_argument("--pipeline-timeout", type=float, default=None,
-                   help="seconds a rank waits for a pipeline peer (ds_config pipeline.timeout; default 300)")
-    _add_run_flags(p)
-    return p.parse_args(argv)
-
-
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    """Where the run reads and writes, how often it evaluates, saves and prints, and the GPU smoke."""
-    p.add_argument("--data-path", default=None, help="your own text/.bin/.npy file (default: stdlib sources)")
-    p.add_argument("--out", default="runs/gpt", help="TensorBoard logs, checkpoints and the exported model")
-    p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to resume from")
-    p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
-                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012, or a "
-                        "step folder's path), not the latest")
-    p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
-    p.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
-    p.add_argument("--steps-per-print", type=int, default=None,
-                   help="steps between log lines (default: the config's, else 10)")
-    p.add_argument("--expect-device", default=None, choices=["cuda", "cpu"],
-                   help="check that every parameter and each stage's activations live on this device (GPU smoke)")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: expected a positive integer")
-    return value
+    """The flags (train/flags.py, read without torch for --help); they override --config's keys."""
+    return parse_job_args(argv)
 
 
 def ds_config(args: argparse.Namespace) -> dict:
@@ -199,6 +147,7 @@ def ds_config(args: argparse.Namespace) -> dict:
     if args.sequence_parallel is not None:
         cfg["sequence_parallel_size"] = args.sequence_parallel
     cfg["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
+    wandb_section(cfg, args.wandb)
     if args.steps_per_print:
         cfg["steps_per_print"] = args.steps_per_print
     cfg.setdefault("steps_per_print", 10)
@@ -325,6 +274,7 @@ def train_loop(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, train: Sh
     """Steps start+1 .. --steps: the schedule's forward and backward, the optimizer chain, logs, evals, saves."""
     cfg, runner, opt = parts.config, parts.runner, parts.optimizer
     logs = open_logs(args, parts, gpt, start)
+    stop = Preemption(args.save_on_signal, parts.device)  # SIGTERM / SIGUSR1: save at a step boundary, exit 0
     loss = torch.tensor(float("nan"))
     for step in range(start, args.steps):
         TRAFFIC.reset()
@@ -350,8 +300,10 @@ def train_loop(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, train: Sh
             val_loss = evaluate(runner, val, batches=4)
             logs.tb.scalar("val/loss", val_loss, step + 1)
             log.info("step %d | val loss %.4f", step + 1, val_loss)
-        if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
+        if stop.requested() or (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
             save(args, parts, step + 1, train, loss.item())
+        stop.exit_if_requested(step + 1, args.steps, close=logs.tb.close)
+    stop.restore()
     logs.tb.close()
     return loss.item()
 
@@ -412,7 +364,7 @@ class Logs:
 def open_logs(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, start: int) -> Logs:
     """TensorBoard, timers and the progress bar; the schedule's simulated timeline drawn once up front."""
     cfg, cuda = parts.config, parts.device.type == "cuda"
-    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True)
+    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True, wandb=cfg.wandb)
     timers = Timers(enabled=cfg.wall_clock_breakdown, sync=torch.cuda.synchronize if cuda else None)
     sim = simulate(parts.schedule, parts.grid.pipe_size)
     _picture(tb, "pipeline/simulated", sim, start, args.out)

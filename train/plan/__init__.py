@@ -3,11 +3,13 @@ per rank) and peak memory (memory.py) for a model (model.py) on some hardware (h
 and the winner's ds_config (planner.py); `pipezero plan` is cli.py.
 
 `pipezero.train.plan` was one module before it was this folder: its names are here as they were,
-whatever planner.py's `__all__` lists.
+whatever planner.py's `__all__` lists. They import planner.py on first use (pipezero/lazy.py), so
+`pipezero plan --help` (cli.py) answers before torch loads.
 """
 
-from pipezero.train.plan import planner as _planner
-from pipezero.train.plan.planner import *  # noqa: F401,F403 - the old module's names
-from pipezero.train.plan.planner import write_config  # public there, though not in its __all__
+from pipezero.lazy import lazy_package
 
-__all__ = [*_planner.__all__, "write_config"]
+__all__ = ["Prediction", "ds_config", "explain", "format_table", "plan", "predict", "torchrun_command",
+           "write_config"]  # planner.py's __all__, and write_config, public there though not in it
+
+lazy_package(__name__, {name: "pipezero.train.plan.planner" for name in __all__})

@@ -14,6 +14,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from pipezero.train.flags import positive_int
+
 __all__ = ["add_plan_parser", "run_plan"]
 
 BYTE_VOCAB = 256  # the main job's byte-level GPT (GPTConfig.vocab_size), which the printed launch line runs
@@ -21,8 +23,6 @@ BYTE_VOCAB = 256  # the main job's byte-level GPT (GPTConfig.vocab_size), which 
 
 def add_plan_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     """Register `pipezero plan` and its flags (each checked as it is read: argparse's one-line error)."""
-    from pipezero.train.cli import positive_int
-
     p = sub.add_parser("plan", help="rank every parallel layout by predicted tokens/s; print the winner's config",
                        formatter_class=formatter)
     p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
@@ -31,7 +31,7 @@ def add_plan_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
     p.add_argument("--vocab", type=positive_int, default=BYTE_VOCAB, help="vocabulary size")
     p.add_argument("--global-batch", type=positive_int, default=32, help="sequences per optimizer step")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="the training precision")
     p.add_argument("--hardware", default="local", choices=["local", "h200"],
                    help="local: this machine, layer times measured; h200: modelled from FLOPs")
     p.add_argument("--gpus-per-node", type=positive_int, default=None,
@@ -119,6 +119,9 @@ def run_plan(args: argparse.Namespace) -> int:
         raise SystemExit(f"pipezero plan: {e}") from None
     print(f"{shape.label}, vocab {shape.vocab}, {args.precision}, global batch {args.global_batch} on {hw.name}; "
           f"{source}; the best {len(preds)} layouts that fit")
+    if hw.unsettled:
+        print(f"(the machine was busy while measuring: {'; '.join(hw.unsettled)}; the ranking may differ from "
+              "run to run, so plan again when it is idle)")
     print(format_table(preds))
     print("\nwinner:\n" + explain(preds[0]))
     print("\nds_config.json:\n" + json.dumps(ds_config(preds[0])))

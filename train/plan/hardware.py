@@ -6,6 +6,14 @@ NVLink 900 GB/s total = 450 GB/s per direction) and a DGX/HGX-style node: 8 GPUs
 400 Gb/s NIC per GPU (50 GB/s per GPU between nodes). `efficiency` is the fraction of peak a
 transformer layer's kernels reach (matmuls, attention, norms together); 0.55 is a round
 figure for Hopper at large shapes, the planner's one free parameter at cluster scale.
+
+Measured here, every number is the least of repeated timings (`best_seconds`): on a machine
+shared with other work a timing only ever comes out slower than the code's own cost, so the
+least is what repeats from run to run, once enough laps agree with it. A measurement whose laps
+never settle within the time budget is named in `Hardware.unsettled`, and so is a load average
+above the cores (the ranks' contention and gloo's latency are measured as they are, with whatever
+else runs: other work makes them, and so the ranking, differ from run to run); `pipezero plan`
+prints them.
 """
 
 from __future__ import annotations
@@ -13,10 +21,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from pipezero.checks import is_int
 
-__all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "h200", "local_cpu"]
+__all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "best_seconds", "h200", "local_cpu"]
 
 # Bytes one optimizer step moves per parameter in bf16 with fp32 masters, ZeRO 0-2 (pass by
 # pass: step_time's module docstring), on a GPU at two thirds of its memory bandwidth: one H200
@@ -52,6 +61,7 @@ class Hardware:
     optimizer_temp_bytes: float = 4.0  # per parameter, alive for a moment in the optimizer step (torch's foreach
                                        # Adam on a GPU: one fp32 temporary of the shard; a CPU steps tensor by tensor)
     host_offload: bool = True          # whether offloading to a host makes sense (not on a CPU device)
+    unsettled: tuple[str, ...] = ()    # why the measurements may not repeat (a busy machine), in words
 
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "nodes"):
@@ -88,12 +98,45 @@ def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
     if memory_gb is None:
         memory_gb = _ram_gb() / processes
     slowdown, latency, bandwidth = _measure_ranks(processes) if processes > 1 else (1.0, 1e-4, 1e9)
+    (tflops, peak_settled), (adam, adam_settled) = _matmul_tflops(torch), _adam_ns(torch)
+    unsettled = tuple(f"the {name} timings did not settle" for name, ok in
+                      (("matmul peak", peak_settled), ("Adam step", adam_settled)) if not ok) + _busy(cores)
     return Hardware(name=f"{processes} CPU processes on {cores} cores", gpus_per_node=processes,
-                    memory_gb=memory_gb, peak_tflops=_matmul_tflops(torch), efficiency=1.0,
+                    memory_gb=memory_gb, peak_tflops=tflops, efficiency=1.0,
                     intra_gbps=bandwidth / 1e9, intra_latency_us=latency * 1e6,
-                    optimizer_ns_per_param=_adam_ns(torch), reserved_gb=CPU_RESERVED_GB,
+                    optimizer_ns_per_param=adam, reserved_gb=CPU_RESERVED_GB,
                     compute_slowdown=slowdown, host_offload=False, layer_overhead_us=0.0,
-                    optimizer_temp_bytes=0.0)
+                    optimizer_temp_bytes=0.0, unsettled=unsettled)
+
+
+def _busy(cores: int) -> tuple[str, ...]:
+    """The 1-minute load average, where it says other work shares the cores (else nothing)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return ()
+    return (f"load average {load:.1f} on {cores} cores",) if load > cores else ()
+
+
+def best_seconds(lap: Callable[[], float], least: int = 8, agree: int = 3, within: float = 0.05,
+                 budget_s: float = 2.0) -> tuple[float, bool]:
+    """(the least of `lap()`'s timings, whether it settled): laps run until at least `least` are done and
+    `agree` of them lie within `within` of the least, or until `budget_s` seconds have passed.
+
+    A busy spell of the machine slows every lap it covers; a fixed count of short laps can fall inside
+    one spell and return its slowness (the planner's peak moved 100x between runs). Laps go on until
+    the least is confirmed by others, so the least is the code's own cost; not settled within the
+    budget, the machine stayed busy and the caller says the number is unreliable.
+    """
+    laps: list[float] = []
+    start = time.perf_counter()
+    while True:
+        laps.append(lap())
+        best = min(laps)
+        if len(laps) >= least and sum(t <= best * (1 + within) for t in laps) >= agree:
+            return best, True
+        if time.perf_counter() - start > budget_s:
+            return best, False
 
 
 def _measure_ranks(processes: int, seconds: float = 1.5) -> tuple[float, float, float]:
@@ -124,7 +167,7 @@ def _measure_ranks(processes: int, seconds: float = 1.5) -> tuple[float, float, 
     results = sorted(queue.get() for _ in procs)
     for p in procs:
         p.join()
-    alone = min(_iteration_seconds() for _ in range(16))
+    alone = best_seconds(_iteration_seconds)[0]
     together, small, large = (sorted(r[i] for r in results)[processes // 2] for i in (0, 1, 2))
     hops = 2 * (processes - 1)  # a ring all-reduce
     latency = small / hops
@@ -179,25 +222,34 @@ def _ram_gb() -> float:
         return 8.0
 
 
-def _matmul_tflops(torch) -> float:
-    """One thread's fp32 matmul rate here (the layers are timed on one thread too)."""
-    a = torch.randn(256, 256)
-    best = float("inf")
-    for _ in range(16):  # the best of many: the machine may be shared
-        start = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - start)
-    return 2 * 256 ** 3 / best / 1e12
+def _matmul_tflops(torch) -> tuple[float, bool]:
+    """One thread's best fp32 matmul rate here over two sizes (the layers are timed on one thread too),
+    and whether its timings settled. Larger GEMMs run nearer the peak, so the better size is kept."""
+    rates, settled = [], True
+    for n in (256, 512):
+        a = torch.randn(n, n)
+        a @ a  # warm-up
+
+        def lap() -> float:
+            start = time.perf_counter()
+            a @ a
+            return time.perf_counter() - start
+        seconds, ok = best_seconds(lap)
+        rates.append(2 * n ** 3 / seconds / 1e12)
+        settled = settled and ok
+    return max(rates), settled
 
 
-def _adam_ns(torch) -> float:
-    """torch AdamW's step time per parameter here."""
+def _adam_ns(torch) -> tuple[float, bool]:
+    """torch AdamW's step time per parameter here, and whether its timings settled."""
     p = torch.nn.Parameter(torch.zeros(1 << 18))
     p.grad = torch.ones_like(p)
     opt = torch.optim.AdamW([p])
-    best = float("inf")
-    for _ in range(16):  # the least of many, as for the layers (model.measure_profile)
+    opt.step()  # warm-up: the state is created in the first step
+
+    def lap() -> float:
         start = time.perf_counter()
         opt.step()
-        best = min(best, time.perf_counter() - start)
-    return best / p.numel() * 1e9
+        return time.perf_counter() - start
+    seconds, settled = best_seconds(lap)
+    return seconds / p.numel() * 1e9, settled

@@ -143,10 +143,24 @@ def format_table(preds: Sequence[Prediction]) -> str:
     rows = [f"{'#':>3}  {'layout':<44} {'tokens/s':>11} {'MFU':>6} {'step s':>9} {'bubble':>6} "
             f"{'exp.comm':>8} {'mem GB':>8}"]
     for i, p in enumerate(preds, 1):
-        rows.append(f"{i:>3}  {p.layout.label:<44} {p.tokens_per_second:>11,.0f} {p.mfu:>6.1%} "
+        rows.append(f"{i:>3}  {p.layout.label:<44} {p.tokens_per_second:>11,.0f} {_mfu(p):>6} "
                     f"{p.time.total:>9.4g} {p.time.bubble:>6.1%} {p.time.exposed_comm / p.time.total:>8.1%} "
                     f"{p.memory.total / 1e9:>8.3g}")
+    over = [p for p in preds if p.mfu > 1]
+    if over:
+        rows.append(_unreliable_mfu(over[0]))
     return "\n".join(rows)
+
+
+def _mfu(p: Prediction) -> str:
+    """MFU as a percentage; '?' above 100%, which only a peak measured too low gives."""
+    return f"{p.mfu:.1%}" if p.mfu <= 1 else "?"
+
+
+def _unreliable_mfu(p: Prediction) -> str:
+    return (f"MFU ?: the layers ran {p.mfu:.3g}x faster than the measured peak of {p.hardware.peak_tflops:.3g} "
+            "TFLOP/s per device allows, so that measurement is unreliable (the machine was busy while it ran); "
+            "the ranking does not use it")
 
 
 def explain(p: Prediction) -> str:
@@ -158,7 +172,7 @@ def explain(p: Prediction) -> str:
         f"of it tensor-parallel all-reduce {t.tensor_comm:.3g} s; bubble {t.bubble:.1%})",
         f"    + exposed data-parallel comm {t.exposed_comm:.3g} s (of {t.data_comm:.3g} s in all) "
         f"+ optimizer {t.optimizer:.3g} s",
-        f"  {p.tokens_per_second:,.0f} tokens/s, MFU {p.mfu:.1%} of {p.hardware.peak_tflops:g} TFLOP/s per device",
+        f"  {p.tokens_per_second:,.0f} tokens/s, MFU {_mfu(p)} of {p.hardware.peak_tflops:.3g} TFLOP/s per device",
         f"  memory {m.total / gb:.3g} GB of {p.hardware.memory_gb:g}: params {m.params / gb:.3g}, "
         f"grads {m.grads / gb:.3g}, optimizer {m.optimizer / gb:.3g}, the larger of activations "
         f"{m.activations / gb:.3g} and the optimizer step's transient {m.step / gb:.3g}, buffers {m.buffers / gb:.3g}"])

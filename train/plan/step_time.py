@@ -108,7 +108,8 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
     sec = seconds(lambda p: p.seconds)
     backward = 2 * sec / 3
     if schedule_entry(layout.schedule).cls.split_backward:  # I + W as the runner's own split measured
-        backward = seconds(lambda p: p.seconds if p.split_seconds is None else p.split_seconds) - sec / 3
+        split = seconds(lambda p: p.seconds if p.split_seconds is None else p.split_seconds) - sec / 3
+        backward = split if split > 0 else backward  # a split timed faster than the forward: a busy machine's noise
     launches = len(layers) * hw.layer_overhead_us * 1e-6
     if t > 1:  # the split's host work, per layer and micro-batch whatever its size, a third per action
         launches += sum(profile[i].tensor_overhead for i in layers if not profile[i].tied) * hw.compute_slowdown / 3

@@ -1,0 +1,230 @@
+"""The command line: argparse types, the defaults formatter, and the flags of the main job and finetune.
+
+Every command (`pipezero simulate | plan | train | finetune`) builds its parser from here, and this
+module imports neither torch nor another pipezero module, so `--help` answers before torch loads
+and the commands' modules (cli.py, gpt/job.py, finetune.py, plan/cli.py) do not import each other
+for their flags. The choices the parsers offer are written here as data (SCHEDULE_NAMES,
+FLOAT8_RECIPES); tests/test_cli_help.py checks them against the registry and pipe/float8.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Any
+
+__all__ = ["FLOAT8_RECIPES", "RECOMPUTE_MODES", "SCHEDULE_NAMES", "DefaultsHelp", "add_preempt_flag",
+           "add_recompute_flags", "add_wandb_flag", "cost", "finetune_parser", "job_parser", "parse_job_args",
+           "positive_int", "wandb_section"]
+
+DEFAULT_WANDB_PROJECT = "pipezero"  # --wandb without a name, where the config names no project
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")  # pipe/schedule/registry.py's
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")                     # pipe/float8.py's RECIPES
+RECOMPUTE_MODES = ("none", "full", "selective")                                      # pipe/memory/recompute.py's MODES
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default; a flag whose default is None says in its own help what applies,
+    and an on/off switch (--resume, --no-packing) says what it does, not its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (expected >= 1)")
+    return value
+
+
+def cost(text: str) -> float:
+    """argparse type: a finite number >= 0 (a cost in the simulator's time units)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
+    return value
+
+
+def add_wandb_flag(p: argparse.ArgumentParser) -> None:
+    """--wandb [PROJECT]: log the TensorBoard scalars to Weights & Biases too (ds_config's wandb section)."""
+    p.add_argument("--wandb", nargs="?", const="", default=None, metavar="PROJECT",
+                   help="log every TensorBoard scalar to Weights & Biases too, into PROJECT (default: the "
+                        f"config's wandb.project, else {DEFAULT_WANDB_PROJECT!r}); needs pipezero[wandb]; "
+                        "WANDB_MODE=offline keeps the run on disk")
+
+
+def wandb_section(raw: dict[str, Any], project: str | None) -> None:
+    """--wandb's value into a ds_config dict: its wandb section enabled, the project named (None: unchanged)."""
+    if project is None:
+        return
+    section = dict(raw["wandb"]) if isinstance(raw.get("wandb"), dict) else {}
+    section["enabled"] = True
+    if project or not section.get("project"):
+        section["project"] = project or DEFAULT_WANDB_PROJECT
+    raw["wandb"] = section
+
+
+def add_preempt_flag(p: argparse.ArgumentParser) -> None:
+    """--no-save-on-signal: SIGTERM / SIGUSR1 end the job as Python does by default (train/preempt.py)."""
+    p.add_argument("--no-save-on-signal", dest="save_on_signal", action="store_false",
+                   help="by default SIGTERM or SIGUSR1 (a preemption, Slurm's warning) saves a checkpoint at the "
+                        "next step boundary on every rank and exits 0; with this flag they stop the job as usual")
+
+
+def add_recompute_flags(p: argparse.ArgumentParser) -> None:
+    """--activation-checkpointing and --offload-activations (train/config/recompute.py writes them into
+    the ds_config: apply_recompute_flags)."""
+    p.add_argument("--activation-checkpointing", default=None, choices=RECOMPUTE_MODES,
+                   help="recompute each layer's forward in backward: all of it (full) or all but the matmuls "
+                        "(selective); default: the config's (ds_config pipeline.activation_checkpointing)")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="keep the checkpointed layers' inputs in pinned host memory, fetched back ahead of "
+                        "their backward (ds_config activation_checkpointing.cpu_checkpointing; implies "
+                        "--activation-checkpointing full unless given)")
+
+
+def add_sequence_flag(p: argparse.ArgumentParser) -> None:
+    """--sequence-parallel N: the grid's sequence axis (ds_config sequence_parallel_size)."""
+    p.add_argument("--sequence-parallel", type=positive_int, default=None, metavar="N",
+                   help="split every sequence over N ranks (Ulysses attention; default: the config's "
+                        "sequence_parallel_size, else 1)")
+
+
+# -- the main job (pipezero train, python -m pipezero.train.gpt.job, examples/train_gpt.py) --------------
+
+def job_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The main job's flags; the parallel layout, precision and batch ones override the config's keys."""
+    p = argparse.ArgumentParser(prog=prog, formatter_class=DefaultsHelp, description=(
+        "The main job: train the small GPT with a pipeline, ZeRO and mixed precision, top to bottom."))
+    p.add_argument("config_file", nargs="?", default=None, metavar="CONFIG", help="a ds_config.json (as --config)")
+    p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2)")
+    p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
+    p.add_argument("--tensor", type=int, default=1,
+                   help="tensor-parallel degree: each Block's heads and MLP split over this many ranks")
+    add_sequence_flag(p)
+    p.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES,
+                   help="pipeline schedule (default: the config's, else 1f1b)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's, else 2")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="default: the config's, else fp32")
+    p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES,
+                   help="the Blocks' Linears in fp8 with this torchao recipe (a GPU of compute capability 8.9+)")
+    add_recompute_flags(p)
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    p.add_argument("--micro-batches", type=positive_int, default=None, help="micro-batches per step (default 4)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="sequences per micro-batch per data rank (default 4)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warm-up + cosine)")
+    p.add_argument("--config", default=None, help="a ds_config.json; the flags above override its keys")
+    p.add_argument("--pipeline-timeout", type=float, default=None,
+                   help="seconds a rank waits for a pipeline peer (ds_config pipeline.timeout; default 300)")
+    _add_job_run_flags(p)
+    return p
+
+
+def _add_job_run_flags(p: argparse.ArgumentParser) -> None:
+    """Where the run reads and writes, how often it evaluates, saves and prints, and the GPU smoke."""
+    p.add_argument("--data-path", default=None, help="your own text/.bin/.npy file (default: stdlib sources)")
+    p.add_argument("--out", default="runs/gpt", help="TensorBoard logs, checkpoints and the exported model")
+    p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to resume from")
+    p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
+                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012, or a "
+                        "step folder's path), not the latest")
+    p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
+    p.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--steps-per-print", type=int, default=None,
+                   help="steps between log lines (default: the config's, else 10)")
+    p.add_argument("--expect-device", default=None, choices=["cuda", "cpu"],
+                   help="check that every parameter and each stage's activations live on this device (GPU smoke)")
+    add_wandb_flag(p)
+    add_preempt_flag(p)
+
+
+def parse_job_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The main job's flags read; CONFIG (positional) and --config are one setting."""
+    p = parser or job_parser()
+    args = p.parse_args(argv)
+    if args.config_file is not None and args.config is not None and args.config_file != args.config:
+        p.error(f"CONFIG {args.config_file!r} and --config {args.config!r} name two configs: pass one")
+    args.config = args.config or args.config_file
+    del args.config_file
+    return args
+
+
+# -- pipezero finetune (python -m pipezero.train.finetune, examples/train_hf.py) ---------------------------
+
+def finetune_parser(prog: str = "pipezero finetune") -> argparse.ArgumentParser:
+    """pipezero finetune's flags: the model, the data, the layout, the schedule of steps, where it writes."""
+    p = argparse.ArgumentParser(prog=prog, formatter_class=DefaultsHelp, description=(
+        "Fine-tune (or keep pre-training) a Hugging Face causal LM on the user's data, top to bottom."))
+    p.add_argument("--model", default=None, help="a local save_pretrained directory (default: a small random Llama)")
+    p.add_argument("--data", default=None, help="a file or folder of .txt/.jsonl/.parquet (default: stdlib sources)")
+    p.add_argument("--text-field", default="text", help="the records' text field (JSON Lines, Parquet)")
+    p.add_argument("--no-packing", dest="packing", action="store_false", help="one document per row, padded")
+    p.add_argument("--long-docs", default="split", choices=["split", "truncate"],
+                   help="what becomes of a document longer than --seq-len")
+    p.add_argument("--seq-len", type=_seq_len, default=512, help="tokens per row")
+    p.add_argument("--val-fraction", type=_fraction, default=0.02, help="share of the documents held out")
+    p.add_argument("--cache-dir", default=None, help="tokenized corpora (default $PIPEZERO_CACHE or ~/.cache)")
+    p.add_argument("--tokenize-workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="processes that tokenize --data")
+    p.add_argument("--config", default=None, help="a ds_config.json; the flags below override its keys")
+    p.add_argument("--pipe", type=int, default=None,
+                   help="pipeline stages (default: the config's, else 2 on an even world, else 1)")
+    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
+    add_sequence_flag(p)
+    p.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES,
+                   help="pipeline schedule (default: the config's, else 1f1b)")
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's, else 1")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="default: the config's, else fp32")
+    p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES,
+                   help="the decoder layers' Linears in fp8 with this torchao recipe (compute capability 8.9+)")
+    add_recompute_flags(p)
+    p.add_argument("--steps", type=positive_int, default=100, help="optimizer steps")
+    p.add_argument("--micro-batches", type=positive_int, default=None, help="micro-batches per step (default 4)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="rows per micro-batch per data rank (default 1)")
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (AdamW, warm-up then cosine)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
+    p.add_argument("--eval-interval", type=positive_int, default=50, help="steps between held-out losses")
+    p.add_argument("--eval-batches", type=positive_int, default=4, help="held-out batches per evaluation")
+    p.add_argument("--save-interval", type=positive_int, default=100,
+                   help="steps between checkpoints (the last step is always saved)")
+    p.add_argument("--seed", type=int, default=0, help="the data order's seed")
+    p.add_argument("--out", default="runs/finetune", help="TensorBoard, checkpoints and the exported model")
+    p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
+                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012, or a step "
+                        "folder's path), not the latest")
+    p.add_argument("--from-deepspeed", default=None, metavar="DIR",
+                   help="start from DeepSpeed's save_checkpoint folder of --model (ZeRO 1-3 or universal: weights, "
+                        "optimizer, LR schedule, step) unless --out holds a checkpoint")
+    add_wandb_flag(p)
+    add_preempt_flag(p)
+    return p
+
+
+def _seq_len(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 2 (a token and its next one)")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text}: expected a share in (0, 1) of the documents to hold out for "
+                                         f"evaluation, e.g. 0.02")
+    return value
