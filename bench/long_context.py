@@ -9,8 +9,11 @@ per document), a training step each (forward, backward, AdamW), the same random-
   pipezero  hf_layer_specs(fused_loss=True) in a one-stage PipelineModule under PipelineRunner,
             as `pipezero finetune` builds it: packed documents attended each on its own (no [T, T]
             mask), the MLP in row tiles from 8K tokens, the head + loss in row chunks
+  pipezero-full / pipezero-offload   the same with every layer checkpointed (recomputed in its
+            backward), the second with the checkpointed inputs in pinned host memory
   torch     transformers' LlamaForCausalLM(sdpa) called with the packed position ids (transformers
             then builds the block-diagonal [T, T] mask), its logits and F.cross_entropy, AdamW
+  torch-ckpt  the same with transformers' gradient_checkpointing_enable()
 Each (run, length) is a fresh subprocess, so the peak is that run's alone: CPU, the process's
 maximum resident set (getrusage; the interpreter and libraries included, ~0.4 GB); CUDA,
 torch.cuda.max_memory_allocated. A run that does not fit prints "out of memory".
@@ -54,14 +57,19 @@ def _row(length: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, t
     return ids.to(device), torch.cat(positions)[None].to(device)
 
 
-def _pipezero_step(config, device, dtype):
+RUNS = ("pipezero", "pipezero-full", "pipezero-offload", "torch", "torch-ckpt")
+
+
+def _pipezero_step(config, device, dtype, run="pipezero"):
     from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.memory.recompute import RecomputeConfig
     from pipezero.topology import Grid
 
+    recompute = RecomputeConfig(mode="none" if run == "pipezero" else "full", offload=run == "pipezero-offload")
     with torch.device(device):
         module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1),
-                                loss_fn=causal_lm_loss).to(dtype)
+                                loss_fn=causal_lm_loss, recompute=recompute).to(dtype)
     runner = PipelineRunner(module, make_schedule("1f1b", 1))
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
@@ -72,12 +80,15 @@ def _pipezero_step(config, device, dtype):
     return step
 
 
-def _torch_step(config, device, dtype):
+def _torch_step(config, device, dtype, run="torch"):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
+    if run == "torch-ckpt":
+        model.gradient_checkpointing_enable()
+    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(ids, positions):
@@ -94,7 +105,7 @@ def measure(run: str, shape: str, length: int, steps: int) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     config = _config(shape, length)
-    step = (_pipezero_step if run == "pipezero" else _torch_step)(config, device, dtype)
+    step = (_pipezero_step if run.startswith("pipezero") else _torch_step)(config, device, dtype, run)
     ids, positions = _row(length, config.vocab_size, device)
     try:
         step(ids, positions)  # warm-up
@@ -126,7 +137,7 @@ def _in_subprocess(run: str, shape: str, length: int, steps: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    p.add_argument("--runs", nargs="+", default=["pipezero", "torch"], choices=["pipezero", "torch"])
+    p.add_argument("--runs", nargs="+", default=["pipezero", "torch"], choices=RUNS)
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -137,17 +148,17 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (fp32)"
     print(f"{args.shape} Llama on {device}, one packed sequence per step; peak: "
           f"{'max allocated' if torch.cuda.is_available() else 'max RSS of a fresh process'}")
-    print(f"{'run':<10} {'length':>8} {'tokens/s':>10} {'peak GB':>9} {'x previous':>11}")
+    print(f"{'run':<16} {'length':>8} {'tokens/s':>10} {'peak GB':>9} {'x previous':>11}")
     for run in args.runs:
         previous = None
         for length in args.lengths:
             r = _in_subprocess(run, args.shape, length, args.steps)
             if "error" in r:
-                print(f"{run:<10} {length:>8} {r['error']}", flush=True)
+                print(f"{run:<16} {length:>8} {r['error']}", flush=True)
                 previous = None
                 continue
             ratio = f"{r['peak_gb'] / previous:.2f}x" if previous else ""
-            print(f"{run:<10} {length:>8} {r['tokens_per_s']:>10.0f} {r['peak_gb']:>9.2f} {ratio:>11}", flush=True)
+            print(f"{run:<16} {length:>8} {r['tokens_per_s']:>10.0f} {r['peak_gb']:>9.2f} {ratio:>11}", flush=True)
             previous = r["peak_gb"]
 
 
