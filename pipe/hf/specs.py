@@ -16,7 +16,8 @@ Between stages travels `(hidden, position_ids)` or `(hidden, position_ids, atten
 (the 2-D padding mask, 1 = token). The decoder layers compute the rotary cos/sin and build
 the causal, sliding-window or chunked mask (config.layer_types) with transformers' own mask
 functions, once per micro-batch and stage, so each layer is called exactly as the model's
-forward calls it.
+forward calls it. A MoE trained with config.output_router_logits=True adds one last tensor, the
+routers' running sums from which the last stage computes the load-balancing loss (pipe/hf/router.py).
 transformers is imported here only: it is an optional extra (`pip install -e ".[hf]"`).
 """
 
@@ -36,6 +37,7 @@ from pipezero.comm import is_replica
 from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
 from pipezero.pipe.hf.match import check_checkpoint, keeps_tie, size_fields
 from pipezero.pipe.hf.layer_inputs import MASKS, PerMicroBatch, mask_builder, mask_kind
+from pipezero.pipe.hf.router import Routed, RouterTap, router_loss, split_stats
 from pipezero.pipe.hf.static_cache import StaticKVCache
 from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
@@ -74,6 +76,7 @@ class _Model:
         self.head_bias = self.tied and self.head.bias is not None
         self.fused_loss = False  # the head returns HeadLogits (hf_layer_specs(fused_loss=True))
         self.per_micro_batch = PerMicroBatch()  # the decoder layers' mask and cos/sin, made once
+        self.router = router_loss(self.meta, self.config)  # output_router_logits: the balancing loss
 
     def path(self, module: nn.Module) -> str:
         """The module's name in the whole model, with a trailing dot ('model.layers.3.')."""
@@ -170,11 +173,6 @@ def _check_structure(model: _Model) -> None:
                          "model's forward (an argument of each decoder layer before transformers 5.25, folded into "
                          "the attention mask since), which this reader does not build; expected rotary or learned "
                          "positions (config.alibi=False)")
-    if getattr(model.config, "output_router_logits", False) is True:  # MoE: transformers' loss has a second term
-        raise ValueError(f"hf_layer_specs: {name} has config.output_router_logits=True: transformers' forward then "
-                         f"adds router_aux_loss_coef={getattr(model.config, 'router_aux_loss_coef', None)} x the "
-                         "experts' load-balancing loss to the cross-entropy, which causal_lm_loss does not compute; "
-                         "set config.output_router_logits=False (training on the cross-entropy alone)")
     if getattr(model.config, "use_bidirectional_attention", False):
         raise ValueError(f"hf_layer_specs: {name} has use_bidirectional_attention=True; expected a causal LM")
     if model.head is None or type(model.head) is not nn.Linear:
@@ -278,7 +276,10 @@ class HFTokenEmbedding(_HFLayer):
             hidden = hidden * torch.tensor(self.model.embed_scale, device=hidden.device).to(hidden.dtype)
         if self.model.embed_multiplier is not None:
             hidden = hidden * self.model.embed_multiplier
-        return (hidden, positions) if mask is None else (hidden, positions, mask, *rest[2:])  # [2:]: a decode cache
+        out = (hidden, positions) if mask is None else (hidden, positions, mask, *rest[2:])  # [2:]: a decode cache
+        if self.model.router is not None and all(isinstance(t, torch.Tensor) for t in rest[2:]):
+            out += (self.model.router.zeros(hidden.device),)  # the routers' running sums (pipe/hf/router.py)
+        return out
 
 
 def _init_embedding(model: _Model, weight: nn.Parameter) -> torch.Tensor:
@@ -324,12 +325,14 @@ class HFDecoderLayer(_HFLayer):
         self.make_mask = mask_builder(self.attention_kind)
         sliding = self.attention_kind == "sliding_attention"
         self.window = getattr(model.config, "sliding_window", None) if sliding else None  # the static cache's mask
+        self.tap = RouterTap(self.inner, model.router.router_class) if model.router is not None else None
         takes_kind = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.rotary_args = (model.config.layer_types[index],) if takes_kind else ()
         model.fill(self, self.prefix)
 
     def forward(self, x: tuple) -> tuple:
         hidden, positions, *rest = x
+        rest, stats = split_stats(self.model.router, rest)
         cache = rest[1] if len(rest) > 1 else None  # a transformers Cache: pipe/hf/generate.py's decode path
         padding = rest[0] if rest else None
         extra = dict(self.model.layer_nones, **({} if cache is None else {"cache": cache, "use_cache": True}))
@@ -342,8 +345,14 @@ class HFDecoderLayer(_HFLayer):
         else:
             mask = self._shared(("mask", self.attention_kind, hidden.dtype), positions, padding, cache,
                                 lambda: self._mask(hidden, positions, padding, cache))
-        out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
-        return (out[0] if isinstance(out, tuple) else out, positions, *rest)
+        if stats is None:
+            out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
+            return (out[0] if isinstance(out, tuple) else out, positions, *rest)
+        with self.tap.catching() as caught:
+            out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
+        for logits in caught:
+            stats = self.model.router.add_layer(stats, logits, padding)
+        return (out[0] if isinstance(out, tuple) else out, positions, *rest, stats)
 
     def _shared(self, key: tuple, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any,
                 make: Callable[[], Any]) -> Any:
@@ -366,8 +375,12 @@ class HFFinalNorm(_HFLayer):
         self.inner = _materialise(model.norm)
         model.fill(self, self.prefix)
 
-    def forward(self, x: tuple) -> torch.Tensor:
-        return self.inner(x[0] if len(x) < 4 else x[0][:, -1:])  # decoding (a cache follows): the last position's
+    def forward(self, x: tuple) -> torch.Tensor | Routed:
+        rest, stats = split_stats(self.model.router, x[2:])
+        hidden = self.inner(x[0] if len(rest) < 2 else x[0][:, -1:])  # decoding (a cache follows): the last position
+        if stats is None:
+            return hidden
+        return Routed(hidden, self.model.router.balance(stats), self.model.router.coef)
 
 
 class HFHead(_HFLayer):
@@ -379,7 +392,9 @@ class HFHead(_HFLayer):
         self.inner = _materialise(model.head)
         model.fill(self, self.prefix)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | HeadLogits:
+    def forward(self, hidden: torch.Tensor | Routed) -> torch.Tensor | HeadLogits | Routed:
+        if isinstance(hidden, Routed):
+            return hidden.map(self)
         if self.model.fused_loss:
             return hf_head_logits(self.model.config, hidden, self.inner.weight, self.inner.bias)
         return self.model.finish_logits(self.inner(hidden))
@@ -401,14 +416,18 @@ class HFHeadBias(_HFLayer):
         self.bias = head.bias
         model.fill(self, self.prefix)
 
-    def forward(self, logits: torch.Tensor | HeadLogits) -> torch.Tensor | HeadLogits:
+    def forward(self, logits: torch.Tensor | HeadLogits | Routed) -> torch.Tensor | HeadLogits | Routed:
+        if isinstance(logits, Routed):
+            return logits.map(self)
         if isinstance(logits, HeadLogits):
             return logits.with_bias(self.bias)
         return self.model.finish_logits(logits + self.bias)
 
 
-def _tied_logits(embedding: HFTokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+def _tied_logits(embedding: HFTokenEmbedding, hidden: torch.Tensor | Routed) -> torch.Tensor | Routed:
     """The tied LM head: logits from the embedding's weight (finished here unless a bias layer follows)."""
+    if isinstance(hidden, Routed):
+        return hidden.map(lambda h: _tied_logits(embedding, h))
     if embedding.model.fused_loss:
         return hf_head_logits(embedding.model.config, hidden, embedding.weight)
     logits = F.linear(hidden, embedding.weight)
@@ -450,9 +469,13 @@ def hf_layer_specs(source: Any, fused_loss: bool = False) -> list[LayerSpec]:
     return specs
 
 
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def causal_lm_loss(logits: torch.Tensor | HeadLogits | Routed, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy; targets of -100 (Hugging Face's ignore index) are skipped.
-    Takes the logits or hf_layer_specs(fused_loss=True)'s HeadLogits."""
+    Takes the logits or hf_layer_specs(fused_loss=True)'s HeadLogits; a model trained with
+    config.output_router_logits=True gives them as Routed, and its load-balancing loss, weighed by
+    router_aux_loss_coef, is added as transformers adds it (pipe/hf/router.py)."""
+    if isinstance(logits, Routed):
+        return fused_cross_entropy(logits.value, targets, ignore_index=-100) + logits.coef * logits.aux
     return fused_cross_entropy(logits, targets, ignore_index=-100)
 
 
