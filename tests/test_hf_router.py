@@ -75,20 +75,21 @@ def _truth(family: str, masked: bool, microbatches: int) -> tuple[torch.Tensor, 
     return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _pipeline(families: list[str], masked: bool, microbatches: int) -> dict:
+def _pipeline(families: list[str], masked: bool, microbatches: int, experts: str | None = None) -> dict:
     """Each family's loss and gradients (by Hugging Face name) through PipelineRunner on grid pipe=world."""
     import torch.distributed as dist
 
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
-    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.hf import causal_lm_loss, hf_config, hf_layer_specs
     from pipezero.pipe.hf.specs import _HFLayer
     from pipezero.topology import Grid
 
     out = {}
     for family in families:
         grid = Grid(pipe=dist.get_world_size())
-        module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
-                                partition_method="uniform")
+        specs = hf_layer_specs(_model(family), experts=experts)
+        assert hf_config(specs)._experts_implementation == (experts or "grouped_mm")  # transformers' default
+        module = PipelineModule(specs, grid=grid, loss_fn=causal_lm_loss, partition_method="uniform")
         runner = PipelineRunner(module, OneFOneB(num_microbatches=microbatches))
         ids, mask, labels = _batch(masked)
         loss = runner.train_step(ids if mask is None else (ids, mask), _targets(labels))
@@ -131,3 +132,14 @@ def test_unchecked_router_loss_is_named():
     with pytest.raises(ValueError, match=r"output_router_logits=True, and its router loss is checked against "
                                          r"transformers only for \['mixtral'"):
         hf_layer_specs(config)
+
+
+def test_grouped_mm_experts_equal_the_loop():
+    """transformers' experts switch through hf_layer_specs(experts=): one grouped GEMM over the tokens sorted by
+    expert (torch's grouped_mm, on CPU too) gives the loop over experts' loss and gradients."""
+    families = ["qwen3_moe", "mixtral"]
+    grouped, loop = (run(_pipeline, 1, families, True, 1, experts, timeout=180)[0] for experts in ("grouped_mm", "eager"))
+    for family in families:
+        torch.testing.assert_close(grouped[family][0], loop[family][0], rtol=1e-5, atol=1e-6)
+        for name, want in loop[family][1].items():
+            torch.testing.assert_close(grouped[family][1][name], want, rtol=1e-5, atol=1e-6, msg=name)

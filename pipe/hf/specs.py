@@ -52,11 +52,12 @@ TIED_KEY = "embed"  # TiedLayerSpec key of a tied embedding and LM head
 class _Model:
     """What the specs share: the config, a meta copy of the whole model, the names, the weights."""
 
-    def __init__(self, config: Any, weights: CheckpointTensors | ModelTensors | None):
+    def __init__(self, config: Any, weights: CheckpointTensors | ModelTensors | None, experts: str | None = None):
         from transformers import AutoModelForCausalLM
 
+        chosen = {} if experts is None else {"experts_implementation": experts}  # the layers read the config's
         with torch.device("meta"):
-            self.meta = AutoModelForCausalLM.from_config(config)
+            self.meta = AutoModelForCausalLM.from_config(config, **chosen)
         self.config, self.weights = self.meta.config, weights
         self.names = {id(m): name for name, m in self.meta.named_modules()}
         self.embed, self.head = self.meta.get_input_embeddings(), self.meta.get_output_embeddings()
@@ -440,7 +441,7 @@ def _materialise(meta: nn.Module) -> nn.Module:
 
 
 # -- public -------------------------------------------------------------------------------
-def hf_layer_specs(source: Any, fused_loss: bool = False) -> list[LayerSpec]:
+def hf_layer_specs(source: Any, fused_loss: bool = False, experts: str | None = None) -> list[LayerSpec]:
     """The LayerSpec / TiedLayerSpec list of a Hugging Face causal LM, for PipelineModule.
 
     source: a directory written by save_pretrained (each stage reads only its layers' tensors
@@ -450,10 +451,12 @@ def hf_layer_specs(source: Any, fused_loss: bool = False) -> list[LayerSpec]:
     [learned positions], num_hidden_layers decoder layers, final norm, LM head (a TiedLayerSpec
     sharing the embedding when the model ties them) [, the tied head's own bias]. Train with
     loss_fn=causal_lm_loss. fused_loss: the head returns HeadLogits, so that causal_lm_loss never
-    makes the logits whole (pipe/fused_loss.py).
+    makes the logits whole (pipe/fused_loss.py). experts: a MoE's experts implementation, transformers'
+    own switch ("grouped_mm": one grouped GEMM over the tokens sorted by expert, transformers'
+    default where torch has it, CPU included; "batched_mm"; "eager": a loop over the experts).
     """
     config, weights = _source(source)
-    model = _Model(config, weights)
+    model = _Model(config, weights, experts)
     model.fused_loss = fused_loss
     embed_spec = (TiedLayerSpec(TIED_KEY, HFTokenEmbedding, model) if model.tied
                   else LayerSpec(HFTokenEmbedding, model))
