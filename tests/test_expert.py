@@ -8,7 +8,8 @@ under 1F1B, the expert group being each stage's data group. The dense parameters
 train under ZeRO-1 over all four ranks, the experts under their own SGD after
 reduce_expert_grads. The truth is transformers' model on the whole batch, one microbatch per
 rank (output_router_logits=True: the load-balancing loss too): the loss and, through one SGD
-step of rate 1, every gradient by Hugging Face name (an expert's on the rank holding it), fp32.
+step of rate 1, every gradient by Hugging Face name (an expert's on the rank holding it), fp32;
+hf_state_dict gathers every expert whole.
 """
 
 import pytest
@@ -29,7 +30,7 @@ def _expert_step(family: str, expert: int, pipe: int = 1) -> tuple[torch.Tensor,
 
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
     from pipezero.pipe.expert import expert_parameters, reduce_expert_grads, shard_experts
-    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict
     from pipezero.pipe.hf.specs import _HFLayer
     from pipezero.topology import Grid
     from pipezero.zero import ZeroOptimizer
@@ -65,7 +66,8 @@ def _expert_step(family: str, expert: int, pipe: int = 1) -> tuple[torch.Tensor,
              for n, p in layer.hf_parameters()}
     held = dist.get_rank(expert_group)
     part = held * 4 // expert, (held + 1) * 4 // expert  # this rank's experts
-    return loss, {n: before[n] - after[n] for n in after}, part
+    whole = {n: t for n, t in hf_state_dict(module).items() if ".experts." in n}  # gathered over the group
+    return loss, {n: before[n] - after[n] for n in after}, part, whole
 
 
 CASES = [("qwen3_moe", 4, 1), ("qwen3_moe", 2, 1), ("mixtral", 2, 2), ("deepseek_v3", 2, 2)]  # family, expert, pipe
@@ -82,7 +84,9 @@ def test_expert_parallel_equals_one_process():
         want_loss, want_grads = _truth(family, True, WORLD)  # one microbatch per (data rank, microbatch)
         grads = {}
         for rank_results in results:
-            loss, rank_grads, (lo, hi) = rank_results[i]
+            loss, rank_grads, (lo, hi), whole = rank_results[i]
+            stepped = {n: p.detach() - want_grads[n] for n, p in _model(family).named_parameters()}
+            assert whole and all(torch.allclose(t, stepped[n], rtol=1e-5, atol=1e-5) for n, t in whole.items())
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family}: {m}")
             for name, value in rank_grads.items():
                 want = want_grads[name][lo:hi] if ".experts." in name else want_grads[name]

@@ -4,7 +4,7 @@ all_to_all.py (the rows' exchange, with autograd), dispatch.py (the dropless dis
 combine), block.py (ExpertParallel, shard_experts), grads.py (the expert parameters' reduction).
 """
 
-from pipezero.pipe.expert.block import ExpertParallel, expert_parameters, shard_experts
+from pipezero.pipe.expert.block import ExpertParallel, expert_parameters, shard_experts, whole_experts
 from pipezero.pipe.expert.grads import reduce_expert_grads
 
-__all__ = ["ExpertParallel", "expert_parameters", "reduce_expert_grads", "shard_experts"]
+__all__ = ["ExpertParallel", "expert_parameters", "reduce_expert_grads", "shard_experts", "whole_experts"]

@@ -28,7 +28,7 @@ from torch import nn
 
 from pipezero.pipe.expert.dispatch import combine, dispatch
 
-__all__ = ["ExpertParallel", "expert_parameters", "shard_experts"]
+__all__ = ["ExpertParallel", "expert_parameters", "shard_experts", "whole_experts"]
 
 
 class ExpertParallel(nn.Module):
@@ -51,6 +51,14 @@ class ExpertParallel(nn.Module):
         local.num_experts = per_rank
         self._local = [local]  # not a child: its parameters are this module's, under their names
 
+    def whole(self, p: torch.Tensor) -> torch.Tensor:
+        """Every expert's slice of parameter p, gathered over the expert group (a collective)."""
+        if p.shape[0] * dist.get_world_size(self.group) != self.num_experts:
+            return p.detach()  # not split (a parameter without one slice per expert)
+        out = p.new_empty((self.num_experts, *p.shape[1:]))
+        dist.all_gather_into_tensor(out, p.detach().contiguous(), group=self.group)
+        return out
+
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         rows, plan = dispatch(hidden, top_k_index, self.num_experts, self.group)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
@@ -72,6 +80,12 @@ def shard_experts(module: nn.Module, group: Any) -> int:
         parent.experts = ExpertParallel(experts, stacked[0].shape[0], group)
         done += 1
     return done
+
+
+def whole_experts(module: nn.Module) -> dict[int, torch.Tensor]:
+    """id(parameter) -> its whole value, for every expert parameter of `module` (a collective over each
+    layer's expert group): what an export under the Hugging Face names needs."""
+    return {id(p): m.whole(p) for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -485,17 +485,21 @@ def causal_lm_loss(logits: torch.Tensor | HeadLogits | Routed, targets: torch.Te
 def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters (and persistent buffers) under their Hugging Face names, whole.
 
-    A collective over the tensor group when tensor-parallel (the split weights gathered); a
+    A collective over the tensor group when tensor-parallel (the split weights gathered), and
+    over each expert group when the experts are split (pipe/expert/: every expert gathered); a
     tied weight or a tensor-replicated one appears only on its first owner (the copies are
     marked with comm.mark_replica).
     """
+    from pipezero.pipe.expert import whole_experts
     from pipezero.pipe.tensor_parallel import is_replicated, whole_tensor
 
-    out = {}
+    out, experts = {}, whole_experts(module)
     for layer in module.modules():
         if isinstance(layer, _HFLayer):
             for name, p in layer.hf_parameters():
-                if not is_replicated(p) or not is_replica(p):  # split: every tensor rank takes part
+                if id(p) in experts:
+                    out[name] = experts[id(p)]
+                elif not is_replicated(p) or not is_replica(p):  # split: every tensor rank takes part
                     out[name] = whole_tensor(p).detach()
             out.update((name, t.detach()) for name, t in layer.hf_buffers())
     return out
