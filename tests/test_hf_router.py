@@ -75,7 +75,8 @@ def _truth(family: str, masked: bool, microbatches: int) -> tuple[torch.Tensor, 
     return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _pipeline(families: list[str], masked: bool, microbatches: int, experts: str | None = None) -> dict:
+def _pipeline(families: list[str], masked: bool, microbatches: int, experts: str | None = None,
+              recompute: int = 0) -> dict:
     """Each family's loss and gradients (by Hugging Face name) through PipelineRunner on grid pipe=world."""
     import torch.distributed as dist
 
@@ -89,7 +90,8 @@ def _pipeline(families: list[str], masked: bool, microbatches: int, experts: str
         grid = Grid(pipe=dist.get_world_size())
         specs = hf_layer_specs(_model(family), experts=experts)
         assert hf_config(specs)._experts_implementation == (experts or "grouped_mm")  # transformers' default
-        module = PipelineModule(specs, grid=grid, loss_fn=causal_lm_loss, partition_method="uniform")
+        module = PipelineModule(specs, grid=grid, loss_fn=causal_lm_loss, partition_method="uniform",
+                                activation_checkpoint_interval=recompute)
         runner = PipelineRunner(module, OneFOneB(num_microbatches=microbatches))
         ids, mask, labels = _batch(masked)
         loss = runner.train_step(ids if mask is None else (ids, mask), _targets(labels))
@@ -120,8 +122,10 @@ def test_router_loss_pipe1_equals_transformers():
 
 
 def test_router_loss_pipe2_1f1b_equals_transformers():
-    """The layers' sums cross the stage boundary forward and their gradient comes back."""
+    """The layers' sums cross the stage boundary forward and their gradient comes back; with activation
+    checkpointing each recomputed layer adds its sums again."""
     _check(run(_pipeline, 2, PIPE2, True, 2, timeout=240), True, 2)
+    _check(run(_pipeline, 2, ["mixtral"], True, 2, None, 1, timeout=240), True, 2)
 
 
 def test_unchecked_router_loss_is_named():
