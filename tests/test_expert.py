@@ -12,6 +12,8 @@ step of rate 1, every gradient by Hugging Face name (an expert's on the rank hol
 hf_state_dict gathers every expert whole.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -23,7 +25,7 @@ from test_hf_router import _batch, _targets, _truth, _model  # noqa: E402
 WORLD = 4
 
 
-def _expert_step(family: str, expert: int, pipe: int = 1) -> tuple[torch.Tensor, dict, tuple[int, int]]:
+def _expert_step(family: str, expert: int, pipe: int = 1, stage: int = 1) -> tuple:
     """One step at pipe x data x expert = WORLD: the loss, each parameter's gradient by Hugging Face name, and
     which experts this rank holds. At pipe 2 the expert group is the stage's data group."""
     import torch.distributed as dist
@@ -33,7 +35,7 @@ def _expert_step(family: str, expert: int, pipe: int = 1) -> tuple[torch.Tensor,
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict
     from pipezero.pipe.hf.specs import _HFLayer
     from pipezero.topology import Grid
-    from pipezero.zero import ZeroOptimizer
+    from pipezero.zero import ZeroOptimizer, gathered
 
     grid = Grid(pipe=pipe)  # data = WORLD / pipe: the dense parameters' replicas
     if pipe == 1:
@@ -52,7 +54,8 @@ def _expert_step(family: str, expert: int, pipe: int = 1) -> tuple[torch.Tensor,
     dense = [p for p in module.parameters() if all(p is not e for e in experts)]
     before = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
               for n, p in layer.hf_parameters()}
-    opt = ZeroOptimizer(torch.optim.SGD(dense, lr=1.0), stage=1, group=grid.data_group)
+    opt = ZeroOptimizer(torch.optim.SGD(dense, lr=1.0), stage=stage, group=grid.data_group,
+                        module=module if stage == 3 else None)
     expert_opt = torch.optim.SGD(experts, lr=1.0)
     runner = PipelineRunner(module, OneFOneB(num_microbatches=pipe), optimizer=opt)
     ids, mask, labels = _batch(True)
@@ -62,15 +65,17 @@ def _expert_step(family: str, expert: int, pipe: int = 1) -> tuple[torch.Tensor,
     reduce_expert_grads(experts, same_experts, grid.data_size)
     opt.step()
     expert_opt.step()
-    after = {n: p.detach() for layer in module.modules() if isinstance(layer, _HFLayer)
-             for n, p in layer.hf_parameters()}
     held = dist.get_rank(expert_group)
     part = held * 4 // expert, (held + 1) * 4 // expert  # this rank's experts
-    whole = {n: t for n, t in hf_state_dict(module).items() if ".experts." in n}  # gathered over the group
+    with gathered(opt) if stage == 3 else contextlib.nullcontext():
+        after = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
+                 for n, p in layer.hf_parameters()}
+        whole = {n: t for n, t in hf_state_dict(module).items() if ".experts." in n}  # gathered over the group
     return loss, {n: before[n] - after[n] for n in after}, part, whole
 
 
-CASES = [("qwen3_moe", 4, 1), ("qwen3_moe", 2, 1), ("mixtral", 2, 2), ("deepseek_v3", 2, 2)]  # family, expert, pipe
+CASES = [("qwen3_moe", 4, 1, 1), ("qwen3_moe", 2, 1, 3), ("mixtral", 2, 2, 1), ("deepseek_v3", 2, 2, 1)]
+# family, expert, pipe, ZeRO stage of the dense parameters
 
 
 def _cases() -> list:
@@ -80,7 +85,7 @@ def _cases() -> list:
 def test_expert_parallel_equals_one_process():
     """Each fails with the expert gradients divided by the ranks holding the same experts only."""
     results = run(_cases, WORLD, timeout=300)
-    for i, (family, expert, pipe) in enumerate(CASES):
+    for i, (family, expert, pipe, _) in enumerate(CASES):
         want_loss, want_grads = _truth(family, True, WORLD)  # one microbatch per (data rank, microbatch)
         grads = {}
         for rank_results in results:
