@@ -3,8 +3,10 @@
 Four gloo ranks, each a data replica of the dense layers with its own rows of the batch:
 Qwen3-MoE at pipe 1 with expert 4 (each rank one of the four experts) and expert 2 x data 2
 (each pair of ranks splits the experts, each expert held by two ranks whose gradients are
-summed); Mixtral and DeepSeek-V3 (shared experts, a dense first layer) at pipe 2 x expert 2
-under 1F1B, the expert group being each stage's data group. The dense parameters
+summed; the dense parameters under ZeRO-3 there); Mixtral and DeepSeek-V3 (shared experts, a
+dense first layer) at pipe 2 x expert 2 under 1F1B, and Mixtral under ZB-V (split backward; the
+final norm and the head on different stages: the load-balancing term crosses a boundary), the
+expert group being each stage's data group. The dense parameters
 train under ZeRO-1 over all four ranks, the experts under their own SGD after
 reduce_expert_grads. The truth is transformers' model on the whole batch, one microbatch per
 rank (output_router_logits=True: the load-balancing loss too): the loss and, through one SGD
@@ -25,12 +27,12 @@ from test_hf_router import _batch, _targets, _truth, _model  # noqa: E402
 WORLD = 4
 
 
-def _expert_step(family: str, expert: int, pipe: int = 1, stage: int = 1) -> tuple:
+def _expert_step(family: str, expert: int, pipe: int = 1, stage: int = 1, zbv: bool = False) -> tuple:
     """One step at pipe x data x expert = WORLD: the loss, each parameter's gradient by Hugging Face name, and
     which experts this rank holds. At pipe 2 the expert group is the stage's data group."""
     import torch.distributed as dist
 
-    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
     from pipezero.pipe.expert import expert_parameters, reduce_expert_grads, shard_experts
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict
     from pipezero.pipe.hf.specs import _HFLayer
@@ -47,7 +49,7 @@ def _expert_step(family: str, expert: int, pipe: int = 1, stage: int = 1) -> tup
         assert expert == grid.data_size
         expert_group, same_experts = grid.data_group, None
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
-                            partition_method="uniform")
+                            partition_method="uniform", num_chunks=2 if zbv else 1, placement="v" if zbv else "looped")
     assert shard_experts(module, expert_group) > 0
     experts = expert_parameters(module)
     assert experts and all(p.shape[0] == 4 // expert for p in experts)  # this rank's experts only
@@ -57,7 +59,7 @@ def _expert_step(family: str, expert: int, pipe: int = 1, stage: int = 1) -> tup
     opt = ZeroOptimizer(torch.optim.SGD(dense, lr=1.0), stage=stage, group=grid.data_group,
                         module=module if stage == 3 else None)
     expert_opt = torch.optim.SGD(experts, lr=1.0)
-    runner = PipelineRunner(module, OneFOneB(num_microbatches=pipe), optimizer=opt)
+    runner = PipelineRunner(module, (ZeroBubbleV if zbv else OneFOneB)(num_microbatches=pipe), optimizer=opt)
     ids, mask, labels = _batch(True)
     share = ids.shape[0] // grid.data_size
     rows = slice(grid.data_rank * share, (grid.data_rank + 1) * share)
@@ -74,8 +76,9 @@ def _expert_step(family: str, expert: int, pipe: int = 1, stage: int = 1) -> tup
     return loss, {n: before[n] - after[n] for n in after}, part, whole
 
 
-CASES = [("qwen3_moe", 4, 1, 1), ("qwen3_moe", 2, 1, 3), ("mixtral", 2, 2, 1), ("deepseek_v3", 2, 2, 1)]
-# family, expert, pipe, ZeRO stage of the dense parameters
+CASES = [("qwen3_moe", 4, 1, 1, False), ("qwen3_moe", 2, 1, 3, False), ("mixtral", 2, 2, 1, False),
+         ("deepseek_v3", 2, 2, 1, False), ("mixtral", 2, 2, 1, True)]
+# family, expert, pipe, ZeRO stage of the dense parameters, ZB-V (else 1F1B)
 
 
 def _cases() -> list:
@@ -85,7 +88,7 @@ def _cases() -> list:
 def test_expert_parallel_equals_one_process():
     """Each fails with the expert gradients divided by the ranks holding the same experts only."""
     results = run(_cases, WORLD, timeout=300)
-    for i, (family, expert, pipe, _) in enumerate(CASES):
+    for i, (family, expert, pipe, *_) in enumerate(CASES):
         want_loss, want_grads = _truth(family, True, WORLD)  # one microbatch per (data rank, microbatch)
         grads = {}
         for rank_results in results:

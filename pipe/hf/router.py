@@ -11,7 +11,7 @@ assignments to expert e and P_e the softmax probabilities of e, each summed over
 which is not a sum of per-layer terms. But T and P are sums over layers, so each decoder
 layer adds its own (T, P) to a running [2, E] tensor (`stats`: row 0 T, row 1 P) that travels
 with the activations, stage to stage, as the last element of the tuple; R = sum(T) / k. The
-final norm turns the totals into `aux` and the heads hand it to causal_lm_loss in `Routed`.
+final norm turns the totals into coef x `aux` and the heads hand it to causal_lm_loss in `Routed`.
 So the loss is exact on any pipeline, and its gradient reaches each layer's router through
 the ordinary backward of `stats` (d aux / d P_e = E T_e / R^2); no stage needs a loss term
 of its own. The loss is per microbatch, as gradient accumulation computes it in transformers.
@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["NO_ROUTER_LOSS", "SWITCH_LOSS", "Routed", "RouterLoss", "RouterTap", "router_loss"]
+__all__ = ["NO_ROUTER_LOSS", "SWITCH_LOSS", "Routed", "RouterLoss", "RouterTap", "as_routed", "router_loss",
+           "split_stats"]
 
 SWITCH_LOSS = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")  # transformers' load_balancing_loss_func
 NO_ROUTER_LOSS = ("deepseek_v3",)  # output_router_logits=True returns the logits, adds no loss
@@ -72,14 +73,21 @@ class RouterLoss:
 
 
 class Routed(NamedTuple):
-    """A routed model's head output: the logits (or HeadLogits) and the loss's second term."""
+    """A routed model's final norm and head output: the hidden, then the logits (or HeadLogits), and
+    the loss's second term. Tensors only, so it may cross a stage boundary (arriving as a tuple)."""
 
     value: Any           # the final norm's hidden, then the head's logits
-    aux: torch.Tensor    # the load-balancing loss (not yet weighed)
-    coef: float          # router_aux_loss_coef
+    aux: torch.Tensor    # router_aux_loss_coef x the load-balancing loss
 
     def map(self, fn: Callable[[Any], Any]) -> "Routed":
         return self._replace(value=fn(self.value))
+
+
+def as_routed(loss: RouterLoss | None, x: Any) -> Any:
+    """x, or the Routed it was before crossing a stage boundary (a tuple of two tensors)."""
+    if loss is None or isinstance(x, Routed) or not isinstance(x, tuple) or len(x) != 2:
+        return x
+    return Routed(*x)
 
 
 def router_loss(meta: nn.Module, config: Any) -> RouterLoss | None:

@@ -37,7 +37,7 @@ from pipezero.comm import is_replica
 from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
 from pipezero.pipe.hf.match import check_checkpoint, keeps_tie, size_fields
 from pipezero.pipe.hf.layer_inputs import MASKS, PerMicroBatch, mask_builder, mask_kind
-from pipezero.pipe.hf.router import Routed, RouterTap, router_loss, split_stats
+from pipezero.pipe.hf.router import Routed, RouterTap, as_routed, router_loss, split_stats
 from pipezero.pipe.hf.static_cache import StaticKVCache
 from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
@@ -381,7 +381,7 @@ class HFFinalNorm(_HFLayer):
         hidden = self.inner(x[0] if len(rest) < 2 else x[0][:, -1:])  # decoding (a cache follows): the last position
         if stats is None:
             return hidden
-        return Routed(hidden, self.model.router.balance(stats), self.model.router.coef)
+        return Routed(hidden, self.model.router.coef * self.model.router.balance(stats))
 
 
 class HFHead(_HFLayer):
@@ -394,6 +394,7 @@ class HFHead(_HFLayer):
         model.fill(self, self.prefix)
 
     def forward(self, hidden: torch.Tensor | Routed) -> torch.Tensor | HeadLogits | Routed:
+        hidden = as_routed(self.model.router, hidden)
         if isinstance(hidden, Routed):
             return hidden.map(self)
         if self.model.fused_loss:
@@ -418,6 +419,7 @@ class HFHeadBias(_HFLayer):
         model.fill(self, self.prefix)
 
     def forward(self, logits: torch.Tensor | HeadLogits | Routed) -> torch.Tensor | HeadLogits | Routed:
+        logits = as_routed(self.model.router, logits)
         if isinstance(logits, Routed):
             return logits.map(self)
         if isinstance(logits, HeadLogits):
@@ -427,6 +429,7 @@ class HFHeadBias(_HFLayer):
 
 def _tied_logits(embedding: HFTokenEmbedding, hidden: torch.Tensor | Routed) -> torch.Tensor | Routed:
     """The tied LM head: logits from the embedding's weight (finished here unless a bias layer follows)."""
+    hidden = as_routed(embedding.model.router, hidden)
     if isinstance(hidden, Routed):
         return hidden.map(lambda h: _tied_logits(embedding, h))
     if embedding.model.fused_loss:
@@ -478,7 +481,7 @@ def causal_lm_loss(logits: torch.Tensor | HeadLogits | Routed, targets: torch.Te
     config.output_router_logits=True gives them as Routed, and its load-balancing loss, weighed by
     router_aux_loss_coef, is added as transformers adds it (pipe/hf/router.py)."""
     if isinstance(logits, Routed):
-        return fused_cross_entropy(logits.value, targets, ignore_index=-100) + logits.coef * logits.aux
+        return fused_cross_entropy(logits.value, targets, ignore_index=-100) + logits.aux
     return fused_cross_entropy(logits, targets, ignore_index=-100)
 
 
