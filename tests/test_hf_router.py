@@ -95,6 +95,10 @@ def _pipeline(families: list[str], masked: bool, microbatches: int, experts: str
         runner = PipelineRunner(module, OneFOneB(num_microbatches=microbatches))
         ids, mask, labels = _batch(masked)
         loss = runner.train_step(ids if mask is None else (ids, mask), _targets(labels))
+        if microbatches > 1:  # without targets: the logits and each microbatch's term, concatenated
+            evaluated = runner.eval_step(ids)
+            if evaluated is not None:
+                assert evaluated[0].shape == (*ids.shape, VOCAB) and evaluated[1].shape == (microbatches,)
         grads = {n: p.grad for layer in module.modules() if isinstance(layer, _HFLayer)
                  for n, p in layer.hf_parameters() if p.grad is not None}
         out[family] = loss, grads

@@ -77,7 +77,7 @@ class Routed(NamedTuple):
     the loss's second term. Tensors only, so it may cross a stage boundary (arriving as a tuple)."""
 
     value: Any           # the final norm's hidden, then the head's logits
-    aux: torch.Tensor    # router_aux_loss_coef x the load-balancing loss
+    aux: torch.Tensor    # [1]: router_aux_loss_coef x the load-balancing loss (one dim: eval_step concatenates)
 
     def map(self, fn: Callable[[Any], Any]) -> "Routed":
         return self._replace(value=fn(self.value))

@@ -381,7 +381,7 @@ class HFFinalNorm(_HFLayer):
         hidden = self.inner(x[0] if len(rest) < 2 else x[0][:, -1:])  # decoding (a cache follows): the last position
         if stats is None:
             return hidden
-        return Routed(hidden, self.model.router.coef * self.model.router.balance(stats))
+        return Routed(hidden, (self.model.router.coef * self.model.router.balance(stats)).reshape(1))
 
 
 class HFHead(_HFLayer):
@@ -481,7 +481,7 @@ def causal_lm_loss(logits: torch.Tensor | HeadLogits | Routed, targets: torch.Te
     config.output_router_logits=True gives them as Routed, and its load-balancing loss, weighed by
     router_aux_loss_coef, is added as transformers adds it (pipe/hf/router.py)."""
     if isinstance(logits, Routed):
-        return fused_cross_entropy(logits.value, targets, ignore_index=-100) + logits.aux
+        return fused_cross_entropy(logits.value, targets, ignore_index=-100) + logits.aux[0]
     return fused_cross_entropy(logits, targets, ignore_index=-100)
 
 
