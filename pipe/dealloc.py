@@ -33,7 +33,7 @@ def saved_storages(watch: bool) -> Iterator[set | None]:
 def freeable(t: torch.Tensor, saved: set | None) -> bool:
     """Whether t's values may be dropped: a plain tensor in the graph that nothing saved, and
     nothing saved was a tensor whose storage we cannot see (then nothing is freed)."""
-    if saved is None or None in saved or not (t.requires_grad and t.numel()):
+    if saved is None or None in saved or not (t.requires_grad and t.numel() > 1):  # one element: nothing to free
         return False
     storage = _storage(t)
     return storage is not None and storage not in saved

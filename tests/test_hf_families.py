@@ -164,8 +164,6 @@ UNSUPPORTED = {  # model_type: (config fields, what the error must name)
     "bloom": (dict(n_layer=2, n_head=4), r"one final norm.*found 1 layer lists, norms "
                                          r"\['word_embeddings_layernorm', 'ln_f'\]"),
     "falcon": (dict(alibi=True, head_dim=None), r"FalconForCausalLM has config.alibi=True: its ALiBi position bias"),
-    "mixtral": (dict(_MOE, output_router_logits=True), r"MixtralForCausalLM has config.output_router_logits=True: "
-                                                        r"transformers' forward then adds router_aux_loss_coef"),
     "qwen3_next": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         shared_expert_intermediate_size=32), r"layer_types has \['linear_attention'\]; expected"),
 }

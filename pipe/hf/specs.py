@@ -16,7 +16,8 @@ Between stages travels `(hidden, position_ids)` or `(hidden, position_ids, atten
 (the 2-D padding mask, 1 = token). The decoder layers compute the rotary cos/sin and build
 the causal, sliding-window or chunked mask (config.layer_types) with transformers' own mask
 functions, once per micro-batch and stage, so each layer is called exactly as the model's
-forward calls it.
+forward calls it. A MoE trained with config.output_router_logits=True adds one last tensor, the
+routers' running sums from which the last stage computes the load-balancing loss (pipe/hf/router.py).
 transformers is imported here only: it is an optional extra (`pip install -e ".[hf]"`).
 """
 
@@ -38,6 +39,7 @@ from pipezero.pipe.document_attention import Documents, documents_from_positions
 from pipezero.pipe.hf.document_attention import DOCUMENTS_KWARG, documents_config, supports_documents
 from pipezero.pipe.hf.match import check_checkpoint, keeps_tie, size_fields
 from pipezero.pipe.hf.layer_inputs import MASKS, PerMicroBatch, mask_builder, mask_kind
+from pipezero.pipe.hf.router import Routed, RouterTap, as_routed, router_loss, split_stats
 from pipezero.pipe.hf.static_cache import StaticKVCache
 from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.memory.recompute import in_selective_run
@@ -56,11 +58,12 @@ TIED_KEY = "embed"  # TiedLayerSpec key of a tied embedding and LM head
 class _Model:
     """What the specs share: the config, a meta copy of the whole model, the names, the weights."""
 
-    def __init__(self, config: Any, weights: CheckpointTensors | ModelTensors | None):
+    def __init__(self, config: Any, weights: CheckpointTensors | ModelTensors | None, experts: str | None = None):
         from transformers import AutoModelForCausalLM
 
+        chosen = {} if experts is None else {"experts_implementation": experts}  # the layers read the config's
         with torch.device("meta"):  # a copy of the config: sequence parallelism switches its attention
-            self.meta = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+            self.meta = AutoModelForCausalLM.from_config(copy.deepcopy(config), **chosen)
         self.config, self.weights = self.meta.config, weights
         self.names = {id(m): name for name, m in self.meta.named_modules()}
         self.embed, self.head = self.meta.get_input_embeddings(), self.meta.get_output_embeddings()
@@ -81,6 +84,7 @@ class _Model:
         self.fused_loss = False  # the head returns HeadLogits (hf_layer_specs(fused_loss=True))
         self.per_micro_batch = PerMicroBatch()  # the decoder layers' mask and cos/sin, made once
         self.sequence: tuple[Any, int] | None = None  # (group, degree) once split (pipe/sequence/)
+        self.router = router_loss(self.meta, self.config)  # output_router_logits: the balancing loss
 
     def split_sequence(self, group: Any, degree: int) -> None:
         """Every decoder layer's attention through Ulysses from now on (once per model)."""
@@ -183,11 +187,6 @@ def _check_structure(model: _Model) -> None:
                          "model's forward (an argument of each decoder layer before transformers 5.25, folded into "
                          "the attention mask since), which this reader does not build; expected rotary or learned "
                          "positions (config.alibi=False)")
-    if getattr(model.config, "output_router_logits", False) is True:  # MoE: transformers' loss has a second term
-        raise ValueError(f"hf_layer_specs: {name} has config.output_router_logits=True: transformers' forward then "
-                         f"adds router_aux_loss_coef={getattr(model.config, 'router_aux_loss_coef', None)} x the "
-                         "experts' load-balancing loss to the cross-entropy, which causal_lm_loss does not compute; "
-                         "set config.output_router_logits=False (training on the cross-entropy alone)")
     if getattr(model.config, "use_bidirectional_attention", False):
         raise ValueError(f"hf_layer_specs: {name} has use_bidirectional_attention=True; expected a causal LM")
     if model.head is None or type(model.head) is not nn.Linear:
@@ -291,7 +290,10 @@ class HFTokenEmbedding(_HFLayer):
             hidden = hidden * torch.tensor(self.model.embed_scale, device=hidden.device).to(hidden.dtype)
         if self.model.embed_multiplier is not None:
             hidden = hidden * self.model.embed_multiplier
-        return (hidden, positions) if mask is None else (hidden, positions, mask, *rest[2:])  # [2:]: a decode cache
+        out = (hidden, positions) if mask is None else (hidden, positions, mask, *rest[2:])  # [2:]: a decode cache
+        if self.model.router is not None and all(isinstance(t, torch.Tensor) for t in rest[2:]):
+            out += (self.model.router.zeros(hidden.device),)  # the routers' running sums (pipe/hf/router.py)
+        return out
 
 
 def _init_embedding(model: _Model, weight: nn.Parameter) -> torch.Tensor:
@@ -342,6 +344,7 @@ class HFDecoderLayer(_HFLayer):
         self.make_mask = mask_builder(self.attention_kind)
         sliding = self.attention_kind == "sliding_attention"
         self.window = getattr(model.config, "sliding_window", None) if sliding else None  # the static cache's mask
+        self.tap = RouterTap(self.inner, model.router.router_class) if model.router is not None else None
         takes_kind = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.rotary_args = (model.config.layer_types[index],) if takes_kind else ()
         model.fill(self, self.prefix)
@@ -357,6 +360,7 @@ class HFDecoderLayer(_HFLayer):
 
     def forward(self, x: tuple) -> tuple:
         hidden, positions, *rest = x
+        rest, stats = split_stats(self.model.router, rest)
         cache = rest[1] if len(rest) > 1 else None  # a transformers Cache: pipe/hf/generate.py's decode path
         padding = rest[0] if rest else None
         extra = dict(self.model.layer_nones, **({} if cache is None else {"cache": cache, "use_cache": True}))
@@ -372,8 +376,14 @@ class HFDecoderLayer(_HFLayer):
         else:
             mask = self._shared(("mask", self.attention_kind, hidden.dtype), positions, padding, cache,
                                 lambda: self._mask(hidden, positions, padding, cache))
-        out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
-        return (out[0] if isinstance(out, tuple) else out, positions, *rest)
+        if stats is None:
+            out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
+            return (out[0] if isinstance(out, tuple) else out, positions, *rest)
+        with self.tap.catching() as caught:
+            out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
+        for logits in caught:
+            stats = self.model.router.add_layer(stats, logits, padding)
+        return (out[0] if isinstance(out, tuple) else out, positions, *rest, stats)
 
     def _documents(self, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any) -> Documents | None:
         """The micro-batch's documents where the mask-free path serves this layer; None: transformers' mask
@@ -412,8 +422,12 @@ class HFFinalNorm(_HFLayer):
         self.inner = _materialise(model.norm)
         model.fill(self, self.prefix)
 
-    def forward(self, x: tuple) -> torch.Tensor:
-        return self.inner(x[0] if len(x) < 4 else x[0][:, -1:])  # decoding (a cache follows): the last position's
+    def forward(self, x: tuple) -> torch.Tensor | Routed:
+        rest, stats = split_stats(self.model.router, x[2:])
+        hidden = self.inner(x[0] if len(rest) < 2 else x[0][:, -1:])  # decoding (a cache follows): the last position
+        if stats is None:
+            return hidden
+        return Routed(hidden, (self.model.router.coef * self.model.router.balance(stats)).reshape(1))
 
 
 class HFHead(_HFLayer):
@@ -425,7 +439,10 @@ class HFHead(_HFLayer):
         self.inner = _materialise(model.head)
         model.fill(self, self.prefix)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | HeadLogits:
+    def forward(self, hidden: torch.Tensor | Routed) -> torch.Tensor | HeadLogits | Routed:
+        hidden = as_routed(self.model.router, hidden)
+        if isinstance(hidden, Routed):
+            return hidden.map(self)
         if self.model.fused_loss:
             return hf_head_logits(self.model.config, hidden, self.inner.weight, self.inner.bias)
         return self.model.finish_logits(self.inner(hidden))
@@ -447,14 +464,20 @@ class HFHeadBias(_HFLayer):
         self.bias = head.bias
         model.fill(self, self.prefix)
 
-    def forward(self, logits: torch.Tensor | HeadLogits) -> torch.Tensor | HeadLogits:
+    def forward(self, logits: torch.Tensor | HeadLogits | Routed) -> torch.Tensor | HeadLogits | Routed:
+        logits = as_routed(self.model.router, logits)
+        if isinstance(logits, Routed):
+            return logits.map(self)
         if isinstance(logits, HeadLogits):
             return logits.with_bias(self.bias)
         return self.model.finish_logits(logits + self.bias)
 
 
-def _tied_logits(embedding: HFTokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+def _tied_logits(embedding: HFTokenEmbedding, hidden: torch.Tensor | Routed) -> torch.Tensor | Routed:
     """The tied LM head: logits from the embedding's weight (finished here unless a bias layer follows)."""
+    hidden = as_routed(embedding.model.router, hidden)
+    if isinstance(hidden, Routed):
+        return hidden.map(lambda h: _tied_logits(embedding, h))
     if embedding.model.fused_loss:
         return hf_head_logits(embedding.model.config, hidden, embedding.weight)
     logits = F.linear(hidden, embedding.weight)
@@ -467,7 +490,7 @@ def _materialise(meta: nn.Module) -> nn.Module:
 
 
 # -- public -------------------------------------------------------------------------------
-def hf_layer_specs(source: Any, fused_loss: bool = False) -> list[LayerSpec]:
+def hf_layer_specs(source: Any, fused_loss: bool = False, experts: str | None = None) -> list[LayerSpec]:
     """The LayerSpec / TiedLayerSpec list of a Hugging Face causal LM, for PipelineModule.
 
     source: a directory written by save_pretrained (each stage reads only its layers' tensors
@@ -477,10 +500,12 @@ def hf_layer_specs(source: Any, fused_loss: bool = False) -> list[LayerSpec]:
     [learned positions], num_hidden_layers decoder layers, final norm, LM head (a TiedLayerSpec
     sharing the embedding when the model ties them) [, the tied head's own bias]. Train with
     loss_fn=causal_lm_loss. fused_loss: the head returns HeadLogits, so that causal_lm_loss never
-    makes the logits whole (pipe/fused_loss.py).
+    makes the logits whole (pipe/fused_loss.py). experts: a MoE's experts implementation, transformers'
+    own switch ("grouped_mm": one grouped GEMM over the tokens sorted by expert, transformers'
+    default where torch has it, CPU included; "batched_mm"; "eager": a loop over the experts).
     """
     config, weights = _source(source)
-    model = _Model(config, weights)
+    model = _Model(config, weights, experts)
     model.fused_loss = fused_loss
     embed_spec = (TiedLayerSpec(TIED_KEY, HFTokenEmbedding, model) if model.tied
                   else LayerSpec(HFTokenEmbedding, model))
@@ -496,26 +521,34 @@ def hf_layer_specs(source: Any, fused_loss: bool = False) -> list[LayerSpec]:
     return specs
 
 
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def causal_lm_loss(logits: torch.Tensor | HeadLogits | Routed, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy; targets of -100 (Hugging Face's ignore index) are skipped.
-    Takes the logits or hf_layer_specs(fused_loss=True)'s HeadLogits."""
+    Takes the logits or hf_layer_specs(fused_loss=True)'s HeadLogits; a model trained with
+    config.output_router_logits=True gives them as Routed, and its load-balancing loss, weighed by
+    router_aux_loss_coef, is added as transformers adds it (pipe/hf/router.py)."""
+    if isinstance(logits, Routed):
+        return fused_cross_entropy(logits.value, targets, ignore_index=-100) + logits.aux[0]
     return fused_cross_entropy(logits, targets, ignore_index=-100)
 
 
 def hf_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters (and persistent buffers) under their Hugging Face names, whole.
 
-    A collective over the tensor group when tensor-parallel (the split weights gathered); a
+    A collective over the tensor group when tensor-parallel (the split weights gathered), and
+    over each expert group when the experts are split (pipe/expert/: every expert gathered); a
     tied weight or a tensor-replicated one appears only on its first owner (the copies are
     marked with comm.mark_replica).
     """
+    from pipezero.pipe.expert import whole_experts
     from pipezero.pipe.tensor_parallel import is_replicated, whole_tensor
 
-    out = {}
+    out, experts = {}, whole_experts(module)
     for layer in module.modules():
         if isinstance(layer, _HFLayer):
             for name, p in layer.hf_parameters():
-                if not is_replicated(p) or not is_replica(p):  # split: every tensor rank takes part
+                if id(p) in experts:
+                    out[name] = experts[id(p)]
+                elif not is_replicated(p) or not is_replica(p):  # split: every tensor rank takes part
                     out[name] = whole_tensor(p).detach()
             out.update((name, t.detach()) for name, t in layer.hf_buffers())
     return out

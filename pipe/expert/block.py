@@ -1,0 +1,93 @@
+"""Expert parallelism for a Hugging Face MoE layer: its experts split over an expert group.
+
+`shard_experts(module, group)` replaces each MoE layer's experts (the `experts` child whose
+stacked parameters have one slice per expert: Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3) by an
+`ExpertParallel` holding this rank's E / n of them, under the same parameter names. Its forward
+takes what transformers' experts take (hidden, top-k indices, top-k weights): the rows go to
+their experts' ranks (pipe/expert/dispatch.py), this rank's experts compute them with
+transformers' own experts implementation (grouped_mm by default) on a copy of the module
+that holds the local experts only, and the rows come back. The router and the dense layers
+stay replicated, so each rank of the group routes its own tokens (the group's ranks are data
+replicas for everything else).
+
+Gradients: a dense parameter is reduced over the whole data x expert group, as before. An
+expert's gradient already sums what every rank's tokens sent it; it is summed over the ranks
+holding the same experts (the expert's own data group) and divided by the size of the whole
+data x expert group: reduce_expert_grads (pipe/expert/grads.py). Lepikhin et al. 2020 (GShard),
+Fedus et al. 2021 (Switch); the layout is DeepSpeed-MoE's and Megatron-core's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipezero.pipe.expert.dispatch import combine, dispatch
+
+__all__ = ["ExpertParallel", "expert_parameters", "shard_experts", "whole_experts"]
+
+
+class ExpertParallel(nn.Module):
+    """This rank's experts of one MoE layer; called as transformers' experts module is called."""
+
+    def __init__(self, experts: nn.Module, num_experts: int, group: Any):
+        super().__init__()
+        ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+        if num_experts % ranks:
+            raise ValueError(f"ExpertParallel: {num_experts} experts do not split evenly over an expert group of "
+                             f"{ranks} ranks; expected an expert degree that divides the number of experts")
+        self.num_experts, self.group = num_experts, group
+        per_rank = num_experts // ranks
+        local = copy.copy(experts)  # the same class, forward, config and implementation switch
+        local._parameters = {}  # a shallow copy shares the dict: its own, holding the local slices only
+        for name, p in experts.named_parameters(recurse=False):
+            part = p.detach()[rank * per_rank:(rank + 1) * per_rank].clone() if p.shape[0] == num_experts else p
+            setattr(local, name, nn.Parameter(part, requires_grad=p.requires_grad))
+            self.register_parameter(name, local._parameters[name])  # the experts' own names
+        local.num_experts = per_rank
+        self._local = [local]  # not a child: its parameters are this module's, under their names
+
+    def whole(self, p: torch.Tensor) -> torch.Tensor:
+        """Every expert's slice of parameter p, gathered over the expert group (a collective)."""
+        if p.shape[0] * dist.get_world_size(self.group) != self.num_experts:
+            return p.detach()  # not split (a parameter without one slice per expert)
+        out = p.new_empty((self.num_experts, *p.shape[1:]))
+        dist.all_gather_into_tensor(out, p.detach().contiguous(), group=self.group)
+        return out
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        rows, plan = dispatch(hidden, top_k_index, self.num_experts, self.group)
+        ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        out = self._local[0](rows, plan.local_ids.unsqueeze(-1), ones)
+        return combine(out, plan, top_k_weights, self.group, hidden.dtype)
+
+
+def shard_experts(module: nn.Module, group: Any) -> int:
+    """Split every MoE layer's experts in `module` over `group`; returns how many layers were split.
+    Call it before building the optimizers (the expert parameters are new tensors)."""
+    done = 0
+    for parent in list(module.modules()):
+        experts = dict(parent.named_children()).get("experts")
+        if experts is None or isinstance(experts, ExpertParallel):
+            continue
+        stacked = [p for p in experts.parameters(recurse=False) if p.dim() == 3]
+        if not stacked:
+            continue  # a ModuleList of experts (not the stacked layout transformers 5 uses)
+        parent.experts = ExpertParallel(experts, stacked[0].shape[0], group)
+        done += 1
+    return done
+
+
+def whole_experts(module: nn.Module) -> dict[int, torch.Tensor]:
+    """id(parameter) -> its whole value, for every expert parameter of `module` (a collective over each
+    layer's expert group): what an export under the Hugging Face names needs."""
+    return {id(p): m.whole(p) for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of every ExpertParallel in `module`: what is reduced over the expert's data group."""
+    return [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters()]
