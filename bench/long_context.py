@@ -14,6 +14,7 @@ per document), a training step each (forward, backward, AdamW), the same random-
   torch     transformers' LlamaForCausalLM(sdpa) called with the packed position ids (transformers
             then builds the block-diagonal [T, T] mask), its logits and F.cross_entropy, AdamW
   torch-ckpt  the same with transformers' gradient_checkpointing_enable()
+Both eager (pipezero's default compile is off here: a fresh process per length would recompile).
 Each (run, length) is a fresh subprocess, so the peak is that run's alone: CPU, the process's
 maximum resident set (getrusage; the interpreter and libraries included, ~0.4 GB); CUDA,
 torch.cuda.max_memory_allocated. A run that does not fit prints "out of memory".
@@ -69,7 +70,7 @@ def _pipezero_step(config, device, dtype, run="pipezero"):
     recompute = RecomputeConfig(mode="none" if run == "pipezero" else "full", offload=run == "pipezero-offload")
     with torch.device(device):
         module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1),
-                                loss_fn=causal_lm_loss, recompute=recompute).to(dtype)
+                                loss_fn=causal_lm_loss, recompute=recompute, compile=False).to(dtype)
     runner = PipelineRunner(module, make_schedule("1f1b", 1))
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
