@@ -21,10 +21,12 @@
   rank's slice, b x s/P x d elements (b the micro-batch, s the sequence, d the model width,
   P the degree), of which (P-1)/P leave the rank: per block and micro-batch
   8 x (P-1)/P x b x s/P x d x bytes per element over the sequence group's link, plus P-1
-  latencies per all-to-all (the paper's 4Nh/P per link for the forward), not overlapped.
+  latencies per all-to-all, not overlapped. (The paper counts a layer's messages as 3Nh for
+  q, k, v and Nh for the output, 4Nh/P per device; the backward moves their gradients alike.)
   The layers' compute is the rank's slice: s/P tokens (inside attention the whole sequence for
   heads/P of the heads, the same FLOPs);
-* p2p: one activation (tokens x d_model, the sequence slice under a sequence axis) per hop, latency + bytes / bandwidth of the link
+* p2p: one activation (tokens x d_model, the sequence slice under a sequence axis) per hop,
+  latency + bytes / bandwidth of the link
   between neighbouring stages (inter-node when a stage's tensor x data ranks fill a node);
 * pipe/schedule/simulate.py runs the schedule with those per-(rank, chunk) costs: makespan, bubble,
   peak live micro-batches;
@@ -61,7 +63,8 @@ from pipezero.train.plan.layout import Layout
 from pipezero.train.plan.memory import rank_tokens
 from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_params
 
-__all__ = ["TimeBreakdown", "all_to_all_seconds", "buckets", "chunk_layers", "data_parallel_seconds", "optimizer_seconds", "ring_seconds",
+__all__ = ["TimeBreakdown", "all_to_all_seconds", "buckets", "chunk_layers", "data_parallel_seconds",
+           "optimizer_seconds", "ring_seconds",
            "Sim", "simulate_layout", "step_time", "step_time_floor"]
 
 
