@@ -493,3 +493,23 @@ def test_a_long_sequence_plan_picks_a_sequence_axis(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f" s{preds[0].layout.sequence} " in out and "sequence all-to-all" in out
     assert json.loads(path.read_text())["sequence_parallel_size"] == preds[0].layout.sequence
+
+
+def test_a_long_sequence_is_timed_short_and_scaled_by_the_flops(monkeypatch):
+    """512K tokens are not timed on the host: the block at MEASURED_LEN, per token x the FLOPs' ratio."""
+    from pipezero.train.plan import model as plan_model
+
+    timed = []
+
+    def fake(shape, *args):  # seconds = FLOPs: the scaled profile must be the long shape's FLOPs
+        timed.append(shape.seq_len)
+        return [replace(p, recompute_seconds=p.flops / 3, split_seconds=p.flops)
+                for p in flops_profile(shape, 1.0)]
+    monkeypatch.setattr(plan_model, "_measure", fake)
+    profile = plan_model.measure_profile(LONG)
+    assert timed == [plan_model.MEASURED_LEN]
+    for got, want in zip(profile, flops_profile(LONG, 1.0)):
+        assert got.seconds == pytest.approx(want.seconds) and got.params == want.params, got.kind
+        if got.kind == "Block":
+            assert got.recompute_seconds == pytest.approx(want.flops / 3)
+    assert profile[1].seconds > 10 * flops_profile(replace(LONG, seq_len=4096), 1.0)[1].seconds  # attention grew
