@@ -33,7 +33,8 @@ __all__ = ["StepListener", "GradReadiness", "LossScaling", "find_link", "step_li
 class StepListener(Protocol):
     """The events of one runner, in the order it emits them.
 
-    Once, when the runner is built: `attach_pipeline()`.
+    Once, when the runner is built: `reduction_ranks()` (asked, before any collective: the runner
+    refuses a listener whose ranks are not the grid's data x sequence group), then `attach_pipeline()`.
     Per train_step: `hold_grad_sync(params, tied)` before the first action; then per action
     `release_grad_sync(final)` (when its backward completes those gradients), `need_params(
     params, upcoming)`, the action, `collect_grad_sync(params)` (after a split weight backward
@@ -43,6 +44,12 @@ class StepListener(Protocol):
     `release_grad_sync(tied)`, `flush_grad_sync(tied)`, and `step_done()`.
     Per eval_step: per action `need_params` / `done_with_params`, then `step_done()`.
     """
+
+    def reduction_ranks(self) -> tuple[int, ...]:
+        """The global ranks this listener reduces gradients over (and partitions state over), ascending;
+        empty when it reduces nothing. The runner compares them with the grid's data x sequence group:
+        a listener over the data axis alone on a grid with a sequence axis would let the sequence ranks
+        step on different gradients and drift apart, silently."""
 
     def attach_pipeline(self) -> None:
         """A runner drives from now on: it says when parameters are needed (need_params)."""
@@ -89,6 +96,10 @@ class LossScaling(Protocol):
 
 class _NoReadiness:
     """Listens to nothing: a plain torch optimizer, or no optimizer."""
+
+    def reduction_ranks(self) -> tuple[int, ...]:
+        """Reduces nothing."""
+        return ()
 
     def attach_pipeline(self) -> None:
         """Nothing to attach."""

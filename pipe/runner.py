@@ -49,15 +49,28 @@ class PipelineTimeout(TimeoutError):
 
 def _check_reduces_over_data(optimizer: Any, grid: Any) -> None:
     """Refuse an optimizer that would let data replicas (or sequence shards) train apart, each on its own
-    gradients."""
-    if optimizer is None or grid.data_sequence_size == 1 or isinstance(optimizer, StepListener):
+    gradients: one that reduces nothing, or (with a sequence axis) a listener over other ranks than the
+    grid's data x sequence group. Pure (the listener's ranks are its group's, known without a collective),
+    so every rank raises before any collective."""
+    if optimizer is None or grid.data_sequence_size == 1:
         return
-    axes, what = ("data axis", "data replicas") if grid.sequence_size == 1 else ("data x sequence axes", "ranks")
-    raise ValueError(f"PipelineRunner(optimizer={type(optimizer).__name__}) on {grid!r}: it does not "
-                     f"reduce gradients over the {axes}, so the {grid.data_sequence_size} {what} would each step "
-                     "on their own gradients and drift apart; wrap it, ZeroOptimizer(optimizer, stage=0, "
-                     "group=grid.data_sequence_group) averages them as DDP does (stages 1-3 shard too), or pass "
-                     "optimizer=None and reduce the gradients yourself before stepping")
+    if not isinstance(optimizer, StepListener):
+        axes, what = ("data axis", "data replicas") if grid.sequence_size == 1 else ("data x sequence axes", "ranks")
+        raise ValueError(f"PipelineRunner(optimizer={type(optimizer).__name__}) on {grid!r}: it does not "
+                         f"reduce gradients over the {axes}, so the {grid.data_sequence_size} {what} would each "
+                         "step on their own gradients and drift apart; wrap it, ZeroOptimizer(optimizer, stage=0, "
+                         "group=grid.data_sequence_group) averages them as DDP does (stages 1-3 shard too), or "
+                         "pass optimizer=None and reduce the gradients yourself before stepping")
+    if grid.sequence_size == 1:
+        return
+    want, got = grid.group_ranks("data_sequence"), list(optimizer.reduction_ranks())
+    if got != want:
+        raise ValueError(f"PipelineRunner(optimizer={type(optimizer).__name__}) on {grid!r}: it reduces "
+                         f"gradients over ranks {got}, but rank {grid.rank}'s data x sequence group is {want} (its "
+                         f"data group alone {grid.group_ranks('data')}): the sequence ranks hold gradients "
+                         "of different slices of the same rows and would step apart; build it with "
+                         "group=grid.data_sequence_group, e.g. ZeroOptimizer(optimizer, stage=..., "
+                         "group=grid.data_sequence_group)")
 
 
 class PipelineRunner:

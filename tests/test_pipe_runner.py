@@ -360,6 +360,9 @@ class Recorder:
     def __init__(self, inner):
         self.inner, self.calls = inner, []
 
+    def reduction_ranks(self):
+        return ()
+
     def attach_pipeline(self):
         pass
 

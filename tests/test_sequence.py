@@ -252,3 +252,55 @@ def test_refusals_come_on_every_rank_before_any_collective():
     for tensor, heads in run(_refusals, 4, timeout=300):
         assert "a sequence axis with a tensor axis is not supported yet" in tensor
         assert "6 heads do not divide by 4" in heads
+
+
+# -- a checkpoint across sequence degrees, and the optimizer over the data axis alone (2 ranks) --------------
+
+def _gpt_job(grid, group):
+    """The GPT on `grid`, Adam through ZeroOptimizer(stage=1) over `group`, its runner (or the runner's refusal)."""
+    from pipezero.train.gpt.model import gpt_loss, gpt_specs
+
+    torch.manual_seed(0)
+    model = PipelineModule(gpt_specs(GPT_CONFIG), grid=grid, loss_fn=gpt_loss, partition_method="uniform")
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), stage=1, group=group)
+    return model, opt, PipelineRunner(model, OneFOneB(num_microbatches=ROWS // grid.data_size), optimizer=opt)
+
+
+def _gpt_step(grid, runner, opt):
+    inputs, targets = _gpt_batch()
+    m = ROWS // grid.data_size
+    rows = slice(grid.data_rank * m, (grid.data_rank + 1) * m)
+    loss = runner.train_step(*shard_batch(tuple(t[rows] for t in inputs), targets[rows], grid)).item()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _resume_and_guard(root):
+    """Sequence 2: two steps, saved after the first; the save resumed at data 2 (sequence 1) for the second.
+    Then ZeroOptimizer over the data axis alone on a sequence 2 grid, which the runner must refuse."""
+    from pipezero.train import HandParts, load_state, save_state
+
+    grid = Grid(sequence=2)
+    model, opt, runner = _gpt_job(grid, grid.data_sequence_group)
+    first = _gpt_step(grid, runner, opt)
+    save_state(HandParts(model, opt, grid=grid), root, 1)
+    second = _gpt_step(grid, runner, opt)
+    other = Grid(data=2)
+    model, opt, runner = _gpt_job(other, other.data_group)
+    load_state(HandParts(model, opt, grid=other), root)
+    resumed = _gpt_step(other, runner, opt)
+    try:
+        _gpt_job(grid, grid.data_group)
+        refusal = None
+    except ValueError as err:
+        refusal = str(err)
+    return first, second, resumed, refusal
+
+
+def test_a_sequence_2_checkpoint_resumes_at_data_2_and_a_data_only_optimizer_is_refused(tmp_path):
+    for rank, (first, second, resumed, refusal) in enumerate(run(_resume_and_guard, 2, str(tmp_path), timeout=300)):
+        assert second != pytest.approx(first, abs=1e-3)  # the step changed the model: the resume has work to do
+        assert resumed == pytest.approx(second, abs=1e-5), rank
+        assert refusal is not None and f"reduces gradients over ranks [{rank}]" in refusal, refusal
+        assert "data x sequence group is [0, 1]" in refusal and "group=grid.data_sequence_group" in refusal

@@ -84,6 +84,7 @@ class ZeroOptimizer(ChainWrapper):
         super().__init__(inner)  # shares the inner chain's param_groups list and state
         self.world = group_size(group)
         self.rank = dist.get_rank(group) if self.world > 1 else 0
+        self._ranks = _global_ranks(group)
         # the single-process layout (consolidated state): every group's original parameters, in order
         self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in self.param_groups]
         parts = 1 if self.stage == 0 else self.world
@@ -320,6 +321,10 @@ class ZeroOptimizer(ChainWrapper):
         """Stage 3: partition these parameters again (tied ones stay whole until step_done)."""
         self.release_params(params)
 
+    def reduction_ranks(self) -> tuple[int, ...]:
+        """The global ranks of `group`, ascending: those it reduces gradients and partitions over."""
+        return self._ranks
+
     def step_done(self) -> None:
         """Stage 3: the step's actions are over, every parameter partitioned again."""
         if self._gatherer is not None:
@@ -411,3 +416,9 @@ class ZeroOptimizer(ChainWrapper):
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.stage}, {describe(self.inner)})"
 
+
+def _global_ranks(group) -> tuple[int, ...]:
+    """The global ranks of a process group (the world when None), ascending; (0,) without a process group."""
+    if not dist.is_initialized():
+        return (0,)
+    return tuple(sorted(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)))

@@ -98,7 +98,7 @@ def run_plan(args: argparse.Namespace) -> int:
     import torch
 
     from pipezero.train.plan.planner import ds_config, explain, format_table, plan, torchrun_command, write_config
-    from pipezero.train.plan.model import ModelShape, flops_profile, measure_profile
+    from pipezero.train.plan.model import MEASURED_LEN, ModelShape, flops_profile, measure_profile
 
     _check_flags(args)
     start = time.perf_counter()
@@ -111,6 +111,8 @@ def run_plan(args: argparse.Namespace) -> int:
             profile = measure_profile(shape, args.precision)
             source = "layer times measured here (one thread, one micro-batch of 2), x%g for %s" % (
                 hw.compute_slowdown, hw.name)
+            if shape.seq_len > MEASURED_LEN:
+                source += f" (timed at {MEASURED_LEN} tokens, scaled to {shape.seq_len} by the FLOPs)"
         else:
             profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
             source = f"layer times modelled: FLOPs / ({hw.peak_tflops:g} TFLOP/s x {hw.efficiency:g})"

@@ -1,7 +1,9 @@
 """Peak memory per device of one layout: model state, activations, buffers.
 
 * model state: the ZeRO formulas over the parameters one pipeline rank holds, divided by the
-  tensor degree (tied layers stay whole), N = the data degree (Rajbhandari et al. 2020,
+  tensor degree (tied layers stay whole), N = data x sequence (the ranks that reduce gradients
+  and partition ZeRO's state: a sequence rank holds every parameter, as a data rank does;
+  topology/grid.py's data_sequence_group) (Rajbhandari et al. 2020,
   section 5; the bytes per parameter tests/test_zero_memory.py checks against ZeroOptimizer):
   stage 0: P + G + S, 1: P + G + S/N, 2: P + (G + S)/N, 3: (P + G + S)/N, with
   (P, G, S) = (4, 4, 8) in fp32 and (2, 2, 12) in bf16/fp16 (fp32 masters and Adam moments).
@@ -17,13 +19,21 @@
   square root of the whole shard's second moments at once). Nothing of it on the device
   when the optimizer is offloaded. On one GPU at small micro-batches this step, 24 bytes per
   parameter in bf16, is the peak, not the activations.
-* activations: the simulator's peak live micro-batches of the rank (in whole-stage units)
+* activations: every count is per token of the rank's slice of a micro-batch, micro-batch size x
+  sequence length / the sequence degree: Ulysses (pipe/sequence/) holds a slice of the sequence
+  outside attention and, inside it, the whole sequence for heads / degree of the heads, the same
+  elements either way (Jacobs et al. 2023, arXiv 2309.14509, section 3). Attention keeps
+  nothing that grows with the square of the sequence: the fused (flash) kernel saves its output
+  and log-sum-exp per token, never the s x s scores, and packed documents attend per document
+  (no s x s mask), so memory is linear in the sequence length.
+  The simulator's peak live micro-batches of the rank (in whole-stage units)
   x the saved bytes of one micro-batch on it, plus the loss's backward transient of the one
   micro-batch being differentiated (LayerProfile.backward_bytes); with checkpointing every
   live micro-batch keeps each checkpointed run's input and the loss's saved output, and then
   either the loss's backward transient or the run being recomputed with its full activations
   (the loss's backward is over before the first recompute starts).
-* buffers: the p2p send/receive buffers, two reduce buckets in flight (ZeRO 0-2) or two
+* buffers: the p2p send/receive buffers (the slice that crosses stages: divided by the sequence
+  degree too), two reduce buckets in flight (ZeRO 0-2) or two
   gathered layers (ZeRO 3), the runtime's reserve.
 """
 
@@ -36,7 +46,8 @@ from pipezero.train.plan.hardware import Hardware
 from pipezero.train.plan.layout import Layout
 from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_params
 
-__all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "model_state_bytes", "rank_memory", "step_bytes"]
+__all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "model_state_bytes", "rank_memory", "rank_tokens",
+           "step_bytes"]
 
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 
@@ -74,15 +85,20 @@ def step_bytes(params: float, layout: Layout, hw: Hardware, precision: str) -> f
     """Bytes the optimizer step allocates on the device for a moment (see the module docstring)."""
     if layout.offload:
         return 0.0
-    shard = params / (layout.data if layout.zero >= 1 else 1)
+    shard = params / (layout.reducing if layout.zero >= 1 else 1)
     master_grads = 4.0 if bytes_per_element(precision) < 4 else 0.0
     return shard * (master_grads + hw.optimizer_temp_bytes)
+
+
+def rank_tokens(layout: Layout, seq_len: int) -> float:
+    """Tokens of one micro-batch on one rank: its sequence slice (the whole sequence at sequence 1)."""
+    return layout.microbatch_size * seq_len / layout.sequence
 
 
 def activation_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
                      precision: str, d_model: int, seq_len: int) -> float:
     """Activations at the rank's peak: `live` micro-batches' saved tensors, one backward's transient."""
-    tokens = layout.microbatch_size * seq_len
+    tokens = rank_tokens(layout, seq_len)
     transient = max(profile[i].backward_bytes for i in layers) * tokens
     saved = [profile[i].act_bytes(precision, layout.tensor) * tokens for i in layers]
     if not layout.checkpoint:
@@ -99,10 +115,10 @@ def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: fl
                 hw: Hardware, precision: str, d_model: int, seq_len: int) -> MemoryBreakdown:
     """Memory of a pipeline rank holding `layers` with `live` whole-stage micro-batches at its peak."""
     e = bytes_per_element(precision)
-    tokens = layout.microbatch_size * seq_len
+    tokens = rank_tokens(layout, seq_len)
     params = held_params(profile, layers, layout.tensor)
-    p, g, s = model_state_bytes(params, layout.zero, layout.data, precision, layout.offload)
-    if layout.zero >= 2 and layout.microbatches > 1 and layout.data > 1:
+    p, g, s = model_state_bytes(params, layout.zero, layout.reducing, precision, layout.offload)
+    if layout.zero >= 2 and layout.microbatches > 1 and layout.reducing > 1:
         g += STATE_BYTES[precision][1] * params  # whole .grad held until the last micro-batch (TransientShardSync)
     act = activation_bytes(profile, layers, live, layout, precision, d_model, seq_len)
     p2p = 4 * tokens * d_model * e * layout.chunks if layout.pipe > 1 else 0.0

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from pipezero.checks import is_int
 
-__all__ = ["LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_params", "measure_profile",
+__all__ = ["MEASURED_LEN", "LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_params", "measure_profile",
            "total_params"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -127,9 +127,37 @@ def flops_profile(shape: ModelShape, flops_per_second: float) -> list[LayerProfi
     return [replace(p, seconds=p.flops / flops_per_second) for p in _layers(shape)]
 
 
+MEASURED_LEN = 4096  # the longest sequence measure_profile times; longer ones are scaled by the FLOPs
+
+
 def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int = 2,
-                    repeats: int = 2, device: str = "cpu", rounds: int = 5, compile: Any = None) -> list[LayerProfile]:
+                    repeats: int = 2, device: str = "cpu", rounds: int = 5, compile: Any = None,
+                    max_len: int = MEASURED_LEN) -> list[LayerProfile]:
     """Every layer timed on this machine: pipe.measure_layer_costs on one micro-batch, per token.
+
+    A sequence longer than `max_len` is timed at `max_len` and each layer's per-token times scaled
+    by its FLOPs per token at the full length over those at `max_len` (the block's attention grows
+    with the sequence, the rest does not): timing a 512K-token block on the host would take its
+    memory and hours, and the planner only needs the trend.
+    """
+    if shape.seq_len > max_len:
+        short = measure_profile(replace(shape, seq_len=max_len), precision, microbatch, repeats, device, rounds,
+                                compile, max_len)
+        return [_scaled(full, part) for full, part in zip(_layers(shape), short)]
+    return _measure(shape, precision, microbatch, repeats, device, rounds, compile)
+
+
+def _scaled(full: LayerProfile, short: LayerProfile) -> LayerProfile:
+    """`full`'s analytic profile with `short`'s measured times, per token, in the ratio of their FLOPs."""
+    ratio = full.flops / short.flops if short.flops else 1.0
+    times = {k: None if getattr(short, k) is None else getattr(short, k) * ratio
+             for k in ("seconds", "recompute_seconds", "split_seconds")}
+    return replace(full, tensor_overhead=short.tensor_overhead, **times)
+
+
+def _measure(shape: ModelShape, precision: str, microbatch: int, repeats: int, device: str, rounds: int,
+             compile: Any) -> list[LayerProfile]:
+    """measure_profile at the shape's own length.
 
     Each layer's time is the least of `rounds` measurements: on a machine shared with other
     work a measurement only ever comes out slower than the layer's own cost, never faster

@@ -87,6 +87,7 @@ def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, globa
         raise ValueError(f"plan(top={top!r}, keep_unfit={keep_unfit!r}): top must be >= 1 and excludes keep_unfit")
     memo: dict = {}
     enumerate_kw.setdefault("offload", hw.host_offload)
+    enumerate_kw.setdefault("seq_len", shape.seq_len)
     layouts = list(enumerate_layouts(hw.world, hw.gpus_per_node, global_batch, len(profile), shape.heads,
                                      **enumerate_kw))
     if top is None:
@@ -98,7 +99,8 @@ def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, globa
         least = min(preds, key=lambda p: p.memory.total, default=None)
         need = f"; the smallest needs {least.memory.total / 1e9:.1f} GB ({least.layout.label})" if least else ""
         raise ValueError(f"no layout of {shape.label} fits {hw.memory_gb:g} GB per device on {hw.name}{need}: "
-                         "add devices, lower the micro-batch or sequence length")
+                         "add devices (a sequence axis splits each sequence over them), lower the micro-batch "
+                         "or the sequence length")
     rank = sorted(fits, key=lambda p: (-p.tokens_per_second, p.memory.total))
     if keep_unfit:
         rank += sorted((p for p in preds if p not in fits), key=lambda p: -p.tokens_per_second)
@@ -169,7 +171,9 @@ def explain(p: Prediction) -> str:
     return "\n".join([
         f"{p.layout.label} on {p.hardware.name}, {p.shape.label}, {p.precision}:",
         f"  step {t.total:.4g} s = pipeline makespan {t.pipeline:.4g} s (busiest rank computes {t.compute:.4g} s, "
-        f"of it tensor-parallel all-reduce {t.tensor_comm:.3g} s; bubble {t.bubble:.1%})",
+        f"of it tensor-parallel all-reduce {t.tensor_comm:.3g} s"
+        + (f", sequence all-to-all {t.sequence_comm:.3g} s" if p.layout.sequence > 1 else "")
+        + f"; bubble {t.bubble:.1%})",
         f"    + exposed data-parallel comm {t.exposed_comm:.3g} s (of {t.data_comm:.3g} s in all) "
         f"+ optimizer {t.optimizer:.3g} s",
         f"  {p.tokens_per_second:,.0f} tokens/s, MFU {_mfu(p)} of {p.hardware.peak_tflops:.3g} TFLOP/s per device",
@@ -195,6 +199,7 @@ def ds_config(p: Prediction) -> dict[str, Any]:
         "pipeline": {"stages": lay.pipe, "schedule": lay.schedule, "chunks": lay.chunks,
                      "activation_checkpoint_interval": lay.checkpoint,
                      "partition_method": list(p.partition_costs)},
+        "sequence_parallel_size": lay.sequence,
         "gradient_clipping": 1.0,
     }
 

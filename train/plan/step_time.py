@@ -14,11 +14,24 @@
   backward, ring time 2(t-1)/t x bytes / bandwidth, not overlapped; plus what the split's hooks
   and collective calls add to a block per micro-batch (measure_profile), which is host time that
   does not shrink with the micro-batch or the tensor degree;
-* p2p: one activation (tokens x d_model) per hop, latency + bytes / bandwidth of the link
+* sequence parallel (Ulysses, pipe/sequence/; Jacobs et al. 2023, arXiv 2309.14509, section 3.2):
+  every block's attention turns its sequence slice into head shards and back with all-to-alls:
+  queries, keys and values before it and the output after it, 4 in the forward and 4 of their
+  gradients in the backward (4 more in the recompute under checkpointing). Each moves the
+  rank's slice, b x s/P x d elements (b the micro-batch, s the sequence, d the model width,
+  P the degree), of which (P-1)/P leave the rank: per block and micro-batch
+  8 x (P-1)/P x b x s/P x d x bytes per element over the sequence group's link, plus P-1
+  latencies per all-to-all, not overlapped. (The paper counts a layer's messages as 3Nh for
+  q, k, v and Nh for the output, 4Nh/P per device; the backward moves their gradients alike.)
+  The layers' compute is the rank's slice: s/P tokens (inside attention the whole sequence for
+  heads/P of the heads, the same FLOPs);
+* p2p: one activation (tokens x d_model, the sequence slice under a sequence axis) per hop,
+  latency + bytes / bandwidth of the link
   between neighbouring stages (inter-node when a stage's tensor x data ranks fill a node);
 * pipe/schedule/simulate.py runs the schedule with those per-(rank, chunk) costs: makespan, bubble,
   peak live micro-batches;
-* data parallel (per pipeline rank, its own parameters): ZeRO 0 all-reduces the gradients,
+* data parallel (per pipeline rank, its own parameters, over data x sequence: the sequence ranks
+  hold gradients of different slices of the same batch): ZeRO 0 all-reduces the gradients,
   1-2 reduce-scatter them and all-gather the updated parameters, 3 gathers parameters twice
   and reduce-scatters gradients every micro-batch. Gradient reduction overlaps the rank's
   last micro-batch backward (overlap_comm); ZeRO-3's gathers overlap all compute
@@ -47,9 +60,11 @@ from pipezero.pipe.schedule.registry import make_schedule, schedule_entry
 from pipezero.pipe.schedule.simulate import Costs, SimResult, simulate
 from pipezero.train.plan.hardware import Hardware
 from pipezero.train.plan.layout import Layout
+from pipezero.train.plan.memory import rank_tokens
 from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_params
 
-__all__ = ["TimeBreakdown", "buckets", "chunk_layers", "data_parallel_seconds", "optimizer_seconds", "ring_seconds",
+__all__ = ["TimeBreakdown", "all_to_all_seconds", "buckets", "chunk_layers", "data_parallel_seconds",
+           "optimizer_seconds", "ring_seconds",
            "Sim", "simulate_layout", "step_time", "step_time_floor"]
 
 
@@ -64,6 +79,7 @@ class TimeBreakdown:
     exposed_comm: float   # the part of it that is not hidden behind compute
     optimizer: float      # optimizer step (and offload transfers)
     bubble: float         # the simulator's idle fraction
+    sequence_comm: float = 0.0  # part of compute spent in the sequence axis' all-to-alls (the busiest rank's)
 
     @property
     def total(self) -> float:
@@ -97,9 +113,17 @@ def chunk_layers(profile: Sequence[LayerProfile], layout: Layout, placement: str
     return {owner(s, layout.pipe, placement): range(bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1)}
 
 
+def all_to_all_seconds(layout: Layout, hw: Hardware, precision: str, d_model: int, seq_len: int) -> float:
+    """One Ulysses all-to-all of a block (queries, keys, values or the output): the rank's slice of
+    b x s/P x d elements, (P-1)/P of it sent, over the sequence group's link (module docstring)."""
+    sp = layout.sequence
+    bw, lat = hw.link(layout.tensor * sp)
+    return ring_seconds(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision), sp, bw, lat)
+
+
 def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout, hw: Hardware,
                  precision: str, d_model: int, seq_len: int, p2p: float) -> tuple[Costs, float]:
-    tokens = layout.microbatch_size * seq_len
+    tokens = rank_tokens(layout, seq_len)
     t = layout.tensor
 
     def seconds(per_token) -> float:  # the chunk's layers, tensor-parallel ones split t ways
@@ -116,11 +140,12 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
     blocks = sum(1 for i in layers if not profile[i].tied and profile[i].flops > 0)
     bw, lat = hw.link(t)
     one = ring_seconds(tokens * d_model * bytes_per_element(precision), t, bw, lat, factor=2.0)
-    fwd, tp = sec / 3 + launches + 2 * blocks * one, 4 * blocks * one
-    back, weight = backward / 2 + launches + 2 * blocks * one, backward / 2 + launches
+    a2a = 4 * blocks * all_to_all_seconds(layout, hw, precision, d_model, seq_len)  # q, k, v, out
+    fwd, tp = sec / 3 + launches + 2 * blocks * one + a2a, 4 * blocks * one
+    back, weight = backward / 2 + launches + 2 * blocks * one + a2a, backward / 2 + launches
     if layout.checkpoint:  # the recompute: measured, or one more forward
         back += seconds(lambda p: p.seconds / 3 if p.recompute_seconds is None else p.recompute_seconds)
-        back += launches + 2 * blocks * one
+        back += launches + 2 * blocks * one + a2a
     return Costs(forward=fwd, backward_input=back, backward_weight=weight, p2p=p2p), tp * layout.microbatches
 
 
@@ -183,9 +208,9 @@ def simulate_layout(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
         return memo[key]
     placement = schedule_entry(layout.schedule).placement
     held = chunk_layers(profile, layout, placement)
-    span = layout.tensor * layout.data + 1  # neighbours on the pipe axis are t x d ranks apart
+    span = layout.tensor * layout.reducing + 1  # neighbours on the pipe axis are t x s x d ranks apart
     bw, lat = hw.link(span if layout.pipe > 1 else 1)
-    p2p = lat + layout.microbatch_size * seq_len * d_model * bytes_per_element(precision) / bw
+    p2p = lat + rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision) / bw
     costs, tp = {}, {}
     for k, layers in held.items():
         costs[k], tp[k] = _chunk_costs(profile, layers, layout, hw, precision, d_model, seq_len, p2p)
@@ -200,8 +225,9 @@ def simulate_layout(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
 
 def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision: str,
                           last_backward: float, compute: float, buckets: int = 1) -> tuple[float, float]:
-    """(all traffic, exposed part) of one rank's data-parallel collectives per step, in `buckets` pieces each."""
-    n = layout.data
+    """(all traffic, exposed part) of one rank's data-parallel collectives per step, in `buckets` pieces each,
+    over data x sequence."""
+    n = layout.reducing
     nbytes = params * bytes_per_element(precision)
     bw, lat = hw.link(layout.tensor * n)
     if layout.zero == 0:
@@ -222,7 +248,7 @@ def buckets(params: float, d_model: int) -> int:
 
 def optimizer_seconds(params: float, layout: Layout, hw: Hardware, precision: str) -> float:
     """Adam over this rank's shard, on the device or offloaded to the host."""
-    shard = params / (layout.data if layout.zero >= 1 else 1)
+    shard = params / (layout.reducing if layout.zero >= 1 else 1)
     if not layout.offload:
         return shard * hw.optimizer_ns_per_param * 1e-9
     round_trip = 2 * shard * bytes_per_element(precision) / (hw.pcie_gbps * 1e9)
@@ -233,6 +259,7 @@ def step_time(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, pre
               seq_len: int, memo: dict | None = None) -> tuple[TimeBreakdown, Sim, dict[tuple[int, int], range]]:
     """The step time of `layout`, its simulation and the layers each (rank, chunk) holds."""
     result, held, tensor_comm = simulate_layout(profile, layout, hw, precision, d_model, seq_len, memo)
+    sequence_comm = _sequence_seconds(profile, held, layout, hw, precision, d_model, seq_len)
     data_comm = exposed = opt = 0.0
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
@@ -243,8 +270,20 @@ def step_time(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, pre
         if hidden_not + optimizer_seconds(params, layout, hw, precision) > exposed + opt:
             data_comm, exposed, opt = comm, hidden_not, optimizer_seconds(params, layout, hw, precision)
     return (TimeBreakdown(compute=max(result.busy.values()), pipeline=result.makespan, tensor_comm=tensor_comm,
-                          data_comm=data_comm, exposed_comm=exposed, optimizer=opt, bubble=result.bubble),
+                          data_comm=data_comm, exposed_comm=exposed, optimizer=opt, bubble=result.bubble,
+                          sequence_comm=sequence_comm),
             result, held)
+
+
+def _sequence_seconds(profile: Sequence[LayerProfile], held: dict[tuple[int, int], range], layout: Layout,
+                      hw: Hardware, precision: str, d_model: int, seq_len: int) -> float:
+    """The busiest pipeline rank's all-to-all seconds per step: 8 per block and micro-batch, 12 when
+    checkpointed (the recompute's forward exchanges again)."""
+    per_block = (12 if layout.checkpoint else 8) * all_to_all_seconds(layout, hw, precision, d_model, seq_len)
+    blocks = {rank: 0 for rank, _ in held}
+    for (rank, _), layers in held.items():
+        blocks[rank] += sum(1 for i in layers if not profile[i].tied and profile[i].flops > 0)
+    return max(blocks.values()) * per_block * layout.microbatches
 
 
 def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str,
