@@ -25,7 +25,7 @@ from torch import nn
 
 from pipezero.pipe.lora import check_adapters_kept
 from pipezero.train.checkpoint.files import checkpoint_meta, checkpoint_names, latest_step, save_checkpoint
-from pipezero.train.checkpoint.state import _agree_on_load, gather_state, load_state
+from pipezero.train.checkpoint.state import agree_on_load, gather_state, load_state
 
 __all__ = ["load_adapters", "resume_adapters_if_any", "save_adapters"]
 
@@ -71,7 +71,7 @@ def load_adapters(parts: Any, directory: str | os.PathLike, step: int | None = N
     if not checkpoint_meta(directory, step).get(_FLAG):
         raise ValueError(f"load_adapters({str(directory)!r}): that checkpoint was not written by save_adapters; "
                          "load a full checkpoint with train/checkpoint/state.py's load_state")
-    _agree_on_load(_dropped(parts.module, directory, step), parts.grid.world_size)
+    agree_on_load(_dropped(parts.module, directory, step), parts.grid.world_size)
     return load_state(_view(parts), directory, step)
 
 
