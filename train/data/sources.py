@@ -223,8 +223,9 @@ def _document(where: str, kind: str, record: dict, text_field: str) -> Document:
         return Document(where, kind, prompt, completion)
     text = record.get(text_field)
     if text_field in record and not isinstance(text, str):
-        raise ValueError(f"{where}: field {text_field!r} is {type(text).__name__} ({str(text)[:40]}), not a string; "
-                         f'give every line {{"{text_field}": "..."}}, or name the text field with --text-field')
+        raise ValueError(f"{where}: field {text_field!r} is {type(text).__name__} ({str(text)[:40]}), not a "
+                         f'string; give every line {{"{text_field}": "..."}}, or name the text field with '
+                         "--text-field")
     if not isinstance(text, str):
         fields = sorted(record)
         raise ValueError(f"{where}: no string field {text_field!r} (the record has {fields}); give every line "
