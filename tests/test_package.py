@@ -162,3 +162,23 @@ def test_the_wheel_runs_its_commands(tmp_path):
     sample = subprocess.run([sys.executable, *hint.split(), "--tokens", "4"], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
     assert sample.returncode == 0 and sample.stdout.startswith("def "), (hint, sample.stderr[-2000:])
+
+
+def test_every_module_imports():
+    """Each module of the package imports on CPU: a name one branch renamed and another still imports
+    (state's agree_on_load, imported as _agree_on_load by lora_state after a merge) fails here, not first
+    in a user's `from pipezero.train.checkpoint.lora_state import save_adapters`."""
+    import importlib
+    import pkgutil
+
+    import pipezero
+
+    failed = {}
+    for info in pkgutil.walk_packages(pipezero.__path__, "pipezero."):
+        if info.name.split(".")[1] in ("tests", "examples", "bench"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except Exception as err:  # noqa: BLE001 - every failing module named at once
+            failed[info.name] = f"{type(err).__name__}: {err}"
+    assert not failed, failed

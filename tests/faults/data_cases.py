@@ -147,6 +147,8 @@ def _microbatches_do_not_divide():
 CASES = [
     Case("data", "jsonl line without the field", _documents("x.jsonl", '{"text": "a"}\n{"body": "b"}\n'),
          ("x.jsonl:2", "'text'", "--text-field")),
+    Case("data", "jsonl text not a string", _documents("n.jsonl", '{"text": "a"}\n{"text": 42}\n'),
+         ("n.jsonl:2", "'text' is int (42)", "a string")),
     Case("data", "jsonl line not json", _documents("j.jsonl", '{"text": "a"}\n{oops\n'), ("j.jsonl:2", "valid JSON")),
     Case("data", "jsonl empty", _documents("e.jsonl", ""), ("e.jsonl", "empty")),
     Case("data", "text file empty", _documents("e.txt", "  \n"), ("e.txt", "empty")),

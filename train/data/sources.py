@@ -222,6 +222,10 @@ def _document(where: str, kind: str, record: dict, text_field: str) -> Document:
             raise ValueError(f"{where}: the completion is empty, so nothing would be trained on; drop the line")
         return Document(where, kind, prompt, completion)
     text = record.get(text_field)
+    if text_field in record and not isinstance(text, str):
+        raise ValueError(f"{where}: field {text_field!r} is {type(text).__name__} ({str(text)[:40]}), not a "
+                         f'string; give every line {{"{text_field}": "..."}}, or name the text field with '
+                         "--text-field")
     if not isinstance(text, str):
         fields = sorted(record)
         raise ValueError(f"{where}: no string field {text_field!r} (the record has {fields}); give every line "
