@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["DefaultsHelp", "cost", "examples_dir", "main", "positive_int"]
+__all__ = ["DefaultsHelp", "cost", "examples_dir", "launch", "main", "positive_int"]
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -125,6 +125,15 @@ def _nproc(config: str, rest: list[str]) -> int:
     return stages * known.data
 
 
+def launch(module: str, argv: list[str], nproc: int, prog: str, max_restarts: int = 0) -> int:
+    """Run `python -m module argv` as `nproc` processes of one host through torch.distributed.run
+    (torchrun --standalone); the exit status. For a command started outside torchrun (no RANK)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", "-m", module, *argv]
+    print(f"{prog}: " + " ".join(cmd), file=sys.stderr)
+    return subprocess.call(cmd)
+
+
 def _train(args: argparse.Namespace, rest: list[str]) -> int:
     if not Path(args.config).is_file():
         raise SystemExit(f"pipezero train: config {args.config!r} is not a file")
@@ -135,10 +144,7 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
         run(argv)
         return 0
     nproc = args.nproc_per_node or _nproc(args.config, rest)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={args.max_restarts}", "-m", "pipezero.train.gpt.job", *argv]
-    print("pipezero train: " + " ".join(cmd), file=sys.stderr)
-    return subprocess.call(cmd)
+    return launch("pipezero.train.gpt.job", argv, nproc, "pipezero train", args.max_restarts)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         from pipezero.train.plan.cli import run_plan
 
         return run_plan(args)
-    if args.command == "finetune":  # in this process, or each of torchrun's
+    if args.command == "finetune":  # in this process, torchrun's processes, or launching them (--nproc)
         from pipezero.train.finetune import run as finetune
         finetune(rest)
         return 0
