@@ -1,6 +1,7 @@
 """Fine-tune (or keep pre-training) a Hugging Face causal LM on the user's data, top to bottom.
 
-    pipezero finetune --model ./my-llama --data ./chats.jsonl                 # one process
+    pipezero finetune --model ./my-llama --data ./chats.jsonl                 # one process (one per GPU)
+    pipezero finetune --nproc 2 --model DIR --data PATH --lora-r 8            # 2 processes through torchrun
     torchrun --nproc-per-node 4 -m pipezero.train.finetune --model DIR --data DIR --pipe 2
     torchrun --nproc-per-node 4 examples/train_hf.py --model DIR --data x.parquet --config ds_config.json
 
@@ -18,7 +19,11 @@ another data degree, or from --resume-from's step; a rerun on another model or o
 is refused. --out is one job's (a second job there is refused: train/run_dir.py). TensorBoard
 logs to <out>; at the end the model is exported to <out>/model for
 AutoModelForCausalLM.from_pretrained (under ZeRO-3 too). Without --model a small random
-Llama-style model trains on the standard library's sources as bytes.
+Llama-style model trains on the standard library's sources as bytes. With LoRA (--lora-r or
+--lora-config: train/finetune_lora.py) the base is frozen, checkpoints hold the adapters only and
+the peft adapter goes to <out>/adapter beside the merged model. --chat-template FILE replaces the
+tokenizer's chat template (train/data/chat_template.py). Outside torchrun, --nproc N (default: one
+per GPU) launches N processes of this job through torchrun. The log opens with the layout.
 """
 
 from __future__ import annotations
@@ -127,11 +132,22 @@ def run(argv: list[str] | None = None, prog: str = "pipezero finetune") -> float
     argv = sys.argv[1:] if argv is None else list(argv)
     nproc = parse_args(argv, prog).nproc or max(1, torch.cuda.device_count())
     if nproc > 1 and "RANK" not in os.environ:  # not under torchrun: start its processes, as `pipezero train`
-        status = launch("pipezero.train.finetune", argv, nproc, prog)
+        status = launch("pipezero.train.finetune", _without_nproc(argv), nproc, prog)
         if status:
             raise SystemExit(status)
         return float("nan")
     return run_as_command(lambda args: main(args, prog), argv, prog)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """argv less --nproc N: torchrun would read it as an abbreviation of its own --nproc-per-node (an
+    error), and its workers need it not."""
+    out, skip = [], False
+    for arg in argv:
+        if not skip and arg != "--nproc" and not arg.startswith("--nproc="):
+            out.append(arg)
+        skip = arg == "--nproc"
+    return out
 
 
 def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> float:
