@@ -177,7 +177,8 @@ def test_nproc_launches_processes_and_the_log_shows_the_layout(tmp_path):
     assert done.returncode == 0, log[-3000:]
     assert "torch.distributed.run --standalone --nproc-per-node=2" in log, log[-3000:]
     assert "layout: Grid(pipe=2, data=1, tensor=1) | ZeroOptimizer(stage=1" in log, log[-3000:]
-    assert "schedule 1f1b | 2 micro-batches of 2 rows per data rank, 4 rows per step | LoRA r=2 alpha=8" in log
+    assert ("schedule 1f1b | 2 micro-batches of 2 rows per data rank, 4 rows per step | "
+            "LoRA r=2 alpha=8 dropout=0 targets q_proj v_proj") in log, log[-3000:]
     assert "partition of the layers to stages:\nstage  rank  chunk" in log, log[-3000:]
     for step in (1, 2):
         assert f"saved checkpoint step_{step:08d} to {tmp_path / 'out' / 'checkpoints'}" in log, log[-3000:]

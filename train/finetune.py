@@ -44,6 +44,8 @@ import torch
 from pipezero.pipe import PipelineModule, schedule_names
 from pipezero.pipe.float8 import RECIPES, Float8Config
 from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
+from pipezero.pipe.lora import LoraConfig, lora_specs
+from pipezero.train import finetune_lora
 from pipezero.train.build import Parts, build
 from pipezero.train.checkpoint import prune_checkpoints
 from pipezero.train.checkpoint.resume import point_batch, resume_point
@@ -53,8 +55,6 @@ from pipezero.train.config.batch import keep_global_batch
 from pipezero.train.data import (MemoryCorpus, PackedBatches, corpus_hash, load_tokenizer, pack, stdlib_files,
                                  token_mean_loss, tokenized_corpus)
 from pipezero.train.data.chat_template import with_chat_template
-from pipezero.train import finetune_lora
-from pipezero.pipe.lora import LoraConfig, lora_specs
 from pipezero.train.failure import run_as_command
 from pipezero.train.fingerprint import weights_fingerprint
 from pipezero.train.log import TensorBoardWriter, get_logger

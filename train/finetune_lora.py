@@ -99,7 +99,7 @@ def describe(lora: LoraConfig | None) -> str:
     """The log's words for it: 'off', or its settings."""
     if lora is None:
         return "off (every weight trains)"
-    targets = lora.target_modules if isinstance(lora.target_modules, str) else " ".join(lora.target_modules)
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else " ".join(sorted(lora.target_modules))
     return f"r={lora.r} alpha={lora.lora_alpha:g} dropout={lora.lora_dropout:g} targets {targets}"
 
 
