@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
     tokenizer = tokenizer_dir(args)
     corpus, pad_id, data_id = documents(args, model_config, tokenizer)  # bad data fails here, before a collective
     cfg = train_config(args, point_batch(point), model_config.hidden_size)
+    plan = finetune_lora.tensor_plan(hf_tensor_plan(), lora) if args.tensor > 1 else None  # adapter-aware
     parts = build(cfg, specs=specs, loss_fn=token_mean_loss, hidden_size=model_config.hidden_size,
-                  tensor=args.tensor, tensor_plan=hf_tensor_plan() if args.tensor > 1 else None,
+                  tensor=args.tensor, tensor_plan=plan,
                   float8=Float8Config(recipe=args.float8) if args.float8 else None)
     log_layout(parts, lora)
     train, val = batches(args, parts, corpus, pad_id)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pipezero.pipe.lora import ALL_LINEAR, LoraConfig
+from pipezero.pipe.lora_tensor import lora_tensor_plan
 from pipezero.train.checkpoint.hf_export import export_hf
 from pipezero.train.checkpoint.lora_export import export_merged_hf, export_peft_adapter
 from pipezero.train.checkpoint.lora_state import load_adapters, save_adapters
@@ -28,7 +29,8 @@ from pipezero.train.checkpoint.resume import ResumePoint, resume_from_point
 from pipezero.train.checkpoint.state import save_state
 from pipezero.train.cli import positive_int
 
-__all__ = ["add_lora_args", "describe", "export", "identity", "lora_config", "read_peft_config", "resume", "save"]
+__all__ = ["add_lora_args", "describe", "export", "identity", "lora_config", "read_peft_config", "resume", "save",
+           "tensor_plan"]
 
 _DEFAULT = LoraConfig()  # the library's (and peft's) defaults, shown in --help
 
@@ -106,6 +108,11 @@ def describe(lora: LoraConfig | None) -> str:
 def identity(lora: LoraConfig | None) -> dict[str, str]:
     """What a checkpoint records of it (a resume with other adapters is refused); nothing when off."""
     return {} if lora is None else {"--lora": describe(lora) + (" rslora" if lora.use_rslora else "")}
+
+
+def tensor_plan(plan: Any, lora: LoraConfig | None) -> Any:
+    """The tensor-parallel plan for the layers as built: adapter-aware with LoRA (pipe/lora_tensor.py)."""
+    return plan if lora is None else lora_tensor_plan(plan)
 
 
 def save(parts: Any, ckpt_dir: Path, step: int, data_state: Mapping[str, Any], identity: Mapping[str, Any],
