@@ -2,7 +2,8 @@
 
 One world of 2 (pipe 2) fine-tunes a tiny Llama with LoRA from the flags and a chat template of
 the user's: 4 steps straight, then 2 steps and a rerun to 4 that resumes (the adapters bitwise
-the straight run's), the same 4 steps under ZeRO-3. Checkpoints hold adapters only; the
+the straight run's), the same 4 steps under ZeRO-3 on pipe 1 x data 2 (the same global batch,
+the adapters partitioned). Checkpoints hold adapters only; the
 exported adapter loads through peft's own PeftModel.from_pretrained on the base and gives the
 logits of pipezero's trained model (its last checkpoint loaded into a pipeline), the merged
 export loads with from_pretrained and gives them too, and ZeRO-3's exports equal them. A rerun
@@ -50,7 +51,7 @@ def _lora_jobs(root: str) -> dict:
     _job(root, f"{root}/straight", 4)
     _job(root, f"{root}/resumed", 2)
     _job(root, f"{root}/resumed", 4)
-    _job(root, f"{root}/zero3", 4, "--config", f"{root}/zero3.json")
+    _job(root, f"{root}/zero3", 4, "--config", f"{root}/zero3.json", "--pipe", "1", "--batch-size", "1")  # data 2
     with pytest.raises(CheckpointError, match=r"--lora='r=4 alpha=16 .*' \(here 'r=8 alpha=16"):
         _job(root, f"{root}/straight", 6, "--lora-r", "8")  # other adapters than the checkpoint's: refused
     names = checkpoint_names(f"{root}/straight/checkpoints")

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
 # -- before any collective --------------------------------------------------------------------------
 def check_out(out: str) -> None:
     """Create --out and write a probe file into it, on every rank (each its own file); the folders the
-    job writes later (checkpoints/, tensorboard/, model/) must be folders or absent."""
+    job writes later (checkpoints/, tensorboard/, model/, adapter/, tokenizer/) must be folders or absent."""
     folder = Path(out)
     probe = folder / f".write-probe-{os.environ.get('RANK', '0')}"
     try:
@@ -201,7 +201,7 @@ def check_out(out: str) -> None:
     except OSError as err:
         raise OSError(f"--out {out!r} is not writable ({err.strerror or err}): pass a folder you can write to; "
                       f"checkpoints, TensorBoard logs and the exported model go there") from err
-    for sub in ("checkpoints", "tensorboard", "model"):
+    for sub in ("checkpoints", "tensorboard", "model", "adapter", "tokenizer"):
         if (folder / sub).exists() and not (folder / sub).is_dir():
             raise OSError(f"--out {out!r} holds a file {sub!r} where the job writes its {sub}/ folder (the export "
                           f"comes after all training): move the file away or pass another --out")
