@@ -1,11 +1,12 @@
 """A tiny Llama, its tokenizer (with a chat template) and chat data, to try `pipezero finetune` on a laptop.
 
-    python examples/tiny_chat_model.py runs/tiny      # runs/tiny/model, runs/tiny/chats.jsonl, runs/tiny/chat.jinja
+    python -m pipezero.train.tiny_chat_model runs/tiny   # runs/tiny/model, runs/tiny/chats.jsonl, chat.jinja
 
 Nothing is downloaded: the tokenizer is word-level over a few words (the `tokenizers` library),
 the model random (2 layers, hidden 64), the chats 400 two-turn questions and answers.
-chat.jinja is another chat template (a system line first) for --chat-template. Needs the hf
-extra: pip install -e ".[hf]".
+chat.jinja is another chat template (a system line first) for --chat-template. In the package
+(not examples/) so that the README's fine-tuning commands run from the wheel too. Needs the hf
+extra: pip install "pipezero[hf]".
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import random
 import sys
 from pathlib import Path
+
+__all__ = ["main", "tokenizer"]
 
 WORDS = "the a cat dog sat on mat ran far and then it was good bad day night what is red blue sky sea".split()
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}> "
