@@ -26,7 +26,7 @@ import math
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ _PEFT_DEFAULTS = {"use_dora": False, "bias": "none", "modules_to_save": None, "l
                   "trainable_token_indices": None, "layer_replication": None, "alora_invocation_tokens": None,
                   "use_qalora": False, "use_bdlora": None, "arrow_config": None, "kasa_config": None,
                   "monteclora_config": None, "velora_config": None}  # peft options this path does not implement
+_PEFT_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")  # the ones it does
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,15 +95,25 @@ class LoraConfig:
             return config
         if type(config).__name__ != "LoraConfig" or not hasattr(config, "target_modules"):
             raise TypeError(f"adapters={config!r}: expected a pipezero LoraConfig or a peft.LoraConfig")
-        odd = {k: getattr(config, k) for k, v in _PEFT_DEFAULTS.items()
-               if hasattr(config, k) and getattr(config, k) not in (v, None if v == {} else v)}
+        fields = {k: getattr(config, k) for k in (*_PEFT_DEFAULTS, *_PEFT_FIELDS) if hasattr(config, k)}
+        return cls.from_peft_fields(fields, "peft.LoraConfig", base_dtype)
+
+    @classmethod
+    def from_peft_fields(cls, fields: Mapping[str, Any], where: str = "peft.LoraConfig",
+                         base_dtype: torch.dtype | None = None) -> "LoraConfig":
+        """One read from peft's LoraConfig fields (an adapter_config.json's dict): r, lora_alpha,
+        lora_dropout, target_modules and use_rslora (peft's defaults where absent); every other
+        option it names must be its default. `where` names the source in errors."""
+        odd = {k: fields[k] for k, v in _PEFT_DEFAULTS.items()
+               if k in fields and fields[k] not in (v, None if v == {} else v)}
         if odd:
-            raise ValueError(f"peft.LoraConfig with {odd}: the pipeline's LoRA supports r, lora_alpha, lora_dropout, "
+            raise ValueError(f"{where} with {odd}: the pipeline's LoRA supports r, lora_alpha, lora_dropout, "
                              f"target_modules and use_rslora; set those options to their defaults {_PEFT_DEFAULTS}")
-        targets = config.target_modules
-        return cls(r=config.r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+        targets = fields.get("target_modules")
+        return cls(r=fields.get("r", 8), lora_alpha=fields.get("lora_alpha", 8),
+                   lora_dropout=fields.get("lora_dropout", 0.0),
                    target_modules=targets if isinstance(targets, str) else tuple(sorted(targets or ())),
-                   use_rslora=bool(getattr(config, "use_rslora", False)), base_dtype=base_dtype)
+                   use_rslora=bool(fields.get("use_rslora", False)), base_dtype=base_dtype)
 
     def matches(self, name: str) -> bool:
         """Is the module of this full name a target (peft's rule)?"""

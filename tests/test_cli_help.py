@@ -49,12 +49,18 @@ def test_help_imports_no_torch_and_shows_defaults():
 
 def test_the_flags_choices_are_the_registrys():
     from pipezero.pipe.float8 import RECIPES
+    from pipezero.pipe.lora import ALL_LINEAR, LoraConfig
     from pipezero.pipe.memory.recompute import MODES
     from pipezero.pipe.schedule.registry import schedule_names
     from pipezero.train.flags import FLOAT8_RECIPES, RECOMPUTE_MODES, SCHEDULE_NAMES
 
     assert list(SCHEDULE_NAMES) == schedule_names() and FLOAT8_RECIPES == RECIPES
     assert RECOMPUTE_MODES == MODES
+    from pipezero.train import flags
+
+    lora = LoraConfig()
+    assert flags.ALL_LINEAR == ALL_LINEAR and flags.LORA_DEFAULTS == dict(
+        lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, target_modules=lora.target_modules)
 
 
 def test_train_runs_without_a_config(monkeypatch, tmp_path):

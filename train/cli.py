@@ -26,7 +26,7 @@ from pipezero.train.flags import (SCHEDULE_NAMES, DefaultsHelp, cost, finetune_p
                                   positive_int)
 from pipezero.train.plan.cli import add_plan_parser
 
-__all__ = ["DefaultsHelp", "cost", "examples_dir", "main", "positive_int"]  # the flags' helpers, as before
+__all__ = ["DefaultsHelp", "cost", "examples_dir", "launch", "main", "positive_int"]  # flags' helpers as before
 
 def examples_dir() -> Path:
     """The repository's examples/ folder, or a FileNotFoundError that says how to get it.
@@ -142,9 +142,15 @@ def _train(rest: list[str]) -> int:
         run(argv)
         return 0
     nproc = args.nproc_per_node or _nproc(args)
+    return launch("pipezero.train.gpt.job", argv, nproc, "pipezero train", args.max_restarts)
+
+
+def launch(module: str, argv: list[str], nproc: int, prog: str, max_restarts: int = 0) -> int:
+    """Run `python -m module argv` as `nproc` processes of one host through torch.distributed.run
+    (torchrun --standalone); the exit status. For a command started outside torchrun (no RANK)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={args.max_restarts}", "-m", "pipezero.train.gpt.job", *argv]
-    print("pipezero train: " + " ".join(cmd), file=sys.stderr)
+           f"--max-restarts={max_restarts}", "-m", module, *argv]
+    print(f"{prog}: " + " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd)
 
 

@@ -1,6 +1,7 @@
 """Fine-tune (or keep pre-training) a Hugging Face causal LM on the user's data, top to bottom.
 
-    pipezero finetune --model ./my-llama --data ./chats.jsonl                 # one process
+    pipezero finetune --model ./my-llama --data ./chats.jsonl                 # one process (one per GPU)
+    pipezero finetune --nproc 2 --model DIR --data PATH --lora-r 8            # 2 processes through torchrun
     torchrun --nproc-per-node 4 -m pipezero.train.finetune --model DIR --data DIR --pipe 2
     torchrun --nproc-per-node 4 examples/train_hf.py --model DIR --data x.parquet --config ds_config.json
 
@@ -18,7 +19,11 @@ another data degree, or from --resume-from's step; a rerun on another model or o
 is refused. --out is one job's (a second job there is refused: train/run_dir.py). TensorBoard
 logs to <out>; at the end the model is exported to <out>/model for
 AutoModelForCausalLM.from_pretrained (under ZeRO-3 too). Without --model a small random
-Llama-style model trains on the standard library's sources as bytes.
+Llama-style model trains on the standard library's sources as bytes. With LoRA (--lora-r or
+--lora-config: train/finetune_lora.py) the base is frozen, checkpoints hold the adapters only and
+the peft adapter goes to <out>/adapter beside the merged model. --chat-template FILE replaces the
+tokenizer's chat template (train/data/chat_template.py). Outside torchrun, --nproc N (default: one
+per GPU) launches N processes of this job through torchrun. The log opens with the layout.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,24 +41,27 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipezero.pipe import PipelineModule
 from pipezero.pipe.float8 import Float8Config
 from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
+from pipezero.pipe.lora import LoraConfig, lora_specs
 from pipezero.pipe.sequence import ShardSum
+from pipezero.train import finetune_lora
 from pipezero.train.build import Parts, build
 from pipezero.train.checkpoint import prune_checkpoints
-from pipezero.train.checkpoint.resume import point_batch, resume_from_point, resume_point
+from pipezero.train.checkpoint.resume import point_batch, resume_point
+from pipezero.train.cli import launch
 from pipezero.train.config import parse_config
 from pipezero.train.config.batch import keep_global_batch
 from pipezero.train.config.recompute import apply_recompute_flags
 from pipezero.train.data import (MemoryCorpus, PackedBatches, corpus_hash, load_tokenizer, pack, stdlib_files,
                                  token_mean_loss, tokenized_corpus)
-from pipezero.train.checkpoint.hf_export import export_hf
+from pipezero.train.data.chat_template import with_chat_template
 from pipezero.train.failure import run_as_command
 from pipezero.train.fingerprint import weights_fingerprint
 from pipezero.train.flags import finetune_parser, wandb_section
 from pipezero.train.log import TensorBoardWriter, get_logger
 from pipezero.train.preempt import Preemption
-from pipezero.train.checkpoint.state import save_state
 from pipezero.train.run_dir import claim_run_dir
 from pipezero.train.checkpoint.from_deepspeed import load_deepspeed_checkpoint
 
@@ -68,27 +77,52 @@ def parse_args(argv: list[str] | None = None, prog: str = "pipezero finetune") -
 
 def run(argv: list[str] | None = None, prog: str = "pipezero finetune") -> float:
     """main() as a command: a known cause of failure (bad data, a refused checkpoint) ends the process with
-    one line per failing rank, not a traceback of each (train/failure.py)."""
+    one line per failing rank, not a traceback of each (train/failure.py). Outside torchrun with --nproc
+    N > 1 (or several GPUs) it launches N processes of this job through torchrun instead and returns nan
+    (the loss is in their log), or exits with their failing status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    nproc = parse_args(argv, prog).nproc or max(1, torch.cuda.device_count())
+    if nproc > 1 and "RANK" not in os.environ:  # not under torchrun: start its processes, as `pipezero train`
+        status = launch("pipezero.train.finetune", _without_nproc(argv), nproc, prog)
+        if status:
+            raise SystemExit(status)
+        return float("nan")
     return run_as_command(lambda args: main(args, prog), argv, prog)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """argv less --nproc N: torchrun would read it as an abbreviation of its own --nproc-per-node (an
+    error), and its workers need it not."""
+    out, skip = [], False
+    for arg in argv:
+        if not skip and arg != "--nproc" and not arg.startswith("--nproc="):
+            out.append(arg)
+        skip = arg == "--nproc"
+    return out
 
 
 def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> float:
     """The whole job; returns the last training loss (`prog`: the command named in usage and errors)."""
     args = parse_args(argv, prog)
     check_out(args.out)                                     # an unwritable --out fails now, not after training
+    lora = finetune_lora.lora_config(args)                 # None: LoRA off
     specs = hf_layer_specs(args.model or default_config(), fused_loss=True)  # the logits never whole
     model_config = hf_config(specs)
+    specs = lora_specs(specs, lora) if lora is not None else specs  # a bad target fails here, on every rank
     point = resume_point(Path(args.out) / "checkpoints", args.resume_from)  # the latest, or --resume-from's
-    corpus, pad_id, data_id = documents(args, model_config)  # bad data fails here, on every rank, before a collective
+    tokenizer = tokenizer_dir(args)
+    corpus, pad_id, data_id = documents(args, model_config, tokenizer)  # bad data fails here, before a collective
     cfg = train_config(args, point_batch(point), model_config.hidden_size)
+    plan = finetune_lora.tensor_plan(hf_tensor_plan(), lora) if args.tensor > 1 else None  # adapter-aware
     parts = build(cfg, specs=specs, loss_fn=ShardSum(token_mean_loss), hidden_size=model_config.hidden_size,
-                  tensor=args.tensor, tensor_plan=hf_tensor_plan() if args.tensor > 1 else None,
+                  tensor=args.tensor, tensor_plan=plan,
                   float8=Float8Config(recipe=args.float8) if args.float8 else None)
+    log_layout(parts, lora)
     train, val = batches(args, parts, corpus, pad_id)
     identity = {"--model weights": weights_fingerprint(args.model) if args.model else "default (random)",
-                "--data": data_id}                       # recorded in every checkpoint, checked on resume
+                "--data": data_id, **finetune_lora.identity(lora)}  # recorded in every checkpoint, checked on resume
     with claim_run_dir(args.out, parts.grid):  # one job per --out: another job's pid and host in the error
-        meta = resume_from_point(parts, point, identity)
+        meta = finetune_lora.resume(parts, point, identity, lora)
         start = 0 if meta is None else meta["step"]
         if meta is not None:
             train.load_state_dict(meta["data"])
@@ -96,18 +130,22 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
         elif args.from_deepspeed is not None:  # DeepSpeed's names onto this grid (the data starts afresh)
             start = load_deepspeed_checkpoint(parts, args.from_deepspeed)["step"]
             log.info("resumed DeepSpeed's checkpoint %s at step %d", args.from_deepspeed, start)
-        loss = train_loop(args, parts, train, val, start, identity)
-        out = export_hf(parts.module, Path(args.out) / "model", optimizer=parts.optimizer)  # ZeRO-3: gathered
+        loss = train_loop(args, parts, train, val, start, identity, lora)
+        exported = finetune_lora.export(parts, Path(args.out), lora, args.model)  # ZeRO-3: gathered
         if args.data is not None and parts.grid.rank == 0:  # the tokenizer that made the ids, beside the weights
-            load_tokenizer(args.model).save_pretrained(out)    # (without --data the ids were bytes: none to save)
-    log.info("exported to %s: AutoModelForCausalLM.from_pretrained(%r)", out, str(out))
+            for out in exported:                           # (without --data the ids were bytes: none to save)
+                load_tokenizer(tokenizer).save_pretrained(out)
+    log.info("exported to %s: AutoModelForCausalLM.from_pretrained(%r)", exported[0], str(exported[0]))
+    if lora is not None:
+        log.info("exported the LoRA adapter to %s: PeftModel.from_pretrained(base, %r)", exported[1],
+                 str(exported[1]))
     return loss
 
 
 # -- before any collective --------------------------------------------------------------------------
 def check_out(out: str) -> None:
     """Create --out and write a probe file into it, on every rank (each its own file); the folders the
-    job writes later (checkpoints/, tensorboard/, model/) must be folders or absent."""
+    job writes later (checkpoints/, tensorboard/, model/, adapter/, tokenizer/) must be folders or absent."""
     folder = Path(out)
     probe = folder / f".write-probe-{os.environ.get('RANK', '0')}"
     try:
@@ -117,7 +155,7 @@ def check_out(out: str) -> None:
     except OSError as err:
         raise OSError(f"--out {out!r} is not writable ({err.strerror or err}): pass a folder you can write to; "
                       f"checkpoints, TensorBoard logs and the exported model go there") from err
-    for sub in ("checkpoints", "tensorboard", "model"):
+    for sub in ("checkpoints", "tensorboard", "model", "adapter", "tokenizer"):
         if (folder / sub).exists() and not (folder / sub).is_dir():
             raise OSError(f"--out {out!r} holds a file {sub!r} where the job writes its {sub}/ folder (the export "
                           f"comes after all training): move the file away or pass another --out")
@@ -132,9 +170,31 @@ def default_config() -> Any:
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def documents(args: argparse.Namespace, config: Any) -> tuple[Any, int, str]:
-    """(the corpus, the padding id, its fingerprint): --data through the model's tokenizer, or the stdlib
-    sources as bytes."""
+def tokenizer_dir(args: argparse.Namespace) -> str | None:
+    """The folder of the tokenizer that reads --data: --model's, or a copy with --chat-template's template
+    under <out>/tokenizer (another template: another folder, so another token cache)."""
+    if args.chat_template is None:
+        return args.model
+    if args.model is None or args.data is None:
+        raise ValueError(f"--chat-template {args.chat_template} needs --model DIR and --data PATH: the template "
+                         f"replaces --model's tokenizer's for --data's chats")
+    return str(with_chat_template(args.model, args.chat_template, Path(args.out) / "tokenizer"))
+
+
+def log_layout(parts: Parts, lora: LoraConfig | None) -> None:
+    """The job's layout, first in the log: grid, optimizer chain, schedule, micro-batches, LoRA, partition."""
+    cfg, batch = parts.config, parts.config.batch
+    log.info("layout: %r | %r | schedule %s | %d micro-batches of %d rows per data rank, %d rows per step | "
+             "LoRA %s", parts.grid, parts.optimizer, cfg.pipeline.schedule, batch.accumulation_steps,
+             batch.micro_batch_size, batch.train_batch_size, finetune_lora.describe(lora))
+    if isinstance(parts.module, PipelineModule):
+        log.info("partition of the layers to stages:\n%s", parts.module.describe())
+
+
+def documents(args: argparse.Namespace, config: Any, tokenizer: str | None = None) -> tuple[Any, int, str]:
+    """(the corpus, the padding id, its fingerprint): --data through `tokenizer`'s folder (default --model's),
+    or the stdlib sources as bytes."""
+    tokenizer = tokenizer or args.model
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and args.seq_len > positions:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {positions} positions "
@@ -145,11 +205,11 @@ def documents(args: argparse.Namespace, config: Any) -> tuple[Any, int, str]:
         return MemoryCorpus([d for d in docs if len(d) >= 2]), 0, f"stdlib sha256 {corpus_hash(files)}"
     if args.model is None:
         raise ValueError(f"--data {args.data} needs --model DIR: its tokenizer turns the text into the model's ids")
-    corpus = tokenized_corpus(args.data, args.model, args.text_field, args.cache_dir, args.tokenize_workers,
+    corpus = tokenized_corpus(args.data, tokenizer, args.text_field, args.cache_dir, args.tokenize_workers,
                               progress=os.environ.get("RANK", "0") == "0")
     corpus.check_vocab(config.vocab_size)
-    tokenizer = load_tokenizer(args.model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    loaded = load_tokenizer(tokenizer)
+    pad = loaded.pad_token_id if loaded.pad_token_id is not None else loaded.eos_token_id
     return corpus, int(pad or 0), f"sha256 {corpus.folder.name}"  # the cache's name: its files' and tokenizer's
 
 
@@ -267,7 +327,7 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
 
 # -- the loop ---------------------------------------------------------------------------------------
 def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val: PackedBatches, start: int,
-               identity: dict[str, str] | None = None) -> float:
+               identity: dict[str, str] | None = None, lora: LoraConfig | None = None) -> float:
     """Steps start+1 .. --steps: forward and backward of every micro-batch, the optimizer chain, logs, evals, saves."""
     cfg, runner, opt = parts.config, parts.runner, parts.optimizer
     tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True, wandb=cfg.wandb)
@@ -296,7 +356,8 @@ def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val
             log.info("step %d | held-out loss %.4f", step + 1, val_loss)
         if stop.requested() or (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
             ckpt_dir = Path(args.out) / "checkpoints"
-            save_state(parts, ckpt_dir, step + 1, train.state_dict(), model_config=identity)
+            saved = finetune_lora.save(parts, ckpt_dir, step + 1, train.state_dict(), identity or {}, lora)
+            log.info("saved checkpoint %s to %s", saved.name, ckpt_dir)
             if parts.grid.rank == 0:
                 prune_checkpoints(ckpt_dir, keep=2)
         stop.exit_if_requested(step + 1, args.steps, close=tb.close)

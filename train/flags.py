@@ -14,14 +14,16 @@ import math
 import os
 from typing import Any
 
-__all__ = ["FLOAT8_RECIPES", "RECOMPUTE_MODES", "SCHEDULE_NAMES", "DefaultsHelp", "add_preempt_flag",
-           "add_recompute_flags", "add_wandb_flag", "cost", "finetune_parser", "job_parser", "parse_job_args",
+__all__ = ["ALL_LINEAR", "FLOAT8_RECIPES", "LORA_DEFAULTS", "RECOMPUTE_MODES", "SCHEDULE_NAMES", "DefaultsHelp", "add_preempt_flag",
+           "add_lora_flags", "add_recompute_flags", "add_wandb_flag", "cost", "finetune_parser", "job_parser", "parse_job_args",
            "positive_int", "wandb_section"]
 
 DEFAULT_WANDB_PROJECT = "pipezero"  # --wandb without a name, where the config names no project
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")  # pipe/schedule/registry.py's
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")                     # pipe/float8.py's RECIPES
 RECOMPUTE_MODES = ("none", "full", "selective")                                      # pipe/memory/recompute.py's MODES
+LORA_DEFAULTS = dict(lora_alpha=8.0, lora_dropout=0.0, target_modules=("q_proj", "v_proj"))  # pipe/lora.py's LoraConfig
+ALL_LINEAR = "all-linear"                                                             # pipe/lora.py's ALL_LINEAR
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -86,6 +88,25 @@ def add_recompute_flags(p: argparse.ArgumentParser) -> None:
                    help="keep the checkpointed layers' inputs in pinned host memory, fetched back ahead of "
                         "their backward (ds_config activation_checkpointing.cpu_checkpointing; implies "
                         "--activation-checkpointing full unless given)")
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """pipezero finetune's LoRA flags, as a group (train/finetune_lora.py reads them)."""
+    g = parser.add_argument_group("LoRA", "train rank-r adapters on a frozen base (pipe/lora.py); the job "
+                                          "exports <out>/adapter (peft) and <out>/model (merged)")
+    g.add_argument("--lora-r", type=positive_int, default=None,
+                   help="the adapters' rank; turns LoRA on (default: off, every weight trains)")
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help=f"the update is scaled by alpha / r (default {LORA_DEFAULTS['lora_alpha']:g}, as peft)")
+    g.add_argument("--lora-dropout", type=float, default=None,
+                   help=f"dropout on the adapters' input (default {LORA_DEFAULTS['lora_dropout']:g})")
+    g.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                   help=f"modules to adapt: names matched as the end of a module's name (q_proj ...), or "
+                        f"{ALL_LINEAR} (every Linear but the output layer) (default: "
+                        f"{' '.join(LORA_DEFAULTS['target_modules'])})")
+    g.add_argument("--lora-config", default=None, metavar="PATH",
+                   help="a peft adapter_config.json (or its folder): its r, lora_alpha, lora_dropout, "
+                        "target_modules and use_rslora, instead of the flags above")
 
 
 def add_sequence_flag(p: argparse.ArgumentParser) -> None:
@@ -210,6 +231,12 @@ def finetune_parser(prog: str = "pipezero finetune") -> argparse.ArgumentParser:
     p.add_argument("--from-deepspeed", default=None, metavar="DIR",
                    help="start from DeepSpeed's save_checkpoint folder of --model (ZeRO 1-3 or universal: weights, "
                         "optimizer, LR schedule, step) unless --out holds a checkpoint")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template replacing the tokenizer's (saved with the exported tokenizer)")
+    p.add_argument("--nproc", type=positive_int, default=None,
+                   help="processes to launch through torchrun when not started by it (default: one per GPU, "
+                        "else 1)")
+    add_lora_flags(p)
     add_wandb_flag(p)
     add_preempt_flag(p)
     return p

@@ -52,27 +52,31 @@ def _view(parts: Any) -> Any:
 
 
 def save_adapters(parts: Any, directory: str | os.PathLike, step: int,
-                  data_state: Mapping[str, Any] | None = None) -> Path:
+                  data_state: Mapping[str, Any] | None = None, *,
+                  model_config: Mapping[str, Any] | None = None) -> Path:
     """Save the trainable parameters and the rest of the training state as checkpoint `step` (every rank).
 
     A stage without adapters (the LM head alone) saves its share, nothing; a model without any is
-    refused on every rank."""
+    refused on every rank. `model_config` (JSON) is recorded for load_adapters to check, as save_state's."""
     if not _anywhere(any(p.requires_grad for p in parts.module.parameters())):
         raise ValueError(f"save_adapters: {type(parts.module).__name__} has no trainable parameter on any rank; "
                          "build it with pipe/lora.py's lora_specs (or use train/checkpoint/state.py's save_state)")
-    tensors, meta = gather_state(_view(parts), data_state, step)
+    tensors, meta = gather_state(_view(parts), data_state, step, model_config=model_config)
     meta[_FLAG] = True
     return save_checkpoint(directory, step, tensors, meta, rank=parts.grid.rank,
                            world=parts.grid.world_size, grid=meta["grid"])
 
 
-def load_adapters(parts: Any, directory: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
-    """Load a save_adapters checkpoint (any grid's) into these parts; the base stays as built. Returns its meta."""
+def load_adapters(parts: Any, directory: str | os.PathLike, step: int | None = None, *,
+                  model_config: Mapping[str, Any] | None = None, optimizer: bool = True) -> dict[str, Any]:
+    """Load a save_adapters checkpoint (any grid's) into these parts; the base stays as built. Returns its meta.
+    Refused (CheckpointError) when it recorded another `model_config` than this one; `optimizer=False`
+    loads the adapters (and schedule) without the optimizer chain's state, as load_state's."""
     if not checkpoint_meta(directory, step).get(_FLAG):
         raise ValueError(f"load_adapters({str(directory)!r}): that checkpoint was not written by save_adapters; "
                          "load a full checkpoint with train/checkpoint/state.py's load_state")
     agree_on_load(_dropped(parts.module, directory, step), parts.grid.world_size)
-    return load_state(_view(parts), directory, step)
+    return load_state(_view(parts), directory, step, model_config=model_config, optimizer=optimizer)
 
 
 def _dropped(module: nn.Module, directory: str | os.PathLike, step: int | None) -> str | None:
