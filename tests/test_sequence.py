@@ -8,8 +8,12 @@ loss and every gradient must equal the truth's within 1e-5 (fp32). Documents cro
 boundaries; key/value heads (2) are fewer than the degree 4 (replicated) and as many as 2 (split).
 The GPT of pipezero.train.gpt (its packed rows: ids, positions, segment ids) against its one-process
 GPT the same way, pipe 2 x sequence 2 (the tied embedding and head on two stages); LoRA adapters
-(lora_specs) against peft's model on the same base and starting adapters.
+(lora_specs) against peft's model on the same base and starting adapters. Packed rows must take the
+mask-free path (pipe/document_attention.py) inside Ulysses: each rank's calls attend whole rows.
 """
+
+import contextlib
+import importlib
 
 import pytest
 import torch
@@ -72,6 +76,29 @@ def _truth(family, packed):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@contextlib.contextmanager
+def _mask_free_calls(module_name):
+    """The (documents' [B, T], queries' T) of each document_attention call that `module_name` makes."""
+    module, seen = importlib.import_module(module_name), []
+    attend = module.document_attention
+
+    @torch.compiler.disable
+    def recording(q, k, v, docs, **kwargs):
+        seen.append((docs.shape, q.shape[2]))
+        return attend(q, k, v, docs, **kwargs)
+
+    module.document_attention = recording
+    try:
+        yield seen
+    finally:
+        module.document_attention = attend
+
+
+def _whole_rows(seen):
+    """(how many mask-free calls, whether each attended the whole sequence, not a rank's slice)."""
+    return len(seen), all(docs == (1, SEQ) and tokens == SEQ for docs, tokens in seen)
+
+
 def _run(family, pipe, sequence, schedule, stage, packed, compiled=False):
     make, chunks, placement = SCHEDULES[schedule]
     grid = Grid(pipe=pipe, sequence=sequence)
@@ -86,10 +113,11 @@ def _run(family, pipe, sequence, schedule, stage, packed, compiled=False):
     ids, positions, labels = _batch(packed)
     rows = slice(grid.data_rank * m, (grid.data_rank + 1) * m)
     inputs, targets = shard_batch((ids[rows], None, positions[rows]), labels[rows], grid)
-    loss = runner.train_step(inputs, targets).item()
+    with _mask_free_calls("pipezero.pipe.hf.document_attention") as seen:
+        loss = runner.train_step(inputs, targets).item()
     opt.step()
     after = _by_name(model, opt)
-    return loss, {n: before[n] - after[n] for n in after}  # SGD of lr 1: the gradient
+    return loss, {n: before[n] - after[n] for n in after}, _whole_rows(seen)  # SGD of lr 1: the gradient
 
 
 def _by_name(model, opt):
@@ -142,9 +170,11 @@ def _gpt_run(pipe, sequence, stage):
     inputs, targets = _gpt_batch()
     rows = slice(grid.data_rank * m, (grid.data_rank + 1) * m)
     inputs, targets = shard_batch(tuple(t[rows] for t in inputs), targets[rows], grid)
-    loss = runner.train_step(inputs, targets).item()
+    with _mask_free_calls("pipezero.train.gpt.model") as seen:
+        loss = runner.train_step(inputs, targets).item()
     opt.step()
-    return loss, {names[id(p)]: before[names[id(p)]] - full for p, full in opt.full_parameters()}
+    grads = {names[id(p)]: before[names[id(p)]] - full for p, full in opt.full_parameters()}
+    return loss, grads, _whole_rows(seen)
 
 
 def _gpt_name(name):
@@ -196,7 +226,7 @@ def _lora_run(root):
     rows = slice(grid.data_rank * 2, grid.data_rank * 2 + 2)
     loss = runner.train_step(*shard_batch((ids[rows], None, positions[rows]), labels[rows], grid)).item()
     opt.step()
-    return loss, {n: before[n] - t for n, t in adapter_state_dict(model).items()}
+    return loss, {n: before[n] - t for n, t in adapter_state_dict(model).items()}, None
 
 
 def _all_cases(root):
@@ -215,13 +245,18 @@ def test_sequence_parallel_equals_one_process(tmp_path):
         for i, case in enumerate(cases):
             want_loss, want = truths[i]
             for rank, got in enumerate(results):
-                loss, grads = got[index][i]
+                loss, grads, mask_free = got[index][i]
                 where = f"{case} rank {rank}"
+                if index < 2:  # packed rows: per document, on whole rows after the exchange; else no call
+                    assert mask_free[1], where
                 assert loss == pytest.approx(want_loss, abs=1e-5), where
                 assert grads, where
                 for name, g in grads.items():
                     torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-4,
                                                msg=lambda m: f"{where} {name}: {m}")
+            if index < 2:  # some stage's layers (not every stage holds one) took the mask-free path
+                calls = sum(got[index][i][2][0] for got in results)
+                assert (calls > 0) == (index == 1 or case[5]), f"{case}: {calls} mask-free calls"
 
 
 def test_heads_the_degree_cannot_split_are_refused_naming_both():

@@ -36,14 +36,17 @@ from torch import nn
 from pipezero.comm import is_replica
 from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
 from pipezero.pipe.document_attention import Documents, documents_from_positions
-from pipezero.pipe.hf.document_attention import DOCUMENTS_KWARG, documents_config, supports_documents
+from pipezero.pipe.hf.document_attention import (DOCUMENTS_KWARG, IMPLEMENTATION, documents_config,
+                                                 supports_documents)
 from pipezero.pipe.hf.match import check_checkpoint, keeps_tie, size_fields
 from pipezero.pipe.hf.layer_inputs import MASKS, PerMicroBatch, mask_builder, mask_kind
 from pipezero.pipe.hf.router import Routed, RouterTap, as_routed, router_loss, split_stats
 from pipezero.pipe.hf.static_cache import StaticKVCache
 from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.memory.recompute import in_selective_run
-from pipezero.pipe.sequence.hf_attention import check_hf_sequence, register_ulysses, whole_mask_inputs
+from pipezero.pipe.sequence.comms import gather_sequence
+from pipezero.pipe.sequence.hf_attention import (check_hf_sequence, register_ulysses, ulysses_around,
+                                                 whole_mask_inputs)
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 from pipezero.pipe.tiled_mlp import tile_mlp
 
@@ -84,6 +87,7 @@ class _Model:
         self.fused_loss = False  # the head returns HeadLogits (hf_layer_specs(fused_loss=True))
         self.per_micro_batch = PerMicroBatch()  # the decoder layers' mask and cos/sin, made once
         self.sequence: tuple[Any, int] | None = None  # (group, degree) once split (pipe/sequence/)
+        self.ulysses: dict[str, str] = {}  # once split: a layer's own kernel -> Ulysses around it
         self.router = router_loss(self.meta, self.config)  # output_router_logits: the balancing loss
 
     def split_sequence(self, group: Any, degree: int) -> None:
@@ -91,6 +95,12 @@ class _Model:
         if self.sequence is None:
             register_ulysses(self.meta, group, degree)
             self.sequence = (group, degree)
+
+    def ulysses_around(self, kernel: str) -> str:
+        """The name of Ulysses around `kernel` on the split sequence group (registered once per kernel)."""
+        if kernel not in self.ulysses:
+            self.ulysses[kernel] = ulysses_around(kernel, *self.sequence)
+        return self.ulysses[kernel]
 
     def path(self, module: nn.Module) -> str:
         """The module's name in the whole model, with a trailing dot ('model.layers.3.')."""
@@ -335,8 +345,8 @@ class HFDecoderLayer(_HFLayer):
         self.prefix = model.path(model.layers[index])
         self.attention_kind = mask_kind(model.config, index)
         self.documents = supports_documents(model.config, self.attention_kind)  # packed rows without a mask
-        layer_config = documents_config(model.config) if self.documents else model.config
-        self.inner = type(model.layers[index])(layer_config, layer_idx=index)
+        self.layer_config = documents_config(model.config) if self.documents else model.config
+        self.inner = type(model.layers[index])(self.layer_config, layer_idx=index)
         mlp = getattr(self.inner, "mlp", None)
         if isinstance(mlp, nn.Module) and type(mlp).__name__.endswith("MLP"):  # dense, per token (not MoE)
             tile_mlp(mlp)
@@ -355,8 +365,12 @@ class HFDecoderLayer(_HFLayer):
         check_hf_sequence(model.config, degree, f"hf_layer_specs: {type(model.meta).__name__}")
 
     def split_sequence(self, group: Any, degree: int) -> None:
-        """Attention through Ulysses on this rank's slice of the sequence (pipe/sequence/)."""
+        """Attention through Ulysses on this rank's slice of the sequence (pipe/sequence/); a mask-free
+        layer's own config (documents_config) to Ulysses around the documents function, which then
+        attends each document of the whole sequence (_documents: from the gathered position ids)."""
         self.model.split_sequence(group, degree)
+        if self.documents:
+            self.layer_config._attn_implementation = self.model.ulysses_around(IMPLEMENTATION)
 
     def forward(self, x: tuple) -> tuple:
         hidden, positions, *rest = x
@@ -387,11 +401,14 @@ class HFDecoderLayer(_HFLayer):
 
     def _documents(self, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any) -> Documents | None:
         """The micro-batch's documents where the mask-free path serves this layer; None: transformers' mask
-        (one document per row, where it is no mask; padding; decoding; a document longer than the window)."""
+        (one document per row, where it is no mask; padding; decoding; a document longer than the window).
+        A slice of the sequence (pipe/sequence/): the whole sequence's documents, the same on every rank of
+        the sequence group (attention runs on whole sequences after Ulysses' exchange)."""
         dropout = self.training and getattr(self.model.config, "attention_dropout", 0.0)
         if not self.documents or padding is not None or cache is not None or dropout:
             return None
-        docs = self._shared(("documents",), positions, None, None, lambda: documents_from_positions(positions))
+        docs = self._shared(("documents",), positions, None, None, lambda: documents_from_positions(
+            positions if self.model.sequence is None else gather_sequence(positions, *self.model.sequence)))
         if docs.single or (self.window is not None and docs.longest > self.window):
             return None
         return docs

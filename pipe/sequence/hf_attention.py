@@ -8,7 +8,10 @@ the model had (sdpa, flash, flex) on whole sequences of its heads, and exchanges
 same name, and the model is switched to that name with its public set_attn_implementation.
 The mask itself is built for the whole sequence (the decoder layer gathers the position ids and
 padding of the slices: pipe/hf/specs.py), so packed documents and sliding windows hold across
-shard boundaries. transformers is imported on first use (an optional extra).
+shard boundaries. `ulysses_around` wraps any registered function the same way: the decoder
+layers of packed rows wrap pipe/hf/document_attention.py's, which attends each document of the
+whole sequence (found from the gathered position ids) with no mask. transformers is imported on
+first use (an optional extra).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from pipezero.pipe.sequence.attention import Ulysses, check_heads
 from pipezero.pipe.sequence.comms import gather_sequence
 
-__all__ = ["check_hf_sequence", "register_ulysses", "whole_mask_inputs"]
+__all__ = ["check_hf_sequence", "register_ulysses", "ulysses_around", "whole_mask_inputs"]
 
 _NAMES = itertools.count()
 _INNER: dict[str, str] = {}  # a registered name -> the kernel it wraps
@@ -44,18 +47,26 @@ def check_hf_sequence(config: Any, degree: int, where: str) -> None:
 def register_ulysses(model: Any, group: Any, degree: int) -> str:
     """Switch a PreTrainedModel (and the layers built from its config) to Ulysses around its kernel;
     returns the registered name. The model's config is changed: give it a copy it owns."""
-    from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     current = model.config._attn_implementation
     kernel = _INNER.get(current, current)
-    name = f"pipezero_ulysses_{next(_NAMES)}"
-    AttentionInterface.register(name, _ulysses_function(ALL_ATTENTION_FUNCTIONS[kernel], kernel, group, degree))
+    name = ulysses_around(kernel, group, degree)
     if kernel in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[kernel])
-    _INNER[name] = kernel
     model.set_attn_implementation(name)
+    return name
+
+
+def ulysses_around(kernel: str, group: Any, degree: int) -> str:
+    """Register Ulysses around the attention function registered as `kernel`; returns the new name
+    (for a config's _attn_implementation; no mask function: the caller's mask builders keep theirs)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = f"pipezero_ulysses_{next(_NAMES)}"
+    AttentionInterface.register(name, _ulysses_function(ALL_ATTENTION_FUNCTIONS[kernel], kernel, group, degree))
+    _INNER[name] = kernel
     return name
 
 
