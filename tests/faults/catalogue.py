@@ -43,7 +43,7 @@ GRID = [
     Case("grid", "pipe a string", _grid(4, pipe="2"), ("pipe='2'",)),
     Case("grid", "pipe a bool", _grid(4, pipe=True), ("pipe=True",)),
     Case("grid", "data zero", _grid(4, pipe=2, data=0), ("data=0",)),
-    Case("grid", "stages do not divide world", _grid(4, pipe=3), ("4 processes", "pipe*tensor=3")),
+    Case("grid", "stages do not divide world", _grid(4, pipe=3), ("4 processes", "pipe * tensor=3")),
     Case("grid", "degrees need more processes", _grid(4, pipe=2, data=3), ("needs 6 processes", "4")),
 ]
 
