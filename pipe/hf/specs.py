@@ -335,8 +335,8 @@ class HFDecoderLayer(_HFLayer):
         self.prefix = model.path(model.layers[index])
         self.attention_kind = mask_kind(model.config, index)
         self.documents = supports_documents(model.config, self.attention_kind)  # packed rows without a mask
-        layer_config = documents_config(model.config) if self.documents else model.config
-        self.inner = type(model.layers[index])(layer_config, layer_idx=index)
+        self.layer_config = documents_config(model.config) if self.documents else model.config
+        self.inner = type(model.layers[index])(self.layer_config, layer_idx=index)
         mlp = getattr(self.inner, "mlp", None)
         if isinstance(mlp, nn.Module) and type(mlp).__name__.endswith("MLP"):  # dense, per token (not MoE)
             tile_mlp(mlp)
@@ -355,8 +355,12 @@ class HFDecoderLayer(_HFLayer):
         check_hf_sequence(model.config, degree, f"hf_layer_specs: {type(model.meta).__name__}")
 
     def split_sequence(self, group: Any, degree: int) -> None:
-        """Attention through Ulysses on this rank's slice of the sequence (pipe/sequence/)."""
+        """Attention through Ulysses on this rank's slice of the sequence (pipe/sequence/). A slice's
+        documents are not the row's (and differ per rank): the whole row's mask, as without packing."""
         self.model.split_sequence(group, degree)
+        if self.documents:
+            self.documents = False
+            self.layer_config._attn_implementation = self.model.config._attn_implementation  # Ulysses
 
     def forward(self, x: tuple) -> tuple:
         hidden, positions, *rest = x
