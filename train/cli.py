@@ -9,8 +9,8 @@
 runs it; examples/train_gpt.py is the same job as a script); without CONFIG it trains with the
 flags' defaults. Under torchrun (RANK is set) it runs in this process; otherwise it re-launches
 itself through torch.distributed.run with --nproc-per-node processes (default: the pipeline
-stages x --data x --tensor x --sequence-parallel). Every parser comes from train/flags.py, which imports no torch: `--help`
-answers at once.
+stages x --data x --tensor x --sequence-parallel). Every parser comes from train/flags.py, which
+imports no torch: `--help` answers at once.
 """
 
 from __future__ import annotations
