@@ -86,3 +86,20 @@ def test_train_runs_without_a_config(monkeypatch, tmp_path):
     assert parse_args([str(config), "--steps", "3"]).config == str(config)  # what each process reads
     with pytest.raises(SystemExit):
         cli.main(["train", str(tmp_path / "missing.json")])
+
+
+def test_train_launches_tensor_and_sequence_ranks_too(monkeypatch, tmp_path):
+    """--sequence-parallel / --tensor (or the config's sequence_parallel_size) multiply the processes: pipe 2 x
+    sequence 2 on 2 processes was refused by the job (the world did not divide)."""
+    from pipezero.train import cli
+
+    calls = []
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"sequence_parallel_size": 2}))
+    assert cli.main(["train", "--steps", "2", "--sequence-parallel", "2"]) == 0
+    assert cli.main(["train", "--steps", "2", "--tensor", "2", "--data", "2"]) == 0
+    assert cli.main(["train", str(config), "--pipe", "1"]) == 0
+    assert [next(t for t in cmd if t.startswith("--nproc-per-node=")) for cmd in calls] == [
+        "--nproc-per-node=4", "--nproc-per-node=8", "--nproc-per-node=2"], calls

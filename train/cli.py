@@ -9,8 +9,8 @@
 runs it; examples/train_gpt.py is the same job as a script); without CONFIG it trains with the
 flags' defaults. Under torchrun (RANK is set) it runs in this process; otherwise it re-launches
 itself through torch.distributed.run with --nproc-per-node processes (default: the pipeline
-stages x --data). Every parser comes from train/flags.py, which imports no torch: `--help`
-answers at once.
+stages x --data x --tensor x --sequence-parallel). Every parser comes from train/flags.py, which
+imports no torch: `--help` answers at once.
 """
 
 from __future__ import annotations
@@ -123,11 +123,12 @@ def _job_argv(rest: list[str]) -> list[str]:
 
 
 def _nproc(args: argparse.Namespace) -> int:
-    """Pipeline stages (flag, else config, else 2) x data degree (--data flag, else 1)."""
-    stages = args.pipe
-    if stages is None:
-        stages = json.loads(Path(args.config).read_text()).get("pipeline", {}).get("stages", 2) if args.config else 2
-    return stages * (args.data or 1)
+    """Pipeline stages (flag, else config, else 2) x data degree (--data flag, else 1) x tensor x sequence
+    (flag, else config's sequence_parallel_size, else 1)."""
+    config = json.loads(Path(args.config).read_text()) if args.config else {}
+    stages = args.pipe if args.pipe is not None else config.get("pipeline", {}).get("stages", 2)
+    sequence = args.sequence_parallel or config.get("sequence_parallel_size", 1)
+    return stages * (args.data or 1) * args.tensor * sequence
 
 
 def _train(rest: list[str]) -> int:
