@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["LOCK_NAME", "claim_run_dir", "export_done", "record_loss", "recorded_loss"]
+__all__ = ["LOCK_NAME", "claim_run_dir", "export_done", "pid_alive", "record_loss", "recorded_loss"]
 
 LOCK_NAME = "pipezero.lock"
 
@@ -108,7 +108,7 @@ def _take(path: Path) -> str | None:
             holder = _holder(path)
             if holder.get("host") == mine["host"] and holder.get("pid") == mine["pid"]:
                 return None  # this process already holds it
-            if holder.get("host") == mine["host"] and not _alive(holder.get("pid")):
+            if holder.get("host") == mine["host"] and not pid_alive(holder.get("pid")):
                 path.unlink(missing_ok=True)  # its job died without releasing it
                 continue
             return _refusal(path, holder, mine["host"])
@@ -139,7 +139,8 @@ def _holder(path: Path) -> dict:
         return {}  # being written this instant, or damaged: refused, naming the file
 
 
-def _alive(pid: Any) -> bool:
+def pid_alive(pid: Any) -> bool:
+    """Whether process `pid` of this host runs (True when unknown or not ours to signal)."""
     if not isinstance(pid, int) or pid <= 0:
         return True  # unknown: do not take it over
     try:

@@ -42,6 +42,7 @@ import numpy as np
 
 from pipezero.train.data.sources import data_files, read_documents
 from pipezero.train.data.tokenize import encode_many, tokenizer_hash
+from pipezero.train.run_dir import pid_alive
 
 __all__ = ["TokenizedCorpus", "cache_key", "default_cache_dir", "tokenized_corpus"]
 
@@ -213,7 +214,7 @@ def _dead(lock: Path) -> bool:
         pid = holder["pid"] if holder["host"] == socket.gethostname() else None
     except (OSError, ValueError, TypeError, KeyError):
         return False  # being written this instant, another host's, or an older empty lock
-    return isinstance(pid, int) and pid > 0 and not _alive(pid)
+    return isinstance(pid, int) and pid > 0 and not pid_alive(pid)
 
 
 _BEAT_S = 10.0  # at most how often a builder touches its lock
@@ -322,18 +323,8 @@ def _remove_stale_builds(root: Path) -> None:
     host = socket.gethostname()
     for tmp in root.glob(f"*{_TMP}{host}-*"):
         pid = tmp.name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextmanager
