@@ -49,28 +49,35 @@ class PipelineTimeout(TimeoutError):
 
 def _check_reduces_over_data(optimizer: Any, grid: Any) -> None:
     """Refuse an optimizer that would let data replicas (or sequence shards) train apart, each on its own
-    gradients: one that reduces nothing, or (with a sequence axis) a listener over other ranks than the
-    grid's data x sequence group. Pure (the listener's ranks are its group's, known without a collective),
-    so every rank raises before any collective."""
+    gradients: one that reduces nothing, or (with a sequence or expert axis) a listener over other ranks
+    than the grid's data x expert x sequence group. Pure (the listener's ranks are its group's, known
+    without a collective), so every rank raises before any collective."""
     if optimizer is None or grid.data_sequence_size == 1:
         return
     if not isinstance(optimizer, StepListener):
-        axes, what = ("data axis", "data replicas") if grid.sequence_size == 1 else ("data x sequence axes", "ranks")
+        axes, what = (("data axis", "data replicas") if grid.sequence_size == grid.expert_size == 1
+                      else (f"{_joined(grid)} axes", "ranks"))
         raise ValueError(f"PipelineRunner(optimizer={type(optimizer).__name__}) on {grid!r}: it does not "
                          f"reduce gradients over the {axes}, so the {grid.data_sequence_size} {what} would each "
                          "step on their own gradients and drift apart; wrap it, ZeroOptimizer(optimizer, stage=0, "
                          "group=grid.data_sequence_group) averages them as DDP does (stages 1-3 shard too), or "
                          "pass optimizer=None and reduce the gradients yourself before stepping")
-    if grid.sequence_size == 1:
+    if grid.sequence_size == grid.expert_size == 1:
         return
     want, got = grid.group_ranks("data_sequence"), list(optimizer.reduction_ranks())
     if got != want:
         raise ValueError(f"PipelineRunner(optimizer={type(optimizer).__name__}) on {grid!r}: it reduces "
-                         f"gradients over ranks {got}, but rank {grid.rank}'s data x sequence group is {want} (its "
-                         f"data group alone {grid.group_ranks('data')}): the sequence ranks hold gradients "
-                         "of different slices of the same rows and would step apart; build it with "
+                         f"gradients over ranks {got}, but rank {grid.rank}'s {_joined(grid)} group is {want} "
+                         f"(its data group alone {grid.group_ranks('data')}): the sequence ranks hold gradients "
+                         "of different slices of the same rows, the expert ranks of other rows, and the dense "
+                         "parameters would step apart; build it with "
                          "group=grid.data_sequence_group, e.g. ZeroOptimizer(optimizer, stage=..., "
                          "group=grid.data_sequence_group)")
+
+
+def _joined(grid: Any) -> str:
+    """"data x expert x sequence" with the axes above 1 of those after data."""
+    return " x ".join(["data"] + ["expert"] * (grid.expert_size > 1) + ["sequence"] * (grid.sequence_size > 1))
 
 
 class PipelineRunner:

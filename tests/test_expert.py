@@ -5,10 +5,11 @@ Qwen3-MoE at pipe 1 with expert 4 (each rank one of the four experts) and expert
 (each pair of ranks splits the experts, each expert held by two ranks whose gradients are
 summed; the dense parameters under ZeRO-3 there); Mixtral and DeepSeek-V3 (shared experts, a
 dense first layer) at pipe 2 x expert 2 under 1F1B, and Mixtral under ZB-V (split backward; the
-final norm and the head on different stages: the load-balancing term crosses a boundary), the
-expert group being each stage's data group. The dense parameters
-train under ZeRO-1 over all four ranks, the experts under their own SGD after
-reduce_expert_grads. The truth is transformers' model on the whole batch, one microbatch per
+final norm and the head on different stages: the load-balancing term crosses a boundary). The
+groups come from Grid(expert=E): its expert axis (E consecutive ranks of the old data axis) splits
+the experts, its data axis holds the same experts. The dense parameters train under ZeRO-1 over
+data x expert (all four ranks at pipe 1), the experts under their own SGD after reduce_expert_grads.
+The truth is transformers' model on the whole batch, one microbatch per
 rank (output_router_logits=True: the load-balancing loss too): the loss and, through one SGD
 step of rate 1, every gradient by Hugging Face name (an expert's on the rank holding it), fp32;
 hf_state_dict gathers every expert whole.
@@ -27,9 +28,9 @@ from test_hf_router import _batch, _targets, _truth, _model  # noqa: E402
 WORLD = 4
 
 
-def _expert_step(family: str, expert: int, pipe: int = 1, stage: int = 1, zbv: bool = False) -> tuple:
+def _expert_step(family: str, expert: int, pipe: int = 1, zero_stage: int = 1, zbv: bool = False) -> tuple:
     """One step at pipe x data x expert = WORLD: the loss, each parameter's gradient by Hugging Face name, and
-    which experts this rank holds. At pipe 2 the expert group is the stage's data group."""
+    which experts this rank holds. The groups are the Grid's; the asserts check them against the layout."""
     import torch.distributed as dist
 
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
@@ -39,15 +40,15 @@ def _expert_step(family: str, expert: int, pipe: int = 1, stage: int = 1, zbv: b
     from pipezero.topology import Grid
     from pipezero.zero import ZeroOptimizer, gathered
 
-    grid = Grid(pipe=pipe)  # data = WORLD / pipe: the dense parameters' replicas
-    if pipe == 1:
-        expert_group, _ = dist.new_subgroups_by_enumeration(
-            [list(range(s, s + expert)) for s in range(0, WORLD, expert)])  # ranks that split the experts
-        same_experts, _ = dist.new_subgroups_by_enumeration(
-            [list(range(r, WORLD, expert)) for r in range(expert)])         # ranks that hold the same experts
-    else:
-        assert expert == grid.data_size
-        expert_group, same_experts = grid.data_group, None
+    grid = Grid(pipe=pipe, expert=expert)  # data x expert = WORLD / pipe: the dense parameters' replicas
+    expert_group, same_experts = grid.expert_group, grid.expert_data_group
+    replicas = WORLD // pipe
+    first = grid.pipe_rank * replicas  # ranks that split the experts, then those that hold the same ones
+    block = (grid.rank - first) // expert * expert + first
+    assert dist.get_process_group_ranks(expert_group) == list(range(block, block + expert))
+    assert dist.get_process_group_ranks(same_experts) == list(range(first + grid.expert_rank, first + replicas,
+                                                                    expert))
+    assert grid.group_ranks("data_sequence") == list(range(first, first + replicas))
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
                             partition_method="uniform", num_chunks=2 if zbv else 1, placement="v" if zbv else "looped")
     assert shard_experts(module, expert_group) > 0
@@ -56,20 +57,21 @@ def _expert_step(family: str, expert: int, pipe: int = 1, stage: int = 1, zbv: b
     dense = [p for p in module.parameters() if all(p is not e for e in experts)]
     before = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
               for n, p in layer.hf_parameters()}
-    opt = ZeroOptimizer(torch.optim.SGD(dense, lr=1.0), stage=stage, group=grid.data_group,
-                        module=module if stage == 3 else None)
+    opt = ZeroOptimizer(torch.optim.SGD(dense, lr=1.0), stage=zero_stage, group=grid.data_sequence_group,
+                        module=module if zero_stage == 3 else None)
     expert_opt = torch.optim.SGD(experts, lr=1.0)
     runner = PipelineRunner(module, (ZeroBubbleV if zbv else OneFOneB)(num_microbatches=pipe), optimizer=opt)
     ids, mask, labels = _batch(True)
-    share = ids.shape[0] // grid.data_size
-    rows = slice(grid.data_rank * share, (grid.data_rank + 1) * share)
+    share = ids.shape[0] // grid.data_expert_size
+    rows = slice(grid.data_expert_rank * share, (grid.data_expert_rank + 1) * share)
     loss = runner.train_step((ids[rows], mask[rows]), _targets(labels)[rows])
-    reduce_expert_grads(experts, same_experts, grid.data_size)
+    reduce_expert_grads(experts, same_experts, grid.data_expert_size)
     opt.step()
     expert_opt.step()
-    held = dist.get_rank(expert_group)
+    held = grid.expert_rank
+    assert held == dist.get_rank(expert_group)
     part = held * 4 // expert, (held + 1) * 4 // expert  # this rank's experts
-    with gathered(opt) if stage == 3 else contextlib.nullcontext():
+    with gathered(opt) if zero_stage == 3 else contextlib.nullcontext():
         after = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
                  for n, p in layer.hf_parameters()}
         whole = {n: t for n, t in hf_state_dict(module).items() if ".experts." in n}  # gathered over the group

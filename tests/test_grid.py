@@ -8,6 +8,8 @@ import torch.distributed as dist
 from harness import run
 from pipezero.topology import AXES, FLATTENED, Grid, axis_groups, grid_shape, grid_sizes, rank_coords
 
+FOUR = ("pipe", "data", "sequence", "tensor")  # a 4-tuple shape: the grid without an expert axis
+
 
 def _factorisations(n, axes=3):
     return [f for f in itertools.product(range(1, n + 1), repeat=axes) if _prod(f) == n]
@@ -108,7 +110,7 @@ def test_describe_marks_this_rank():
 
 def _groups(shape, axis):
     """Every group along `axis`: the ranks that share the other coordinates (independent of axis_groups)."""
-    index = AXES.index(axis)
+    index = (AXES if len(shape) == 5 else FOUR).index(axis)
     groups = {}
     for rank in range(_prod(shape)):
         c = _expected(rank, *shape)
@@ -118,7 +120,7 @@ def _groups(shape, axis):
 
 def test_axis_groups_and_the_flattened_group_are_pure_arithmetic():
     for shape in _factorisations(8, axes=4) + _factorisations(12, axes=4):
-        for axis in AXES:
+        for axis in FOUR:
             assert axis_groups(shape, [axis]) == _groups(shape, axis), (shape, axis)
         p, d, s, t = shape
         flat = axis_groups(shape, FLATTENED["data_sequence"])  # data x sequence: same pipe and tensor
@@ -131,7 +133,7 @@ def test_axis_groups_and_the_flattened_group_are_pure_arithmetic():
     assert axis_groups((1, 2, 2, 1), ["data"]) == [[0, 2], [1, 3]]
     assert rank_coords(3, (2, 2, 1)) == rank_coords(3, (2, 2, 1, 1))  # the older three-axis shape
     with pytest.raises(ValueError, match="not among the grid's axes"):
-        axis_groups((1, 1, 1, 1), ["expert"])
+        axis_groups((1, 1, 1, 1), ["experts"])
 
 
 @pytest.mark.parametrize("shape, per_node, crossing", [
@@ -143,7 +145,50 @@ def test_axis_groups_and_the_flattened_group_are_pure_arithmetic():
 ])
 def test_pipe_crosses_nodes_data_and_tensor_stay_inside(shape, per_node, crossing):
     # torchrun gives node n the contiguous global ranks n * per_node .. (n + 1) * per_node - 1
-    crossed = {axis for axis in AXES if any(len({r // per_node for r in g}) > 1 for g in _groups(shape, axis))}
+    crossed = {axis for axis in FOUR if any(len({r // per_node for r in g}) > 1 for g in _groups(shape, axis))}
     assert crossed == crossing
     if shape == (2, 2, 1, 1):  # each stage's data group is one node
         assert _groups(shape, "data") == [[0, 1], [2, 3]] and _groups(shape, "pipe") == [[0, 2], [1, 3]]
+
+
+def _expected5(rank, p, d, e, s, t):
+    # independent: the old data index is data * e + expert (e consecutive old data ranks per expert group)
+    order = list(itertools.product(range(p), range(d), range(e), range(s), range(t)))
+    return order[rank]
+
+
+def test_expert_axis_is_pure_arithmetic():
+    """The expert axis splits the old data axis: E consecutive data ranks share one expert group,
+    the same expert index across blocks holds the same experts, dense gradients reduce over all."""
+    assert AXES == ("pipe", "data", "expert", "sequence", "tensor")
+    assert grid_sizes(16, pipe=2, data=None, tensor=2, expert=2) == (2, 2, 2, 1, 2)
+    assert grid_sizes(16, pipe=2, data=None, tensor=2) == (2, 4, 1, 2)  # expert=1: the four axes as before
+    with pytest.raises(ValueError, match=r"Grid\(pipe=1, data=None, expert=3, tensor=1\) cannot infer"):
+        grid_sizes(4, data=None, expert=3)
+    for shape in _factorisations(8, axes=5) + _factorisations(12, axes=5):
+        p, d, e, s, t = shape
+        for r in range(_prod(shape)):
+            c = rank_coords(r, shape)
+            assert (c.pipe, c.data, c.expert, c.sequence, c.tensor) == _expected5(r, *shape)
+        for axis in AXES:
+            want = sorted(_groups5(shape, axis))
+            assert axis_groups(shape, [axis]) == want, (shape, axis)
+        dense = axis_groups(shape, FLATTENED["data_sequence"])  # same pipe and tensor
+        assert len(dense) == p * t and all(len(g) == d * e * s for g in dense)
+    # 8 ranks, data 2 x expert 4: the old data ranks 0-3 and 4-7 are the two expert groups
+    assert axis_groups((1, 2, 4, 1, 1), ["expert"]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert axis_groups((1, 2, 4, 1, 1), ["data"]) == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the same experts
+    assert axis_groups((1, 2, 4, 1, 1), FLATTENED["data_sequence"]) == [list(range(8))]
+    # with pipe 2 and sequence 2 (16 ranks): the expert group steps over the sequence ranks
+    assert axis_groups((2, 2, 2, 2, 1), ["expert"])[:2] == [[0, 2], [1, 3]]
+    assert axis_groups((2, 2, 2, 2, 1), FLATTENED["data_sequence"]) == [list(range(8)), list(range(8, 16))]
+    assert axis_groups((2, 3, 1, 1, 2), ["data"]) == axis_groups((2, 3, 1, 2), ["data"])  # expert 1: as before
+
+
+def _groups5(shape, axis):
+    index = AXES.index(axis)
+    groups = {}
+    for rank in range(_prod(shape)):
+        c = _expected5(rank, *shape)
+        groups.setdefault(tuple(v for i, v in enumerate(c) if i != index), []).append(rank)
+    return list(groups.values())

@@ -318,7 +318,7 @@ def test_silent_peer_times_out_with_a_clear_message():
 
 
 def bad_runner(case):
-    grid = Grid(pipe=1) if case == "replicas" else Grid(pipe=2)
+    grid = {"replicas": Grid(pipe=1), "experts": Grid(pipe=1, expert=2)}.get(case) or Grid(pipe=2)
     chunks = 2 if case == "chunks" else 1
     model = PipelineModule(specs(2), grid=grid, loss_fn=loss_fn, num_chunks=chunks)
     ids, targets = batch(0, 8)
@@ -336,6 +336,10 @@ def bad_runner(case):
             PipelineRunner(model, sched)
         elif case == "replicas":  # data 2 with an optimizer that reduces nothing: the replicas would drift
             PipelineRunner(model, make_schedule("OneFOneB", 2), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        elif case == "experts":  # dense ZeRO over the data axis alone: the expert ranks' rows would drift apart
+            from pipezero.zero import ZeroOptimizer
+            opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=0, group=grid.data_group)
+            PipelineRunner(model, make_schedule("OneFOneB", 2), optimizer=opt)
     except (ValueError, TypeError) as e:
         return str(e)
     return None
@@ -348,6 +352,8 @@ def bad_runner(case):
     ("order", "rank 0 never runs 0F1 (chunk 0, microbatch 1)"),
     ("replicas", "PipelineRunner(optimizer=SGD) on Grid(pipe=1, data=2, tensor=1): it does not reduce gradients "
                  "over the data axis, so the 2 data replicas would each step on their own gradients"),
+    ("experts", "on Grid(pipe=1, data=1, expert=2, tensor=1): it reduces gradients over ranks"),
+    ("experts", "'s data x expert group is [0, 1]"),
 ])
 def test_bad_runner_input_raises_on_every_rank(case, message):
     messages = run(bad_runner, 2, case)

@@ -1,4 +1,4 @@
-"""The rank grid (pipe x data x sequence x tensor) over torch's DeviceMesh."""
+"""The rank grid (pipe x data x expert x sequence x tensor) over torch's DeviceMesh."""
 
 from pipezero.topology.grid import AXES, FLATTENED, Coords, Grid, axis_groups, grid_shape, grid_sizes, rank_coords
 from pipezero.topology.device import default_backend, device_for, process_device

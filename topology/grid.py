@@ -1,11 +1,18 @@
-"""Grid: the rank grid (pipe x data x sequence x tensor) as an explicit, validated object.
+"""Grid: the rank grid (pipe x data x expert x sequence x tensor) as an explicit, validated object.
 
-The grid's axes are one ordered list, `AXES`, slowest first: pipe, data, sequence, tensor.
+The grid's axes are one ordered list, `AXES`, slowest first: pipe, data, expert, sequence, tensor.
 A rank's coordinates are its digits in that mixed radix (tensor fastest, as in Megatron-LM
-and DeepSpeed): rank = ((pipe * data_deg + data) * sequence_deg + sequence) * tensor_deg + tensor.
-A new axis (experts) is one more entry of the list. The grid is a torch DeviceMesh with those
-dims; `grid.mesh` is that mesh, so DTensor and FSDP work on its sub-meshes. FLATTENED names the
-groups that join several axes: "data_sequence", the ranks that reduce gradients together.
+and DeepSpeed): rank = (((pipe * data_deg + data) * expert_deg + expert) * sequence_deg + sequence)
+* tensor_deg + tensor. The grid is a torch DeviceMesh with those dims; `grid.mesh` is that mesh,
+so DTensor and FSDP work on its sub-meshes. FLATTENED names the groups that join several axes:
+"data_sequence", the ranks that reduce dense gradients together (data x expert x sequence).
+
+Experts (pipe/expert/): `expert=E` splits what a grid without it calls the data axis into
+data x expert, E consecutive data ranks forming one expert group (`expert_group`, the ranks
+that split the experts between them); the ranks holding the same experts are the data axis
+alone (`expert_data_group`, same expert index in every block). Every rank of data x expert
+still reads its own rows, and the dense parameters reduce over all of them. With expert=1
+every name and rank is what it was.
 
 Across nodes: torchrun gives each node's agent one contiguous block of global ranks
 (node n holds ranks n * nproc_per_node ... (n + 1) * nproc_per_node - 1), so the axes that
@@ -18,9 +25,10 @@ processes, pipe 2 x data 2 puts stage 0 (data ranks 0, 1) on one node and stage 
 other. When tensor x sequence x data is a multiple of the processes per node, each stage owns
 whole nodes and only its data group spans several of them.
 
-Gradients are reduced, and ZeRO partitions, over data x sequence (`data_sequence_group`, as
-DeepSpeed reduces over its data-parallel x sequence-parallel group): the sequence ranks of one
-data replica hold gradients of different parts of the same batch (pipe/sequence/).
+Gradients are reduced, and ZeRO partitions, over data x expert x sequence (`data_sequence_group`,
+as DeepSpeed reduces dense gradients over its data-parallel x sequence-parallel group, expert
+ranks included): the sequence ranks of one data replica hold gradients of different parts of the
+same batch (pipe/sequence/), the expert ranks of different rows.
 """
 
 from __future__ import annotations
@@ -37,43 +45,50 @@ from pipezero.topology.env import init_distributed
 
 __all__ = ["AXES", "FLATTENED", "Coords", "Grid", "axis_groups", "grid_shape", "grid_sizes", "rank_coords"]
 
-AXES = ("pipe", "data", "sequence", "tensor")  # slowest first; a rank's digits in this order
-FLATTENED = {"data_sequence": ("data", "sequence")}  # name -> the axes it joins (gradient reduction, ZeRO)
+AXES = ("pipe", "data", "expert", "sequence", "tensor")  # slowest first; a rank's digits in this order
+# name -> the axes it joins: "data_sequence" the dense gradient reduction and ZeRO (expert ranks included,
+# its name kept from before the expert axis), "data_expert" the rows' data replicas without sequence
+FLATTENED = {"data_sequence": ("data", "expert", "sequence"), "data_expert": ("data", "expert")}
 
 
 def _call(sizes: dict[str, int | None]) -> str:
-    """How the user wrote the grid: Grid(pipe=2, data=3, tensor=1), sequence shown only when set."""
-    shown = [f"{name}={sizes[name]!r}" for name in ("pipe", "data", "sequence", "tensor")
-             if name != "sequence" or sizes[name] != 1]
+    """How the user wrote the grid: Grid(pipe=2, data=3, tensor=1), sequence and expert shown only when set."""
+    shown = [f"{name}={sizes[name]!r}" for name in ("pipe", "data", "expert", "sequence", "tensor")
+             if name not in ("sequence", "expert") or sizes.get(name, 1) != 1]
     return f"Grid({', '.join(shown)})"
 
 
 def grid_sizes(world_size: int, pipe: int = 1, data: int | None = None, sequence: int = 1,
-               tensor: int = 1) -> tuple[int, int, int, int]:
-    """The degrees in AXES order, checked against the world size, `data` inferred when None.
+               tensor: int = 1, expert: int = 1) -> tuple[int, ...]:
+    """The degrees, checked against the world size, `data` inferred when None: (pipe, data, sequence,
+    tensor) when expert is 1 (as before the expert axis), else all five in AXES order.
 
     Pure arithmetic, so every rank raises the same ValueError before any collective.
     """
-    for name, value in (("pipe", pipe), ("sequence", sequence), ("tensor", tensor), ("data", data)):
+    for name, value in (("pipe", pipe), ("expert", expert), ("sequence", sequence), ("tensor", tensor),
+                        ("data", data)):
         if value is None and name == "data":
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"Grid({name}={value!r}): every degree must be a positive integer")
-    others = pipe * sequence * tensor
+    others = pipe * expert * sequence * tensor
+    given = dict(pipe=pipe, expert=expert, sequence=sequence, tensor=tensor)
     if data is None:
         if world_size % others:
-            named = " * ".join(n for n in ("pipe", "sequence", "tensor") if n != "sequence" or sequence != 1)
+            named = " * ".join(n for n in given if n not in ("sequence", "expert") or given[n] != 1)
             raise ValueError(
-                f"{_call(dict(pipe=pipe, data=None, sequence=sequence, tensor=tensor))} cannot infer the data "
+                f"{_call(dict(given, data=None))} cannot infer the data "
                 f"degree: {world_size} processes do not divide by {named}={others}; "
                 f"start a multiple of {others} processes or change {named.replace(' * ', '/')}")
         data = world_size // others
     if data * others != world_size:
         raise ValueError(
-            f"{_call(dict(pipe=pipe, data=data, sequence=sequence, tensor=tensor))} needs {data * others} processes, "
+            f"{_call(dict(given, data=data))} needs {data * others} processes, "
             f"but {world_size} were started; pass data=None to infer it or launch "
             f"torchrun --nproc-per-node={data * others}")
-    return pipe, data, sequence, tensor
+    if expert == 1:
+        return pipe, data, sequence, tensor
+    return pipe, data, expert, sequence, tensor
 
 
 def grid_shape(world_size: int, pipe: int = 1, data: int | None = None, tensor: int = 1) -> tuple[int, int, int]:
@@ -84,18 +99,23 @@ def grid_shape(world_size: int, pipe: int = 1, data: int | None = None, tensor: 
 
 @dataclass(frozen=True)
 class Coords:
-    """Where one rank sits on the grid (sequence last: Coords(pipe, data, tensor) is a grid without one)."""
+    """Where one rank sits on the grid (sequence and expert last: Coords(pipe, data, tensor) is a grid
+    without them)."""
 
     pipe: int
     data: int
     tensor: int
     sequence: int = 0
+    expert: int = 0
 
 
 def _sizes(shape: Sequence[int]) -> tuple[int, ...]:
-    """A shape in AXES order; a 3-tuple is the older (pipe, data, tensor) of a grid without a sequence axis."""
+    """A shape in AXES order; a 3-tuple is the older (pipe, data, tensor) of a grid without a sequence
+    axis, a 4-tuple (pipe, data, sequence, tensor) one without an expert axis."""
     if len(shape) == 3:
-        return shape[0], shape[1], 1, shape[2]
+        return shape[0], shape[1], 1, 1, shape[2]
+    if len(shape) == 4:
+        return shape[0], shape[1], 1, shape[2], shape[3]
     if len(shape) != len(AXES):
         raise ValueError(f"grid shape {tuple(shape)}: expected one size per axis of {AXES}")
     return tuple(shape)
@@ -149,33 +169,42 @@ def _product(sizes: Sequence[int]) -> int:
 
 
 class Grid:
-    """The pipe x data x sequence x tensor rank grid of the default process group.
+    """The pipe x data x expert x sequence x tensor rank grid of the default process group.
 
-    Tensor varies fastest, then sequence, then data, then pipe: on a multi-node torchrun launch
-    the tensor and sequence groups stay inside a node and the pipeline crosses nodes (the module
-    docstring says why). `axes` is the ordered list of (name, size); each axis has its
-    `<axis>_size`, `<axis>_rank` and `<axis>_group`; `data_sequence_group` is the flattened group
-    that reduces gradients (data_group stays the data axis alone).
+    Tensor varies fastest, then sequence, then expert, then data, then pipe: on a multi-node
+    torchrun launch the tensor and sequence groups stay inside a node and the pipeline crosses
+    nodes (the module docstring says why). `axes` is the ordered list of (name, size), expert
+    only when above 1; each axis has its `<axis>_size`, `<axis>_rank` and `<axis>_group`;
+    `data_sequence_group` is the flattened group that reduces dense gradients (data x expert x
+    sequence; data_group stays the data axis alone, which with experts is `expert_data_group`, the
+    ranks holding the same experts). `data_expert_rank` of `data_expert_size` says whose rows a
+    rank reads.
     """
 
-    def __init__(self, pipe: int = 1, data: int | None = None, tensor: int = 1, sequence: int = 1):
+    def __init__(self, pipe: int = 1, data: int | None = None, tensor: int = 1, sequence: int = 1,
+                 expert: int = 1):
         init_distributed()
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.shape = grid_sizes(self.world_size, pipe, data, sequence, tensor)
-        self.axes: tuple[tuple[str, int], ...] = tuple(zip(AXES, self.shape))
-        self.pipe_size, self.data_size, self.sequence_size, self.tensor_size = self.shape
+        self.shape = _sizes(grid_sizes(self.world_size, pipe, data, sequence, tensor, expert))
+        self.axes: tuple[tuple[str, int], ...] = tuple((n, s) for n, s in zip(AXES, self.shape)
+                                                       if n != "expert" or s > 1)
+        self.pipe_size, self.data_size, self.expert_size, self.sequence_size, self.tensor_size = self.shape
         self.mesh: DeviceMesh = init_device_mesh(process_device().type, self.shape, mesh_dim_names=AXES)
         me = self.coords(self.rank)
-        self.pipe_rank, self.data_rank, self.sequence_rank, self.tensor_rank = (me.pipe, me.data, me.sequence,
-                                                                                 me.tensor)
+        self.pipe_rank, self.data_rank, self.expert_rank = me.pipe, me.data, me.expert
+        self.sequence_rank, self.tensor_rank = me.sequence, me.tensor
         self.pipe_group = self.mesh.get_group("pipe")
         self.data_group = self.mesh.get_group("data")
+        self.expert_group = self.mesh.get_group("expert")
+        self.expert_data_group = self.data_group  # the same experts: same expert index in every block
         self.sequence_group = self.mesh.get_group("sequence")
         self.tensor_group = self.mesh.get_group("tensor")
         self.data_sequence_group = self._flattened_group("data_sequence")
-        self.data_sequence_size = self.data_size * self.sequence_size
-        self.data_sequence_rank = self.data_rank * self.sequence_size + self.sequence_rank
+        self.data_expert_size = self.data_size * self.expert_size
+        self.data_expert_rank = self.data_rank * self.expert_size + self.expert_rank
+        self.data_sequence_size = self.data_expert_size * self.sequence_size
+        self.data_sequence_rank = self.data_expert_rank * self.sequence_size + self.sequence_rank
 
     def _flattened_group(self, name: str) -> Any:
         """The process group of this rank along FLATTENED[name]: an axis's own when the others are 1, else
@@ -195,11 +224,11 @@ class Grid:
         return rank_coords(rank, self.shape)
 
     def rank_of(self, pipe: int | None = None, data: int | None = None, tensor: int | None = None,
-                sequence: int | None = None) -> int:
+                sequence: int | None = None, expert: int | None = None) -> int:
         """The global rank at these coordinates; an omitted axis means this rank's own."""
-        given = dict(pipe=pipe, data=data, sequence=sequence, tensor=tensor)
+        given = dict(pipe=pipe, data=data, expert=expert, sequence=sequence, tensor=tensor)
         coords = {name: getattr(self, f"{name}_rank") if given[name] is None else given[name] for name in AXES}
-        for name, size in self.axes:
+        for name, size in zip(AXES, self.shape):
             if not 0 <= coords[name] < size:
                 raise ValueError(f"{name}={coords[name]} is outside 0..{size - 1} on {self}")
         return _flat_rank(coords, self.shape)
@@ -230,7 +259,7 @@ class Grid:
 
     # -- display -------------------------------------------------------------------
     def _shown(self) -> list[str]:
-        return [name for name, size in self.axes if name != "sequence" or size > 1]
+        return [name for name, size in self.axes if name not in ("sequence", "expert") or size > 1]
 
     def describe(self) -> str:
         """A short table of who is where, for logs (the sequence column when that axis is used)."""
