@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 __all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "checkpoint_meta", "checkpoint_names",
-           "export_consolidated", "has_checkpoint", "latest_step", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint",
+           "export_consolidated", "file_sha256", "has_checkpoint", "latest_step", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint",
            "set_rng_state", "step_dir_name"]
 
 FORMAT_VERSION = 2  # 2: the manifest carries its own sha256
@@ -178,7 +178,7 @@ def _write_rank(tmp: Path, rank: int, tensors: Mapping[str, torch.Tensor]) -> di
         raise OSError(err.errno, err.strerror or str(err), str(path)) from None
     except SafetensorError as err:  # safetensors reports a failed write as its own error type
         raise OSError(errno.EIO, str(err), str(path)) from None
-    return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": file_sha256(path),
             "tensors": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
                         for k, v in cpu.items()}}
 
@@ -259,7 +259,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks (checkpoint files and the token cache)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -408,7 +409,7 @@ def _verify_file(path: Path, entry: Mapping[str, Any]) -> Path:
     if size != entry["bytes"]:
         raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['bytes']}: the file is "
                               f"{'truncated' if size < entry['bytes'] else 'longer than written'}; {_recovery(path)}")
-    digest = _sha256(file)
+    digest = file_sha256(file)
     if digest != entry["sha256"]:
         raise CheckpointError(f"{file}: bad checksum, sha256 {digest[:16]}... but the manifest says "
                               f"{entry['sha256'][:16]}...: the file is corrupted; {_recovery(path)}")

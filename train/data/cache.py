@@ -42,6 +42,7 @@ import numpy as np
 
 from pipezero.train.data.sources import data_files, read_documents
 from pipezero.train.data.tokenize import encode_many, tokenizer_hash
+from pipezero.train.checkpoint.files import file_sha256
 from pipezero.train.run_dir import pid_alive
 
 __all__ = ["TokenizedCorpus", "cache_key", "default_cache_dir", "tokenized_corpus"]
@@ -144,17 +145,9 @@ def _checked_meta(folder: Path) -> dict:
         if size is None or (sizes[name] is not None and size != sizes[name]):
             raise _damaged(folder, f"{name} is {'missing' if size is None else f'{size} bytes'}, "
                                    f"{sizes[name]} bytes expected for {n} tokens in {docs} documents")
-        if _sha256(path) != sums.get(name):
+        if file_sha256(path) != sums.get(name):
             raise _damaged(folder, f"{name} is not what was written: its sha256 differs from meta.json's")
     return meta
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def tokenized_corpus(data: str | os.PathLike, model_dir: str | os.PathLike, text_field: str = "text",
