@@ -4,7 +4,8 @@ The main job runs under torchrun (2 processes, pipe 2) and rank 1 alone gets SIG
 (tests/faults/signal_train_gpt.py): torchrun exits 0 and the latest checkpoint is step 3's (the save
 interval would have saved none before step 6). pipezero finetune (2 harness workers) gets the same
 signal on rank 1 before step 2 and ends with Preempted, a SystemExit of code 0, at step 2. A rerun of
-each resumes from that step, and its losses equal an uninterrupted run's within 1e-5.
+each resumes from that step, and its losses equal an uninterrupted run's within 1e-5. `pipezero train`
+sent SIGTERM alone passes it on to its workers (in sessions of their own): they save, all exit 0.
 """
 
 from __future__ import annotations
@@ -88,3 +89,25 @@ def test_finetune_saves_and_exits_0_on_sigterm_then_resumes(tmp_path):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4], (a, b)
     for step in a:
         assert b[step] == pytest.approx(a[step], abs=1e-5), (step, a, b)
+
+
+def test_pipezero_train_passes_sigterm_on_to_its_workers(tmp_path):
+    """SIGTERM to `pipezero train` alone (as Kubernetes stops a container) reaches torchrun's workers,
+    which run in sessions of their own: they save the step's checkpoint and every process exits 0."""
+    out = tmp_path / "out"
+    steps = [*GPT, "--steps", "400"]
+    cmd = [sys.executable, "-m", "pipezero.train.cli", "train", "--nproc-per-node", "2", "--out", str(out), *steps]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seen = []
+    for line in proc.stderr:  # the first step's log line: training is under way on both ranks
+        seen.append(line)
+        if "step 1/400" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=180)
+    log = "".join(seen) + rest
+    assert proc.returncode == 0, log[-4000:]
+    assert "SIGTERM: checkpoint of step" in log, log[-3000:]
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest.startswith("step_") and int(latest[5:]) < 400, latest

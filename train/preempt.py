@@ -29,9 +29,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from pipezero.train.forward_signals import SIGNALS
+
 __all__ = ["Preempted", "Preemption", "SIGNALS"]
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 log = logging.getLogger("pipezero.preempt")
 
 
