@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
         start = 0 if meta is None else meta["step"]
         if meta is not None:
             train.load_state_dict(meta["data"])
-            log.info("resumed from %s at step %d", meta["path"], start)
+            log.info("resumed from %s at step %d%s", meta["path"], start, "" if args.from_deepspeed is None else
+                     f" (its own checkpoint: --from-deepspeed {args.from_deepspeed} was where this run began)")
         elif args.from_deepspeed is not None:  # DeepSpeed's names onto this grid (the data starts afresh)
             start = load_deepspeed_checkpoint(parts, args.from_deepspeed)["step"]
             log.info("resumed DeepSpeed's checkpoint %s at step %d", args.from_deepspeed, start)
