@@ -92,6 +92,13 @@ def _hf_model(config, experts: str, device: torch.device, dtype: torch.dtype) ->
     return model.train()
 
 
+def _free(model: torch.nn.Module) -> None:
+    """Give back a source model's memory: the specs built from it keep its state_dict by reference
+    for the module's life (pipe/hf/weights.py's ModelTensors), while the module trains copies."""
+    for tensor in model.state_dict().values():
+        tensor.untyped_storage().resize_(0)
+
+
 # -- the runners: each returns step(ids, targets) -> loss ------------------------------------
 def _pipezero(config, device, dtype, compiled: bool, backend: str) -> Callable:
     from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
@@ -101,10 +108,10 @@ def _pipezero(config, device, dtype, compiled: bool, backend: str) -> Callable:
 
     source = _hf_model(config, "grouped_mm", device, dtype)
     specs = hf_layer_specs(source, fused_loss=True, experts="grouped_mm")
-    del source
     with device:
         module = PipelineModule(specs, grid=Grid(pipe=1), loss_fn=causal_lm_loss, device=device,
                                 compile=CompileConfig(backend=backend) if compiled else False).to(dtype)
+    _free(source)
     runner = PipelineRunner(module, make_schedule("1f1b", 1))
     opt = _adamw(module.parameters(), device)
 
@@ -203,7 +210,10 @@ def _sync(device: torch.device) -> None:
 def _failure(err: BaseException) -> str:
     if isinstance(err, torch.OutOfMemoryError):
         return "out of memory"
-    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+    text = str(err).strip()
+    if "raised exception " in text:  # torch.compile re-raises the eager error inside its own message
+        return text.split("raised exception ", 1)[1].splitlines()[0][:300]
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 def measure(run: str, args) -> dict:
@@ -297,7 +307,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=None, help="tokens per row (default 2048; --tiny 32)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the compiled runs compile)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --tiny 1)")
-    p.add_argument("--backend", default=None, help="torch.compile backend (default inductor; --tiny aot_eager)")
+    p.add_argument("--backend", default=None,
+                   help="torch.compile backend (default inductor; --tiny aot_eager)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.shape = "tiny" if args.tiny else "qwen3-30b-a3b"
@@ -306,10 +317,13 @@ def main() -> None:
     args.warmup = 1 if args.tiny else max(1, args.warmup)
     args.backend = args.backend or ("aot_eager" if args.tiny else "inductor")
     runs = args.runs or list(DEFAULT_RUNS)
+    if not args.tiny and not args.worker and not torch.cuda.is_available():
+        sys.exit("bench/moe.py: the Qwen3-30B-A3B-shaped model needs a CUDA GPU (5.6B parameters at 8 "
+                 "layers); on CPU run `python bench/moe.py --tiny`")
     if args.worker:  # one or more runners in this process, one JSON line
         print(json.dumps({run: measure(run, args) for run in args.worker.split(",")}), flush=True)
         return
-    argv = [a for a in sys.argv[1:]]
+    argv = sys.argv[1:]
     if args.tiny:
         results = _in_subprocess(",".join(runs), argv)
         if len(results) == 1 and len(runs) > 1:  # the process itself failed
