@@ -243,11 +243,14 @@ def measure(run: str, args) -> dict:
     return {"ms": seconds * 1e3, "loss": first, "peak_gib": peak}
 
 
-def _in_subprocess(run: str, argv: list[str]) -> dict:
+def _in_subprocess(run: str, argv: list[str], timeout: float) -> dict:
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # every runner alike
-    done = subprocess.run([sys.executable, __file__, *argv, "--worker", run], capture_output=True, text=True,
-                          env=env)
+    try:
+        done = subprocess.run([sys.executable, __file__, *argv, "--worker", run], capture_output=True,
+                              text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {run: {"error": f"timed out after {timeout:.0f} s"}}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
         killed = done.returncode in (-9, 137)
@@ -309,6 +312,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --tiny 1)")
     p.add_argument("--backend", default=None,
                    help="torch.compile backend (default inductor; --tiny aot_eager)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a runner's process may take")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.shape = "tiny" if args.tiny else "qwen3-30b-a3b"
@@ -325,13 +329,13 @@ def main() -> None:
         return
     argv = sys.argv[1:]
     if args.tiny:
-        results = _in_subprocess(",".join(runs), argv)
+        results = _in_subprocess(",".join(runs), argv, args.timeout)
         if len(results) == 1 and len(runs) > 1:  # the process itself failed
             results = {run: next(iter(results.values())) for run in runs}
     else:
         results = {}
         for run in runs:
-            results.update(_in_subprocess(run, argv))
+            results.update(_in_subprocess(run, argv, args.timeout))
             print(f"{run}: {results[run]}", flush=True)
     print("\n".join(table(results, args, qwen3_moe_config(args))), flush=True)
 
