@@ -246,6 +246,7 @@ def measure(run: str, args) -> dict:
 def _in_subprocess(run: str, argv: list[str], timeout: float) -> dict:
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # every runner alike
+    env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: a Hub kernel's runner fails at once
     try:
         done = subprocess.run([sys.executable, __file__, *argv, "--worker", run], capture_output=True,
                               text=True, env=env, timeout=timeout)
