@@ -4,7 +4,7 @@
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
-#                      main-resume|gpu-tests ...]
+#                      main-resume|gpu-tests|moe|moe-more ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -90,6 +90,11 @@ for w in $what; do
                  tests/test_generate_static.py tests/test_zero_offload.py tests/test_state_hand.py ;;  # CUDA cases too
     offload-test) run offload-test 240 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py -k cuda ;;
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
+    moe) run moe 560 python3 bench/moe.py --timeout 240 \
+           --runs pipezero pipezero-compiled hf-grouped_mm-compiled torchtitan-compiled ;;  # issue 47; .whl
+    moe-more) run moe-more 560 python3 bench/moe.py --timeout 200 \
+                --runs hf-grouped_mm-compiled hf-grouped_mm torchtitan hf-eager hf-batched_mm hf-sonicmoe \
+                hf-deepgemm ;;
     data) run data 600 python3 bench/data.py --device cuda --hf-layers 22 --hidden 2048 --seq-len 2048 --batch 8 \
             --max-docs 400 --workers 8 ;;  # the loader's share of a 1.1B Llama step (needs transformers)
     speed) run speed-hf 300 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \
