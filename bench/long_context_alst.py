@@ -30,7 +30,7 @@ import types
 
 import torch
 
-__all__ = ["alst_step", "attention", "unavailable"]
+__all__ = ["alst_loss", "alst_model", "alst_step", "attention", "unavailable"]
 
 
 def unavailable() -> str | None:
@@ -90,36 +90,57 @@ def _loss_shards(length: int, vocab: int) -> int:
     return max(1, math.ceil(length * vocab * 4 / 2**30))
 
 
-def alst_step(config, device: torch.device, offload_optimizer: bool):
-    """A training step (forward, backward, AdamW) of ALST's one-GPU recipe on a random-weight model."""
-    import deepspeed
-    import torch.nn.functional as F
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+def alst_model(config, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """The random-weight LlamaForCausalLM with ALST's one-GPU switches: tiled MLPs, every layer
+    checkpointed, its input on the host (on a CUDA device: pinned host memory needs one)."""
     from transformers import AutoModelForCausalLM
 
-    _one_process_group()
+    implementation = attention() if device.type == "cuda" else "sdpa"
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention(), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
     model.config.use_cache = False
     for layer in model.model.layers:
         _tiled_mlp(layer.mlp)
-    model.activation_checkpointing_enable(offload=True)
-    model.train()
+    model.activation_checkpointing_enable(offload=device.type == "cuda")
+    return model.train()
+
+
+def alst_loss(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss with ALST's tiled logits + loss: no [seq, vocab] tensor is ever whole.
+
+    TiledFusedLogitsLoss makes the head's gradient in its forward, shard by shard, with an incoming
+    gradient of 1 ("sum"); a division of its result afterwards reaches the hidden states' gradient but
+    not the head's (it came out count times too large). So each shard divides its own sum by the
+    whole row's count of trained tokens, and the shards add up to the mean.
+    """
+    import torch.nn.functional as F
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+    count = ids.shape[1] - 1
+
+    def logits_loss(self, x, y):
+        logits = self.lm_head(x).float()  # x: a shard of the flattened [batch * seq, hidden] rows
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100,
+                               reduction="sum") / count
+
+    hidden = model.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    shards = _loss_shards(ids.shape[1], model.config.vocab_size)
+    return TiledFusedLogitsLoss.apply(logits_loss, model, hidden, labels, None, shards, [model.lm_head.weight],
+                                      "sum")
+
+
+def alst_step(config, device: torch.device, offload_optimizer: bool):
+    """A training step (forward, backward, AdamW) of ALST's one-GPU recipe on a random-weight model."""
+    import deepspeed
+
+    _one_process_group()
+    model = alst_model(config, device)
     client = None if offload_optimizer else torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=_ds_config(offload_optimizer),
                                       model_parameters=model.parameters())
-    lm = engine.module
-
-    def logits_loss(self, x, y):
-        return F.cross_entropy(self.lm_head(x).float().flatten(0, 1), y.flatten(), ignore_index=-100,
-                               reduction="sum")
 
     def step(ids, positions):
-        hidden = lm.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-        labels = F.pad(ids[:, 1:], (0, 1), value=-100)
-        shards = _loss_shards(ids.shape[1], lm.config.vocab_size)
-        total = TiledFusedLogitsLoss.apply(logits_loss, lm, hidden, labels, None, shards, [lm.lm_head.weight],
-                                           "sum")
-        engine.backward(total / (ids.shape[1] - 1))
+        engine.backward(alst_loss(engine.module, ids, positions))
         engine.step()
     return step
