@@ -11,8 +11,9 @@ logits, the trainer's rule), bf16, ZeRO-3; with `offload_optimizer` the recipe's
 parameter offload (DeepSpeed's CPU Adam, JIT-built with nvcc / ninja at its first use).
 
 The checkpointed inputs go to pinned host memory through transformers' own
-`activation_checkpointing_enable(offload=True)`: the same tensors ALST's checkpoint patch moves (each
-layer's hidden-state input), copied on the compute stream, as ALST's are. Attention: the model's
+`activation_checkpointing_enable(offload=True)` with reentrant checkpoints: the same tensors ALST's
+patch of torch's reentrant checkpoint function moves (each layer's hidden-state input), copied on the
+compute stream, as ALST's are. Attention: the model's
 `flash_attention_2` when the flash_attn package is present (the recipe's), else `flex_attention`
 (transformers' document mask from the packed position ids: ALST's kernels do not include one), so each
 document is attended on its own, as pipezero does.
@@ -101,7 +102,9 @@ def alst_model(config, device: torch.device, dtype: torch.dtype = torch.bfloat16
     model.config.use_cache = False
     for layer in model.model.layers:
         _tiled_mlp(layer.mlp)
-    model.activation_checkpointing_enable(offload=device.type == "cuda")
+    # reentrant, as the checkpoint function ALST patches (and ZeRO-3's well-trodden path): the saved
+    # inputs are the layer's hidden states alone, which offload moves to pinned host memory
+    model.activation_checkpointing_enable({"use_reentrant": True}, offload=device.type == "cuda")
     return model.train()
 
 
