@@ -58,18 +58,25 @@ _PROCESS_GIB = 6.0  # the interpreter, torch, the CUDA context and its pinned po
 
 def parameter_count(config) -> int:
     """A Llama config's parameters: embedding and head (untied), the layers, the final norm."""
-    h, kv = config.hidden_size, config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    h, heads = config.hidden_size, config.num_attention_heads
+    kv = config.num_key_value_heads * (h // heads)
     layer = 2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size + 2 * h
     return 2 * config.vocab_size * h + config.num_hidden_layers * layer + h
 
 
-def host_need(run: str, config, length: int, offload_optimizer: bool) -> tuple[float, str]:
+def host_need(run: str, config, length: int, offload_optimizer: bool,
+              cuda: bool = True) -> tuple[float, str]:
     """(GiB, how it adds up) of host memory one (run, length) takes: the offloaded optimizer (pipezero:
     fp32 masters, Adam's two moments and the fp32 gradient landing buffers, 16 B/param; ALST's ZeRO-3
     offload adds the bf16 parameters, 18 B/param), the offloaded layer inputs (layers x length x hidden
-    bf16), and the process itself."""
+    bf16), and the process itself. Without CUDA everything is on the host: fp32 weights, gradients and
+    Adam, 16 B/param, at the least."""
     parts, total = [], _PROCESS_GIB
-    if offload_optimizer and (run.startswith("pipezero") or run == "alst"):
+    if not cuda:
+        gib = parameter_count(config) * 16 / _GIB
+        parts.append(f"fp32 training state {parameter_count(config) / 1e9:.2f}B params x 16 B = {gib:.1f} GiB")
+        total += gib
+    elif offload_optimizer and (run.startswith("pipezero") or run == "alst"):
         per = 18 if run == "alst" else 16
         gib = parameter_count(config) * per / _GIB
         parts.append(f"optimizer {parameter_count(config) / 1e9:.2f}B params x {per} B = {gib:.1f} GiB")
@@ -92,9 +99,10 @@ def host_available_gib() -> float:
     return int(fields["MemAvailable"].split()[0]) * 1024 / _GIB
 
 
-def host_refusal(run: str, config, length: int, offload_optimizer: bool, available: float) -> str | None:
+def host_refusal(run: str, config, length: int, offload_optimizer: bool, available: float,
+                 cuda: bool = True) -> str | None:
     """The message that refuses a run whose host memory would exceed `available` GiB, or None."""
-    need, parts = host_need(run, config, length, offload_optimizer)
+    need, parts = host_need(run, config, length, offload_optimizer, cuda)
     if need <= available:
         return None
     return (f"refused: needs ~{need:.0f} GiB of host memory ({parts}), {available:.0f} GiB available; "
@@ -227,7 +235,8 @@ def main() -> None:
                    help="AdamW state on the host (auto: on for llama3-8b)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    offload = args.offload_optimizer == "on" or (args.offload_optimizer == "auto" and args.shape == "llama3-8b")
+    auto = args.offload_optimizer == "auto"
+    offload = args.offload_optimizer == "on" or (auto and args.shape == "llama3-8b")
     if args.worker:
         r = measure(args.worker, args.shape, args.lengths[0], args.steps, args.layers, offload)
         print(json.dumps(r), flush=True)
@@ -242,7 +251,8 @@ def main() -> None:
     for run in args.runs:
         previous = None
         for length in args.lengths:
-            refusal = host_refusal(run, _config(args.shape, length, args.layers), length, offload, available)
+            config = _config(args.shape, length, args.layers)
+            refusal = host_refusal(run, config, length, offload, available, torch.cuda.is_available())
             r = {"error": refusal} if refusal else _in_subprocess(run, args.shape, length, args.steps,
                                                                    args.layers, offload)
             if "error" in r:

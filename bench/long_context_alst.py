@@ -77,8 +77,9 @@ def _tiled_mlp(mlp: torch.nn.Module) -> None:
 
 def _ds_config(offload_optimizer: bool) -> dict:
     zero: dict = {"stage": 3}
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-              "zero_optimization": zero, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 1 << 30,
+              "wall_clock_breakdown": False}
     if offload_optimizer:  # the sp1 recipe: optimizer and parameters on the host, DeepSpeed's CPU Adam
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -129,8 +130,8 @@ def alst_loss(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     hidden = model.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
     labels = F.pad(ids[:, 1:], (0, 1), value=-100)
     shards = _loss_shards(ids.shape[1], model.config.vocab_size)
-    return TiledFusedLogitsLoss.apply(logits_loss, model, hidden, labels, None, shards, [model.lm_head.weight],
-                                      "sum")
+    head = [model.lm_head.weight]
+    return TiledFusedLogitsLoss.apply(logits_loss, model, hidden, labels, None, shards, head, "sum")
 
 
 def alst_step(config, device: torch.device, offload_optimizer: bool):
