@@ -38,6 +38,7 @@ def test_host_memory_guard_refuses_what_the_host_cannot_hold():
     cut = lc._config("llama3-8b", 524288, layers=8)
     assert lc.host_refusal("pipezero-offload", cut, 524288, True, available=120.0) is None
     assert lc.host_refusal("torch", full, 524288, False, available=120.0) is None  # nothing on the host
+    assert "fp32 training state 8.03B" in lc.host_refusal("torch", full, 4096, False, 120.0, cuda=False)
 
 
 def test_alst_model_and_loss_equal_transformers(monkeypatch):
