@@ -4,12 +4,15 @@
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
-#                      main-resume|gpu-tests|moe|moe-more ...]
+#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
 #   beside pipezero eager / compiled layers + fused loss (needs transformers: carry its wheel in .whl).
 #   offload-test: the offload tests that need CUDA (streams, pinned buffers, parameters off the GPU).
+#   alst-8b / alst-tiny: bench/long_context.py beside DeepSpeed ALST (Llama-3-8B's width at 8 layers, 512K
+#   tokens, optimizer on the host, DeepSpeed's CPU Adam JIT-built in the first alst run's set-up; TinyLlama's
+#   shape at 128K and 512K); needs transformers and deepspeed in .whl.
 #   (default: main-job smoke zero pipe comm precision; profile/trace: kernel tables and chrome traces under $OUT)
 #   main-job: the README's main job on 1 GPU and on 2 when present, failing unless every parameter and
 #   activation is on CUDA (--expect-device cuda); nsys: 2 steps of it under Nsight Systems with NVTX ranges.
@@ -95,6 +98,10 @@ for w in $what; do
     moe-more) run moe-more 560 python3 bench/moe.py --timeout 200 \
                 --runs hf-grouped_mm-compiled hf-grouped_mm torchtitan hf-eager hf-batched_mm hf-sonicmoe \
                 hf-deepgemm ;;
+    alst-8b) run alst-8b 570 env DS_SKIP_CUDA_CHECK=1 python3 bench/long_context.py --shape llama3-8b --layers 8 --steps 1 \
+               --runs alst pipezero-offload --lengths 524288 ;;  # issue 45 beside ALST (deepspeed in .whl)
+    alst-tiny) run alst-tiny 560 python3 bench/long_context.py --shape tinyllama --steps 1 --runs alst \
+                 --lengths 131072 524288 ;;
     data) run data 600 python3 bench/data.py --device cuda --hf-layers 22 --hidden 2048 --seq-len 2048 --batch 8 \
             --max-docs 400 --workers 8 ;;  # the loader's share of a 1.1B Llama step (needs transformers)
     speed) run speed-hf 300 python3 bench/hf.py --device cuda --nproc 1 --steps 3 --runs torch-compiled \

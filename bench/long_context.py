@@ -1,8 +1,9 @@
-"""Long packed sequences: tokens/s and peak memory per length, pipezero beside a plain PyTorch loop.
+"""Long packed sequences: tokens/s and peak memory per length, pipezero beside a plain PyTorch loop and ALST.
 
     python bench/long_context.py                                  # CPU: finetune's tiny Llama, 2K..16K
     python bench/long_context.py --lengths 8192 16384 --runs pipezero
     python bench/long_context.py --shape tinyllama --lengths 32768 65536   # CUDA: TinyLlama's shape, bf16
+    python bench/long_context.py --shape llama3-8b --layers 8 --runs pipezero-offload alst --lengths 131072
 
 One packed sequence per step (documents of 256..4,096 tokens end to end, positions restarting
 per document), a training step each (forward, backward, AdamW), the same random-weight model:
@@ -14,7 +15,18 @@ per document), a training step each (forward, backward, AdamW), the same random-
   torch     transformers' LlamaForCausalLM(sdpa) called with the packed position ids (transformers
             then builds the block-diagonal [T, T] mask), its logits and F.cross_entropy, AdamW
   torch-ckpt  the same with transformers' gradient_checkpointing_enable()
-Both eager (pipezero's default compile is off here: a fresh process per length would recompile).
+  alst      DeepSpeed 0.19.8's ALST at sequence degree 1 as its one-GPU recipe sets it: ZeRO-3, TiledMLP,
+            TiledFusedLogitsLoss, every layer checkpointed with its input on the host
+            (bench/long_context_alst.py; CUDA and deepspeed only, else the row says why)
+With --offload-optimizer (on by default for llama3-8b, whose AdamW state does not fit one GPU) the
+optimizer steps on the host: pipezero through ZeroOptimizer(stage=1, offload_optimizer) with a fused
+AdamW, alst through ZeRO-3's optimizer and parameter offload with DeepSpeed's CPU Adam. A run whose
+host memory (fp32 masters and Adam state when offloaded, the offloaded layer inputs) would exceed what
+the machine has available is refused with the numbers instead of started: the OOM killer would take
+the whole job. `--layers N` keeps a shape's layer width and cuts its depth (llama3-8b's 32 layers need
+~120 GiB of host memory for the offloaded optimizer alone).
+pipezero and torch are eager (pipezero's default compile is off here: a fresh process per length would
+recompile); alst attends through flash_attention_2 if installed, else flex_attention (compiled).
 Each (run, length) is a fresh subprocess, so the peak is that run's alone: CPU, the process's
 maximum resident set (getrusage; the interpreter and libraries included, ~0.4 GB); CUDA,
 torch.cuda.max_memory_allocated. A run that does not fit prints "out of memory".
@@ -36,13 +48,72 @@ SHAPES = {  # finetune's default model (train/finetune.py default_config) and Ti
                  num_attention_heads=4, num_key_value_heads=2),
     "tinyllama": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                       num_attention_heads=32, num_key_value_heads=4),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
 }
+_OFFLOADS_ACTIVATIONS = ("pipezero-offload", "alst")
+_GIB = 2**30
+_PROCESS_GIB = 6.0  # the interpreter, torch, the CUDA context and its pinned pools, on the host
 
 
-def _config(shape: str, length: int):
+def parameter_count(config) -> int:
+    """A Llama config's parameters: embedding and head (untied), the layers, the final norm."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    kv = config.num_key_value_heads * (h // heads)
+    layer = 2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size + 2 * h
+    return 2 * config.vocab_size * h + config.num_hidden_layers * layer + h
+
+
+def host_need(run: str, config, length: int, offload_optimizer: bool,
+              cuda: bool = True) -> tuple[float, str]:
+    """(GiB, how it adds up) of host memory one (run, length) takes: the offloaded optimizer (pipezero:
+    fp32 masters, Adam's two moments and the fp32 gradient landing buffers, 16 B/param; ALST's ZeRO-3
+    offload adds the bf16 parameters, 18 B/param), the offloaded layer inputs (layers x length x hidden
+    bf16), and the process itself. Without CUDA everything is on the host: fp32 weights, gradients and
+    Adam, 16 B/param, at the least."""
+    parts, total = [], _PROCESS_GIB
+    if not cuda:
+        gib = parameter_count(config) * 16 / _GIB
+        parts.append(f"fp32 training state {parameter_count(config) / 1e9:.2f}B params x 16 B = {gib:.1f} GiB")
+        total += gib
+    elif offload_optimizer and (run.startswith("pipezero") or run == "alst"):
+        per = 18 if run == "alst" else 16
+        gib = parameter_count(config) * per / _GIB
+        parts.append(f"optimizer {parameter_count(config) / 1e9:.2f}B params x {per} B = {gib:.1f} GiB")
+        total += gib
+    if run in _OFFLOADS_ACTIVATIONS:
+        gib = config.num_hidden_layers * length * config.hidden_size * 2 / _GIB
+        parts.append(f"layer inputs {config.num_hidden_layers} x {length:,} x {config.hidden_size} x 2 B = "
+                     f"{gib:.1f} GiB")
+        total += gib
+    return total, " + ".join(parts + [f"{_PROCESS_GIB:.0f} GiB for the process"])
+
+
+def host_available_gib() -> float:
+    """MemAvailable of /proc/meminfo (inf where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return float("inf")
+    return int(fields["MemAvailable"].split()[0]) * 1024 / _GIB
+
+
+def host_refusal(run: str, config, length: int, offload_optimizer: bool, available: float,
+                 cuda: bool = True) -> str | None:
+    """The message that refuses a run whose host memory would exceed `available` GiB, or None."""
+    need, parts = host_need(run, config, length, offload_optimizer, cuda)
+    if need <= available:
+        return None
+    return (f"refused: needs ~{need:.0f} GiB of host memory ({parts}), {available:.0f} GiB available; "
+            "try shorter --lengths or fewer --layers")
+
+
+def _config(shape: str, length: int, layers: int | None = None):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**SHAPES[shape], max_position_embeddings=length, bos_token_id=None, eos_token_id=None,
+    dims = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
+    return LlamaConfig(**dims, max_position_embeddings=length, bos_token_id=None, eos_token_id=None,
                        pad_token_id=None)
 
 
@@ -58,10 +129,10 @@ def _row(length: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, t
     return ids.to(device), torch.cat(positions)[None].to(device)
 
 
-RUNS = ("pipezero", "pipezero-full", "pipezero-offload", "torch", "torch-ckpt")
+RUNS = ("pipezero", "pipezero-full", "pipezero-offload", "torch", "torch-ckpt", "alst")
 
 
-def _pipezero_step(config, device, dtype, run="pipezero"):
+def _pipezero_step(config, device, dtype, run="pipezero", offload_optimizer=False):
     from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
     from pipezero.pipe.memory.recompute import RecomputeConfig
@@ -71,8 +142,12 @@ def _pipezero_step(config, device, dtype, run="pipezero"):
     with torch.device(device):
         module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1),
                                 loss_fn=causal_lm_loss, recompute=recompute, compile=False).to(dtype)
-    runner = PipelineRunner(module, make_schedule("1f1b", 1))
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=offload_optimizer or None)
+    if offload_optimizer:  # fp32 masters and Adam on the host; the fused CPU AdamW steps them
+        from pipezero.zero import ZeroConfig, ZeroOptimizer
+
+        opt = ZeroOptimizer(opt, module=module, config=ZeroConfig(stage=1, offload_optimizer=True))
+    runner = PipelineRunner(module, make_schedule("1f1b", 1), optimizer=opt)
 
     def step(ids, positions):
         runner.train_step((ids, None, positions), ids)
@@ -81,7 +156,7 @@ def _pipezero_step(config, device, dtype, run="pipezero"):
     return step
 
 
-def _torch_step(config, device, dtype, run="torch"):
+def _torch_step(config, device, dtype, run="torch", offload_optimizer=False):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
@@ -100,13 +175,26 @@ def _torch_step(config, device, dtype, run="torch"):
     return step
 
 
-def measure(run: str, shape: str, length: int, steps: int) -> dict:
+def _alst_step(config, device, dtype, run="alst", offload_optimizer=False):
+    from long_context_alst import alst_step
+
+    return alst_step(config, device, offload_optimizer)
+
+
+def measure(run: str, shape: str, length: int, steps: int, layers: int | None = None,
+            offload_optimizer: bool = False) -> dict:
     """One run at one length in this process: {tokens_per_s, peak_gb} or {error}."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    config = _config(shape, length)
-    step = (_pipezero_step if run.startswith("pipezero") else _torch_step)(config, device, dtype, run)
+    config = _config(shape, length, layers)
+    if run == "alst":
+        from long_context_alst import unavailable
+
+        if reason := unavailable():
+            return {"error": reason}
+    build = _alst_step if run == "alst" else _pipezero_step if run.startswith("pipezero") else _torch_step
+    step = build(config, device, dtype, run, offload_optimizer)
     ids, positions = _row(length, config.vocab_size, device)
     try:
         step(ids, positions)  # warm-up
@@ -124,9 +212,10 @@ def measure(run: str, shape: str, length: int, steps: int) -> dict:
     return {"tokens_per_s": steps * length / elapsed, "peak_gb": peak / 2**30}
 
 
-def _in_subprocess(run: str, shape: str, length: int, steps: int) -> dict:
+def _in_subprocess(run: str, shape: str, length: int, steps: int, layers: int | None, offload: bool) -> dict:
     cmd = [sys.executable, __file__, "--worker", run, "--shape", shape, "--lengths", str(length),
-           "--steps", str(steps)]
+           "--steps", str(steps), "--offload-optimizer", "on" if offload else "off"]
+    cmd += ["--layers", str(layers)] if layers else []
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -141,19 +230,31 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", default=["pipezero", "torch"], choices=RUNS)
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    p.add_argument("--layers", type=int, default=None, help="the shape's depth cut to N layers (same width)")
+    p.add_argument("--offload-optimizer", default="auto", choices=("auto", "on", "off"),
+                   help="AdamW state on the host (auto: on for llama3-8b)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    auto = args.offload_optimizer == "auto"
+    offload = args.offload_optimizer == "on" or (auto and args.shape == "llama3-8b")
     if args.worker:
-        print(json.dumps(measure(args.worker, args.shape, args.lengths[0], args.steps)), flush=True)
+        r = measure(args.worker, args.shape, args.lengths[0], args.steps, args.layers, offload)
+        print(json.dumps(r), flush=True)
         return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (fp32)"
-    print(f"{args.shape} Llama on {device}, one packed sequence per step; peak: "
+    depth = f", {args.layers} layers" if args.layers else ""
+    print(f"{args.shape} Llama{depth} on {device}, one packed sequence per step; optimizer on the "
+          f"{'host' if offload else 'device'}; peak: "
           f"{'max allocated' if torch.cuda.is_available() else 'max RSS of a fresh process'}")
     print(f"{'run':<16} {'length':>8} {'tokens/s':>10} {'peak GB':>9} {'x previous':>11}")
+    available = host_available_gib()
     for run in args.runs:
         previous = None
         for length in args.lengths:
-            r = _in_subprocess(run, args.shape, length, args.steps)
+            config = _config(args.shape, length, args.layers)
+            refusal = host_refusal(run, config, length, offload, available, torch.cuda.is_available())
+            r = {"error": refusal} if refusal else _in_subprocess(run, args.shape, length, args.steps,
+                                                                   args.layers, offload)
             if "error" in r:
                 print(f"{run:<16} {length:>8} {r['error']}", flush=True)
                 previous = None

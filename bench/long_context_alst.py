@@ -1,0 +1,150 @@
+"""DeepSpeed ALST at sequence degree 1: bench/long_context.py's `alst` runner.
+
+Arctic Long Sequence Training (Bekman et al. 2025, arXiv 2506.13996; DeepSpeed 0.19.8's
+runtime/sequence_parallel/ulysses_sp.py) as ArcticTraining's one-GPU recipe sets it
+(projects/sequence-parallelism/run-h100-sp1-llama-8b.yml): sequence_parallel_size 1 (so no Ulysses:
+register_with_transformers does nothing at degree 1), `tiled_mlp_compute` (every LlamaMLP through
+DeepSpeed's `TiledMLP`, ceil(seq / hidden) shards, each recomputed in backward),
+`activation_checkpoint_cpu_offload` (every decoder layer checkpointed, its hidden-state input held on
+the host), the logits and loss through DeepSpeed's `TiledFusedLogitsLoss` (shards of ~1 GiB of fp32
+logits, the trainer's rule), bf16, ZeRO-3; with `offload_optimizer` the recipe's CPU optimizer and
+parameter offload (DeepSpeed's CPU Adam, JIT-built with nvcc / ninja at its first use).
+
+The checkpointed inputs go to pinned host memory through transformers' own
+`activation_checkpointing_enable(offload=True)` with reentrant checkpoints: the same tensors ALST's
+patch of torch's reentrant checkpoint function moves (each layer's hidden-state input), copied on the
+compute stream, as ALST's are. Attention: the model's
+`flash_attention_2` when the flash_attn package is present (the recipe's), else `flex_attention`
+(transformers' document mask from the packed position ids: ALST's kernels do not include one), so each
+document is attended on its own, as pipezero does.
+
+DeepSpeed needs an accelerator: on CPU `unavailable()` says so and the bench prints it as the row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import socket
+import types
+
+import torch
+
+__all__ = ["alst_loss", "alst_model", "alst_step", "attention", "unavailable"]
+
+
+def unavailable() -> str | None:
+    """Why the ALST runner cannot run here, or None."""
+    if not torch.cuda.is_available():
+        return "not run: DeepSpeed ALST needs a CUDA device"
+    if importlib.util.find_spec("deepspeed") is None:
+        return "not run: deepspeed is not installed (the README's Long sequences section: the install line)"
+    return None
+
+
+def attention() -> str:
+    """The attention ALST runs with here: the recipe's flash_attention_2 if present, else flex_attention."""
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention"
+
+
+def _one_process_group() -> None:
+    """deepspeed.initialize wants torch.distributed: a group of one on a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        os.environ.setdefault(key, value)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False, verbose=False)
+
+
+def _tiled_mlp(mlp: torch.nn.Module) -> None:
+    """ALST's tiled_mlp_compute on one LlamaMLP: ceil(seq / hidden) row shards through TiledMLP."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    def whole(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward(self, x):
+        shards = math.ceil(x.shape[-2] / x.shape[-1])
+        params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+        return TiledMLP.apply(whole, self, x, shards, params)
+    mlp.forward = types.MethodType(forward, mlp)
+
+
+def _ds_config(offload_optimizer: bool) -> dict:
+    zero: dict = {"stage": 3}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 1 << 30,
+              "wall_clock_breakdown": False}
+    if offload_optimizer:  # the sp1 recipe: optimizer and parameters on the host, DeepSpeed's CPU Adam
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
+    return config
+
+
+def _loss_shards(length: int, vocab: int) -> int:
+    """ArcticTraining's rule: about 1 GiB of fp32 logits a shard."""
+    return max(1, math.ceil(length * vocab * 4 / 2**30))
+
+
+def alst_model(config, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """The random-weight LlamaForCausalLM with ALST's one-GPU switches: tiled MLPs, every layer
+    checkpointed, its input on the host (on a CUDA device: pinned host memory needs one)."""
+    from transformers import AutoModelForCausalLM
+
+    implementation = attention() if device.type == "cuda" else "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
+    model.config.use_cache = False
+    for layer in model.model.layers:
+        _tiled_mlp(layer.mlp)
+    # reentrant, as the checkpoint function ALST patches (and ZeRO-3's well-trodden path): the saved
+    # inputs are the layer's hidden states alone, which offload moves to pinned host memory
+    model.activation_checkpointing_enable({"use_reentrant": True}, offload=device.type == "cuda")
+    return model.train()
+
+
+def alst_loss(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss with ALST's tiled logits + loss: no [seq, vocab] tensor is ever whole.
+
+    TiledFusedLogitsLoss makes the head's gradient in its forward, shard by shard, with an incoming
+    gradient of 1 ("sum"); a division of its result afterwards reaches the hidden states' gradient but
+    not the head's (it came out count times too large). So each shard divides its own sum by the
+    whole row's count of trained tokens, and the shards add up to the mean.
+    """
+    import torch.nn.functional as F
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+    count = ids.shape[1] - 1
+
+    def logits_loss(self, x, y):
+        logits = self.lm_head(x).float()  # x: a shard of the flattened [batch * seq, hidden] rows
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100,
+                               reduction="sum") / count
+
+    hidden = model.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    shards = _loss_shards(ids.shape[1], model.config.vocab_size)
+    head = [model.lm_head.weight]
+    return TiledFusedLogitsLoss.apply(logits_loss, model, hidden, labels, None, shards, head, "sum")
+
+
+def alst_step(config, device: torch.device, offload_optimizer: bool):
+    """A training step (forward, backward, AdamW) of ALST's one-GPU recipe on a random-weight model."""
+    import deepspeed
+
+    _one_process_group()
+    model = alst_model(config, device)
+    client = None if offload_optimizer else torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=_ds_config(offload_optimizer),
+                                      model_parameters=model.parameters())
+
+    def step(ids, positions):
+        engine.backward(alst_loss(engine.module, ids, positions))
+        engine.step()
+    return step
