@@ -3,8 +3,8 @@
 Parameters are packed into flat buckets, one (param group, dtype) per bucket, so that one
 collective moves a whole bucket. Each bucket is padded with zeros to a multiple of its
 group's size and split into equal contiguous slices; group rank r owns slice r of every
-bucket (the layout FSDP uses per unit). The group is the bucket's param group's (reduction.py:
-the optimizer's, or one the param group names, as expert parameters do). Padding is never dropped and never read back.
+bucket (the layout FSDP uses per unit). The group is the bucket's param group's
+(reduction.py: the optimizer's, or one the param group names, as expert parameters do). Padding is never dropped and never read back.
 
 The model parameters become views into their bucket's flat buffer, so an fp32 model needs
 no separate fp32 master copy: the shard the inner optimizer steps is a view of the slice.

@@ -31,7 +31,7 @@ KEYS = (GROUP_KEY, MEAN_KEY)
 
 @dataclass(frozen=True, slots=True)
 class Reduction:
-    """One param group's reduction: over `group` (`size` ranks, this one `rank`), the sum divided by `mean_over`."""
+    """One param group's reduction: over `group` (`size` ranks, this one `rank`), the sum / `mean_over`."""
 
     group: Any
     size: int
@@ -52,7 +52,7 @@ def _of(group: Any) -> tuple[int, int]:
 
 
 def take_reductions(param_groups: list[dict], default_group: Any) -> list[Reduction]:
-    """Each param group's Reduction, its keys popped from the group (checked on every rank, before any collective)."""
+    """Each param group's Reduction, its keys popped from the group (checked before any collective)."""
     out = []
     for g, pg in enumerate(param_groups):
         unknown = sorted(k for k in pg if isinstance(k, str) and k.startswith("zero_") and k not in KEYS)
@@ -62,8 +62,9 @@ def take_reductions(param_groups: list[dict], default_group: Any) -> list[Reduct
         group = pg.pop(GROUP_KEY) if has_own else default_group
         size, rank = _of(group)
         if rank < 0:
-            raise ValueError(f"param group {g}: {GROUP_KEY!r} is a process group this rank is not in; give each "
-                             "rank the group of the ranks that hold the same parameters (e.g. grid.expert_data_group)")
+            raise ValueError(f"param group {g}: {GROUP_KEY!r} is a process group this rank is not in; give "
+                             "each rank the group of the ranks that hold the same parameters (e.g. "
+                             "grid.expert_data_group)")
         mean_over = pg.pop(MEAN_KEY, size)
         if not is_int(mean_over, 1):
             raise ValueError(f"param group {g}: {MEAN_KEY!r} = {mean_over!r}; expected a positive integer, the "
