@@ -106,8 +106,54 @@ def _clipped(family: str) -> tuple[torch.Tensor, dict, float]:
     return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, max_norm
 
 
+# build() from a ds_config with DeepSpeed's expert_parallel section: Adam whose eps (1e3) dwarfs every
+# gradient steps each parameter by lr * g / (|g| + eps), near g at lr = eps: the update shows the gradient
+BUILT = dict(family="qwen3_moe", expert=2, stage=2, lr=1e3, eps=1e3, clip=1.0)
+
+
+def _built_step() -> tuple:
+    """One step of build()'s parts at expert 2 x data 2: the loss, each parameter's update by Hugging Face name,
+    which experts this rank holds (as _expert_step)."""
+    from pipezero.pipe.expert import expert_parameters
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.train import build
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "pipeline": {"stages": 1},
+              "zero_optimization": {"stage": BUILT["stage"]}, "gradient_clipping": BUILT["clip"],
+              "optimizer": {"type": "Adam", "params": {"lr": BUILT["lr"], "eps": BUILT["eps"]}},
+              "expert_parallel": {"enabled": True, "autoep_size": BUILT["expert"]}}
+    parts = build(config, specs=hf_layer_specs(_model(BUILT["family"])), loss_fn=causal_lm_loss)
+    grid, module = parts.grid, parts.module
+    assert grid.expert_size == BUILT["expert"] and len(parts.inner.param_groups) == 2
+    assert all(p.shape[0] == 4 // BUILT["expert"] for p in expert_parameters(module))
+    before = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
+              for n, p in layer.hf_parameters()}
+    ids, mask, labels = _batch(True)
+    rows = slice(grid.data_expert_rank, grid.data_expert_rank + 1)
+    loss = parts.runner.train_step((ids[rows], mask[rows]), _targets(labels)[rows])
+    assert parts.optimizer.step() is not False
+    after = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
+             for n, p in layer.hf_parameters()}
+    held = grid.expert_rank
+    part = held * 4 // BUILT["expert"], (held + 1) * 4 // BUILT["expert"]
+    return loss, {n: before[n] - after[n] for n in after}, part, None
+
+
+def _built_truth() -> tuple[torch.Tensor, dict]:
+    """transformers' loss, and each parameter's update by torch's own clip_grad_norm_ and Adam."""
+    loss, grads = _truth(BUILT["family"], True, WORLD)
+    model = _model(BUILT["family"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.grad = grads.get(name)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), BUILT["clip"])
+    torch.optim.Adam(model.parameters(), lr=BUILT["lr"], eps=BUILT["eps"]).step()
+    return loss, {n: before[n] - p.detach() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _cases(max_norms: list[float]) -> list:
-    return [_expert_step(*case, max_norm) for case, max_norm in zip(CASES, max_norms)]
+    return [_expert_step(*case, max_norm) for case, max_norm in zip(CASES, max_norms)] + [_built_step()]
 
 
 def test_expert_parallel_equals_one_process():
@@ -115,14 +161,14 @@ def test_expert_parallel_equals_one_process():
     out of the clipping norm."""
     truths = {family: _clipped(family) for family in sorted({case[0] for case in CASES})}
     results = run(_cases, WORLD, [truths[case[0]][2] for case in CASES], timeout=300)
-    for i, (family, expert, pipe, *_) in enumerate(CASES):
-        want_loss, want_grads, _ = truths[family]
+    wanted = [(case[0], *truths[case[0]][:2]) for case in CASES] + [(BUILT["family"], *_built_truth())]
+    for i, (family, want_loss, want_grads) in enumerate(wanted):
         grads = {}
-
         for rank_results in results:
             loss, rank_grads, (lo, hi), whole = rank_results[i]
             stepped = {n: p.detach() - want_grads[n] for n, p in _model(family).named_parameters()}
-            assert whole and all(torch.allclose(t, stepped[n], rtol=1e-5, atol=1e-5) for n, t in whole.items())
+            assert whole is None or whole and all(torch.allclose(t, stepped[n], rtol=1e-5, atol=1e-5)
+                                                  for n, t in whole.items())
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family}: {m}")
             for name, value in rank_grads.items():
                 want = want_grads[name][lo:hi] if ".experts." in name else want_grads[name]
