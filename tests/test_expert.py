@@ -15,6 +15,8 @@ The truth is transformers' model on the whole batch, one microbatch per rank
 clip_grad_norm_ to half their norm: the loss and, through one SGD step of rate 1, every clipped
 gradient by Hugging Face name (an expert's on the rank holding it), fp32; hf_state_dict gathers
 every expert whole. An inf in one expert's gradient on one rank skips the step on every rank.
+build() from a ds_config with expert_parallel trains the same (Adam). A param group's own reduction group
+keeps its mean over two backwards before a step, at ZeRO 0-3 (a plain two-layer model).
 """
 
 import contextlib
@@ -152,8 +154,48 @@ def _built_truth() -> tuple[torch.Tensor, dict]:
     return loss, {n: before[n] - p.detach() for n, p in model.named_parameters() if p.grad is not None}
 
 
+# a param group's own reduction group over two backwards before a step (each reduces; the second adds to the
+# first's kept result): a plain two-layer model, its second layer reduced as an expert's would be
+ACCUMULATED = [(0, 2), (1, 2), (2, 2), (3, 2), (0, 4), (1, 4)]  # ZeRO stage, expert degree
+
+
+def _local_grads(rank: int) -> list[torch.Tensor]:
+    """This rank's two backwards' gradients, summed, of the plain two-layer model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    for step in range(2):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * rank + step))
+        model(x).square().sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _accumulated(stage: int, expert: int) -> list[torch.Tensor]:
+    """Each parameter's SGD(lr=1) update: the dense layer averaged over the world, the other summed over the
+    grid's expert data group and divided by data x expert (zero_group, zero_mean_over)."""
+    from pipezero.topology import Grid
+    from pipezero.zero import ZeroOptimizer, gathered
+
+    grid = Grid(expert=expert)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    groups = [{"params": list(model[0].parameters())},
+              {"params": list(model[2].parameters()), "zero_group": grid.expert_data_group,
+               "zero_mean_over": grid.data_expert_size}]
+    opt = ZeroOptimizer(torch.optim.SGD(groups, lr=1.0), stage=stage, group=grid.data_sequence_group,
+                        module=model if stage == 3 else None)
+    with gathered(opt) if stage == 3 else contextlib.nullcontext():
+        before = [p.detach().clone() for p in model.parameters()]
+    for step in range(2):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * grid.rank + step))
+        model(x).square().sum().backward()
+    opt.step()
+    with gathered(opt) if stage == 3 else contextlib.nullcontext():
+        return [b - p.detach() for b, p in zip(before, model.parameters())]
+
+
 def _cases(max_norms: list[float]) -> list:
-    return [_expert_step(*case, max_norm) for case, max_norm in zip(CASES, max_norms)] + [_built_step()]
+    return ([_expert_step(*case, max_norm) for case, max_norm in zip(CASES, max_norms)] + [_built_step()] +
+            [_accumulated(*case) for case in ACCUMULATED])
 
 
 def test_expert_parallel_equals_one_process():
@@ -175,3 +217,11 @@ def test_expert_parallel_equals_one_process():
                 torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family} {name}: {m}")
                 grads[name] = value
         assert set(grads) == set(want_grads), (family, set(grads) ^ set(want_grads))
+    local = [_local_grads(rank) for rank in range(WORLD)]
+    for i, (stage, expert) in enumerate(ACCUMULATED, start=len(wanted)):
+        for rank, updates in enumerate(results):
+            same = [r for r in range(WORLD) if r % expert == rank % expert]  # the grid's expert data group
+            want = [sum(g[k] for g in local) / WORLD for k in range(2)] + \
+                [sum(local[r][k] for r in same) / WORLD for k in range(2, 4)]
+            for k, (got, w) in enumerate(zip(updates[i], want)):
+                torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{stage, expert, k}: {m}")
