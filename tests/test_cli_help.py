@@ -101,5 +101,6 @@ def test_train_launches_tensor_and_sequence_ranks_too(monkeypatch, tmp_path):
     assert cli.main(["train", "--steps", "2", "--sequence-parallel", "2"]) == 0
     assert cli.main(["train", "--steps", "2", "--tensor", "2", "--data", "2"]) == 0
     assert cli.main(["train", str(config), "--pipe", "1"]) == 0
+    assert cli.main(["train", "--steps", "2", "--expert-parallel", "2"]) == 0  # the job refuses it: the GPT
     assert [next(t for t in cmd if t.startswith("--nproc-per-node=")) for cmd in calls] == [
-        "--nproc-per-node=4", "--nproc-per-node=8", "--nproc-per-node=2"], calls
+        "--nproc-per-node=4", "--nproc-per-node=8", "--nproc-per-node=2", "--nproc-per-node=4"], calls

@@ -199,6 +199,33 @@ def test_zero_warmup_steps_refused_as_deepspeed_refuses(kind):
         parse_config({"train_batch_size": 1, "scheduler": {"type": kind, "params": params}})
 
 
+def test_expert_parallel_is_deepspeeds_autoep_section(monkeypatch):
+    """DeepSpeed 0.19.8's "expert_parallel" {"enabled", "autoep_size"} sets the grid's expert axis (it was
+    refused), read as DeepSpeed's own parser reads it; the rows stay per data x expert rank (the batch is
+    DeepSpeed's); routing keys off their defaults, an expert tensor split and a size that does not divide
+    the data degree are refused; the GPT job and finetune refuse --expert-parallel with their reason."""
+    raw = {"train_micro_batch_size_per_gpu": 2, "expert_parallel": {"enabled": True, "autoep_size": 2,
+                                                                     "top_k": "auto", "use_grouped_mm": False}}
+    ds = _deepspeed(raw, 4)
+    cfg = parse_config(raw, world_size=4)
+    assert cfg.expert == ds.expert_parallel_config.autoep_size == 2
+    assert cfg.batch.train_batch_size == ds.train_batch_size == 8
+    assert parse_config({**raw, "expert_parallel": {"enabled": False, "autoep_size": 2}}, world_size=4).expert == 1
+    for bad, match in (({"autoep_size": 3}, "autoep_size.. = 3 does not divide the data degree 4"),
+                       ({"top_k": 4}, "top_k.. = 4: .* leave it at 'auto'"),
+                       ({"expert_tensor_parallel_size": 2}, "set it to 1")):
+        with pytest.raises(ConfigError, match=match):
+            parse_config({**raw, "expert_parallel": {**raw["expert_parallel"], **bad}}, world_size=4)
+    from pipezero.train import finetune
+    from pipezero.train.gpt import job
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="the GPT this job trains has no experts"):
+        job.train_config(job.parse_args(["--expert-parallel", "2", "--pipe", "1"]), None)
+    with pytest.raises(ValueError, match="pipezero finetune: expert parallelism 2 .* not in this command yet"):
+        finetune.train_config(finetune.parse_args(["--expert-parallel", "2", "--pipe", "1"]), None, 32)
+
+
 @pytest.mark.parametrize("given", [{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3},
                                    {"train_batch_size": 12, "gradient_accumulation_steps": 3}])
 def test_sequence_parallel_size_shares_the_batch_as_deepspeed_does(given):

@@ -1,18 +1,22 @@
 """Expert parallelism (pipe/expert/) equals one process: tiny MoEs, their experts split over an expert group.
 
 Four gloo ranks, each a data replica of the dense layers with its own rows of the batch:
-Qwen3-MoE at pipe 1 with expert 4 (each rank one of the four experts) and expert 2 x data 2
-(each pair of ranks splits the experts, each expert held by two ranks whose gradients are
-summed; the dense parameters under ZeRO-3 there); Mixtral and DeepSeek-V3 (shared experts, a
-dense first layer) at pipe 2 x expert 2 under 1F1B, and Mixtral under ZB-V (split backward; the
-final norm and the head on different stages: the load-balancing term crosses a boundary). The
-groups come from Grid(expert=E): its expert axis (E consecutive ranks of the old data axis) splits
-the experts, its data axis holds the same experts. The dense parameters train under ZeRO-1 over
-data x expert (all four ranks at pipe 1), the experts under their own SGD after reduce_expert_grads.
-The truth is transformers' model on the whole batch, one microbatch per
-rank (output_router_logits=True: the load-balancing loss too): the loss and, through one SGD
-step of rate 1, every gradient by Hugging Face name (an expert's on the rank holding it), fp32;
-hf_state_dict gathers every expert whole.
+Qwen3-MoE at pipe 1 with expert 4 (each rank one of the four experts; the experts' reduction group
+is one rank) and expert 2 x data 2 (each pair of ranks splits the experts, each expert held by two
+ranks whose gradients are summed), under ZeRO 1, 2 and 3; Mixtral and DeepSeek-V3 (shared
+experts, a dense first layer) at pipe 2 x expert 2 under 1F1B, and Mixtral under ZB-V (split
+backward; the final norm and the head on different stages: the load-balancing term crosses a
+boundary). The groups come from Grid(expert=E): its expert axis (E consecutive ranks of the old
+data axis) splits the experts, its data axis holds the same experts. One optimizer,
+ZeroOptimizer(LossScaler(SGD, clipping on)) over data x expert, takes expert_param_groups: the
+experts reduce and shard over their own data group (zero/reduction.py).
+The truth is transformers' model on the whole batch, one microbatch per rank
+(output_router_logits=True: the load-balancing loss too), its gradients clipped by torch's own
+clip_grad_norm_ to half their norm: the loss and, through one SGD step of rate 1, every clipped
+gradient by Hugging Face name (an expert's on the rank holding it), fp32; hf_state_dict gathers
+every expert whole. An inf in one expert's gradient on one rank skips the step on every rank.
+build() from a ds_config with expert_parallel trains the same (Adam). A param group's own reduction group
+keeps its mean over two backwards before a step, at ZeRO 0-3 (a plain two-layer model).
 """
 
 import contextlib
@@ -28,13 +32,14 @@ from test_hf_router import _batch, _targets, _truth, _model  # noqa: E402
 WORLD = 4
 
 
-def _expert_step(family: str, expert: int, pipe: int = 1, zero_stage: int = 1, zbv: bool = False) -> tuple:
+def _expert_step(family: str, expert: int, pipe: int, zero_stage: int, zbv: bool, max_norm: float) -> tuple:
     """One step at pipe x data x expert = WORLD: the loss, each parameter's gradient by Hugging Face name, and
     which experts this rank holds. The groups are the Grid's; the asserts check them against the layout."""
     import torch.distributed as dist
 
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
-    from pipezero.pipe.expert import expert_parameters, reduce_expert_grads, shard_experts
+    from pipezero.pipe.expert import expert_param_groups, expert_parameters, shard_experts
+    from pipezero.precision import LossScaler
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict
     from pipezero.pipe.hf.specs import _HFLayer
     from pipezero.topology import Grid
@@ -51,23 +56,31 @@ def _expert_step(family: str, expert: int, pipe: int = 1, zero_stage: int = 1, z
     assert grid.group_ranks("data_sequence") == list(range(first, first + replicas))
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
                             partition_method="uniform", num_chunks=2 if zbv else 1, placement="v" if zbv else "looped")
+    with pytest.raises(ValueError, match="no sharded experts; call shard_experts"):
+        expert_param_groups(module, grid)
     assert shard_experts(module, expert_group) > 0
     experts = expert_parameters(module)
     assert experts and all(p.shape[0] == 4 // expert for p in experts)  # this rank's experts only
-    dense = [p for p in module.parameters() if all(p is not e for e in experts)]
     before = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
               for n, p in layer.hf_parameters()}
-    opt = ZeroOptimizer(torch.optim.SGD(dense, lr=1.0), stage=zero_stage, group=grid.data_sequence_group,
+    scaler = LossScaler(torch.optim.SGD(expert_param_groups(module, grid), lr=1.0), init_scale=1.0, dynamic=False,
+                        clip_grad_norm=max_norm)
+    opt = ZeroOptimizer(scaler, stage=zero_stage, group=grid.data_sequence_group,
                         module=module if zero_stage == 3 else None)
-    expert_opt = torch.optim.SGD(experts, lr=1.0)
     runner = PipelineRunner(module, (ZeroBubbleV if zbv else OneFOneB)(num_microbatches=pipe), optimizer=opt)
     ids, mask, labels = _batch(True)
     share = ids.shape[0] // grid.data_expert_size
     rows = slice(grid.data_expert_rank * share, (grid.data_expert_rank + 1) * share)
-    loss = runner.train_step((ids[rows], mask[rows]), _targets(labels)[rows])
-    reduce_expert_grads(experts, same_experts, grid.data_expert_size)
-    opt.step()
-    expert_opt.step()
+    batch = (ids[rows], mask[rows]), _targets(labels)[rows]
+    loss = runner.train_step(*batch)
+    assert opt.step() is not False
+    if zero_stage == 1 and pipe == 1:  # an inf in one expert's gradient, on one rank: every rank skips
+        hook = experts[0].register_hook(lambda g: g * float("inf")) if grid.rank == WORLD - 1 else None
+        opt.zero_grad()
+        runner.train_step(*batch)
+        assert opt.step() is False and scaler.skipped_steps == 1
+        if hook is not None:
+            hook.remove()
     held = grid.expert_rank
     assert held == dist.get_rank(expert_group)
     part = held * 4 // expert, (held + 1) * 4 // expert  # this rank's experts
@@ -78,28 +91,139 @@ def _expert_step(family: str, expert: int, pipe: int = 1, zero_stage: int = 1, z
     return loss, {n: before[n] - after[n] for n in after}, part, whole
 
 
-CASES = [("qwen3_moe", 4, 1, 1, False), ("qwen3_moe", 2, 1, 3, False), ("mixtral", 2, 2, 1, False),
-         ("deepseek_v3", 2, 2, 1, False), ("mixtral", 2, 2, 1, True)]
-# family, expert, pipe, ZeRO stage of the dense parameters, ZB-V (else 1F1B)
+CASES = [("qwen3_moe", 4, 1, 1, False), ("qwen3_moe", 4, 1, 3, False), ("qwen3_moe", 2, 1, 2, False),
+         ("qwen3_moe", 2, 1, 3, False), ("mixtral", 2, 2, 1, False), ("deepseek_v3", 2, 2, 1, False),
+         ("mixtral", 2, 2, 1, True)]
+# family, expert, pipe, ZeRO stage (dense and expert parameters), ZB-V (else 1F1B)
 
 
-def _cases() -> list:
-    return [_expert_step(*case) for case in CASES]
+def _clipped(family: str) -> tuple[torch.Tensor, dict, float]:
+    """transformers' loss and gradients (one microbatch per data x expert rank), the gradients clipped by
+    torch.nn.utils.clip_grad_norm_ to half their global norm, and that max norm."""
+    loss, grads = _truth(family, True, WORLD)
+    model = _model(family)
+    for name, p in model.named_parameters():
+        p.grad = grads.get(name)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    max_norm = float(norm) / 2
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, max_norm
+
+
+# build() from a ds_config with DeepSpeed's expert_parallel section: Adam whose eps (1e3) dwarfs every
+# gradient steps each parameter by lr * g / (|g| + eps), near g at lr = eps: the update shows the gradient
+BUILT = dict(family="qwen3_moe", expert=2, stage=2, lr=1e3, eps=1e3, clip=1.0)
+
+
+def _built_step() -> tuple:
+    """One step of build()'s parts at expert 2 x data 2: the loss, each parameter's update by Hugging Face name,
+    which experts this rank holds (as _expert_step)."""
+    from pipezero.pipe.expert import expert_parameters
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.train import build
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "pipeline": {"stages": 1},
+              "zero_optimization": {"stage": BUILT["stage"]}, "gradient_clipping": BUILT["clip"],
+              "optimizer": {"type": "Adam", "params": {"lr": BUILT["lr"], "eps": BUILT["eps"]}},
+              "expert_parallel": {"enabled": True, "autoep_size": BUILT["expert"]}}
+    parts = build(config, specs=hf_layer_specs(_model(BUILT["family"])), loss_fn=causal_lm_loss)
+    grid, module = parts.grid, parts.module
+    assert grid.expert_size == BUILT["expert"] and len(parts.inner.param_groups) == 2
+    assert all(p.shape[0] == 4 // BUILT["expert"] for p in expert_parameters(module))
+    before = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
+              for n, p in layer.hf_parameters()}
+    ids, mask, labels = _batch(True)
+    rows = slice(grid.data_expert_rank, grid.data_expert_rank + 1)
+    loss = parts.runner.train_step((ids[rows], mask[rows]), _targets(labels)[rows])
+    assert parts.optimizer.step() is not False
+    after = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
+             for n, p in layer.hf_parameters()}
+    held = grid.expert_rank
+    part = held * 4 // BUILT["expert"], (held + 1) * 4 // BUILT["expert"]
+    return loss, {n: before[n] - after[n] for n in after}, part, None
+
+
+def _built_truth() -> tuple[torch.Tensor, dict]:
+    """transformers' loss, and each parameter's update by torch's own clip_grad_norm_ and Adam."""
+    loss, grads = _truth(BUILT["family"], True, WORLD)
+    model = _model(BUILT["family"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.grad = grads.get(name)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), BUILT["clip"])
+    torch.optim.Adam(model.parameters(), lr=BUILT["lr"], eps=BUILT["eps"]).step()
+    return loss, {n: before[n] - p.detach() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# a param group's own reduction group over two backwards before a step (each reduces; the second adds to the
+# first's kept result): a plain two-layer model, its second layer reduced as an expert's would be
+ACCUMULATED = [(0, 2), (1, 2), (2, 2), (3, 2), (0, 4), (1, 4)]  # ZeRO stage, expert degree
+
+
+def _local_grads(rank: int) -> list[torch.Tensor]:
+    """This rank's two backwards' gradients, summed, of the plain two-layer model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    for step in range(2):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * rank + step))
+        model(x).square().sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _accumulated(stage: int, expert: int) -> list[torch.Tensor]:
+    """Each parameter's SGD(lr=1) update: the dense layer averaged over the world, the other summed over the
+    grid's expert data group and divided by data x expert (zero_group, zero_mean_over)."""
+    from pipezero.topology import Grid
+    from pipezero.zero import ZeroOptimizer, gathered
+
+    grid = Grid(expert=expert)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    groups = [{"params": list(model[0].parameters())},
+              {"params": list(model[2].parameters()), "zero_group": grid.expert_data_group,
+               "zero_mean_over": grid.data_expert_size}]
+    opt = ZeroOptimizer(torch.optim.SGD(groups, lr=1.0), stage=stage, group=grid.data_sequence_group,
+                        module=model if stage == 3 else None)
+    with gathered(opt) if stage == 3 else contextlib.nullcontext():
+        before = [p.detach().clone() for p in model.parameters()]
+    for step in range(2):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * grid.rank + step))
+        model(x).square().sum().backward()
+    opt.step()
+    with gathered(opt) if stage == 3 else contextlib.nullcontext():
+        return [b - p.detach() for b, p in zip(before, model.parameters())]
+
+
+def _cases(max_norms: list[float]) -> list:
+    return ([_expert_step(*case, max_norm) for case, max_norm in zip(CASES, max_norms)] + [_built_step()] +
+            [_accumulated(*case) for case in ACCUMULATED])
 
 
 def test_expert_parallel_equals_one_process():
-    """Each fails with the expert gradients divided by the ranks holding the same experts only."""
-    results = run(_cases, WORLD, timeout=300)
-    for i, (family, expert, pipe, *_) in enumerate(CASES):
-        want_loss, want_grads = _truth(family, True, WORLD)  # one microbatch per (data rank, microbatch)
+    """Each fails with the expert gradients divided by the ranks holding the same experts only, or left
+    out of the clipping norm."""
+    truths = {family: _clipped(family) for family in sorted({case[0] for case in CASES})}
+    results = run(_cases, WORLD, [truths[case[0]][2] for case in CASES], timeout=300)
+    wanted = [(case[0], *truths[case[0]][:2]) for case in CASES] + [(BUILT["family"], *_built_truth())]
+    for i, (family, want_loss, want_grads) in enumerate(wanted):
         grads = {}
         for rank_results in results:
             loss, rank_grads, (lo, hi), whole = rank_results[i]
             stepped = {n: p.detach() - want_grads[n] for n, p in _model(family).named_parameters()}
-            assert whole and all(torch.allclose(t, stepped[n], rtol=1e-5, atol=1e-5) for n, t in whole.items())
+            assert whole is None or whole and all(torch.allclose(t, stepped[n], rtol=1e-5, atol=1e-5)
+                                                  for n, t in whole.items())
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family}: {m}")
             for name, value in rank_grads.items():
                 want = want_grads[name][lo:hi] if ".experts." in name else want_grads[name]
                 torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family} {name}: {m}")
                 grads[name] = value
         assert set(grads) == set(want_grads), (family, set(grads) ^ set(want_grads))
+    local = [_local_grads(rank) for rank in range(WORLD)]
+    for i, (stage, expert) in enumerate(ACCUMULATED, start=len(wanted)):
+        for rank, updates in enumerate(results):
+            same = [r for r in range(WORLD) if r % expert == rank % expert]  # the grid's expert data group
+            want = [sum(g[k] for g in local) / WORLD for k in range(2)] + \
+                [sum(local[r][k] for r in same) / WORLD for k in range(2, 4)]
+            for k, (got, w) in enumerate(zip(updates[i], want)):
+                torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{stage, expert, k}: {m}")

@@ -210,6 +210,23 @@ def test_bad_arguments():
         ZeroOptimizer(model, stage=1)
 
 
+def test_a_param_groups_own_reduction_group_keys():
+    """zero_group / zero_mean_over (zero/reduction.py) are taken out of the param group (no process group
+    reaches a state_dict); a misspelt zero_ key or a bad divisor is refused, naming it."""
+    model = make_model()
+    params = list(model.parameters())
+    opt = ZeroOptimizer(torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "zero_group": None,
+                                                                   "zero_mean_over": 2}], lr=0.1), stage=1)
+    assert [r.mean_over for r in opt.reductions] == [1, 2]
+    saved = opt.param_groups + opt.consolidated_state_dict()["consolidated"]["param_groups"]
+    assert len(saved) == 4 and all(not any(k.startswith("zero_") for k in g) for g in saved)
+    with pytest.raises(ValueError, match=r"param group 1: unknown ZeroOptimizer key\(s\) \['zero_groups'\]"):
+        ZeroOptimizer(torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "zero_groups": None}], lr=0.1),
+                      stage=1)
+    with pytest.raises(ValueError, match="'zero_mean_over' = 0; expected a positive integer"):
+        ZeroOptimizer(torch.optim.SGD([{"params": params, "zero_mean_over": 0}], lr=0.1), stage=1)
+
+
 # -- stage 3 really partitions ---------------------------------------------------------------------
 def _stage3_layout():
     world = dist.get_world_size()

@@ -3,7 +3,9 @@
 `build(config, specs=..., loss_fn=...)` composes what a user would otherwise write by hand
 (README, "The parts"): a Grid, the PipelineModule, the optimizer chain
 `ZeroOptimizer(stage, LossScaler(..., Adam))`, the LR scheduler, the schedule and the
-PipelineRunner, and returns them in a small dataclass. Nothing is hidden: the loop talks to
+PipelineRunner, and returns them in a small dataclass. With an expert axis (ds_config
+"expert_parallel") the MoE layers' experts are split over it and reduce over their own group
+(pipe/expert/: expert_param_groups). Nothing is hidden: the loop talks to
 the parts directly. With `model=` (a plain nn.Module, e.g. the seed's MLP) there is no
 pipeline: the parts are the grid, the model and the optimizer chain (ZeRO stages 0-3).
 
@@ -22,7 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from pipezero.comm import all_reduce
 from pipezero.pipe.compile import CompileConfig, compile_layers, model_blocks
+from pipezero.pipe.expert import expert_param_groups, shard_experts
 from pipezero.pipe.float8 import Float8Config, to_float8
 from pipezero.pipe.memory.offload import HostOffload
 from pipezero.pipe.memory.recompute import RecomputeConfig, checkpoint_blocks
@@ -119,11 +123,14 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     if tensor > 1 and specs is None:
         raise ValueError(f"build(tensor={tensor}) shards pipeline layers by tensor_plan: pass specs= (and "
                          "tensor_plan=, e.g. gpt_tensor_plan()), or tensor=1 with model=")
+    if cfg.expert > 1 and tensor > 1:
+        raise ValueError(f'ds_config "expert_parallel" autoep_size = {cfg.expert} with build(tensor={tensor}): '
+                         "experts beside a tensor split are not supported yet; use tensor=1 with an expert axis")
     dev = torch.device(device) if device is not None else process_device()  # the process group's device
     dtype = resolve_precision(cfg.compute_dtype, dev)
     fp8 = Float8Config.of(float8)  # checked where it converts (PipelineModule, to_float8), on every rank
     init_distributed()
-    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=tensor, sequence=cfg.sequence)
+    grid = Grid(pipe=cfg.pipeline.stages, data=None, tensor=tensor, sequence=cfg.sequence, expert=cfg.expert)
     schedule = None
     if specs is not None:
         schedule = make_schedule(cfg.pipeline.schedule, cfg.batch.accumulation_steps, cfg.pipeline.chunks)
@@ -140,8 +147,9 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     if cfg.recompute.enabled:
         get_logger().info("activation checkpointing: %s", cfg.recompute.describe())
     cast_parameters(module, dtype)  # buffers (HF rotary frequencies) keep their fp32, as from_pretrained's
-    inner = optimizer if optimizer is not None else build_optimizer(
-        cfg.optimizer or OptimizerConfig(), [p for p in module.parameters() if p.requires_grad])
+    params = _shard_experts(module, grid) if grid.expert_size > 1 else [p for p in module.parameters()
+                                                                        if p.requires_grad]
+    inner = optimizer if optimizer is not None else build_optimizer(cfg.optimizer or OptimizerConfig(), params)
     scaler = _scaler(cfg, inner, dtype)
     zero = ZeroOptimizer(scaler, group=grid.data_sequence_group, module=module if cfg.zero.stage == 3 else None,
                          config=cfg.zero)
@@ -150,6 +158,18 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                             reshard_after_forward=cfg.pipeline.reshard_after_forward) if specs is not None else None
     return Parts(config=cfg, grid=grid, module=module, optimizer=zero, scaler=scaler, inner=inner,
                  scheduler=scheduler, schedule=schedule, runner=runner, dtype=dtype, device=dev)
+
+
+def _shard_experts(module: nn.Module, grid: Grid) -> list[dict[str, Any]]:
+    """Split every MoE layer's experts over the grid's expert axis; the param groups that reduce them over
+    their own data group (pipe/expert/groups.py). Refused on every rank when no stage has experts."""
+    split = torch.tensor([shard_experts(module, grid.expert_group)], dtype=torch.int64, device=process_device())
+    all_reduce(split)  # a stage may hold none (a dense first layer): the whole model must hold some
+    if int(split.item()) == 0:
+        raise ValueError(f'ds_config "expert_parallel" autoep_size = {grid.expert_size}, but the model has no MoE '
+                         "layer whose experts can split (stacked experts, as transformers 5's MoE families hold "
+                         'them): set "expert_parallel" off, or train a MoE model (hf_layer_specs of one)')
+    return expert_param_groups(module, grid)
 
 
 def _compile_blocks(model: nn.Module, config: CompileConfig | None) -> None:
@@ -195,6 +215,10 @@ def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, op
         if len(specs) < cfg.pipeline.stages * cfg.pipeline.chunks:
             raise ValueError(f"{len(specs)} layers cannot fill {cfg.pipeline.stages} pipeline stages x "
                              f"{cfg.pipeline.chunks} chunks: use fewer stages/chunks or more layers")
+    elif cfg.expert > 1:
+        raise ValueError(f'ds_config "expert_parallel" autoep_size = {cfg.expert} splits the experts of pipeline '
+                         "layers (pipe/expert/): pass specs= (hf_layer_specs of a MoE model), or turn it off with "
+                         "model=")
     elif cfg.pipeline.stages > 1:
         raise ValueError(f'ds_config["pipeline"]["stages"] = {cfg.pipeline.stages} needs specs= (a list of '
                          "LayerSpec) to cut the model into stages; pass specs= or set stages to 1")

@@ -124,12 +124,15 @@ def _job_argv(rest: list[str]) -> list[str]:
 
 
 def _nproc(args: argparse.Namespace) -> int:
-    """Pipeline stages (flag, else config, else 2) x data degree (--data flag, else 1) x tensor x sequence
-    (flag, else config's sequence_parallel_size, else 1)."""
+    """Pipeline stages (flag, else config, else 2) x data degree (--data flag, else 1) x expert (flag, else
+    config's expert_parallel autoep_size, else 1) x tensor x sequence (flag, else config's
+    sequence_parallel_size, else 1)."""
     config = json.loads(Path(args.config).read_text()) if args.config else {}
     stages = args.pipe if args.pipe is not None else config.get("pipeline", {}).get("stages", 2)
     sequence = args.sequence_parallel or config.get("sequence_parallel_size", 1)
-    return stages * (args.data or 1) * args.tensor * sequence
+    section = config.get("expert_parallel") or {}
+    expert = args.expert_parallel or (section.get("autoep_size", 1) if section.get("enabled") else 1)
+    return stages * (args.data or 1) * expert * args.tensor * sequence
 
 
 def _train(rest: list[str]) -> int:

@@ -14,9 +14,9 @@ import math
 import os
 from typing import Any
 
-__all__ = ["ALL_LINEAR", "FLOAT8_RECIPES", "LORA_DEFAULTS", "RECOMPUTE_MODES", "SCHEDULE_NAMES", "DefaultsHelp", "add_preempt_flag",
-           "add_lora_flags", "add_recompute_flags", "add_wandb_flag", "cost", "finetune_parser", "job_parser", "parse_job_args",
-           "positive_int", "wandb_section"]
+__all__ = ["ALL_LINEAR", "FLOAT8_RECIPES", "LORA_DEFAULTS", "RECOMPUTE_MODES", "SCHEDULE_NAMES", "DefaultsHelp",
+           "add_expert_flag", "add_lora_flags", "add_preempt_flag", "add_recompute_flags", "add_wandb_flag", "cost",
+           "expert_section", "finetune_parser", "job_parser", "parse_job_args", "positive_int", "wandb_section"]
 
 DEFAULT_WANDB_PROJECT = "pipezero"  # --wandb without a name, where the config names no project
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")  # pipe/schedule/registry.py's
@@ -116,6 +116,19 @@ def add_sequence_flag(p: argparse.ArgumentParser) -> None:
                         "sequence_parallel_size, else 1)")
 
 
+def add_expert_flag(p: argparse.ArgumentParser) -> None:
+    """--expert-parallel N: the grid's expert axis (ds_config expert_parallel's autoep_size, DeepSpeed's key)."""
+    p.add_argument("--expert-parallel", type=positive_int, default=None, metavar="N",
+                   help="split each MoE layer's experts over N ranks of the data axis (default: the config's "
+                        "expert_parallel autoep_size, else 1)")
+
+
+def expert_section(raw: dict, n: int | None) -> None:
+    """--expert-parallel N as ds_config's "expert_parallel" section (DeepSpeed's AutoEP keys)."""
+    if n is not None:
+        raw["expert_parallel"] = {**raw.get("expert_parallel", {}), "enabled": n > 1, "autoep_size": n}
+
+
 # -- the main job (pipezero train, python -m pipezero.train.gpt.job, examples/train_gpt.py) --------------
 
 def job_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -128,6 +141,7 @@ def job_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--tensor", type=int, default=1,
                    help="tensor-parallel degree: each Block's heads and MLP split over this many ranks")
     add_sequence_flag(p)
+    add_expert_flag(p)
     p.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES,
                    help="pipeline schedule (default: the config's, else 1f1b)")
     p.add_argument("--chunks", type=int, default=None,
@@ -205,6 +219,7 @@ def finetune_parser(prog: str = "pipezero finetune") -> argparse.ArgumentParser:
                    help="pipeline stages (default: the config's, else 2 on an even world, else 1)")
     p.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
     add_sequence_flag(p)
+    add_expert_flag(p)
     p.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES,
                    help="pipeline schedule (default: the config's, else 1f1b)")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's, else 1")

@@ -49,10 +49,10 @@ def gathered(opt: Any, dtype: torch.dtype | None = None, layers_at_a_time: int |
         with gatherer.paused() if gatherer is not None else nullcontext([]) as units:  # stage-3 hooks off
             _cast([b for b in buckets if b.flat is not None], dtype)
             if layers_at_a_time is None or not partitioned:
-                _gather(partitioned, dtype, opt.group)
+                _gather(partitioned, dtype)
                 yield
             else:
-                with _streaming(units, layers_at_a_time, dtype, opt.group, saved):
+                with _streaming(units, layers_at_a_time, dtype, saved):
                     yield
     finally:
         for p, data in saved.values():  # the original tensors: shards' empties, persistent views
@@ -102,7 +102,7 @@ def _cast(buckets: list[Bucket], dtype: torch.dtype | None) -> None:
                 p.data = p.data.to(dtype)
 
 
-def _gather(buckets: list[Bucket], dtype: torch.dtype | None, group) -> None:
+def _gather(buckets: list[Bucket], dtype: torch.dtype | None) -> None:
     """One async all-gather per bucket into a fresh full-size buffer; point the parameters at it.
 
     The local shard is cast before the gather, so a bf16 phase moves half the bytes of fp32.
@@ -112,7 +112,7 @@ def _gather(buckets: list[Bucket], dtype: torch.dtype | None, group) -> None:
     for b in buckets:
         dt = dtype or b.dtype
         full = torch.empty(b.padded, dtype=dt, device=b.device)
-        pending.append((b, full, all_gather(full, b.local.to(b.device, dt), group=group, async_op=True)))
+        pending.append((b, full, all_gather(full, b.local.to(b.device, dt), group=b.group, async_op=True)))
     for b, full, handle in pending:
         handle.wait()
         for i, p in enumerate(b.params):
@@ -120,7 +120,7 @@ def _gather(buckets: list[Bucket], dtype: torch.dtype | None, group) -> None:
 
 
 @contextmanager
-def _streaming(units, k: int, dtype, group, saved) -> Iterator[None]:
+def _streaming(units, k: int, dtype, saved) -> Iterator[None]:
     """Forward hooks per unit: when a unit about to run is not whole, the window moves to it.
 
     The new window is the k units starting at this one, plus every unit still running (an
@@ -143,7 +143,7 @@ def _streaming(units, k: int, dtype, group, saved) -> Iterator[None]:
             if b not in new:
                 for p in b.params:
                     p.data = saved[id(p)][1]
-        _gather([b for b in new if b not in window], dtype, group)
+        _gather([b for b in new if b not in window], dtype)
         window[:] = new
 
     def after(module: nn.Module, args: Any, output: Any) -> None:

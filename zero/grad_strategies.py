@@ -29,19 +29,20 @@ from pipezero.zero.partition import Bucket, local_tensor
 __all__ = ["PersistentShardSync", "ReplicatedSync", "TransientShardSync", "make_grad_sync"]
 
 
-def make_grad_sync(buckets: list[Bucket], stage: int, group,
+def make_grad_sync(buckets: list[Bucket], stage: int,
                    on_backward_done: Callable[[Bucket], None] | None = None, overlap: bool = True,
                    every_microbatch: bool = False, sink: GradSink | None = None) -> GradSync:
     """The GradSync of a ZeRO stage (every_microbatch: stages 2-3 only, see TransientShardSync).
 
     Stage 0 summing or reducing in another dtype than its parameters' cannot make .grad a view of
     its buffer: it adds each gradient in, as stage 1 does (its buckets have one part, so the
-    reduction is the same all-reduce)."""
-    if stage == 0 and all(b.grad_dtype == b.reduce_dtype == b.dtype for b in buckets):
-        return ReplicatedSync(buckets, group, on_backward_done, overlap, sink)
+    reduction is the same all-reduce); so does one whose sum is not a plain mean over its group
+    (reduction.py's zero_mean_over: a buffer holding such a result cannot take the next round's sums)."""
+    if stage == 0 and all(b.grad_dtype == b.reduce_dtype == b.dtype and b.reduction.is_mean for b in buckets):
+        return ReplicatedSync(buckets, on_backward_done, overlap, sink)
     if stage <= 1:
-        return PersistentShardSync(buckets, group, on_backward_done, overlap, sink)
-    return TransientShardSync(buckets, group, on_backward_done, overlap, sink, every_microbatch)
+        return PersistentShardSync(buckets, on_backward_done, overlap, sink)
+    return TransientShardSync(buckets, on_backward_done, overlap, sink, every_microbatch)
 
 
 class ReplicatedSync(GradSync):
@@ -51,9 +52,9 @@ class ReplicatedSync(GradSync):
     each gradient first completes an all-reduce still writing the buffer it is about to add to.
     """
 
-    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+    def __init__(self, buckets: list[Bucket], on_backward_done: Callable[[Bucket], None] | None = None,
                  overlap: bool = True, sink: GradSink | None = None):
-        super().__init__(buckets, group, on_backward_done, overlap, sink)
+        super().__init__(buckets, on_backward_done, overlap, sink)
         for b in buckets:
             self._state[b].grad = torch.zeros(b.padded, dtype=b.grad_dtype, device=b.device)
             self._point_grads(b)
@@ -103,9 +104,9 @@ class PersistentShardSync(GradSync):
     reduced values first turns the owned average back into a sum.
     """
 
-    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+    def __init__(self, buckets: list[Bucket], on_backward_done: Callable[[Bucket], None] | None = None,
                  overlap: bool = True, sink: GradSink | None = None):
-        super().__init__(buckets, group, on_backward_done, overlap, sink)
+        super().__init__(buckets, on_backward_done, overlap, sink)
         for b in buckets:
             self._state[b].grad = torch.zeros(b.padded, dtype=b.grad_dtype, device=b.device)
 
@@ -130,7 +131,7 @@ class PersistentShardSync(GradSync):
     def _add_local(self, b: Bucket, i: int) -> None:
         st = self._state[b]
         if st.rescale:        # a new round on top of reduced values: make them a sum again
-            b.owned(st.grad).mul_(b.parts)
+            b.owned(st.grad).mul_(_resum(b))
             st.rescale = False
         super()._add_local(b, i)
 
@@ -141,8 +142,10 @@ class PersistentShardSync(GradSync):
             st.grad[:b.part * b.shard_numel].zero_()
             st.grad[(b.part + 1) * b.shard_numel:].zero_()
             st.rescale = True
-        elif st.out is not st.grad:  # reduced in place, in reduce_dtype: back into the sum's dtype
-            st.grad.copy_(st.out)
+        else:
+            if st.out is not st.grad:  # reduced in place, in reduce_dtype: back into the sum's dtype
+                st.grad.copy_(st.out)
+            st.rescale = not b.reduction.is_mean  # every rank holds sum / mean_over, not the mean
         if self.sink is not None:
             self.sink.reduced(b, b.owned(st.grad), accumulate=False)
 
@@ -170,9 +173,9 @@ class TransientShardSync(GradSync):
 
     bounded = True
 
-    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+    def __init__(self, buckets: list[Bucket], on_backward_done: Callable[[Bucket], None] | None = None,
                  overlap: bool = True, sink: GradSink | None = None, every_microbatch: bool = False):
-        super().__init__(buckets, group, on_backward_done, overlap, sink)
+        super().__init__(buckets, on_backward_done, overlap, sink)
         self.every_microbatch = every_microbatch
 
     def collect(self, params: Iterable[torch.Tensor]) -> None:
@@ -222,6 +225,14 @@ class TransientShardSync(GradSync):
         self._state[b].grad = None
         for p in b.params:
             p.grad = None
+
+
+def _resum(b: Bucket) -> float:
+    """What turns a kept reduced buffer back into this rank's share of the sum: the owner of a slice
+    (parts > 1) holds sum / mean_over alone; every rank of an unsplit bucket holds it, so each takes
+    its 1 / size of the sum (a plain mean then needs nothing)."""
+    r = b.reduction
+    return r.mean_over if b.parts > 1 else r.mean_over / r.size
 
 
 def _set_grad(p: torch.Tensor, view: torch.Tensor) -> None:

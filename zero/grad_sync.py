@@ -77,7 +77,7 @@ def _weak(method: Callable) -> Callable:
 
 
 class GradSync(ABC):
-    """Reduces the gradients of bucketed parameters over `group` as they become ready.
+    """Reduces the gradients of bucketed parameters over their buckets' groups as they become ready.
 
     A subclass (a strategy, grad_strategies.py) says what the buffer holds: `_push` moves a
     gradient in, `_keep` keeps a finished reduction, `_reduced` is what the master gets, `_reset`
@@ -91,9 +91,9 @@ class GradSync(ABC):
     # sink always (completing one starts its copy to the host)
     bounded = False
 
-    def __init__(self, buckets: list[Bucket], group, on_backward_done: Callable[[Bucket], None] | None = None,
+    def __init__(self, buckets: list[Bucket], on_backward_done: Callable[[Bucket], None] | None = None,
                  overlap: bool = True, sink: GradSink | None = None):
-        self.buckets, self.group, self.overlap, self.sink = buckets, group, overlap, sink
+        self.buckets, self.overlap, self.sink = buckets, overlap, sink
         self.on_backward_done = on_backward_done
         self._state = {b: _Pending() for b in buckets}
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
@@ -300,16 +300,19 @@ class GradSync(ABC):
             st.dirty = True
 
     def _launch(self, b: Bucket) -> None:
-        """Start b's reduction in its reduce_dtype: average in place when b is replicated (stage 0 or a
-        group of one), else reduce-scatter into a new shard-sized `out`."""
+        """Start b's reduction over its group in its reduce_dtype: average in place when b is replicated
+        (stage 0 or a group of one), else reduce-scatter into a new shard-sized `out`. A bucket whose
+        sum is divided by another count than its group's size (zero_mean_over) sums here and divides
+        when the reduction completes."""
         st = self._state[b]
         st.sent = st.grad.to(b.reduce_dtype)  # the buffer itself when it already is in that dtype
+        mean = b.reduction.is_mean
         if b.parts == 1:
             st.out = st.sent
-            st.handle = all_reduce(st.sent, group=self.group, average=True, async_op=True)
+            st.handle = all_reduce(st.sent, group=b.group, average=mean, async_op=True)
         else:
             st.out = torch.empty(b.shard_numel, dtype=st.sent.dtype, device=b.device)
-            st.handle = reduce_scatter(st.out, st.sent, group=self.group, average=True, async_op=True)
+            st.handle = reduce_scatter(st.out, st.sent, group=b.group, average=mean, async_op=True)
         self._in_flight.append(b)
         while (self.bounded or self.sink is not None) and len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
@@ -318,6 +321,8 @@ class GradSync(ABC):
         """Wait for bucket b's reduction and keep the owned reduced values (grad_dtype)."""
         st = self._state[b]
         st.handle.wait()
+        if not b.reduction.is_mean:
+            st.out.div_(b.reduction.mean_over)
         self._keep(b)
         st.handle, st.out, st.sent, st.reduced, st.dirty = None, None, None, True, False
         st.pushed.clear()

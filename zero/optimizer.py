@@ -27,6 +27,7 @@ from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_strategies import make_grad_sync
 from pipezero.zero.offload import HostOffload, host_copy
 from pipezero.zero.partition import Bucket, plan_groups
+from pipezero.zero.reduction import take_reductions
 from pipezero.zero.stage3 import ParamGatherer
 from pipezero.zero.unused import UnusedParams
 from pipezero.zero import state as _state
@@ -87,14 +88,15 @@ class ZeroOptimizer(ChainWrapper):
         self._ranks = _global_ranks(group)
         # the single-process layout (consolidated state): every group's original parameters, in order
         self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in self.param_groups]
-        parts = 1 if self.stage == 0 else self.world
-        # a group of one has nothing to partition: stage 3 then keeps every parameter whole, unless
+        # a param group may reduce over a group of its own (reduction.py: expert parameters)
+        self.reductions = take_reductions(self.param_groups, group)
+        # a group of one has nothing to partition: stage 3 then keeps its parameters whole, unless
         # the parameters are offloaded (they then live on the host between uses)
-        threshold = config.stage3_param_persistence_threshold if self.world > 1 or config.offload_param \
-            else float("inf")
+        thresholds = [config.stage3_param_persistence_threshold if r.size > 1 or config.offload_param
+                      else float("inf") for r in self.reductions]
         self.buckets: list[Bucket] = plan_groups(
-            self.param_groups, config.reduce_bucket_size, parts, self.rank if parts > 1 else 0,
-            module if self.stage == 3 else None, threshold)
+            self.param_groups, config.reduce_bucket_size, self.reductions, self.stage > 0,
+            module if self.stage == 3 else None, thresholds)
         _set_grad_dtypes(self.buckets, config)
         self._check_same_layout()
         self._build(module)
@@ -123,19 +125,21 @@ class ZeroOptimizer(ChainWrapper):
                              "first step (load checkpoints with ZeroOptimizer.load_state_dict)")
 
     def _check_same_layout(self) -> None:
-        """Every rank of the group must partition the same parameters, or collectives would hang."""
-        if self.world == 1:
-            return
-        mine = torch.tensor([len(self.buckets), sum(b.numel for b in self.buckets),
-                             sum((i + 1) * b.numel for i, b in enumerate(self.buckets))], dtype=torch.int64)
-        device = process_device(self.group)
-        everyone = torch.empty(3 * self.world, dtype=torch.int64, device=device)
-        all_gather(everyone, mine.to(device), group=self.group)
-        rows = everyone.view(self.world, 3).cpu().tolist()
-        if any(row != rows[0] for row in rows):
-            raise ValueError(f"ZeroOptimizer: the ranks of the group hold different parameters "
-                             f"(per rank [buckets, elements, checksum]: {rows}); build the same model and "
-                             "param groups on every data-parallel rank")
+        """Every rank of each reduction group must partition the same parameters, or collectives would hang."""
+        for reduction, buckets in _by_reduction(self.reductions, self.buckets):
+            if reduction.size == 1:
+                continue
+            mine = torch.tensor([len(buckets), sum(b.numel for b in buckets),
+                                 sum((i + 1) * b.numel for i, b in enumerate(buckets))], dtype=torch.int64)
+            device = process_device(reduction.group)
+            everyone = torch.empty(3 * reduction.size, dtype=torch.int64, device=device)
+            all_gather(everyone, mine.to(device), group=reduction.group)
+            rows = everyone.view(reduction.size, 3).cpu().tolist()
+            if any(row != rows[0] for row in rows):
+                raise ValueError(f"ZeroOptimizer: the ranks of a reduction group hold different parameters "
+                                 f"(per rank [buckets, elements, checksum]: {rows}); build the same model and "
+                                 "param groups on every data-parallel rank (and the same experts on the ranks "
+                                 "of each param group's zero_group)")
 
     def _build(self, module: nn.Module | None) -> None:
         cfg = self.config
@@ -144,7 +148,7 @@ class ZeroOptimizer(ChainWrapper):
             b.build(offload, keep_full=self.stage < 3 or b.persistent)
             if cfg.offload_param and not b.persistent:
                 b.local = host_copy(b.local)  # uploaded to the compute device when the submodule runs
-            if any(is_replica(p) for p in b.params) or (self.stage == 0 and self.rank > 0):
+            if any(is_replica(p) for p in b.params) or (self.stage == 0 and b.reduction.rank > 0):
                 mark_replica(b.master)
         for g, group in enumerate(self.param_groups):
             group["params"] = [b.master for b in self.buckets if b.group_index == g]
@@ -152,15 +156,15 @@ class ZeroOptimizer(ChainWrapper):
         self._gatherer = None
         if self.stage == 3:
             device = self.buckets[0].device if self.buckets else torch.device("cpu")
-            self._gatherer = ParamGatherer(module, self.buckets, self.group, device,
+            self._gatherer = ParamGatherer(module, self.buckets, device,
                                            prefetch_numel=cfg.stage3_prefetch_bucket_size)
         done = self._gatherer.backward_done if self._gatherer else None
         self._offload = HostOffload(self.buckets, innermost(self.inner), delayed=cfg.delayed_param_update) \
             if offload else None
-        self._sync = make_grad_sync(self.buckets, self.stage, self.group, on_backward_done=done,
+        self._sync = make_grad_sync(self.buckets, self.stage, on_backward_done=done,
                                     overlap=self.config.overlap_comm,
                                     every_microbatch=self._reduce_every_microbatch(), sink=self._offload)
-        self._unused = UnusedParams(self.buckets, self.group, self.world)
+        self._unused = UnusedParams(self.buckets)
 
     def _reduce_every_microbatch(self) -> bool:
         """Stages 2-3 summing in a wider dtype reduce every micro-batch: a held whole .grad would sum in
@@ -249,7 +253,7 @@ class ZeroOptimizer(ChainWrapper):
             else:  # the offload uploaded it while the next bucket stepped
                 self._offload.wait_upload(b)
             if b.flat is not None and b.parts > 1:
-                handles.append(all_gather(b.flat, b.local.clone(), group=self.group, async_op=True))
+                handles.append(all_gather(b.flat, b.local.clone(), group=b.group, async_op=True))
         for h in handles:
             h.wait()
 
@@ -415,6 +419,16 @@ class ZeroOptimizer(ChainWrapper):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.stage}, {describe(self.inner)})"
+
+
+def _by_reduction(reductions: list, buckets: list[Bucket]) -> list[tuple[Any, list[Bucket]]]:
+    """Each distinct reduction (param groups sharing one count once, in param-group order) with its buckets."""
+    out: dict[int, tuple[Any, list[Bucket]]] = {}
+    for r in reductions:
+        out.setdefault(id(r.group), (r, []))
+    for b in buckets:
+        out[id(b.group)][1].append(b)
+    return list(out.values())
 
 
 def _global_ranks(group) -> tuple[int, ...]:

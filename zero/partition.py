@@ -1,9 +1,10 @@
 """Flat buffers and the shard layout: which slice of which parameter each rank owns.
 
 Parameters are packed into flat buckets, one (param group, dtype) per bucket, so that one
-collective moves a whole bucket. Each bucket is padded with zeros to a multiple of the
-group size and split into equal contiguous slices; group rank r owns slice r of every
-bucket (the layout FSDP uses per unit). Padding is never dropped and never read back.
+collective moves a whole bucket. Each bucket is padded with zeros to a multiple of its
+group's size and split into equal contiguous slices; group rank r owns slice r of every
+bucket (the layout FSDP uses per unit). The group is the bucket's param group's
+(reduction.py: the optimizer's, or one the param group names, as expert parameters do). Padding is never dropped and never read back.
 
 The model parameters become views into their bucket's flat buffer, so an fp32 model needs
 no separate fp32 master copy: the shard the inner optimizer steps is a view of the slice.
@@ -17,12 +18,14 @@ whose storage becomes the view into the flat buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipezero.comm import is_replica
+from pipezero.zero.reduction import Reduction
 
 __all__ = ["Bucket", "local_tensor", "plan_groups", "stage3_units"]
 
@@ -45,6 +48,7 @@ class Bucket:
     parts: int                       # how many ranks share the bucket (1: replicated)
     part: int                        # which slice this rank owns
     persistent: bool = True          # stage 3: False means the full buffer is freed between uses
+    reduction: Reduction = Reduction(None, 1, 0, 1)  # the group it reduces and is split over
     offsets: list[int] = field(default_factory=list)
     shapes: list[torch.Size] = field(default_factory=list)
     numel: int = 0
@@ -65,6 +69,11 @@ class Bucket:
         self.padded = -(-offset // self.parts) * self.parts
         self.grad_dtype = self.grad_dtype or self.dtype
         self.reduce_dtype = self.reduce_dtype or self.dtype
+
+    @property
+    def group(self) -> Any:
+        """The process group its gradients are reduced over and its slices gathered from."""
+        return self.reduction.group
 
     @property
     def shard_numel(self) -> int:
@@ -138,9 +147,12 @@ class Bucket:
                 self.local.copy_(self.master.detach(), non_blocking=True)
 
 
-def plan_groups(param_groups: list[dict], bucket_numel: int, parts: int, part: int,
-                module: nn.Module | None, persistence_threshold: float) -> list[Bucket]:
+def plan_groups(param_groups: list[dict], bucket_numel: int, reductions: list[Reduction], split: bool,
+                module: nn.Module | None, thresholds: list[float]) -> list[Bucket]:
     """Split every trainable parameter of the param groups into buckets.
+
+    Group g's buckets reduce over reductions[g] and, when `split` (stages 1-3), are split over its
+    ranks; at stage 3 its parameters of fewer than thresholds[g] elements stay whole (persistent).
 
     Without `module`: per (group, dtype, duplicate flag), in reverse order (the order
     gradients usually become ready), buckets of at most `bucket_numel` elements (a larger
@@ -175,7 +187,7 @@ def plan_groups(param_groups: list[dict], bucket_numel: int, parts: int, part: i
         limit = None
     buckets = []
     for run in runs:
-        buckets += _split_run(run, where, limit, parts, part, module is not None, persistence_threshold)
+        buckets += _split_run(run, where, limit, reductions, split, module is not None, thresholds)
     return buckets
 
 
@@ -202,18 +214,25 @@ def stage3_units(module: nn.Module) -> list[tuple[nn.Module, bool]]:
     return units
 
 
-def _split_run(run, where, limit, parts, part, stage3, threshold) -> list[Bucket]:
+def _split_run(run, where, limit, reductions, split, stage3, thresholds) -> list[Bucket]:
     """Cut one ordered run of parameters into homogeneous buckets."""
     open_: dict[tuple, list] = {}
     out: list[Bucket] = []
+
+    def bucket(members: list, key: tuple) -> Bucket:
+        r = reductions[key[0]]
+        parts = r.size if split else 1
+        return Bucket(members, key[0], parts, r.rank if parts > 1 else 0, key[4], r)
+
     for p in run:
-        persistent = (not stage3) or p.numel() < threshold
-        key = (where[id(p)], p.dtype, p.device, is_replica(p), persistent)
+        g = where[id(p)]
+        persistent = (not stage3) or p.numel() < thresholds[g]
+        key = (g, p.dtype, p.device, is_replica(p), persistent)
         members = open_.setdefault(key, [])
         if limit is not None and members and sum(local_tensor(q).numel() for q in members) + \
                 local_tensor(p).numel() > limit:
-            out.append(Bucket(members, key[0], parts, part, persistent))
+            out.append(bucket(members, key))
             members = open_[key] = []
         members.append(p)
-    out += [Bucket(m, key[0], parts, part, key[4]) for key, m in open_.items() if m]
+    out += [bucket(m, key) for key, m in open_.items() if m]
     return out

@@ -42,9 +42,9 @@ class ParamGatherer:
     stream first; with a group of one the upload alone makes the bucket whole.
     """
 
-    def __init__(self, module: nn.Module, buckets: list[Bucket], group, compute_device: torch.device,
+    def __init__(self, module: nn.Module, buckets: list[Bucket], compute_device: torch.device,
                  prefetch_numel: int = 0):
-        self.group, self.device, self.prefetch_numel = group, compute_device, prefetch_numel
+        self.device, self.prefetch_numel = compute_device, prefetch_numel
         where = {id(p): b for b in buckets for p in b.params}
         self._needs: dict[nn.Module, list[Bucket]] = {}
         for sub, recurse in stage3_units(module):
@@ -92,18 +92,18 @@ class ParamGatherer:
         return full
 
     def _fetch(self, b: Bucket) -> Handle:
-        """Fill b.flat: upload an offloaded slice (the whole bucket in a group of one), all-gather."""
+        """Fill b.flat: upload an offloaded slice (the whole bucket in a group of one), all-gather over b's group."""
         if b.local.device == self.device:
-            return all_gather(b.flat, b.local, group=self.group, async_op=True)
+            return all_gather(b.flat, b.local, group=b.group, async_op=True)
         if b.parts == 1:
             return upload(b.flat, b.local, self._upload)
         if self._upload is None:
-            return all_gather(b.flat, b.local.to(self.device), group=self.group, async_op=True)
+            return all_gather(b.flat, b.local.to(self.device), group=b.group, async_op=True)
         mine = torch.empty(b.shard_numel, dtype=b.dtype, device=self.device)
         upload(mine, b.local, self._upload)
         mine.record_stream(self._upload)
         with torch.cuda.stream(self._upload):  # the gather waits for the upload, not for compute
-            return all_gather(b.flat, mine, group=self.group, async_op=True)
+            return all_gather(b.flat, mine, group=b.group, async_op=True)
 
     def wait_uploads(self) -> None:
         """Block until no upload reads the host slices any more (the optimizer is about to write them)."""

@@ -81,7 +81,7 @@ def _gather_flat(opt: "ZeroOptimizer", b: Bucket, shard: torch.Tensor) -> torch.
     if b.parts == 1:
         return shard
     full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
-    all_gather(full, shard.contiguous(), group=opt.group)
+    all_gather(full, shard.contiguous(), group=b.group)
     return full
 
 

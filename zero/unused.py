@@ -5,8 +5,8 @@ ZeRO steps flat buckets, whose reduced gradient is zero (not None) where a param
 so AdamW would decay it and Adam move it on old momentum. `UnusedParams` records which bucket
 parameters received a gradient since the last step (their post-accumulate-grad hooks, plus
 gradients that arrive without hooks, which the pipeline announces through flush/collect), agrees
-over the data group (a parameter used on any rank has a real, averaged gradient, as in DDP), and
-then: a bucket none of whose parameters got a gradient gives its master no `.grad` (the inner
+over each bucket's reduction group (a parameter used on any rank has a real, averaged gradient, as
+in DDP), and then: a bucket none of whose parameters got a gradient gives its master no `.grad` (the inner
 optimizer skips it, exactly as torch would); a bucket only partly used keeps the unused
 parameters' owned elements and their optimizer state from before the step (the bucket's one
 step counter still advances: the flat layout has no per-parameter counter).
@@ -29,11 +29,16 @@ __all__ = ["UnusedParams"]
 class UnusedParams:
     """Which parameters of the buckets got a gradient this step, and the step that leaves the others alone."""
 
-    def __init__(self, buckets: list[Bucket], group: Any, world: int):
-        self.buckets, self.group, self.world = buckets, group, world
+    def __init__(self, buckets: list[Bucket]):
+        self.buckets = buckets
         self._used: set[int] = set()
         self._unused: list[tuple[Bucket, int]] = []
-        self._flags, self._work = torch.ones(0, dtype=torch.uint8), None
+        # one bitmap per reduction group (a param group's own, reduction.py), agreed over that group
+        self._groups: dict[int, list[Bucket]] = {}
+        for b in buckets:
+            self._groups.setdefault(id(b.group), []).append(b)
+        self._flags: list[tuple[list[Bucket], torch.Tensor]] = []
+        self._works: list[Any] = []
         ref = weakref.ref(self)
 
         def mark(p: torch.Tensor) -> None:
@@ -54,20 +59,25 @@ class UnusedParams:
         `late_grads`: a parameter's non-None `.grad` means an unreduced gradient (stages 1-3; at
         stage 0 `.grad` always views the buffer).
         """
-        flags = [id(p) in self._used or (late_grads and p.grad is not None) for b in self.buckets for p in b.params]
-        self._flags = torch.tensor(flags, dtype=torch.uint8)
-        self._work = None
-        if self.world > 1 and self.buckets:  # a bitmap, as DDP's find_unused_parameters sends; not in TRAFFIC
-            self._flags = self._flags.to(process_device(self.group))
-            self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._flags, self._works = [], []
+        for buckets in self._groups.values():
+            flags = torch.tensor([id(p) in self._used or (late_grads and p.grad is not None)
+                                  for b in buckets for p in b.params], dtype=torch.uint8)
+            r = buckets[0].reduction
+            if r.size > 1:  # a bitmap, as DDP's find_unused_parameters sends; not in TRAFFIC
+                flags = flags.to(process_device(r.group))
+                self._works.append(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=r.group, async_op=True))
+            self._flags.append((buckets, flags))
 
     def drop_grads(self) -> None:
         """After the reduction: a bucket with no used parameter gives its master no gradient."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None  # a finished Work is not kept alive (gloo's threads may own it at exit)
-        where = [(b, i) for b in self.buckets for i in range(len(b.params))]
-        self._unused = [slot for slot, used in zip(where, self._flags.cpu().tolist()) if not used]
+        for work in self._works:
+            work.wait()
+        self._works = []  # a finished Work is not kept alive (gloo's threads may own it at exit)
+        self._unused = []
+        for buckets, flags in self._flags:
+            where = [(b, i) for b in buckets for i in range(len(b.params))]
+            self._unused += [slot for slot, used in zip(where, flags.cpu().tolist()) if not used]
         counts: dict[Bucket, int] = {}
         for b, _ in self._unused:
             counts[b] = counts.get(b, 0) + 1

@@ -13,8 +13,9 @@ replicas for everything else).
 Gradients: a dense parameter is reduced over the whole data x expert group, as before. An
 expert's gradient already sums what every rank's tokens sent it; it is summed over the ranks
 holding the same experts (the expert's own data group) and divided by the size of the whole
-data x expert group: reduce_expert_grads (pipe/expert/grads.py). Lepikhin et al. 2020 (GShard),
-Fedus et al. 2021 (Switch); the layout is DeepSpeed-MoE's and Megatron-core's.
+data x expert group: expert_param_groups (pipe/expert/groups.py) gives ZeroOptimizer that group.
+Lepikhin et al. 2020 (GShard), Fedus et al. 2021 (Switch); the layout is DeepSpeed-MoE's and
+Megatron-core's.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
             "wandb",  # monitor.py
             "data_types", "communication_data_type",  # data_types.py
             "sequence_parallel_size",  # the grid's sequence axis (pipe/sequence/)
+            "expert_parallel",  # the grid's expert axis (pipe/expert/): expert.py
             "activation_checkpointing")  # recompute.py
 
 
@@ -66,7 +67,6 @@ TOP_RULES = {
                                   noop=_off),
     "tensor_parallel": Unsupported("AutoTP tensor parallelism", "shard layers with build(tensor=..., tensor_plan=...)",
                                    noop=lambda v: _off(v) or v.get("autotp_size", 1) in (0, 1)),
-    "expert_parallel": Unsupported("mixture-of-experts parallelism", "remove the section", noop=_off),
     "hybrid_engine": Unsupported("the RLHF hybrid engine", "remove the section", noop=_off),
     "autotuning": Unsupported("the autotuner's search over batch and ZeRO settings", "remove the section",
                               noop=_off),

@@ -5,8 +5,8 @@ reader, owned by the package that uses it: precision/ reads fp16/bf16 (`read_pre
 reads zero_optimization (`ZeroConfig.from_dict`; data_types.py adds the dtypes gradients are summed
 and reduced in), and this module reads the rest (batch keys,
 gradient_clipping, optimizer, scheduler, tensorboard, wandb (monitor.py), steps_per_print,
-wall_clock_breakdown, sequence_parallel_size, pipezero's pipeline section; activation_checkpointing
-with the pipeline's checkpointing keys in recompute.py) and sorts the top-level keys (keys.py). Hugging Face's
+wall_clock_breakdown, sequence_parallel_size, expert_parallel (expert.py), pipezero's pipeline
+section; activation_checkpointing with the pipeline's checkpointing keys in recompute.py) and sorts the top-level keys (keys.py). Hugging Face's
 "auto" values are resolved first, from what the caller knows (`auto_values`, `hidden_size`,
 auto.py), so every rank reaches the same verdict without communicating.
 
@@ -31,9 +31,10 @@ from pipezero.pipe.schedule.registry import schedule_entry, schedule_names
 from pipezero.precision.config import Precision, read_precision
 from pipezero.train.config.auto import fill_auto
 from pipezero.pipe.compile import CompileConfig
-from pipezero.train.config.batch import BatchConfig, resolve_batch
+from pipezero.train.config.batch import BatchConfig, data_degree, resolve_batch
 from pipezero.train.config.compile import read_compile
 from pipezero.train.config.data_types import read_grad_dtypes
+from pipezero.train.config.expert import read_expert
 from pipezero.train.config.recompute import read_recompute
 from pipezero.train.config.keys import TOP_KEYS, TOP_RULES
 from pipezero.train.config.monitor import WandbConfig
@@ -150,6 +151,7 @@ class TrainConfig:
     wall_clock_breakdown: bool = False
     compile: CompileConfig | bool | None = None   # "compile" (compile.py); None: pipezero's default
     sequence: int = 1                # "sequence_parallel_size" (DeepSpeed's key): the grid's sequence axis
+    expert: int = 1                  # "expert_parallel"'s "autoep_size" (expert.py): the grid's expert axis
     recompute: RecomputeConfig = RecomputeConfig()  # activation checkpointing (recompute.py)
     wandb: WandbConfig = WandbConfig()            # "wandb" (monitor.py): W&B beside TensorBoard
     raw: Mapping[str, Any] = field(default_factory=dict)
@@ -180,6 +182,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
     sequence = top.int("sequence_parallel_size", 1, lo=1)
     batch = resolve_batch(filled, world_size=world, pipe=pipeline.stages, tensor=tensor,
                           micro_batches=pipeline.micro_batches, sequence=sequence)
+    expert = read_expert(filled.get("expert_parallel"), data_degree(world, pipeline.stages, tensor, sequence))
     clip = top.float("gradient_clipping", 1.0, lo=0.0)
     precision = read_precision(filled, clip_grad_norm=clip)
     accum, reduce = read_grad_dtypes(filled, precision.dtype)
@@ -193,7 +196,8 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         scheduler=SchedulerConfig.parse(top.section("scheduler")) if "scheduler" in filled else None,
         gradient_clipping=clip, steps_per_print=top.int("steps_per_print", None, lo=1),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False), compile=read_compile(filled.get("compile")),
-        sequence=sequence, recompute=recompute, wandb=WandbConfig.parse(top.section("wandb", auto_default=True)),
+        sequence=sequence, expert=expert, recompute=recompute,
+        wandb=WandbConfig.parse(top.section("wandb", auto_default=True)),
         raw=raw)
 
 

@@ -47,7 +47,7 @@ from pipezero.train.config.batch import BatchConfig, keep_global_batch
 from pipezero.train.config.recompute import apply_recompute_flags
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.failure import run_as_command
-from pipezero.train.flags import parse_job_args, wandb_section
+from pipezero.train.flags import expert_section, parse_job_args, wandb_section
 from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
 from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once
 from pipezero.train.preempt import Preemption
@@ -146,6 +146,7 @@ def ds_config(args: argparse.Namespace) -> dict:
     cfg.setdefault("gradient_clipping", 1.0)
     if args.sequence_parallel is not None:
         cfg["sequence_parallel_size"] = args.sequence_parallel
+    expert_section(cfg, args.expert_parallel)
     cfg["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
     wandb_section(cfg, args.wandb)
     if args.steps_per_print:
@@ -171,6 +172,10 @@ def train_config(args: argparse.Namespace, saved: BatchConfig | None) -> TrainCo
                          f"is one plain python process: launch torchrun --standalone --nproc-per-node 4 "
                          f"examples/train_gpt.py, or pass --pipe 1 to train in this process")
     cfg = parse_config(raw, tensor=args.tensor, hidden_size=args.d_model, auto_values=auto_values(args))
+    if cfg.expert > 1:
+        raise ValueError(f"expert parallelism {cfg.expert} (--expert-parallel, ds_config expert_parallel): "
+                         "the GPT this job trains has no experts; use 1, or train a MoE model through "
+                         "build(specs=hf_layer_specs(...)) (README, Mixture-of-experts)")
     return dataclasses.replace(cfg, batch=keep_global_batch(cfg.batch, saved))
 
 

@@ -1,0 +1,61 @@
+"""The param groups of a model with sharded experts: one optimizer, each group reduced over its own ranks.
+
+A dense parameter is a replica on every rank of data x expert, so it is averaged over that whole
+group (the optimizer's, grid.data_sequence_group). An expert's gradient already sums what every
+rank of its expert group sent it; the ranks holding the same experts (grid.expert_data_group)
+sum it and divide by data x expert, which is the mean the dense parameters get. The expert group
+says so with two keys ZeroOptimizer reads (zero/reduction.py: "zero_group", "zero_mean_over"),
+which also make ZeRO shard the experts over their own group, and let the loss scaler's inf/nan
+check and the global gradient norm see them with everything else (each expert counted once: its
+slices lie on the ranks of its own group, and every expert group holds other experts).
+DeepSpeed-MoE and Megatron-core reduce experts over the same expert-data-parallel group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from pipezero.pipe.expert.block import ExpertParallel
+from pipezero.topology import Grid
+
+__all__ = ["expert_param_groups"]
+
+
+def _check(module: nn.Module, grid: Grid) -> None:
+    """The experts were split over the grid's expert axis, and no other axis divides their tokens."""
+    if grid.sequence_size > 1 and grid.expert_size > 1:
+        raise ValueError(f"expert_param_groups: Grid(expert={grid.expert_size}, sequence={grid.sequence_size}): "
+                         "experts over a sequence split are not supported yet (the ranks holding the same "
+                         "experts would be data x sequence); use sequence=1 with an expert axis")
+    layers = [m for m in module.modules() if isinstance(m, ExpertParallel)]
+    if grid.expert_size > 1 and not layers:
+        raise ValueError(f"expert_param_groups: Grid(expert={grid.expert_size}) but {type(module).__name__} has "
+                         "no sharded experts; call shard_experts(module, grid.expert_group) first (a model "
+                         "without MoE layers takes expert=1)")
+    degrees = sorted({dist.get_world_size(m.group) for m in layers})
+    if any(d != grid.expert_size for d in degrees):
+        raise ValueError(f"expert_param_groups: the experts are split over groups of {degrees} ranks, the grid's "
+                         f"expert axis has {grid.expert_size}; shard them with shard_experts(module, "
+                         "grid.expert_group)")
+
+
+def expert_param_groups(module: nn.Module, grid: Grid, **options: Any) -> list[dict[str, Any]]:
+    """[dense parameters, expert parameters (when this rank holds any)] for one ZeroOptimizer over
+    grid.data_sequence_group; `options` (lr, weight_decay, ...) go into both groups.
+
+    Call it after shard_experts(module, grid.expert_group). Trainable parameters only. The expert
+    group's keys are ZeroOptimizer's; a plain torch optimizer would ignore them (and reduce nothing).
+    """
+    _check(module, grid)
+    experts = [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters()
+               if p.requires_grad]
+    ids = {id(p) for p in experts}
+    dense = [p for p in module.parameters() if p.requires_grad and id(p) not in ids]
+    groups = [{"params": dense, **options}]
+    if experts:
+        groups.append({"params": experts, **options, "zero_group": grid.expert_data_group,
+                       "zero_mean_over": grid.data_expert_size})
+    return groups
