@@ -1,0 +1,137 @@
+"""The expert axis beyond one step (issue 47): checkpoints across expert degrees, loaders, LoRA.
+
+A tiny Qwen3-MoE (a dense first layer, four experts in the second), four gloo ranks.
+Checkpoints: the dense parameters under ZeRO-1 Adam over data x expert, the experts under their own
+Adam (the README's recipe), saved with save_state(HandParts(module, [dense, experts])) by global
+name; written at expert 2 the run resumes at expert 4, written at expert 1 (experts whole, one
+ZeroOptimizer) and at expert 4 it resumes at expert 2: the losses after the resume equal the
+uninterrupted expert-2 run's within 1e-5, and a checkpoint of the last step (every weight and Adam
+moment, whole, by name) equals the uninterrupted run's. Loaders: under Grid(pipe=2, expert=2) (data 1)
+and Grid(expert=2) (data 2) the GPT job's token batches feed the MoE, whose loss and gradients (one SGD
+step of rate 1) equal transformers' on the union of the rows; initialize's sampler and the fine-tuning
+job's packed rows are split by data x expert rank too. LoRA on the attention and the dense MLP with the
+experts split (frozen) equals peft in one process (losses and adapters), at expert 2 x data 2 and
+pipe 2 x expert 2.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from harness import run  # noqa: E402
+
+WORLD, VOCAB, SEQ, BATCH = 4, 256, 8, 4  # byte tokens: the GPT job's batches feed the model as they are
+STEPS, SAVED_AT, LR = 4, 2, 1e-3
+TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]  # attention and the dense MLP
+
+
+def _base(router: bool = True):
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[0],
+        output_router_logits=router, router_aux_loss_coef=0.5, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():  # no router all zeros, no norm one
+            p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def _rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10 + step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen), torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+
+
+def _mine(x: torch.Tensor, grid) -> torch.Tensor:
+    share = x.shape[0] // grid.data_expert_size
+    return x[grid.data_expert_rank * share:(grid.data_expert_rank + 1) * share]
+
+
+# -- (a) checkpoints across expert degrees ------------------------------------------------------------
+
+def _adam_job(expert: int):
+    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.pipe.expert import expert_parameters, shard_experts
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.topology import Grid
+    from pipezero.train.checkpoint.state_parts import HandParts
+    from pipezero.zero import ZeroOptimizer
+
+    grid = Grid(expert=expert)  # data = WORLD / expert
+    module = PipelineModule(hf_layer_specs(_base()), grid=grid, loss_fn=causal_lm_loss, partition_method="uniform")
+    if expert > 1:  # expert 1: the experts whole, in the one ZeroOptimizer
+        assert shard_experts(module, grid.expert_group) == 1
+    experts = expert_parameters(module)
+    dense = [p for p in module.parameters() if all(p is not e for e in experts)]
+    opt = ZeroOptimizer(torch.optim.Adam(dense, lr=LR), stage=1, group=grid.data_sequence_group)
+    optimizers = [opt, torch.optim.Adam(experts, lr=LR)] if experts else [opt]
+    return HandParts(module, optimizers, grid=grid), PipelineRunner(module, OneFOneB(num_microbatches=1),
+                                                                     optimizer=opt)
+
+
+def _train(parts, runner, start: int, stop: int) -> list[float]:
+    from pipezero.pipe.expert import expert_parameters, reduce_expert_grads
+
+    grid, experts, losses = parts.grid, expert_parameters(parts.module), []
+    for step in range(start, stop):
+        ids, targets = _rows(step)
+        losses.append(runner.train_step(_mine(ids, grid), _mine(targets, grid)).item())
+        reduce_expert_grads(experts, grid.expert_data_group, grid.data_expert_size)
+        for opt in parts.optimizer:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def _resumes(root: str) -> dict[str, list[float]]:
+    """The uninterrupted expert-2 run, and each (saved at, resumed at) pair's losses; every run's last step
+    saved under root (a collective, every rank)."""
+    from pipezero.train.checkpoint.state import load_state, save_state
+
+    parts, runner = _adam_job(2)
+    out = {"2": _train(parts, runner, 0, SAVED_AT)}
+    save_state(parts, f"{root}/at2", SAVED_AT)
+    out["ref"] = out["2"] + _train(parts, runner, SAVED_AT, STEPS)
+    save_state(parts, f"{root}/ref", STEPS)
+    for saved, resumed in ((2, 4), (1, 2), (4, 2)):
+        if saved != 2:
+            parts, runner = _adam_job(saved)
+            out[str(saved)] = _train(parts, runner, 0, SAVED_AT)
+            save_state(parts, f"{root}/at{saved}", SAVED_AT)
+        parts, runner = _adam_job(resumed)
+        assert load_state(parts, f"{root}/at{saved}")["step"] == SAVED_AT
+        out[f"{saved}->{resumed}"] = _train(parts, runner, SAVED_AT, STEPS)
+        save_state(parts, f"{root}/{saved}-{resumed}", STEPS)
+    return out
+
+
+def test_checkpoint_resumes_across_expert_degrees(tmp_path):
+    """Each fails on main: the expert slices were saved as frozen weights by every expert rank under one
+    name (no Adam state), and loaded onto another degree's slices."""
+    from pipezero.train.checkpoint import load_checkpoint
+
+    results = run(_resumes, WORLD, str(tmp_path), timeout=300)
+    ref = load_checkpoint(tmp_path / "ref").tensors
+    kept = sorted(k for k in ref if k.startswith(("model/", "optim/")))
+    assert any(".experts." in k and k.endswith("exp_avg") for k in kept)
+    for out in results:
+        for saved in ("1", "4"):
+            np.testing.assert_allclose(out[saved], out["ref"][:SAVED_AT], rtol=0, atol=1e-5, err_msg=saved)
+        for pair in ("2-4", "1-2", "4-2"):
+            np.testing.assert_allclose(out[pair.replace("-", "->")], out["ref"][SAVED_AT:], rtol=0, atol=1e-5,
+                                       err_msg=pair)
+    for pair in ("2-4", "1-2", "4-2"):
+        got = load_checkpoint(tmp_path / pair).tensors
+        assert sorted(k for k in got if k.startswith(("model/", "optim/"))) == kept, pair
+        for key in kept:
+            torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-8, msg=lambda m: f"{pair} {key}: {m}")
