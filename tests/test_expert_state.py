@@ -135,3 +135,85 @@ def test_checkpoint_resumes_across_expert_degrees(tmp_path):
         assert sorted(k for k in got if k.startswith(("model/", "optim/"))) == kept, pair
         for key in kept:
             torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-8, msg=lambda m: f"{pair} {key}: {m}")
+
+
+# -- (b) the loaders read by data x expert rank -----------------------------------------------------------
+
+def _fed_by_the_loaders() -> list[tuple]:
+    """Per grid: the loss and each gradient by Hugging Face name (one SGD step of rate 1) of the MoE fed by the
+    GPT job's token batches, this rank's experts, initialize's sampler indices and the fine-tuning rows."""
+    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.pipe.expert import expert_parameters, reduce_expert_grads, shard_experts
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.topology import Grid
+    from pipezero.train.data import MemoryCorpus
+    from pipezero.train.finetune import batches
+    from pipezero.train.gpt.job import token_batches
+    from pipezero.train.initialize import _data_loader
+    from pipezero.zero import ZeroOptimizer
+
+    out = []
+    for sizes in (dict(pipe=2, expert=2), dict(expert=2)):
+        grid = Grid(**sizes)
+        per_rank = BATCH // grid.data_expert_size
+        ids, targets = token_batches(SimpleNamespace(data_path=None, seq_len=SEQ), per_rank, grid)[0].next_batch()
+        module = PipelineModule(hf_layer_specs(_base()), grid=grid, loss_fn=causal_lm_loss,
+                                partition_method="uniform")
+        shard_experts(module, grid.expert_group)
+        experts = expert_parameters(module)
+        dense = [p for p in module.parameters() if all(p is not e for e in experts)]
+        opt = ZeroOptimizer(torch.optim.SGD(dense, lr=1.0), stage=1, group=grid.data_sequence_group)
+        runner = PipelineRunner(module, OneFOneB(num_microbatches=per_rank), optimizer=opt)
+        named = {n: p for layer in module.modules() if isinstance(layer, _HFLayer) for n, p in layer.hf_parameters()}
+        before = {n: p.detach().clone() for n, p in named.items()}
+        loss = runner.train_step(ids, targets)
+        reduce_expert_grads(experts, grid.expert_data_group, grid.data_expert_size)
+        opt.step()
+        if experts:  # at pipe 2 the first stage holds the dense layer only
+            torch.optim.SGD(experts, lr=1.0).step()
+        grads = {n: before[n] - p.detach() for n, p in named.items()}
+        parts = SimpleNamespace(grid=grid, config=SimpleNamespace(batch=SimpleNamespace(
+            micro_batch_size=2, per_rank_batch_size=2, accumulation_steps=1)))
+        sampled = [int(i) for batch in _data_loader(list(range(16)), None, parts) for i in batch]
+        args = SimpleNamespace(seq_len=SEQ, packing=True, long_docs="split", data=None, seed=0, val_fraction=0.2)
+        corpus = MemoryCorpus([np.arange(3, 3 + n) + 10 * i for i, n in enumerate([5, 7, 6, 8] * 10)])
+        packed = batches(args, parts, corpus, 0)[0].next_batch()[0][0]
+        out.append((loss, grads, grid.expert_rank, sampled, packed, grid.data_expert_rank))
+    return out
+
+
+def _truth_on_the_union() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """transformers' loss (its load-balancing term as it adds it) and gradients on the global batch, one
+    microbatch per row (as each grid takes them)."""
+    from pipezero.pipe.hf import causal_lm_loss
+    from pipezero.train.data import ShardedBatches, TokenData
+
+    ids, targets = ShardedBatches(TokenData.stdlib(SEQ), BATCH, 0, 1, split="train").next_batch()
+    model, losses = _base(), []
+    for row in range(BATCH):
+        out = model(ids[row:row + 1])
+        loss = causal_lm_loss(out.logits, targets[row:row + 1]) + model.config.router_aux_loss_coef * out.aux_loss
+        (loss / BATCH).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_loaders_read_by_data_x_expert_rank():
+    """Each fails with the loaders reading by data rank: two expert ranks of one data index take the same rows."""
+    results = run(_fed_by_the_loaders, WORLD, timeout=300)
+    want_loss, want_grads = _truth_on_the_union()
+    for case in range(2):
+        sampled, packed, grads = {}, {}, {}
+        for rank_results in results:
+            loss, rank_grads, held, indices, rows, reader = rank_results[case]
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+            for name, value in rank_grads.items():
+                want = want_grads[name][held * 2:(held + 1) * 2] if ".experts." in name else want_grads[name]
+                torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+                grads[name] = value
+            assert sampled.setdefault(reader, indices) == indices and packed.setdefault(reader, rows).equal(rows)
+        assert set(grads) == set(want_grads)
+        readers = len(sampled)
+        assert readers == {0: 2, 1: 4}[case] and sorted(i for s in sampled.values() for i in s) == list(range(16))
+        assert len({tuple(r.reshape(-1).tolist()) for r in packed.values()}) == readers  # each its own rows
