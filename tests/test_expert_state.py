@@ -10,7 +10,8 @@ moment, whole, by name) equals the uninterrupted run's. Loaders: under Grid(pipe
 and Grid(expert=2) (data 2) the GPT job's token batches feed the MoE, whose loss and gradients (one SGD
 step of rate 1) equal transformers' on the union of the rows; initialize's sampler and the fine-tuning
 job's packed rows are split by data x expert rank too. LoRA on the attention with the experts split
-(frozen, no target) equals peft in one process (losses and adapters), at expert 2 x data 2.
+(frozen, no target) equals peft in one process (losses and adapters), at expert 2 x data 2. A list of
+optimizers that cannot be saved as one is refused, naming why.
 """
 
 from __future__ import annotations
@@ -292,3 +293,23 @@ def test_lora_with_split_experts_equals_peft(tmp_path):
         assert set(adapters) == set(truth["adapters"])
         for name, want in truth["adapters"].items():
             torch.testing.assert_close(adapters[name], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_list_of_optimizers_that_cannot_save_as_one_is_refused():
+    """One process: a parameter in two optimizers, a second chain with state of its own (a loss scale), an
+    empty list or a non-optimizer in it: each named before anything is saved."""
+    from pipezero.precision import LossScaler
+    from pipezero.train.checkpoint.by_name import by_name
+    from pipezero.train.checkpoint.state_parts import HandParts
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"a parameter of shape \(2, 2\) is in optimizers 0 and 1"):
+        by_name([torch.optim.SGD(a.parameters()), torch.optim.SGD([a.weight])])
+    with pytest.raises(TypeError, match=r"optimizers after the first keep state of their own in \['LossScaler'\]"):
+        by_name([torch.optim.SGD(a.parameters()), LossScaler(torch.optim.SGD(b.parameters()))])
+    assert len(by_name([LossScaler(torch.optim.SGD(a.parameters())), torch.optim.SGD(b.parameters())])
+               .full_parameters()) == 4
+    with pytest.raises(TypeError, match=r"HandParts\(optimizer=\[\]\)"):
+        HandParts(a, [])
+    with pytest.raises(TypeError, match=r"HandParts\(optimizer=\['Linear'\]\)"):
+        HandParts(a, [torch.optim.SGD(a.parameters()), b])
