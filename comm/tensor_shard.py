@@ -1,10 +1,12 @@
-"""Tensor shards: a plain tensor that holds one tensor rank's slice of a whole parameter.
+"""Tensor shards: a plain tensor that holds one rank's slice of a whole parameter.
 
 pipe/'s tensor-parallel linears keep their weights as ordinary local tensors (no DTensor
-dispatch per operator); what a checkpoint, the optimizer's shapes or an export need to know
-about them — along which dim the whole tensor was cut, into how many parts, which part this
-rank holds, over which process group — is a `TensorShard` marked on the parameter. pipe/
-marks, zero/ and train/ read; the pair lives here, below all three (as comm/replica.py's).
+dispatch per operator), and so do its split experts (pipe/expert/: a MoE layer's stacked
+experts cut along dim 0 over the expert group); what a checkpoint, the optimizer's shapes or
+an export need to know about them — along which dim the whole tensor was cut, into how many
+parts, which part this rank holds, over which process group (the tensor group, the expert
+group) — is a `TensorShard` marked on the parameter. pipe/ marks, zero/ and train/ read; the
+pair lives here, below all three (as comm/replica.py's).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class TensorShard:
     degree: int
     rank: int
     full_shape: torch.Size
-    group: Any = None  # the tensor group (a ProcessGroup) the other parts live on
+    group: Any = None  # the group (a ProcessGroup: tensor, or expert) the other parts live on
 
     @property
     def shape(self) -> torch.Size:

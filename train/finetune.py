@@ -231,23 +231,25 @@ class _Subset:
 
 
 def batches(args: argparse.Namespace, parts: Parts, corpus: Any, pad_id: int) -> tuple[PackedBatches, PackedBatches]:
-    """This data rank's train and held-out batches (the last documents: --val-fraction of them, or more)."""
+    """This data rank's train and held-out batches (the last documents: --val-fraction of them, or more); rows
+    by data x expert rank (with an expert axis, each of those ranks reads its own rows)."""
     n = len(corpus.lengths())
     grid, batch = parts.grid, parts.config.batch
-    cut = n - held_out(args, corpus, pad_id, batch.accumulation_steps * grid.data_size)
+    readers = grid.data_expert_size
+    cut = n - held_out(args, corpus, pad_id, batch.accumulation_steps * readers)
     splits = []
     for name, index in (("train", np.arange(cut)), ("held-out", np.arange(cut, n))):
         layout = pack(_Subset(corpus, index), args.seq_len, args.packing, args.long_docs, pad_id,
                       source=f"{args.data or 'stdlib'} ({name})")
         size = batch.per_rank_batch_size if name == "train" else batch.accumulation_steps  # held out: a row per mb
-        if name == "train" and layout.num_rows < size * grid.data_size:  # held_out() sized the other
+        if name == "train" and layout.num_rows < size * readers:  # held_out() sized the other
             raise ValueError(f"the train split has {layout.num_rows} rows of --seq-len {args.seq_len} ({cut} of the "
-                             f"{n} documents), fewer than one batch of {size * grid.data_size} (--batch-size "
+                             f"{n} documents), fewer than one batch of {size * readers} (--batch-size "
                              f"{batch.micro_batch_size} x --micro-batches {batch.accumulation_steps} x "
-                             f"{grid.data_size} data ranks): give more documents, or a smaller --batch-size or "
+                             f"{readers} data ranks): give more documents, or a smaller --batch-size or "
                              f"--micro-batches")
-        splits.append(PackedBatches(layout, _Subset(corpus, index), size, batch.accumulation_steps, grid.data_rank,
-                                    grid.data_size, seed=args.seed, shuffle=name == "train",
+        splits.append(PackedBatches(layout, _Subset(corpus, index), size, batch.accumulation_steps,
+                                    grid.data_expert_rank, readers, seed=args.seed, shuffle=name == "train",
                                     hf_inputs=True, sequence_rank=grid.sequence_rank,
                                     sequence_degree=grid.sequence_size))
     log.info("packing efficiency %.1f%% (real tokens / token slots) over %d train rows of %d tokens",

@@ -298,10 +298,11 @@ def _client_scheduler(lr_scheduler: Any, parts: Parts) -> Any:
 
 
 def _data_loader(dataset: Any, collate_fn: Any, parts: Parts) -> torch.utils.data.DataLoader:
-    """DeepSpeed's training_data: micro-batches of this data rank's share of the dataset."""
+    """DeepSpeed's training_data: micro-batches of this data rank's share of the dataset (by data x expert
+    rank: with an expert axis, each of those ranks reads its own rows)."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     grid = parts.grid
-    sampler = DistributedSampler(dataset, num_replicas=grid.data_size, rank=grid.data_rank)
+    sampler = DistributedSampler(dataset, num_replicas=grid.data_expert_size, rank=grid.data_expert_rank)
     return DataLoader(dataset, batch_size=parts.config.batch.micro_batch_size, sampler=sampler,
                       collate_fn=collate_fn)

@@ -10,6 +10,10 @@ that holds the local experts only, and the rows come back. The router and the de
 stay replicated, so each rank of the group routes its own tokens (the group's ranks are data
 replicas for everything else).
 
+Each split parameter is marked with a comm.TensorShard (dim 0, the expert group): like a
+tensor-parallel slice, a checkpoint saves it whole under its global name and cuts this rank's
+experts out again on load, so a checkpoint moves across expert degrees (train/checkpoint/).
+
 Gradients: a dense parameter is reduced over the whole data x expert group, as before. An
 expert's gradient already sums what every rank's tokens sent it; it is summed over the ranks
 holding the same experts (the expert's own data group) and divided by the size of the whole
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipezero.comm import TensorShard, mark_tensor_shard
 from pipezero.pipe.expert.dispatch import combine, dispatch
 
 __all__ = ["ExpertParallel", "expert_parameters", "shard_experts", "whole_experts"]
@@ -46,8 +51,11 @@ class ExpertParallel(nn.Module):
         local = copy.copy(experts)  # the same class, forward, config and implementation switch
         local._parameters = {}  # a shallow copy shares the dict: its own, holding the local slices only
         for name, p in experts.named_parameters(recurse=False):
-            part = p.detach()[rank * per_rank:(rank + 1) * per_rank].clone() if p.shape[0] == num_experts else p
+            split = p.shape[0] == num_experts
+            part = p.detach()[rank * per_rank:(rank + 1) * per_rank].clone() if split else p
             setattr(local, name, nn.Parameter(part, requires_grad=p.requires_grad))
+            if split:  # which slice of which whole: a checkpoint saves it whole, by name, and cuts it again
+                mark_tensor_shard(local._parameters[name], TensorShard(0, ranks, rank, p.shape, group))
             self.register_parameter(name, local._parameters[name])  # the experts' own names
         local.num_experts = per_rank
         self._local = [local]  # not a child: its parameters are this module's, under their names

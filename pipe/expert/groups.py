@@ -30,11 +30,10 @@ def _check(module: nn.Module, grid: Grid) -> None:
         raise ValueError(f"expert_param_groups: Grid(expert={grid.expert_size}, sequence={grid.sequence_size}): "
                          "experts over a sequence split are not supported yet (the ranks holding the same "
                          "experts would be data x sequence); use sequence=1 with an expert axis")
+    # A stage with no sharded experts (a pipeline stage of dense layers only, or experts left whole) is
+    # not refused here: that is this rank's view alone (build() checks every stage, on every rank), and
+    # experts left whole train as dense layers, correctly, only without the expert split.
     layers = [m for m in module.modules() if isinstance(m, ExpertParallel)]
-    if grid.expert_size > 1 and not layers:
-        raise ValueError(f"expert_param_groups: Grid(expert={grid.expert_size}) but {type(module).__name__} has "
-                         "no sharded experts; call shard_experts(module, grid.expert_group) first (a model "
-                         "without MoE layers takes expert=1)")
     degrees = sorted({dist.get_world_size(m.group) for m in layers})
     if any(d != grid.expert_size for d in degrees):
         raise ValueError(f"expert_param_groups: the experts are split over groups of {degrees} ranks, the grid's "

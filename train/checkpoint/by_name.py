@@ -7,7 +7,10 @@ innermost optimizer's `state_dict()` IS the consolidated layout ZeroOptimizer wr
 parameter, parameters numbered in param-group order; `ZeroOptimizer.consolidated_state_dict`).
 So this view reads and writes it through the Saveable protocol (state_dict / load_state_dict)
 and `param_groups`, and a checkpoint moves between a plain job and a ZeRO one of any degree.
-A MasterWeights link's masters stand in for their model parameters (`HoldsMasters`).
+A MasterWeights link's masters stand in for their model parameters (`HoldsMasters`). Several
+optimizers over different parameters (pipe/expert/'s experts beside the dense ZeroOptimizer) are
+seen as one (`JoinedByName`): a checkpoint records state by parameter name, not by optimizer, so it
+loads whichever optimizers hold those names on the other side.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from torch.distributed.tensor import DTensor
 
 from pipezero.chain import innermost, links
 from pipezero.train.checkpoint.state_parts import ByNameState
+from pipezero.train.checkpoint.tensor_state import whole_shape
 
-__all__ = ["ChainByName", "HoldsMasters", "by_name"]
+__all__ = ["ChainByName", "HoldsMasters", "JoinedByName", "by_name"]
 
 
 @runtime_checkable
@@ -31,7 +35,10 @@ class HoldsMasters(Protocol):
 
 
 def by_name(optimizer: Any) -> ByNameState:
-    """The optimizer itself when it gives its state by parameter (ZeroOptimizer), else a ChainByName view."""
+    """The optimizer itself when it gives its state by parameter (ZeroOptimizer), else a ChainByName view
+    (a JoinedByName one for a list of optimizers)."""
+    if isinstance(optimizer, (list, tuple)):
+        return JoinedByName(optimizer) if len(optimizer) != 1 else by_name(optimizer[0])
     if isinstance(optimizer, ByNameState):
         return optimizer
     return ChainByName(optimizer)
@@ -69,7 +76,8 @@ class ChainByName:
         return [(self._model_of.get(id(m), m), m) for group in self.param_groups for m in group["params"]]
 
     def full_shapes(self) -> dict[int, torch.Size]:
-        return {id(p): p.shape for p, _ in self._pairs()}
+        """The whole shapes (a split parameter's, comm.TensorShard: a tensor-parallel or an expert slice)."""
+        return {id(p): whole_shape(p) for p, _ in self._pairs()}
 
     def full_parameters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, its value as the optimizer steps it: the fp32 master under MasterWeights)."""
@@ -105,3 +113,53 @@ def _like(param: torch.Tensor, value: Any) -> Any:
         return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
     return value
+
+
+class JoinedByName:
+    """ByNameState over several optimizers holding different parameters, in their order; no collective
+    of its own. The first one's links are the chain a checkpoint records (its loss scale): another one
+    whose links keep state of their own is refused, as is a parameter held by two of them."""
+
+    def __init__(self, optimizers: list[Any] | tuple[Any, ...]):
+        self._parts = [by_name(o) for o in optimizers]
+        if not self._parts:
+            raise TypeError("save_state / load_state: an empty list of optimizers; pass the job's optimizers")
+        self.inner = self._parts[0].inner
+        kept = [type(link).__name__ for part in self._parts[1:] for link in links(part.inner)
+                if not isinstance(link, HoldsMasters) and link.link_state_dict()]
+        if kept:
+            raise TypeError(f"save_state / load_state: optimizers after the first keep state of their own in "
+                            f"{kept}, which a checkpoint records for the first one's chain only; wrap only the "
+                            "first (the dense parameters' chain) or put the parameters under one chain")
+        seen: dict[int, int] = {}
+        for i, part in enumerate(self._parts):
+            for group in part.original_params:
+                for p in group:
+                    if seen.setdefault(id(p), i) != i:
+                        raise ValueError(f"save_state / load_state: a parameter of shape {tuple(p.shape)} is in "
+                                         f"optimizers {seen[id(p)]} and {i}; give each parameter to one optimizer")
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for part in self._parts for group in part.param_groups]
+
+    @property
+    def original_params(self) -> list[list[torch.Tensor]]:
+        return [params for part in self._parts for params in part.original_params]
+
+    def full_shapes(self) -> dict[int, torch.Size]:
+        return {k: v for part in self._parts for k, v in part.full_shapes().items()}
+
+    def full_parameters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [pair for part in self._parts for pair in part.full_parameters()]
+
+    def load_full_parameters(self, value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for part in self._parts:
+            part.load_full_parameters(value_of)
+
+    def per_parameter_state(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        return [pair for part in self._parts for pair in part.per_parameter_state()]
+
+    def load_per_parameter_state(self, state_of: Callable[[torch.Tensor], dict[str, Any] | None]) -> None:
+        for part in self._parts:
+            part.load_per_parameter_state(state_of)

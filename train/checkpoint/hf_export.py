@@ -90,7 +90,7 @@ def _export(module: nn.Module, directory: Path, dtype: torch.dtype | None) -> Pa
     _check_whole(module, state)
     grid = getattr(module, "grid", None)
     pipe_rank, stages = (grid.pipe_rank, grid.pipe_size) if grid is not None else (0, 1)
-    writer = grid is None or (grid.data_rank == 0 and grid.tensor_rank == 0 and grid.sequence_rank == 0)
+    writer = grid is None or (grid.data_rank == grid.expert_rank == grid.tensor_rank == grid.sequence_rank == 0)
     rank = dist.get_rank() if dist.is_initialized() else 0
     shards = ["model.safetensors"] if stages == 1 else [f"model-{k:05d}-of-{stages:05d}.safetensors"
                                                         for k in range(1, stages + 1)]

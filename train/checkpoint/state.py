@@ -11,15 +11,19 @@ and as JSON meta the step, the LR schedule position, the data position, the batc
 (`saved_batch`: a resume on another data degree keeps the global batch), the non-torch links
 of the optimizer chain (the loss scale and its counters). Parameter names are
 PipelineModule's ("layers.3.qkv.weight", "tied.embed.weight"): the same on every grid, so a
-pipe 2 x data 2 checkpoint loads into pipe 1 x data 4, pipe 4 x data 1 or one process. Only
-data rank 0 of each stage writes weights and optimizer state (ZeRO's state is consolidated
-over the data group first); `export_model` maps the names onto the single-process model's
+pipe 2 x data 2 checkpoint loads into pipe 1 x data 4, pipe 4 x data 1 or one process. A split
+parameter (comm.TensorShard: a tensor-parallel slice, or a rank's experts of a MoE layer,
+pipe/expert/) is gathered whole over its group, so a checkpoint at expert 2 loads at expert 4,
+1 or any degree that divides the experts. Only data rank 0 (expert, tensor and sequence rank 0)
+of each stage writes weights and optimizer state (ZeRO's state is consolidated over the data
+group first); `export_model` maps the names onto the single-process model's
 (tied weights under every name that uses them) for `safetensors.torch.load_file`.
 
 The parts are `build`'s Parts or a job composed by hand (`HandParts(model, optimizer,
 scheduler)`): ZeroOptimizer gives its state by parameter itself, any other optimizer chain (a
 torch optimizer, LossScaler / MasterWeights over one) through its state_dict, in the same layout
-(train/checkpoint/by_name.py), so a plain job's checkpoint resumes under ZeRO of any degree and back.
+(train/checkpoint/by_name.py), so a plain job's checkpoint resumes under ZeRO of any degree and back;
+several optimizers over different parameters (the experts' beside the dense ones) save as one.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def gather_state(parts: StateParts, data_state: Mapping[str, Any] | None, step: 
     """
     parts = _by_name_parts(parts)
     zero, names = parts.optimizer, _param_names(parts)
-    writer = parts.grid.data_rank == 0 and parts.grid.tensor_rank == 0 and parts.grid.sequence_rank == 0
+    writer = _writer(parts.grid)
     tensors: dict[str, torch.Tensor] = {}
     for p, master in zero.full_parameters():
         value = whole(p, master)  # tensor-parallel: every tensor rank takes part
@@ -101,6 +105,12 @@ def gather_state(parts: StateParts, data_state: Mapping[str, Any] | None, step: 
             "param_groups": _group_settings(parts, writer),
             "frozen": frozen, "model_config": _as_json(model_config)}
     return tensors, meta
+
+
+def _writer(grid: Any) -> bool:
+    """Whether this rank writes its stage's weights and optimizer state: the first of every axis but pipe
+    (the tensor and expert slices gathered whole first, the data and sequence ranks' copies the same)."""
+    return grid.data_rank == 0 and grid.expert_rank == 0 and grid.tensor_rank == 0 and grid.sequence_rank == 0
 
 
 def _group_settings(parts: StateParts, writer: bool) -> list[dict[str, Any]]:
@@ -181,7 +191,8 @@ def _chain_state(zero: ByNameState) -> tuple[dict[str, torch.Tensor], list[Any]]
 
 def _grid_dict(grid: Any) -> dict[str, int]:
     sequence = {"sequence": grid.sequence_size} if grid.sequence_size > 1 else {}  # older checkpoints: none
-    return {"pipe": grid.pipe_size, "data": grid.data_size, "tensor": grid.tensor_size, **sequence}
+    expert = {"expert": grid.expert_size} if grid.expert_size > 1 else {}
+    return {"pipe": grid.pipe_size, "data": grid.data_size, "tensor": grid.tensor_size, **sequence, **expert}
 
 
 def save_state(parts: StateParts, directory: str | os.PathLike, step: int,

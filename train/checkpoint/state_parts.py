@@ -54,10 +54,12 @@ class _Grid(Protocol):
     data_rank: int
     tensor_rank: int
     sequence_rank: int
+    expert_rank: int
     pipe_size: int
     data_size: int
     tensor_size: int
     sequence_size: int
+    expert_size: int
 
 
 class StateParts(Protocol):
@@ -79,9 +81,11 @@ class WorldGrid:
     world_size: int = 1
     tensor_rank: int = 0
     sequence_rank: int = 0
+    expert_rank: int = 0
     pipe_size: int = 1
     tensor_size: int = 1
     sequence_size: int = 1
+    expert_size: int = 1
 
     @property
     def data_rank(self) -> int:
@@ -104,8 +108,11 @@ class HandParts:
     """A job composed by hand, for save_state / load_state: the same checkpoint `build`'s Parts write.
 
     `optimizer`: a ZeroOptimizer chain, a LossScaler / MasterWeights chain or a plain torch
-    optimizer; `scheduler`: a torch LR scheduler or None (both Saveable: state_dict /
-    load_state_dict). `grid`: the job's topology.Grid (a pipeline, a tensor axis); None: every
+    optimizer, or a list of them holding different parameters (the dense ZeroOptimizer and the
+    experts' own optimizer of pipe/expert/: their state is saved by parameter name as one
+    optimizer's would be; only the first may keep state of its own, a loss scale); `scheduler`:
+    a torch LR scheduler or None (both Saveable: state_dict / load_state_dict). `grid`: the
+    job's topology.Grid (a pipeline, a tensor axis, an expert axis); None: every
     process is a data rank (`WorldGrid.current()`). `config`: anything with the `batch` sizes
     (train's TrainConfig) or None. `dtype`: the compute dtype recorded, by default the model's.
     """
@@ -120,9 +127,13 @@ class HandParts:
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
             raise TypeError(f"HandParts(module={type(self.module).__name__}): expected the nn.Module being trained")
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"HandParts(optimizer={type(self.optimizer).__name__}): expected a torch.optim."
-                            "Optimizer or an optimizer chain (ZeroOptimizer, LossScaler, MasterWeights)")
+        several = isinstance(self.optimizer, (list, tuple))
+        wrong = [type(o).__name__ for o in (self.optimizer if several else [self.optimizer])
+                 if not isinstance(o, torch.optim.Optimizer)]
+        if wrong or self.optimizer in ([], ()):
+            shown = wrong if several else wrong[0]
+            raise TypeError(f"HandParts(optimizer={shown}): expected a torch.optim.Optimizer or an optimizer chain "
+                            "(ZeroOptimizer, LossScaler, MasterWeights), or a list of them")
         if self.scheduler is not None and not isinstance(self.scheduler, Saveable):
             raise TypeError(f"HandParts(scheduler={type(self.scheduler).__name__}): expected a torch LR scheduler "
                             "(or another Saveable: state_dict / load_state_dict) or None")

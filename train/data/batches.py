@@ -4,7 +4,8 @@ Order: every step takes one global batch of `global_batch` rows from a seeded pe
 epoch; data rank r of D takes the r-th contiguous block of global_batch / D rows. The
 position (epoch, step, seed, global batch) is what a checkpoint keeps (`state_dict`), so a
 resumed run, on the same or another data degree, sees exactly the rows the uninterrupted run
-would have seen next.
+would have seen next. D counts every rank that reads its own rows: with an expert axis the data x
+expert ranks (`grid.data_expert_rank` of `grid.data_expert_size`, as the jobs pass them).
 
 Batch: the first stage's inputs are (ids, position ids, segment ids) [B, T] (the Hugging
 Face layers of pipe/hf/specs.py take (ids, None, position ids): transformers builds the

@@ -10,6 +10,9 @@ Batches are non-overlapping windows of seq_len + 1 tokens, (inputs, targets) shi
 Each optimizer step takes one global batch of `data_degree x batch_size` windows from a
 seeded permutation; data rank r takes the r-th contiguous block of it, so the ranks' batches
 concatenated in rank order are exactly the single-process batch (what parity tests need).
+The readers are every rank whose gradients are averaged over other rows: on a grid with an
+expert axis the data x expert ranks (`grid.data_expert_rank` of `grid.data_expert_size`, as the
+jobs pass them), since the dense gradients are the mean over data x expert x sequence.
 """
 
 from __future__ import annotations

@@ -198,11 +198,13 @@ def check_layout(args: argparse.Namespace, parts: Parts, saved: BatchConfig | No
 
 
 def token_batches(args: argparse.Namespace, per_rank: int, grid: Grid) -> tuple[ShardedBatches, ShardedBatches]:
-    """Byte tokens of --data-path (else the stdlib sources): this data rank's share of every global batch."""
+    """Byte tokens of --data-path (else the stdlib sources): this data rank's share of every global batch
+    (by data x expert rank: with an expert axis, each of those ranks reads its own rows)."""
     data = TokenData.from_file(args.data_path, args.seq_len) if args.data_path else TokenData.stdlib(args.seq_len)
     slices = dict(sequence_rank=grid.sequence_rank, sequence_degree=grid.sequence_size)  # pipe/sequence/
-    train = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="train", **slices)
-    val = ShardedBatches(data, per_rank, grid.data_rank, grid.data_size, split="val", shuffle=False, **slices)
+    rows = grid.data_expert_rank, grid.data_expert_size
+    train = ShardedBatches(data, per_rank, *rows, split="train", **slices)
+    val = ShardedBatches(data, per_rank, *rows, split="val", shuffle=False, **slices)
     return train, val
 
 
