@@ -203,7 +203,7 @@ def test_expert_parallel_is_deepspeeds_autoep_section(monkeypatch):
     """DeepSpeed 0.19.8's "expert_parallel" {"enabled", "autoep_size"} sets the grid's expert axis (it was
     refused), read as DeepSpeed's own parser reads it; the rows stay per data x expert rank (the batch is
     DeepSpeed's); routing keys off their defaults, an expert tensor split and a size that does not divide
-    the data degree are refused; the GPT job and finetune refuse --expert-parallel with their reason."""
+    the data degree are refused; the GPT job refuses --expert-parallel (no experts), finetune takes it."""
     raw = {"train_micro_batch_size_per_gpu": 2, "expert_parallel": {"enabled": True, "autoep_size": 2,
                                                                      "top_k": "auto", "use_grouped_mm": False}}
     ds = _deepspeed(raw, 4)
@@ -222,8 +222,7 @@ def test_expert_parallel_is_deepspeeds_autoep_section(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="the GPT this job trains has no experts"):
         job.train_config(job.parse_args(["--expert-parallel", "2", "--pipe", "1"]), None)
-    with pytest.raises(ValueError, match="pipezero finetune: expert parallelism 2 .* not in this command yet"):
-        finetune.train_config(finetune.parse_args(["--expert-parallel", "2", "--pipe", "1"]), None, 32)
+    assert finetune.train_config(finetune.parse_args(["--expert-parallel", "2", "--pipe", "1"]), None, 32).expert == 2
 
 
 @pytest.mark.parametrize("given", [{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3},

@@ -36,6 +36,24 @@ def _model_dir(root: Path) -> Path:
     return folder
 
 
+def _moe_dir(root: Path) -> Path:
+    """A tiny Qwen3-MoE (four experts a layer) beside the Llama, with the same tokenizer."""
+    import shutil
+
+    import transformers
+
+    folder = root / "moe"
+    shutil.copytree(root / "model", folder)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=transformers.AutoConfig.from_pretrained(folder).vocab_size,
+                                      hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    return folder
+
+
 def _chats(path: Path) -> Path:
     r = random.Random(0)
     with open(path, "w") as f:
@@ -59,7 +77,9 @@ def _three_jobs(root: str) -> list[float]:
     return [_job(root, f"{root}/straight", 4), _job(root, f"{root}/resumed", 2), _job(root, f"{root}/resumed", 4),
             _bytes_job(root), _job(root, f"{root}/zero3-pipe2", 4, *zero3),
             _job(root, f"{root}/zero3-pipe1", 4, *zero3, "--pipe", "1", "--batch-size", "1"),
-            _job(root, f"{root}/sequence", 2, "--pipe", "1", "--sequence-parallel", "2")]
+            _job(root, f"{root}/sequence", 2, "--pipe", "1", "--sequence-parallel", "2"),
+            *(_job(root, f"{root}/moe-{name}", 2, "--model", f"{root}/moe", "--pipe", "1", *flags)
+              for name, flags in (("data", ()), ("expert", ("--expert-parallel", "2"))))]
 
 
 def _bytes_job(root: str) -> float:
@@ -75,6 +95,7 @@ def test_finetune_resumes_exactly_and_exports(tmp_path):
     import transformers
 
     _model_dir(tmp_path)
+    _moe_dir(tmp_path)
     _chats(tmp_path / "chat.jsonl")
     bare = transformers.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                     num_attention_heads=2, max_position_embeddings=64)
@@ -86,6 +107,12 @@ def test_finetune_resumes_exactly_and_exports(tmp_path):
     assert losses[0][0] == losses[0][2] and losses[0][1] != losses[0][2], losses
     # each row split over 2 sequence ranks (the prompts' untrained tokens unevenly): pipe 2's loss at step 2
     assert losses[0][6] == pytest.approx(losses[0][1], abs=1e-5), losses
+    # the MoE at expert 2 (each rank two of the four experts) trains and exports as at data 2
+    assert losses[0][8] == pytest.approx(losses[0][7], abs=1e-5), losses
+    data_moe, expert_moe = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"moe-{n}" / "model")
+                            for n in ("data", "expert"))
+    for name, value in data_moe.state_dict().items():
+        torch.testing.assert_close(expert_moe.state_dict()[name], value, rtol=1e-5, atol=1e-5, msg=name)
     from safetensors.torch import load_file
 
     files = sorted((tmp_path / "straight" / "model").glob("*.safetensors"))

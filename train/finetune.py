@@ -326,12 +326,6 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
     cfg = parse_config(raw, tensor=args.tensor, hidden_size=hidden_size, auto_values={
         "optimizer.params.lr": args.lr, "scheduler.params.total_num_steps": args.steps,
         "scheduler.params.warmup_num_steps": warmup, "gradient_clipping": 1.0})
-    if cfg.expert > 1:
-        raise ValueError(f"pipezero finetune: expert parallelism {cfg.expert} (--expert-parallel, ds_config "
-                         "expert_parallel) is not in this command yet: "
-                         "its loader gives the expert ranks of one data rank the same rows, and its checkpoints "
-                         "keep each rank's experts under the whole layer's names; use 1 here, or split the "
-                         "experts through build(specs=...) in your own loop (README, Mixture-of-experts)")
     return dataclasses.replace(cfg, batch=keep_global_batch(cfg.batch, saved))
 
 
