@@ -7,7 +7,10 @@ SGD step of lr 1 through ZeroOptimizer, so each parameter's change is its averag
 loss and every gradient must equal the truth's within 1e-5 (fp32). Documents cross the slice
 boundaries; key/value heads (2) are fewer than the degree 4 (replicated) and as many as 2 (split).
 The GPT of pipezero.train.gpt (its packed rows: ids, positions, segment ids) against its one-process
-GPT the same way, pipe 2 x sequence 2 (the tied embedding and head on two stages); LoRA adapters
+GPT the same way, pipe 2 x sequence 2 (the tied embedding and head on two stages); tensor 2 x sequence 2
+(hf_tensor_plan / gpt_tensor_plan split the heads first, Ulysses exchanges each tensor rank's); Gemma 2
+on its eager kernel (soft-capped logits, a sliding window across the slices, as transformers' model
+computes them in one process); LoRA adapters
 (lora_specs) against peft's model on the same base and starting adapters. Packed rows must take the
 mask-free path (pipe/document_attention.py) inside Ulysses: each rank's calls attend whole rows.
 """
