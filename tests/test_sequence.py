@@ -359,3 +359,20 @@ def test_a_sequence_2_checkpoint_resumes_at_data_2_and_a_data_only_optimizer_is_
         assert resumed == pytest.approx(second, abs=1e-5), rank
         assert refusal is not None and f"reduces gradients over ranks [{rank}]" in refusal, refusal
         assert "data x sequence group is [0, 1]" in refusal and "group=grid.data_sequence_group" in refusal
+
+
+class _NoEagerModel:
+    """A model whose module (this test file) defines no eager_attention_forward."""
+
+    def __init__(self, config):
+        self.config = config
+
+
+def test_an_eager_model_is_served_by_its_own_eager_function_or_refused():
+    from pipezero.pipe.sequence.hf_attention import check_hf_sequence
+
+    check_hf_sequence(_model("gemma2"), 2, "m")  # modeling_gemma2's eager_attention_forward
+    config = CONFIGS["llama"]()
+    config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="test_sequence defines no eager_attention_forward to call"):
+        check_hf_sequence(_NoEagerModel(config), 2, "m")

@@ -41,7 +41,7 @@ def check_hf_sequence(model: Any, degree: int, where: str, tensor: int = 1) -> N
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     check_heads(heads, kv_heads, degree, where, tensor)
-    _kernel_function(model, _INNER.get(config._attn_implementation, config._attn_implementation), where)
+    _kernel_function(model, _kernel(config), where)
 
 
 def register_ulysses(model: Any, group: Any, degree: int) -> str:
@@ -49,8 +49,7 @@ def register_ulysses(model: Any, group: Any, degree: int) -> str:
     returns the registered name. The model's config is changed: give it a copy it owns."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    current = model.config._attn_implementation
-    kernel = _INNER.get(current, current)
+    kernel = _kernel(model.config)
     name = ulysses_around(kernel, group, degree, _kernel_function(model, kernel, type(model).__name__))
     if kernel in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[kernel])
@@ -72,14 +71,21 @@ def ulysses_around(kernel: str, group: Any, degree: int, function: Any = None) -
     return name
 
 
-def _kernel_function(model: Any, kernel: str | None, where: str) -> Any:
+def _kernel(config: Any) -> str:
+    """The kernel a config attends with, under any Ulysses registered around it (unset: eager, as
+    transformers' lookup falls back to the model's own function)."""
+    current = config._attn_implementation
+    return _INNER.get(current, current) or "eager"
+
+
+def _kernel_function(model: Any, kernel: str, where: str) -> Any:
     """The function Ulysses calls on whole sequences: the kernel registered in transformers' attention
     interface, or for eager (never registered: each model passes its own as the lookup's default) the
     one the model's modeling file defines, transformers' `eager_attention_forward` (Gemma 2's soft-caps
     its logits there). Its [s, s] weights per rank's heads are what the other kernels avoid."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if kernel not in (None, "eager"):
+    if kernel != "eager":
         return ALL_ATTENTION_FUNCTIONS[kernel]
     modeling = importlib.import_module(type(model).__module__)
     function = vars(modeling).get("eager_attention_forward")
