@@ -5,8 +5,9 @@ The model stays unmodified: its attention modules look their kernel up by name
 a function under a new name that exchanges queries, keys and values all-to-all, calls the kernel
 the model had (sdpa, flash, flex, or eager: the eager_attention_forward its own modeling file
 defines, which keeps a family's rules such as Gemma 2's soft-capped logits) on whole sequences of
-its heads, and exchanges the output back (pipe/sequence/attention.py); the mask builders get the kernel's own mask function under the
-same name, and the model is switched to that name with its public set_attn_implementation.
+its heads, and exchanges the output back (pipe/sequence/attention.py); the mask builders get the
+kernel's own mask function under the same name, and the model is switched to that name with its
+public set_attn_implementation.
 The mask itself is built for the whole sequence (the decoder layer gathers the position ids and
 padding of the slices: pipe/hf/specs.py), so packed documents and sliding windows hold across
 shard boundaries. `ulysses_around` wraps any registered function the same way: the decoder
