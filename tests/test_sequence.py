@@ -10,9 +10,9 @@ The GPT of pipezero.train.gpt (its packed rows: ids, positions, segment ids) aga
 GPT the same way, pipe 2 x sequence 2 (the tied embedding and head on two stages); tensor 2 x sequence 2
 (hf_tensor_plan / gpt_tensor_plan split the heads first, Ulysses exchanges each tensor rank's); Gemma 2
 on its eager kernel (soft-capped logits, a sliding window across the slices, as transformers' model
-computes them in one process); LoRA adapters
-(lora_specs) against peft's model on the same base and starting adapters. Packed rows must take the
-mask-free path (pipe/document_attention.py) inside Ulysses: each rank's calls attend whole rows.
+computes them in one process); LoRA adapters (lora_specs, also at tensor 2 x sequence 2) against peft's
+model on the same base and starting adapters. Packed rows must take the mask-free path
+(pipe/document_attention.py) inside Ulysses: each rank's calls attend whole rows.
 """
 
 import contextlib
@@ -226,20 +226,24 @@ def _lora_truth(root):
     return loss.item(), grads
 
 
-def _lora_run(root):
-    """Data 2 x sequence 2, ZeRO-1 over the adapters: one SGD step of lr 1 gives their gradients."""
+def _lora_run(root, tensor=1):
+    """Data 2 x sequence 2 (or tensor 2 x sequence 2: lora_tensor_plan), ZeRO-1 over the adapters: one SGD
+    step of lr 1 gives their gradients."""
     from pipezero.pipe.lora import adapter_state_dict, lora_specs, trainable_parameters
+    from pipezero.pipe.lora_tensor import lora_tensor_plan
     from pipezero.train.checkpoint.lora_export import load_peft_adapter
 
-    grid = Grid(sequence=2)
+    grid = Grid(sequence=2, tensor=tensor)
+    plan = lora_tensor_plan(hf_tensor_plan()) if tensor > 1 else None  # the adapters split with their Linears
     model = PipelineModule(lora_specs(hf_layer_specs(f"{root}/base"), _peft_config()), grid=grid,
-                           loss_fn=causal_lm_loss)
+                           loss_fn=causal_lm_loss, tensor_plan=plan)
     load_peft_adapter(model, f"{root}/start")
     opt = ZeroOptimizer(torch.optim.SGD(trainable_parameters(model), lr=1.0), stage=1, group=grid.data_sequence_group)
     before = {n: t.clone() for n, t in adapter_state_dict(model).items()}
-    runner = PipelineRunner(model, OneFOneB(num_microbatches=2), optimizer=opt)
+    m = ROWS // grid.data_size
+    runner = PipelineRunner(model, OneFOneB(num_microbatches=m), optimizer=opt)
     ids, positions, labels = _batch(packed=True)
-    rows = slice(grid.data_rank * 2, grid.data_rank * 2 + 2)
+    rows = slice(grid.data_rank * m, (grid.data_rank + 1) * m)
     loss = runner.train_step(*shard_batch((ids[rows], None, positions[rows]), labels[rows], grid)).item()
     opt.step()
     return loss, {n: before[n] - t for n, t in adapter_state_dict(model).items()}, None
@@ -249,7 +253,7 @@ def _all_cases(root):
     out = []
     for case in CASES:
         out.append(_run(*case))
-    return out, [_gpt_run(*case) for case in GPT_CASES], [_lora_run(root)]
+    return out, [_gpt_run(*case) for case in GPT_CASES], [_lora_run(root), _lora_run(root, tensor=2)]
 
 
 def test_sequence_parallel_equals_one_process(tmp_path):
@@ -257,7 +261,7 @@ def test_sequence_parallel_equals_one_process(tmp_path):
     results = run(_all_cases, 4, str(tmp_path), timeout=600)
     truths = [_truth(case[0], case[5]) for case in CASES]
     for cases, truths, index in ((CASES, truths, 0), (GPT_CASES, [_gpt_truth()] * len(GPT_CASES), 1),
-                                 (["lora"], [lora], 2)):
+                                 (["lora", "lora, tensor 2"], [lora, lora], 2)):
         for i, case in enumerate(cases):
             want_loss, want = truths[i]
             for rank, got in enumerate(results):
