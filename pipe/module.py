@@ -87,7 +87,7 @@ class PipelineModule(nn.Module):
             for index in range(*self.chunk_range(chunk)):
                 self._build(index)
         if grid.sequence_size > 1:  # attention exchanges with the sequence group, each slice's loss its share
-            self.loss_fn = split_sequence(self._specs, self, loss_fn, grid)
+            self.loss_fn = split_sequence(self._specs, self, loss_fn, grid, tensor_split=tensor_plan is not None)
         self._tie_groups: dict[str, Any] = {}
         self._make_tie_groups()
         if grid.tensor_size > 1:

@@ -422,7 +422,11 @@ def test_sequence_layouts_fill_the_world_and_divide_the_heads_and_the_sequence()
     for lay in layouts:
         assert lay.pipe * lay.data * lay.sequence * lay.tensor == lay.world == 8, lay
         assert lay.data * lay.microbatches * lay.microbatch_size == 32, lay
-        assert lay.sequence == 1 or lay.tensor == 1, lay  # the runtime refuses both together for now
+        assert (6 // lay.tensor) % lay.sequence == 0, lay  # each tensor rank's heads split over sequence
+    assert {lay.sequence for lay in layouts if lay.tensor == 2} == {1}  # 3 heads per tensor rank
+    both = {(lay.tensor, lay.sequence) for lay in enumerate_layouts(8, 4, 32, len(PROFILE), 8, seq_len=64)}
+    assert both >= {(2, 2), (4, 1), (1, 4)} and all(t * s <= 4 for t, s in both)  # within a node of 4
+    assert (4, 2) not in both and (2, 4) not in both
     assert {lay.sequence for lay in enumerate_layouts(8, 8, 32, len(PROFILE), 8, seq_len=100)} == {1, 2, 4}
     assert {lay.sequence for lay in enumerate_layouts(8, 4, 32, len(PROFILE), 8, seq_len=256)} == {1, 2, 4}
     assert {lay.sequence for lay in enumerate_layouts(8, 8, 32, len(PROFILE), 8)} == {1}  # no length: no axis
@@ -474,6 +478,10 @@ def test_ulysses_all_to_alls_cost_eight_per_block_and_microbatch():
     whole = predict(PROFILE, replace(lay, sequence=1), HW, SMALL, "bf16").time
     launches = m * len(PROFILE) * 3 * HW.layer_overhead_us * 1e-6  # per layer and action, whatever the tokens
     assert plain.compute - plain.sequence_comm - launches == pytest.approx((whole.compute - launches) / p)
+    beside = replace(lay, tensor=2)  # a tensor rank exchanges its heads / 2 only: half the bytes, same latency
+    latency = (p - 1) * HW.intra_latency_us * 1e-6
+    assert all_to_all_seconds(beside, HW, "bf16", SMALL.d_model, SMALL.seq_len) == pytest.approx(
+        latency + (one - latency) / 2)
 
 
 def test_a_long_sequence_plan_picks_a_sequence_axis(tmp_path, capsys):

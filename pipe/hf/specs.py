@@ -360,9 +360,10 @@ class HFDecoderLayer(_HFLayer):
         model.fill(self, self.prefix)
 
     @classmethod
-    def check_sequence(cls, model: _Model, index: int, degree: int) -> None:
-        """Refuse a sequence degree this layer's heads cannot be split by (SplitsSequence; every rank)."""
-        check_hf_sequence(model.config, degree, f"hf_layer_specs: {type(model.meta).__name__}")
+    def check_sequence(cls, model: _Model, index: int, degree: int, tensor: int = 1) -> None:
+        """Refuse a sequence degree this layer's heads (each tensor rank's: hf_tensor_plan splits them
+        first) cannot be split by (SplitsSequence; every rank)."""
+        check_hf_sequence(model.meta, degree, f"hf_layer_specs: {type(model.meta).__name__}", tensor)
 
     def split_sequence(self, group: Any, degree: int) -> None:
         """Attention through Ulysses on this rank's slice of the sequence (pipe/sequence/); a mask-free

@@ -11,7 +11,9 @@ Heads: the degree must divide the query heads. Key/value heads (grouped-query at
 are split the same way when the degree divides them; when there are fewer key/value heads
 than the degree, each is replicated degree / kv_heads times before the exchange, so every
 rank gets the one its query heads read (as DeepSpeed's ALST does); any other count is refused,
-naming both.
+naming both. With a tensor axis these are each tensor rank's heads: the tensor plan splits the
+heads first (heads / tensor per tensor rank), Ulysses exchanges those within the sequence group,
+so a rank attends heads / (tensor x degree) of them on whole sequences.
 """
 
 from __future__ import annotations
@@ -26,15 +28,28 @@ from pipezero.pipe.sequence.comms import gather_sequence, heads_to_sequence, seq
 __all__ = ["Ulysses", "check_heads"]
 
 
-def check_heads(heads: int, kv_heads: int, degree: int, where: str) -> None:
-    """Refuse a sequence degree the attention's heads cannot be split by (pure: every rank raises)."""
-    if heads % degree:
+def check_heads(heads: int, kv_heads: int, degree: int, where: str, tensor: int = 1) -> None:
+    """Refuse a sequence degree the attention's heads cannot be split by (pure: every rank raises).
+
+    tensor: the tensor degree that splits the heads first (a tensor plan gives each tensor rank
+    heads / tensor query and kv_heads / tensor key/value heads); Ulysses then splits those local
+    counts over the sequence group.
+    """
+    if tensor > 1 and (heads % tensor or kv_heads % tensor):
+        raise ValueError(f"{where}: tensor degree {tensor} splits the attention heads first, but {heads} heads "
+                         f"and {kv_heads} key/value heads do not both divide by {tensor}; choose a tensor degree "
+                         f"that divides {heads} and {kv_heads}")
+    local, kv_local = heads // tensor, kv_heads // tensor
+    per_rank = f" ({heads} / tensor degree {tensor} per tensor rank)" if tensor > 1 else ""
+    kv_per_rank = f" ({kv_heads} / tensor degree {tensor} per tensor rank)" if tensor > 1 else ""
+    if local % degree:
         raise ValueError(f"{where}: sequence parallelism of degree {degree} splits the attention heads, but "
-                         f"{heads} heads do not divide by {degree}; choose a sequence degree that divides {heads}")
-    if kv_heads % degree and degree % kv_heads:
-        raise ValueError(f"{where}: sequence degree {degree} and {kv_heads} key/value heads: one must divide "
-                         f"the other (split when the degree divides them, replicated when they divide it); "
-                         f"choose a sequence degree that divides {kv_heads} or a multiple of it")
+                         f"{local} heads{per_rank} do not divide by {degree}; choose a sequence degree that "
+                         f"divides {local}")
+    if kv_local % degree and degree % kv_local:
+        raise ValueError(f"{where}: sequence degree {degree} and {kv_local} key/value heads{kv_per_rank}: one must "
+                         f"divide the other (split when the degree divides them, replicated when they divide "
+                         f"it); choose a sequence degree that divides {kv_local} or a multiple of it")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@
 The model stays unmodified: its attention modules look their kernel up by name
 (config._attn_implementation) in transformers' AttentionInterface. `register_ulysses` registers
 a function under a new name that exchanges queries, keys and values all-to-all, calls the kernel
-the model had (sdpa, flash, flex) on whole sequences of its heads, and exchanges the output back
-(pipe/sequence/attention.py); the mask builders get the kernel's own mask function under the
-same name, and the model is switched to that name with its public set_attn_implementation.
+the model had (sdpa, flash, flex, or eager: the eager_attention_forward its own modeling file
+defines, which keeps a family's rules such as Gemma 2's soft-capped logits) on whole sequences of
+its heads, and exchanges the output back (pipe/sequence/attention.py); the mask builders get the
+kernel's own mask function under the same name, and the model is switched to that name with its
+public set_attn_implementation.
 The mask itself is built for the whole sequence (the decoder layer gathers the position ids and
 padding of the slices: pipe/hf/specs.py), so packed documents and sliding windows hold across
 shard boundaries. `ulysses_around` wraps any registered function the same way: the decoder
@@ -16,6 +18,7 @@ first use (an optional extra).
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -31,17 +34,15 @@ _NAMES = itertools.count()
 _INNER: dict[str, str] = {}  # a registered name -> the kernel it wraps
 
 
-def check_hf_sequence(config: Any, degree: int, where: str) -> None:
-    """Refuse what Ulysses cannot split: heads the degree does not divide, the eager kernel (whose
-    function each model defines for itself; its [s, s] weights are what sequence parallelism avoids)."""
+def check_hf_sequence(model: Any, degree: int, where: str, tensor: int = 1) -> None:
+    """Refuse what Ulysses cannot split (pure: every rank raises): heads the degree does not divide
+    (each tensor rank's when a tensor plan splits them over `tensor`), an eager kernel whose model
+    defines no eager function of its own to call."""
+    config = model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    check_heads(heads, kv_heads, degree, where)
-    kernel = _INNER.get(config._attn_implementation, config._attn_implementation)
-    if kernel in (None, "eager"):
-        raise ValueError(f"{where}: sequence parallelism runs the model's attention kernel on whole sequences of "
-                         f"its heads; attn_implementation={kernel!r} has no shared kernel to call: load the model "
-                         "with attn_implementation='sdpa' (or a flash / flex kernel)")
+    check_heads(heads, kv_heads, degree, where, tensor)
+    _kernel_function(model, _kernel(config), where)
 
 
 def register_ulysses(model: Any, group: Any, degree: int) -> str:
@@ -49,25 +50,52 @@ def register_ulysses(model: Any, group: Any, degree: int) -> str:
     returns the registered name. The model's config is changed: give it a copy it owns."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    current = model.config._attn_implementation
-    kernel = _INNER.get(current, current)
-    name = ulysses_around(kernel, group, degree)
+    kernel = _kernel(model.config)
+    name = ulysses_around(kernel, group, degree, _kernel_function(model, kernel, type(model).__name__))
     if kernel in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[kernel])
     model.set_attn_implementation(name)
     return name
 
 
-def ulysses_around(kernel: str, group: Any, degree: int) -> str:
-    """Register Ulysses around the attention function registered as `kernel`; returns the new name
-    (for a config's _attn_implementation; no mask function: the caller's mask builders keep theirs)."""
+def ulysses_around(kernel: str, group: Any, degree: int, function: Any = None) -> str:
+    """Register Ulysses around the attention function registered as `kernel` (or around `function`,
+    the kernel's own: a model's eager one); returns the new name (for a config's
+    _attn_implementation; no mask function: the caller's mask builders keep theirs)."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = f"pipezero_ulysses_{next(_NAMES)}"
-    AttentionInterface.register(name, _ulysses_function(ALL_ATTENTION_FUNCTIONS[kernel], kernel, group, degree))
+    attend = ALL_ATTENTION_FUNCTIONS[kernel] if function is None else function
+    AttentionInterface.register(name, _ulysses_function(attend, kernel, group, degree))
     _INNER[name] = kernel
     return name
+
+
+def _kernel(config: Any) -> str:
+    """The kernel a config attends with, under any Ulysses registered around it (unset: eager, as
+    transformers' lookup falls back to the model's own function)."""
+    current = config._attn_implementation
+    return _INNER.get(current, current) or "eager"
+
+
+def _kernel_function(model: Any, kernel: str, where: str) -> Any:
+    """The function Ulysses calls on whole sequences: the kernel registered in transformers' attention
+    interface, or for eager (never registered: each model passes its own as the lookup's default) the
+    one the model's modeling file defines, transformers' `eager_attention_forward` (Gemma 2's soft-caps
+    its logits there). Its [s, s] weights per rank's heads are what the other kernels avoid."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if kernel != "eager":
+        return ALL_ATTENTION_FUNCTIONS[kernel]
+    modeling = importlib.import_module(type(model).__module__)
+    function = vars(modeling).get("eager_attention_forward")
+    if not callable(function):
+        raise ValueError(f"{where}: sequence parallelism runs the model's attention on whole sequences of its "
+                         f"heads; attn_implementation={kernel!r}, but {modeling.__name__} defines no "
+                         "eager_attention_forward to call: load the model with attn_implementation='sdpa' "
+                         "(or a flash / flex kernel)")
+    return function
 
 
 def _ulysses_function(attend: Any, kernel: str, group: Any, degree: int) -> Any:

@@ -2,7 +2,8 @@
 
 A layer that mixes tokens (attention) and can run on a slice of the sequence implements
 `SplitsSequence`: `check_sequence` (a classmethod on the spec's arguments, so every rank refuses
-a bad degree before any collective, whether or not it builds the layer) and `split_sequence`
+a bad degree before any collective, whether or not it builds the layer; `tensor` is the tensor
+degree a tensor plan splits its heads by first, 1 without a plan) and `split_sequence`
 (from now on, exchange with the sequence group). Per-token layers (embeddings, norms, MLPs, the
 head) need nothing: they run on the slice as they are.
 """
@@ -23,14 +24,18 @@ class SplitsSequence(Protocol):
     """A layer that mixes tokens and runs on a slice of the sequence once split."""
 
     @classmethod
-    def check_sequence(cls, *args: Any, degree: int, **kwargs: Any) -> None: ...
+    def check_sequence(cls, *args: Any, degree: int, tensor: int = 1, **kwargs: Any) -> None: ...
 
     def split_sequence(self, group: Any, degree: int) -> None: ...
 
 
-def split_sequence(specs: Sequence[Any], layers: nn.Module, loss_fn: Callable | None, grid: Any) -> Callable | None:
+def split_sequence(specs: Sequence[Any], layers: nn.Module, loss_fn: Callable | None, grid: Any,
+                   tensor_split: bool = False) -> Callable | None:
     """Check every spec's layer against the sequence degree (on every rank), split the built ones,
-    and return the loss function each shard computes (pipe/sequence/loss.py)."""
+    and return the loss function each shard computes (pipe/sequence/loss.py).
+
+    tensor_split: a tensor plan splits the layers' heads over the grid's tensor axis, so each
+    tensor rank exchanges its own heads / tensor within its sequence group (checked so)."""
     degree = grid.sequence_size
     splitting = [spec for spec in specs if issubclass(spec.cls, SplitsSequence)]
     if not splitting:
@@ -38,11 +43,9 @@ def split_sequence(specs: Sequence[Any], layers: nn.Module, loss_fn: Callable | 
                          "mixes tokens through a split attention (SplitsSequence: hf_layer_specs' decoder layers, "
                          "the GPT's blocks), so each rank would attend within its slice only; use those layers "
                          "or sequence=1")
-    if grid.tensor_size > 1:  # the exchange would need the tensor rank's heads to split: not built yet
-        raise ValueError(f"sequence parallelism on {grid!r}: a sequence axis with a tensor axis is not supported "
-                         "yet; use tensor=1 (or sequence=1)")
+    tensor = grid.tensor_size if tensor_split else 1
     for spec in splitting:
-        spec.cls.check_sequence(*spec.args, degree=degree, **spec.kwargs)
+        spec.cls.check_sequence(*spec.args, degree=degree, tensor=tensor, **spec.kwargs)
     for layer in layers.modules():
         if isinstance(layer, SplitsSequence):
             layer.split_sequence(grid.sequence_group, degree)

@@ -132,11 +132,12 @@ class Block(nn.Module):
         _fill(self, _seed(cfg, 1 + index))
 
     @classmethod
-    def check_sequence(cls, cfg: GPTConfig, index: int, degree: int) -> None:
-        """Refuse a sequence degree the heads cannot be split by (pipe/sequence/'s SplitsSequence)."""
+    def check_sequence(cls, cfg: GPTConfig, index: int, degree: int, tensor: int = 1) -> None:
+        """Refuse a sequence degree the heads (each tensor rank's under gpt_tensor_plan) cannot be split
+        by (pipe/sequence/'s SplitsSequence)."""
         from pipezero.pipe.sequence.attention import check_heads
 
-        check_heads(cfg.n_head, cfg.n_head, degree, f"GPTConfig(n_head={cfg.n_head})")
+        check_heads(cfg.n_head, cfg.n_head, degree, f"GPTConfig(n_head={cfg.n_head})", tensor)
 
     def split_sequence(self, group: Any, degree: int) -> None:
         """From now on h holds a slice of the sequence; attention exchanges it all-to-all for heads."""

@@ -3,10 +3,10 @@ offload, recompute.
 
 Enumeration rules (each one a fact of the runtime, not a taste):
 * pipe x data x sequence x tensor = the world; tensor stays inside a node and divides the heads;
-* sequence (Ulysses, pipe/sequence/) stays inside a node, divides the heads (each sequence rank
-  attends with heads / sequence of them over the whole sequence) and the sequence length (each
-  rank holds an equal slice), and is 1 beside a tensor degree > 1 (the runtime refuses both
-  together for now);
+* sequence (Ulysses, pipe/sequence/) stays inside a node with the tensor axis (tensor x sequence
+  ranks in one), divides each tensor rank's heads (heads / tensor: each sequence rank attends
+  with heads / (tensor x sequence) of them over the whole sequence) and the sequence length
+  (each rank holds an equal slice);
 * the data degree divides the global batch; micro-batch size x micro-batches x data = it;
 * every registered schedule with its own chunk count, interleaved 1F1B also with 2 and 4
   chunks; a schedule that rejects (stages, micro-batches) is skipped; one stage runs plain
@@ -118,11 +118,12 @@ def enumerate_layouts(world: int, gpus_per_node: int, global_batch: int, layers:
 
 
 def _sequence_degrees(rest: int, gpus_per_node: int, heads: int, seq_len: int | None, tensor: int) -> list[int]:
-    """Degrees of the sequence axis beside `tensor`: 1, and what divides the rest of the world, the heads
-    and the sequence within a node (none beside a tensor axis: the runtime refuses that pair for now)."""
-    if seq_len is None or tensor > 1:
+    """Degrees of the sequence axis beside `tensor`: 1, and what divides the rest of the world, each tensor
+    rank's heads (heads / tensor) and the sequence, tensor x sequence within a node."""
+    if seq_len is None:
         return [1]
-    return [s for s in divisors(rest) if s <= gpus_per_node and heads % s == 0 and seq_len % s == 0]
+    return [s for s in divisors(rest)
+            if tensor * s <= gpus_per_node and (heads // tensor) % s == 0 and seq_len % s == 0]
 
 
 def _variants(pipe: int, data: int, tensor: int, name: str, chunks: int, m: int, size: int,

@@ -18,9 +18,10 @@
   every block's attention turns its sequence slice into head shards and back with all-to-alls:
   queries, keys and values before it and the output after it, 4 in the forward and 4 of their
   gradients in the backward (4 more in the recompute under checkpointing). Each moves the
-  rank's slice, b x s/P x d elements (b the micro-batch, s the sequence, d the model width,
-  P the degree), of which (P-1)/P leave the rank: per block and micro-batch
-  8 x (P-1)/P x b x s/P x d x bytes per element over the sequence group's link, plus P-1
+  rank's slice, b x s/P x d/T elements (b the micro-batch, s the sequence, d the model width,
+  P the degree, T the tensor degree: a tensor rank exchanges only its heads / T), of which
+  (P-1)/P leave the rank: per block and micro-batch
+  8 x (P-1)/P x b x s/P x d/T x bytes per element over the sequence group's link, plus P-1
   latencies per all-to-all, not overlapped. (The paper counts a layer's messages as 3Nh for
   q, k, v and Nh for the output, 4Nh/P per device; the backward moves their gradients alike.)
   The layers' compute is the rank's slice: s/P tokens (inside attention the whole sequence for
@@ -115,10 +116,11 @@ def chunk_layers(profile: Sequence[LayerProfile], layout: Layout, placement: str
 
 def all_to_all_seconds(layout: Layout, hw: Hardware, precision: str, d_model: int, seq_len: int) -> float:
     """One Ulysses all-to-all of a block (queries, keys, values or the output): the rank's slice of
-    b x s/P x d elements, (P-1)/P of it sent, over the sequence group's link (module docstring)."""
-    sp = layout.sequence
+    b x s/P x d/T elements (its tensor rank's heads), (P-1)/P of it sent, over the sequence group's link
+    (module docstring)."""
+    sp, width = layout.sequence, d_model / layout.tensor
     bw, lat = hw.link(layout.tensor * sp)
-    return ring_seconds(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision), sp, bw, lat)
+    return ring_seconds(rank_tokens(layout, seq_len) * width * bytes_per_element(precision), sp, bw, lat)
 
 
 def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout, hw: Hardware,
