@@ -62,6 +62,11 @@ RUNS = ("pipezero", "pipezero-full", "pipezero-offload", "torch", "torch-ckpt")
 
 
 def _pipezero_step(config, device, dtype, run="pipezero"):
+    return pipezero_parts(config, device, dtype, run)[1]
+
+
+def pipezero_parts(config, device, dtype, run="pipezero"):
+    """(module, step) of a pipezero run (bench/live_tensors.py names the allocations by the module's layers)."""
     from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
     from pipezero.pipe.memory.recompute import RecomputeConfig
@@ -78,7 +83,7 @@ def _pipezero_step(config, device, dtype, run="pipezero"):
         runner.train_step((ids, None, positions), ids)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return step
+    return module, step
 
 
 def _torch_step(config, device, dtype, run="torch"):
