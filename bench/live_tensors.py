@@ -4,23 +4,26 @@
     python bench/live_tensors.py --run pipezero-full --length 32768 --top 30
 
 A TorchDispatchMode sees every op's outputs; each new storage is an allocation (its bytes, the op, the
-module whose forward ran it, the autograd node whose backward ran it, the phase), freed when its
-storage object dies (a weak reference's callback; torch keeps a storage's Python object for as long as
-the storage lives). The peak is the most bytes alive at once over one step (after a warm-up step, so
-the optimizer's state is there); the report lists what was alive then, grouped.
+module whose forward ran it, the autograd node whose backward ran it, the phase: forward, recompute,
+backward), freed when its storage object dies (a weak reference's callback; torch keeps a storage's
+Python object for as long as the storage lives). The peak is the most bytes alive at once over one
+step (after a warm-up step, so the optimizer's state is there); the report lists what is alive then.
 
 The memory kit's offload moves each checkpointed run's inputs to pinned host memory and copies them
 back on a side stream (pipe/memory/offload.py). On CPU there is no stream: HostOffload keeps a plain
-copy and hands it back as it is. Here `HostOffload(simulate_device=True)` runs the CUDA path's
-allocations on CPU instead (the host copies counted as host memory, each copy back a new "device"
-tensor made when the run before it is prefetched), so the CPU peak is the GPU's, up to the kernels'
-own workspaces.
+copy and hands it back as it is. `simulated_offload` runs the CUDA path's allocations on CPU instead
+(the host copies counted as host memory, each copy back a new tensor made when the run before it is
+prefetched), so the CPU peak is the GPU's, up to the kernels' own workspaces.
 
-The scaled shape keeps TinyLlama's structure (32 / 4 = 8 query heads per key-value head, intermediate
-2.75 x hidden, fused loss chunks of 2^25 logits, MLP tiles of 2,048 rows) at hidden 256 and vocab
-4,000; each alive tensor is extrapolated to TinyLlama at --to tokens by its dims (SCALE_DIMS: a dim
-equal to the scaled length becomes the target length, hidden 256 becomes 2,048 ...; a dim that is none
-of those and longer than 128 is a document's part of the sequence and scales with the length).
+The scaled shape keeps TinyLlama's structure (6 layers of hidden 256, 8 heads of 32 and 2 key-value
+heads, intermediate 2.75 x hidden, vocab 4,000; fused loss chunks of 2^25 logits, MLP tiles of 2,048
+rows). Each allocation is extrapolated to TinyLlama at --to tokens by its dims (SCALE_DIMS: the scaled
+length becomes --to, hidden 256 becomes 2,048, ...; a dim that is none of those and longer than 128 is
+a document's part of the row, and there are --to / length times more of them; a layer's weights count
+22 / 6 times), and the peak of the extrapolated run is found at its own moment. The scaled run tiles
+its MLP and norms where the full run at --to tokens tiles them (so --load needs the --save run's --to).
+At 16K scaled tokens it predicted the H100's 10.93 / 19.60 / 54.26 GiB at 32K / 128K / 512K (bench/
+RESULTS.md) as 10.77 / 19.26 / 53.91 GiB.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from pipezero.pipe import tiled_mlp
 
 __all__ = ["Alloc", "LiveTensors"]
 
@@ -153,15 +158,18 @@ SCALED = dict(vocab_size=4000, hidden_size=256, intermediate_size=704, num_hidde
               num_attention_heads=8, num_key_value_heads=2)
 TINYLLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                  num_attention_heads=32, num_key_value_heads=4)
-SCALE_DIMS = {256: 2048, 704: 5632, 4000: 32000, 8: 32, 32: 64, 64: 256, 2: 4, 4: 8, 2048: 2048}  # head_dim 32 -> 64
+NORM_TILE = 512  # the norms' tile rows in the scaled run, standing for NORM_TILE_ROWS at the full shape
+SCALE_DIMS = {256: 2048, 704: 5632, 4000: 32000, 8: 32, 32: 64, 64: 256, 2: 4, 4: 8, 2048: 2048,
+              NORM_TILE: tiled_mlp.NORM_TILE_ROWS}
 LOSS_ROWS = (2**25 // 4000, 2**25 // 32000)  # the fused loss's chunk rows, scaled and full
-LAYER_SHAPES = {(704, 256), (256, 704), (256, 256), (64, 256)}  # a decoder layer's weights (their grads, Adam's state)
+LAYER_SHAPES = {(704, 256), (256, 704), (256, 256), (64, 256)}  # a layer's weights (their grads, Adam's state)
 LAYERS = TINYLLAMA["num_hidden_layers"] / SCALED["num_hidden_layers"]
 
 
 def extrapolate(a: Alloc, length: int, to: int) -> float:
     """a's bytes at TinyLlama's shape and `to` tokens."""
-    n = float(torch.finfo(a.dtype).bits // 8 if a.dtype.is_floating_point else a.nbytes / max(1, _numel(a.shape)))
+    floating = a.dtype.is_floating_point
+    n = float(torch.finfo(a.dtype).bits // 8 if floating else a.nbytes / max(1, _numel(a.shape)))
     if a.shape in LAYER_SHAPES:  # one of the scaled model's layers: 22 of them at the full shape
         n *= LAYERS
     loss_chunk = len(a.shape) == 2 and a.shape[1] == 4000  # [rows, vocab]: the fused loss's chunk of rows
@@ -209,6 +217,14 @@ def report(tracker: LiveTensors, length: int, to: int, top: int) -> None:
               f"{sum(a.nbytes for a in rest) / 2**20:8.2f}      ({len(rows) - top} more groups)")
 
 
+def mirror_tiling(to: int) -> None:
+    """Tile the scaled run's MLP and norms where TinyLlama's run at `to` tokens tiles them (the MLP's tiles
+    keep their 2,048 rows, the norms' are NORM_TILE rows standing for theirs)."""
+    tiled_mlp.TILE_FROM_ROWS = 1 if to >= tiled_mlp.TILE_FROM_ROWS else 10**12
+    tiled_mlp.NORM_TILE_FROM_ROWS = 1 if to >= tiled_mlp.NORM_TILE_FROM_ROWS else 10**12
+    tiled_mlp.NORM_TILE_ROWS = NORM_TILE
+
+
 @contextmanager
 def simulated_offload(tracker: LiveTensors) -> Iterator[None]:
     """HostOffload's CUDA allocations on CPU: host copies counted as host memory, and each copy back a new
@@ -240,13 +256,15 @@ def simulated_offload(tracker: LiveTensors) -> Iterator[None]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", default="pipezero-offload", choices=("pipezero", "pipezero-full", "pipezero-offload"))
+    p.add_argument("--run", default="pipezero-offload",
+                   choices=("pipezero", "pipezero-full", "pipezero-offload"))
     p.add_argument("--length", type=int, default=16384)
     p.add_argument("--to", type=int, default=2**20, help="tokens to extrapolate to (TinyLlama's shape)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--save", default=None, help="also pickle the allocations here (re-report with --load)")
-    p.add_argument("--load", default=None, help="report a --save'd run instead of running")
+    p.add_argument("--load", default=None,
+                   help="report a --save'd run (made with the same --to) instead of running")
     args = p.parse_args()
     if args.load:
         with open(args.load, "rb") as f:
@@ -259,9 +277,11 @@ def main() -> None:
 
     config = LlamaConfig(**SCALED, max_position_embeddings=args.length, bos_token_id=None, eos_token_id=None,
                          pad_token_id=None)
+    mirror_tiling(args.to)
     tracker = LiveTensors()
     with tracker:
-        module, step = long_context.pipezero_parts(config, torch.device("cpu"), getattr(torch, args.dtype), args.run)
+        dtype = getattr(torch, args.dtype)
+        module, step = long_context.pipezero_parts(config, torch.device("cpu"), dtype, args.run)
         ids, positions = long_context._row(args.length, config.vocab_size, torch.device("cpu"))
         with tracker.modules(module), simulated_offload(tracker):
             step(ids, positions)

@@ -132,4 +132,5 @@ def _grouped_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return True
     if q.device.type != "cuda":
         return False
-    return torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True))
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True)  # no mask, no dropout, causal, gqa
+    return torch.backends.cuda.can_use_flash_attention(params)

@@ -103,5 +103,6 @@ def _tiled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     whole = super(type(self), self).forward
     if self.tile_norm:  # the defaults read at each call (tests change them)
         rows = NORM_TILE_ROWS if self.tile_rows is None else self.tile_rows
-        return tiled_rows(whole, x, rows, NORM_TILE_FROM_ROWS if self.tile_from_rows is None else self.tile_from_rows)
+        start = NORM_TILE_FROM_ROWS if self.tile_from_rows is None else self.tile_from_rows
+        return tiled_rows(whole, x, rows, start)
     return tiled_rows(whole, x, self.tile_rows, self.tile_from_rows)
