@@ -133,6 +133,11 @@ RUNS = ("pipezero", "pipezero-full", "pipezero-offload", "torch", "torch-ckpt", 
 
 
 def _pipezero_step(config, device, dtype, run="pipezero", offload_optimizer=False):
+    return pipezero_parts(config, device, dtype, run, offload_optimizer)[1]
+
+
+def pipezero_parts(config, device, dtype, run="pipezero", offload_optimizer=False):
+    """(module, step) of a pipezero run (bench/live_tensors.py names the allocations by the module's layers)."""
     from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
     from pipezero.pipe.memory.recompute import RecomputeConfig
@@ -153,7 +158,7 @@ def _pipezero_step(config, device, dtype, run="pipezero", offload_optimizer=Fals
         runner.train_step((ids, None, positions), ids)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return step
+    return module, step
 
 
 def _torch_step(config, device, dtype, run="torch", offload_optimizer=False):

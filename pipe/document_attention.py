@@ -21,6 +21,13 @@ a GPU, where one flash varlen call over the cumulative lengths (`Documents.cu_se
 torch.nn.attention.varlen.varlen_attn, CUDA only) is the next step; it is not taken here yet,
 for want of a GPU test of it.
 
+The documents are one `split` of the row (autograd's SplitBackward joins their gradients once; a slice
+per document would make a zero-filled gradient of the whole row per document, O(T^2 / document) memory
+traffic), grouped key/value heads are attended as they are where the kernel takes them (SDPA's
+enable_gqa on the flash kernels; repeated to every query head they were two more [T, hidden] tensors
+kept for backward), and the documents' outputs are joined in the [B, T, H, D] layout the output
+projection reads (the caller's transpose(1, 2).contiguous() is then free).
+
 `document_attention(q, k, v, docs)` is the single entry point (the Hugging Face layers'
 registered attention function and the GPT's Block both call it; a sequence-parallel wrapper
 puts its all-to-all around it). `Documents` are the boundaries, found once per micro-batch
@@ -102,13 +109,28 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
         raise ValueError(f"document_attention: the documents are of a {docs.shape[0]} x {docs.shape[1]} micro-batch, "
                          f"q of {batch} x {tokens}; make them from this micro-batch's position or segment ids")
     groups = heads // k.shape[1]
-    if groups > 1:  # repeated here: not every SDPA kernel serves enable_gqa
+    grouped = groups > 1 and _grouped_kernel(q, k, v)
+    if groups > 1 and not grouped:  # repeated here: the memory-efficient and cuDNN kernels need equal heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    extra = {"enable_gqa": True} if grouped else {}
     if docs.single:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    pieces = [F.scaled_dot_product_attention(q[row:row + 1, :, lo:hi], k[row:row + 1, :, lo:hi],
-                                             v[row:row + 1, :, lo:hi], is_causal=True, scale=scale)
-              for row, lo, hi in docs.spans]
-    rows = [torch.cat([p for p, (r, _, _) in zip(pieces, docs.spans) if r == row], dim=2) for row in range(batch)]
-    return torch.cat(rows, dim=0)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **extra)
+    rows = [(q, k, v)] if batch == 1 else zip(q.split(1), k.split(1), v.split(1))
+    out = []
+    for row, (qr, kr, vr) in enumerate(rows):
+        sizes = [hi - lo for r, lo, hi in docs.spans if r == row]
+        pieces = [F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=scale, **extra).transpose(1, 2)
+                  for a, b, c in zip(qr.split(sizes, dim=2), kr.split(sizes, dim=2), vr.split(sizes, dim=2))]
+        out.append(torch.cat(pieces, dim=1))  # [1, T, H, D]: the layout the output projection reads
+    return (out[0] if batch == 1 else torch.cat(out)).transpose(1, 2)
 
+
+def _grouped_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Does SDPA attend grouped key/value heads as they are here (enable_gqa: the flash kernels, CPU's and
+    CUDA's where it runs)? Elsewhere enable_gqa falls back to the math kernel, quadratic in a document."""
+    if q.device.type == "cpu":
+        return True
+    if q.device.type != "cuda":
+        return False
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True)  # no mask, no dropout, causal, gqa
+    return torch.backends.cuda.can_use_flash_attention(params)

@@ -1,4 +1,5 @@
-"""The MLP in row tiles, each tile recomputed in backward: no [tokens, intermediate] tensor is whole.
+"""The MLP (and the norms) in row tiles, each tile recomputed in backward: no [tokens, intermediate] tensor
+is whole, and no norm keeps an fp32 copy of its [tokens, hidden] input.
 
 A transformer's MLP works on each token alone, and its intermediate activations (a Llama
 MLP keeps four [tokens, intermediate] tensors for backward: gate, silu(gate), up and their
@@ -22,6 +23,18 @@ be measurable and its memory is not what limits the length. Tiles have TILE_ROWS
 GEMMs of that height run at full speed on a GPU). The result is the untiled one up to float
 rounding (the weight gradients are summed over tiles);
 dropout inside the MLP draws other masks than one untiled call would.
+
+The tiles are one `split` of the rows (autograd's SplitBackward joins the tiles' gradients once), not
+one slice each: a slice's gradient is a zero-filled tensor of the whole input, so slices cost the
+backward one [tokens, hidden] allocation and addition per tile, O(tokens^2 / tile) memory traffic.
+
+A decoder layer's norms (RMSNorm, LayerNorm: each token alone too) run in tiles of NORM_TILE_ROWS rows
+(16,384) from NORM_TILE_FROM_ROWS (65,536). A Llama RMSNorm computes in fp32: whole, it keeps an fp32
+copy of its input for backward and its backward makes five more [tokens, hidden] fp32 tensors (at 1M
+tokens of TinyLlama's shape, 40 GiB at once: the peak of a checkpointed layer's backward, measured by
+bench/live_tensors.py). Tiled, it keeps its bf16 input and output and its backward's fp32 temporaries
+are one tile's. The norm is recomputed once more (a few elementwise passes), so tiling starts where
+its memory matters (past 64K tokens), not at 32K where it would cost ~3% of a checkpointed step.
 """
 
 from __future__ import annotations
@@ -32,10 +45,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["TILE_FROM_ROWS", "TILE_ROWS", "tile_mlp", "tiled_rows"]
+__all__ = ["NORM_TILE_FROM_ROWS", "NORM_TILE_ROWS", "TILE_FROM_ROWS", "TILE_ROWS", "tile_mlp", "tile_norm",
+           "tiled_rows"]
 
 TILE_FROM_ROWS = 8192  # tokens per micro-batch from which the MLP runs in tiles by default
 TILE_ROWS = 2048       # rows per tile
+NORM_TILE_FROM_ROWS = 65536  # the same for a decoder layer's norms
+NORM_TILE_ROWS = 16384
 
 
 def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_rows: int | None = None,
@@ -51,7 +67,7 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile
     if rows < from_rows or rows <= tile_rows or not torch.is_grad_enabled():
         return fn(x)
     flat = x.reshape(rows, x.shape[-1])
-    outs = [checkpoint(fn, flat[lo:lo + tile_rows], use_reentrant=False) for lo in range(0, rows, tile_rows)]
+    outs = [checkpoint(fn, tile, use_reentrant=False) for tile in flat.split(tile_rows)]
     out = torch.cat(outs)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -65,15 +81,28 @@ def tile_mlp(mlp: nn.Module, tile_rows: int | None = None, from_rows: int | None
     The module keeps its parameters, names and state_dict: only its class becomes a subclass whose
     forward goes through tiled_rows (as torch.nn.utils.parametrize swaps a module's class). Returns it.
     """
+    return _tiled(mlp, tile_rows, from_rows, norm=False)
+
+
+def tile_norm(norm: nn.Module, tile_rows: int | None = None, from_rows: int | None = None) -> nn.Module:
+    """tile_mlp for a norm over the last dim (RMSNorm, LayerNorm), with the norms' defaults (NORM_TILE_*)."""
+    return _tiled(norm, tile_rows, from_rows, norm=True)
+
+
+def _tiled(mlp: nn.Module, tile_rows: int | None, from_rows: int | None, norm: bool) -> nn.Module:
     cls = type(mlp)
     if cls not in _TILED.values():
         if cls not in _TILED:
             _TILED[cls] = type(f"Tiled{cls.__name__}", (cls,), {"forward": _tiled_forward})
         mlp.__class__ = _TILED[cls]
-    mlp.tile_rows, mlp.tile_from_rows = tile_rows, from_rows
+    mlp.tile_rows, mlp.tile_from_rows, mlp.tile_norm = tile_rows, from_rows, norm
     return mlp
 
 
 def _tiled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     whole = super(type(self), self).forward
+    if self.tile_norm:  # the defaults read at each call (tests change them)
+        rows = NORM_TILE_ROWS if self.tile_rows is None else self.tile_rows
+        start = NORM_TILE_FROM_ROWS if self.tile_from_rows is None else self.tile_from_rows
+        return tiled_rows(whole, x, rows, start)
     return tiled_rows(whole, x, self.tile_rows, self.tile_from_rows)

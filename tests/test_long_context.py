@@ -4,9 +4,10 @@ Each against the masked / untiled truth (fp32, losses and gradients): pipe/docum
 against SDPA with the block-diagonal mask; the GPT's packed rows against its masked Block; tiny
 Llama, Qwen3 and Gemma 2 packed rows against transformers' own forward on the same packed
 position ids (Gemma 2's soft-capped eager attention falls back to transformers' masks, and so
-does a sliding-window layer whose window is shorter than a document), the MLP
-tiled throughout; the Llama again under pipe 2 (1F1B) on gloo. And the memory: the bytes autograd
-keeps for backward grow linearly with the packed row's length (quadratically before).
+does a sliding-window layer whose window is shorter than a document), the MLP and the norms
+tiled throughout; the Llama again checkpointed with its inputs offloaded, and under pipe 2 (1F1B) on
+gloo. And the memory: the bytes autograd keeps for backward grow linearly with the packed row's length
+(quadratically before), and the checkpointed, offloaded path's peak (every allocation tracked).
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def test_document_attention_equals_the_masked_attention():
 
 @pytest.fixture
 def tiles(monkeypatch):
-    """The MLP in tiles of 5 rows from any size (TILE_FROM_ROWS is 8,192 rows by default)."""
-    monkeypatch.setattr(tiled_mlp, "TILE_FROM_ROWS", 1)
-    monkeypatch.setattr(tiled_mlp, "TILE_ROWS", 5)
+    """The MLP and the norms in tiles of 5 rows from any size (by default from 8,192 and 65,536 rows)."""
+    for name, value in (("TILE_FROM_ROWS", 1), ("TILE_ROWS", 5), ("NORM_TILE_FROM_ROWS", 1), ("NORM_TILE_ROWS", 5)):
+        monkeypatch.setattr(tiled_mlp, name, value)
 
 
 def _gpt_loss_and_grads(model, ids, targets, segments, masked: bool):
@@ -96,7 +97,7 @@ def test_gpt_packed_rows_without_a_mask_equal_the_masked_block(tiles):
     gen = torch.Generator().manual_seed(0)
     ids, targets = torch.randint(0, VOCAB, (2, 32), generator=gen), torch.randint(0, VOCAB, (2, 32), generator=gen)
     loss, grads = _gpt_loss_and_grads(model, ids, targets, _segments(), masked=False)
-    tiled_mlp.TILE_FROM_ROWS = 10**9  # the truth: masked, untiled
+    tiled_mlp.TILE_FROM_ROWS = tiled_mlp.NORM_TILE_FROM_ROWS = 10**9  # the truth: masked, untiled
     ref_loss, ref_grads = _gpt_loss_and_grads(model, ids, targets, _segments(), masked=True)
     _close(loss, ref_loss, "loss")
     for name in ref_grads:
@@ -145,16 +146,20 @@ def _hf_truth(family: str):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _hf_pipeline(family: str, pipe: int = 1):
-    """The same through hf_layer_specs(fused_loss=True) (MLP in tiles of 5 rows): (loss, grads by HF name)."""
+def _hf_pipeline(family: str, pipe: int = 1, recompute: str | None = None):
+    """The same through hf_layer_specs(fused_loss=True) (MLP and norms in tiles of 5 rows; recompute "offload":
+    every layer checkpointed, its inputs offloaded): (loss, grads by HF name)."""
     from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
     from pipezero.pipe.hf.specs import HFDecoderLayer, _HFLayer
+    from pipezero.pipe.memory.recompute import RecomputeConfig
     from pipezero.topology import Grid
 
     tiled_mlp.TILE_FROM_ROWS, tiled_mlp.TILE_ROWS = 1, 5
+    tiled_mlp.NORM_TILE_FROM_ROWS, tiled_mlp.NORM_TILE_ROWS = 1, 5
+    checkpointing = RecomputeConfig(mode="full", offload=True) if recompute == "offload" else None
     module = PipelineModule(hf_layer_specs(_hf_model(family), fused_loss=True), grid=Grid(pipe=pipe),
-                            loss_fn=causal_lm_loss)
+                            loss_fn=causal_lm_loss, recompute=checkpointing)
     layers = [m for m in module.modules() if isinstance(m, HFDecoderLayer)]
     for layer in layers:
         assert layer.documents == FAMILIES[family][3][layer.index], (family, layer.index)
@@ -171,9 +176,9 @@ def _hf_pipeline(family: str, pipe: int = 1):
     return loss.detach(), {n: p.grad.clone() for n, p in named.items() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_hf_packed_rows_equal_transformers(family, tiles):
-    loss, grads = _hf_pipeline(family)
+@pytest.mark.parametrize("family, recompute", [(f, None) for f in sorted(FAMILIES)] + [("llama", "offload")])
+def test_hf_packed_rows_equal_transformers(family, recompute, tiles):
+    loss, grads = _hf_pipeline(family, recompute=recompute)
     ref_loss, ref_grads = _hf_truth(family)
     _close(loss, ref_loss, f"{family} loss")
     assert grads.keys() == ref_grads.keys()
@@ -229,3 +234,37 @@ def test_saved_activations_grow_linearly_with_the_packed_length(monkeypatch):
     monkeypatch.setattr(tiled_mlp, "TILE_FROM_ROWS", 1)
     monkeypatch.setattr(tiled_mlp, "TILE_ROWS", 128)
     assert _saved_bytes(module, 1024) < 0.8 * large
+
+
+def test_checkpointed_offloaded_backward_keeps_one_lean_layer(monkeypatch):
+    """The memory kit at its longest (every layer checkpointed, its input offloaded; MLP and norms tiled)
+    on a packed row of documents, bf16, every allocation tracked (bench/live_tensors.py, the offload's
+    CUDA allocations simulated): no backward makes a whole-row gradient per tile or document (slices did:
+    O(T^2 / tile) traffic: 66 of them here), and the peak holds 14.0 [T, hidden] tensors' bytes (24.6
+    before: the recomputed layer's RMSNorms in fp32 and their backward, k/v repeated to every head).
+    bench/live_tensors.py extrapolates the same path to 100 GiB (before) and 48 GiB (now) for TinyLlama
+    at 1M tokens."""
+    from bench.live_tensors import LiveTensors, simulated_offload
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.memory.recompute import RecomputeConfig
+    from pipezero.topology import Grid
+
+    for name, value in (("TILE_FROM_ROWS", 1), ("TILE_ROWS", 256), ("NORM_TILE_FROM_ROWS", 1), ("NORM_TILE_ROWS", 256)):
+        monkeypatch.setattr(tiled_mlp, name, value)
+    tokens, hidden = 2048, 64
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=hidden, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=tokens,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1), loss_fn=causal_lm_loss,
+                            recompute=RecomputeConfig(mode="full", offload=True)).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32, (1, tokens), generator=gen)
+    positions = torch.arange(tokens).remainder(300)[None]  # documents of 300 tokens
+    tracker = LiveTensors()
+    with tracker, simulated_offload(tracker):
+        module.loss(module((ids, None, positions)), ids).backward()
+    sliced = [a.shape for a in tracker.allocs if a.op == "slice_backward"]
+    assert len(sliced) <= 4 * config.num_hidden_layers, sliced  # rotate_half's halves of q and k (66 before)
+    peak = tracker.peak()[0] / (tokens * hidden * 2)
+    assert peak < 16, f"{peak:.1f} [T, hidden] bf16 tensors alive at the peak (24.6 before)"

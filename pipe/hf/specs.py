@@ -48,7 +48,7 @@ from pipezero.pipe.sequence.comms import gather_sequence
 from pipezero.pipe.sequence.hf_attention import (check_hf_sequence, register_ulysses, ulysses_around,
                                                  whole_mask_inputs)
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
-from pipezero.pipe.tiled_mlp import tile_mlp
+from pipezero.pipe.tiled_mlp import tile_mlp, tile_norm
 
 __all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
            "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_parameter_names", "hf_shapes", "hf_state_dict",
@@ -350,6 +350,7 @@ class HFDecoderLayer(_HFLayer):
         mlp = getattr(self.inner, "mlp", None)
         if isinstance(mlp, nn.Module) and type(mlp).__name__.endswith("MLP"):  # dense, per token (not MoE)
             tile_mlp(mlp)
+        _tile_norms(self.inner)
         self.rotary = type(model.rotary)(config=model.config) if model.rotary is not None else None
         self.make_mask = mask_builder(self.attention_kind)
         sliding = self.attention_kind == "sliding_attention"
@@ -431,13 +432,25 @@ class HFDecoderLayer(_HFLayer):
                               position_ids=positions, **sized)
 
 
+def _is_norm(module: nn.Module) -> bool:
+    """A norm over the last dim (each token alone), by the class names transformers gives them."""
+    return type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def _tile_norms(layer: nn.Module) -> None:
+    """The decoder layer's own norms (not those inside its attention) in row tiles (pipe/tiled_mlp.py)."""
+    for child in layer.children():
+        if _is_norm(child):
+            tile_norm(child)
+
+
 class HFFinalNorm(_HFLayer):
     """(hidden, ...) -> the final norm of hidden: what the LM head reads."""
 
     def __init__(self, model: _Model):
         super().__init__()
         self.model, self.prefix = model, model.path(model.norm)
-        self.inner = _materialise(model.norm)
+        self.inner = tile_norm(_materialise(model.norm)) if _is_norm(model.norm) else _materialise(model.norm)
         model.fill(self, self.prefix)
 
     def forward(self, x: tuple) -> torch.Tensor | Routed:
