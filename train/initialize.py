@@ -29,6 +29,7 @@ from pipezero.train.build import Parts, build
 from pipezero.train.config import TrainConfig
 from pipezero.train.config.optim import OptimizerConfig, build_optimizer
 from pipezero.train.log import get_logger, warn_once
+from pipezero.train.loop import optimizer_step
 from pipezero.train.checkpoint import has_checkpoint
 from pipezero.train.checkpoint.from_deepspeed import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from pipezero.train.checkpoint.state import load_state, save_state
@@ -79,11 +80,8 @@ class Engine:
         """At the accumulation boundary step the optimizer chain and the LR schedule, then clear the
         gradients; True when the optimizer stepped (False: not a boundary, or an inf/nan skip)."""
         stepped = False
-        if self.is_gradient_accumulation_boundary():
-            stepped = self.optimizer.step()
-            if stepped and self.lr_scheduler is not None:  # a skipped step leaves the lr where it is
-                self.lr_scheduler.step()
-            self.optimizer.zero_grad()
+        if self.is_gradient_accumulation_boundary():  # the loop's rule: a skipped step leaves the lr
+            stepped = optimizer_step(self.optimizer, self.lr_scheduler)
         self.micro_steps += 1
         return stepped
 
