@@ -57,7 +57,7 @@ from pipezero.train.data import (MemoryCorpus, PackedBatches, corpus_hash, load_
 from pipezero.train.data.chat_template import with_chat_template
 from pipezero.train.failure import run_as_command
 from pipezero.train.fingerprint import weights_fingerprint
-from pipezero.train.flags import finetune_parser, wandb_section
+from pipezero.train.flags import finetune_parser, layout_section
 from pipezero.train.log import get_logger
 from pipezero.train.loop import Cadence, HeldOut, StepRecord
 from pipezero.train.run_dir import claim_run_dir
@@ -298,24 +298,12 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
         raw["train_micro_batch_size_per_gpu"] = args.batch_size or 1
         raw["gradient_accumulation_steps"] = args.micro_batches or 4
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    pipeline = {"stages": 2 if world % 2 == 0 else 1, "schedule": "1f1b", **raw.get("pipeline", {})}
-    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule)) if v is not None})
-    raw["pipeline"] = pipeline
+    layout_section(raw, args, stages=2 if world % 2 == 0 else 1, zero_stage=1)  # train/flags.py's, as the job's
     apply_recompute_flags(raw, args)
-    raw["zero_optimization"] = {"stage": 1, **raw.get("zero_optimization", {}),
-                                **({"stage": args.zero_stage} if args.zero_stage is not None else {})}
-    if args.precision is not None:
-        raw["fp16"] = {**raw.get("fp16", {}), "enabled": args.precision == "fp16"}
-        raw["bf16"] = {**raw.get("bf16", {}), "enabled": args.precision == "bf16"}
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     raw.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}})
     raw.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
         "warmup_num_steps": warmup, "total_num_steps": args.steps, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}})
-    raw.setdefault("gradient_clipping", 1.0)
-    if args.sequence_parallel is not None:
-        raw["sequence_parallel_size"] = args.sequence_parallel
-    raw["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
-    wandb_section(raw, args.wandb)
     raw.setdefault("steps_per_print", 10)
     cfg = parse_config(raw, tensor=args.tensor, hidden_size=hidden_size, auto_values={
         "optimizer.params.lr": args.lr, "scheduler.params.total_num_steps": args.steps,

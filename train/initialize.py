@@ -4,7 +4,8 @@ A DeepSpeed user's loop is `engine, optimizer, _, scheduler = deepspeed.initiali
 `engine(x)`, `engine.backward(loss)`, `engine.step()` once per micro-batch. Here `initialize`
 returns the same four things, where the engine is a thin view of the explicit parts
 (`engine.parts`): calling it runs the model, `backward` scales the loss through the optimizer
-chain, `step` steps the chain and the LR schedule and clears the gradients. With
+chain, `step` steps the chain and the LR schedule and clears the gradients (train/loop.py's
+optimizer_step, the rule the main job's and finetune's loop takes). With
 gradient_accumulation_steps = k, as in DeepSpeed's engine, `backward` divides the loss by k and
 `step` steps only every k-th call (the accumulation boundary; the calls between only count);
 ZeRO stages 0-1 reduce the gradients once, at the boundary (no_sync before it), stages 2-3 on

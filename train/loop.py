@@ -1,4 +1,4 @@
-"""One training loop behind the three doors: the main job, `pipezero finetune` and `initialize`'s engine.
+"""One training loop behind the three doors: the main job, `pipezero finetune`, `initialize`'s engine.
 
 The rules the doors share live here once. An optimizer step steps the chain, then the LR
 schedule only if the chain stepped (a step skipped for inf/nan gradients leaves the LR where it
@@ -222,9 +222,8 @@ def _time_actions(timers: Timers, events: Any) -> None:
     if not timers.enabled:
         return
     for e in events:
-        phase = Phase.COMMUNICATION if e.kind == "comm" else Phase.FORWARD if "F" in e.name else Phase.BACKWARD
-        if phase is not Phase.COMMUNICATION:
-            timers.add(phase, e.end - e.start)
+        if e.kind != "comm":  # waiting on peers: TRAFFIC's seconds count it
+            timers.add(Phase.FORWARD if "F" in e.name else Phase.BACKWARD, e.end - e.start)
 
 
 @torch.no_grad()

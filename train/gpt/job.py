@@ -45,7 +45,7 @@ from pipezero.train.config.batch import BatchConfig, keep_global_batch
 from pipezero.train.config.recompute import apply_recompute_flags
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.failure import run_as_command
-from pipezero.train.flags import parse_job_args, wandb_section
+from pipezero.train.flags import layout_section, parse_job_args
 from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
 from pipezero.train.log import Progress, TensorBoardWriter, get_logger, warn_once
 from pipezero.train.loop import Cadence, HeldOut, StepRecord, open_writer
@@ -123,29 +123,17 @@ def ds_config(args: argparse.Namespace) -> dict:
         cfg["train_micro_batch_size_per_gpu"] = 4 if args.batch_size is None else args.batch_size
         cfg["gradient_accumulation_steps"] = 4 if args.micro_batches is None else args.micro_batches
         cfg.get("pipeline", {}).pop("micro_batches", None)
-    pipeline = {"stages": 2, "schedule": "1f1b", **cfg.get("pipeline", {})}
+    layout_section(cfg, args, stages=2, zero_stage=2)  # the flags train/flags.py shares with finetune
+    pipeline = cfg["pipeline"]
     if args.schedule is not None and args.chunks is None:
         pipeline.pop("chunks", None)  # a new schedule brings its own default chunk count
-    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule), ("chunks", args.chunks),
-                                       ("timeout", args.pipeline_timeout)) if v is not None})
-    cfg["pipeline"] = pipeline
+    pipeline.update({k: v for k, v in (("chunks", args.chunks), ("timeout", args.pipeline_timeout)) if v is not None})
     apply_recompute_flags(cfg, args)
-    zero = {"stage": 2, **cfg.get("zero_optimization", {})}
-    zero.update({"stage": args.zero_stage} if args.zero_stage is not None else {})
-    cfg["zero_optimization"] = zero
-    if args.precision is not None:
-        cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": args.precision == "fp16"}
-        cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": args.precision == "bf16"}
     cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1,
                                                            "betas": [0.9, 0.95]}})
     cfg.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
         "warmup_num_steps": max(1, args.steps // 20), "total_num_steps": args.steps, "warmup_min_ratio": 0.1,
         "cos_min_ratio": 0.1}})
-    cfg.setdefault("gradient_clipping", 1.0)
-    if args.sequence_parallel is not None:
-        cfg["sequence_parallel_size"] = args.sequence_parallel
-    cfg["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
-    wandb_section(cfg, args.wandb)
     if args.steps_per_print:
         cfg["steps_per_print"] = args.steps_per_print
     cfg.setdefault("steps_per_print", 10)
