@@ -18,10 +18,10 @@ import os
 from typing import Any
 
 __all__ = ["ALL_LINEAR", "FLOAT8_RECIPES", "LORA_DEFAULTS", "PRECISIONS", "RECOMPUTE_MODES", "SCHEDULE_NAMES",
-           "DefaultsHelp", "add_batch_flags", "add_layout_flags", "add_lora_flags", "add_output_flags",
-           "add_preempt_flag", "add_recompute_flags", "add_sequence_flag", "add_wandb_flag", "cost",
-           "finetune_parser", "job_parser", "layout_section", "parse_job_args", "peak_fraction", "positive_int",
-           "positive_number", "wandb_section"]
+           "DefaultsHelp", "add_batch_flags", "add_gpt_shape_flags", "add_layout_flags", "add_lora_flags",
+           "add_output_flags", "add_preempt_flag", "add_recompute_flags", "add_sequence_flag", "add_wandb_flag",
+           "cost", "finetune_parser", "job_parser", "layout_section", "parse_job_args", "peak_fraction",
+           "positive_int", "positive_number", "wandb_section"]
 
 DEFAULT_WANDB_PROJECT = "pipezero"  # --wandb without a name, where the config names no project
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")  # pipe/schedule/registry.py's
@@ -42,36 +42,35 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _checked(value: Any, ok: bool, refusal: str) -> Any:
+    """`value`, or argparse's one-line usage error saying `refusal` (the argparse types below)."""
+    if not ok:
+        raise argparse.ArgumentTypeError(refusal)
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error)."""
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (expected >= 1)")
-    return value
+    return _checked(value, value >= 1, f"{value} is not a positive integer (expected >= 1)")
 
 
 def positive_number(text: str) -> float:
     """argparse type: a finite number > 0 (a size, a bandwidth)."""
     value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number > 0")
-    return value
+    return _checked(value, 0 < value < math.inf, f"{text} is not a finite number > 0")
 
 
 def peak_fraction(text: str) -> float:
     """argparse type: an achieved fraction of a device's peak, in (0, 1]."""
     value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a fraction of peak in (0, 1] (e.g. 0.55)")
-    return value
+    return _checked(value, 0 < value <= 1, f"{text} is not a fraction of peak in (0, 1] (e.g. 0.55)")
 
 
 def cost(text: str) -> float:
     """argparse type: a finite number >= 0 (a cost in the simulator's time units)."""
     value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
-    return value
+    return _checked(value, math.isfinite(value) and value >= 0, f"{text} is not a finite number >= 0")
 
 
 def add_wandb_flag(p: argparse.ArgumentParser) -> None:
@@ -178,6 +177,14 @@ def add_output_flags(p: argparse.ArgumentParser, *, out: str) -> None:
     add_preempt_flag(p)
 
 
+def add_gpt_shape_flags(p: argparse.ArgumentParser) -> None:
+    """The small GPT's shape (train/gpt/model.py's GPTConfig), which the main job trains and `pipezero plan` plans."""
+    p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=positive_int, default=128, help="model width")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+
+
 def layout_section(raw: dict[str, Any], args: argparse.Namespace, *, stages: int, zero_stage: int) -> None:
     """add_layout_flags' and add_output_flags' values into a ds_config dict, each over the config's key:
     pipeline stages (else `stages`) and schedule (else 1f1b), the ZeRO stage (else `zero_stage`), the
@@ -209,10 +216,7 @@ def job_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add_layout_flags(p, stages="2", zero_stage=2, chunks=True)
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
     add_batch_flags(p, rows="sequences", default_size=4)
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--d-model", type=int, default=128, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    add_gpt_shape_flags(p)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warm-up + cosine)")
     p.add_argument("--config", default=None, help="a ds_config.json; the flags above override its keys")
     p.add_argument("--pipeline-timeout", type=float, default=None,
@@ -288,14 +292,10 @@ def finetune_parser(prog: str = "pipezero finetune") -> argparse.ArgumentParser:
 
 def _seq_len(text: str) -> int:
     value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 2 (a token and its next one)")
-    return value
+    return _checked(value, value >= 2, f"{value}: expected an integer >= 2 (a token and its next one)")
 
 
 def _fraction(text: str) -> float:
     value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text}: expected a share in (0, 1) of the documents to hold out for "
-                                         f"evaluation, e.g. 0.02")
-    return value
+    return _checked(value, 0.0 < value < 1.0, f"{text}: expected a share in (0, 1) of the documents to hold out "
+                                              f"for evaluation, e.g. 0.02")

@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipezero.train.flags import PRECISIONS, peak_fraction, positive_int, positive_number
+from pipezero.train.flags import PRECISIONS, add_gpt_shape_flags, peak_fraction, positive_int, positive_number
 
 __all__ = ["add_plan_parser", "run_plan"]
 
@@ -25,10 +25,7 @@ def add_plan_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     """Register `pipezero plan` and its flags (each checked as it is read: argparse's one-line error)."""
     p = sub.add_parser("plan", help="rank every parallel layout by predicted tokens/s; print the winner's config",
                        formatter_class=formatter)
-    p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
-    p.add_argument("--d-model", type=positive_int, default=128, help="model width")
-    p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+    add_gpt_shape_flags(p)
     p.add_argument("--vocab", type=positive_int, default=BYTE_VOCAB, help="vocabulary size")
     p.add_argument("--global-batch", type=positive_int, default=32, help="sequences per optimizer step")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="the training precision")
