@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
+from pipezero.chain import ChainLink
 from pipezero.comm import TRAFFIC
 from pipezero.precision import global_grad_norm
 from pipezero.train.build import Parts
@@ -36,7 +38,7 @@ from pipezero.train.metrics import peak_memory_bytes, traffic_scalars
 from pipezero.train.preempt import Preemption
 
 __all__ = ["Cadence", "Door", "EvalBatches", "HeldOut", "StepRecord", "evaluate", "open_writer",
-           "optimizer_step", "train_loop"]
+           "optimizer_step", "step_and_schedule", "train_loop"]
 
 KEEP_CHECKPOINTS = 2  # the newest checkpoints a job keeps under <out>/checkpoints
 log = get_logger("loop")
@@ -44,7 +46,7 @@ log = get_logger("loop")
 
 # -- the optimizer step: one rule for every door ----------------------------------------------------
 
-def step_and_schedule(optimizer: Any, scheduler: Any) -> bool:
+def step_and_schedule(optimizer: ChainLink, scheduler: LRScheduler | None) -> bool:
     """Step the optimizer chain, then the LR schedule only if the chain stepped: a step skipped for
     inf/nan gradients leaves the LR where it is (as DeepSpeed's engine). True when it stepped."""
     stepped = bool(optimizer.step())
@@ -53,14 +55,14 @@ def step_and_schedule(optimizer: Any, scheduler: Any) -> bool:
     return stepped
 
 
-def optimizer_step(optimizer: Any, scheduler: Any) -> bool:
+def optimizer_step(optimizer: ChainLink, scheduler: LRScheduler | None) -> bool:
     """`step_and_schedule`, then clear the gradients: one optimizer step as every door takes it."""
     stepped = step_and_schedule(optimizer, scheduler)
     optimizer.zero_grad()
     return stepped
 
 
-def grad_norm(parts: Parts) -> float:
+def _grad_norm(parts: Parts) -> float:
     """This step's global gradient norm: the loss scaler's when it clipped, else measured (a collective)."""
     if parts.config.gradient_clipping:
         return parts.scaler.last_grad_norm
@@ -188,7 +190,7 @@ def _train_step(parts: Parts, door: Door, timers: Timers, done: int) -> StepReco
     with timers(Phase.OPTIMIZER):
         lr = parts.optimizer.param_groups[0]["lr"]  # the LR this step uses
         stepped = step_and_schedule(parts.optimizer, parts.scheduler)
-        norm = grad_norm(parts)                    # before the gradients are cleared
+        norm = _grad_norm(parts)                    # before the gradients are cleared
         parts.optimizer.zero_grad()
     seconds = time.perf_counter() - t0
     return StepRecord(done=done, loss=loss.item(), lr=lr, stepped=stepped, grad_norm=norm, seconds=seconds,
