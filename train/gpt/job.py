@@ -9,7 +9,8 @@
 It ships in the package, so `pipezero train` runs it from an installed wheel; examples/train_gpt.py
 is the same job as a script (it calls `main`). `main` builds the README's four parts by hand: a Grid, a PipelineModule of the GPT's layer
 specs, the optimizer chain ZeroOptimizer(LossScaler(AdamW)) and a PipelineRunner, and the loop
-talks to them directly; nothing hides behind an engine. Their settings come from one ds_config:
+(train/loop.py's, the one finetune and initialize's engine share; this job's `GptDoor` adds its MFU and
+timeline) talks to them directly; nothing hides behind an engine. Their settings come from one ds_config:
 the flags, on top of --config's file when given (pipezero.train.build makes the same parts from
 a config in one call). The corpus is the standard library's own source code (byte tokens, on
 every machine with Python), or --data-path. Re-running with the same --out resumes from the
