@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +45,8 @@ from pipezero.pipe.float8 import Float8Config
 from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
 from pipezero.pipe.lora import LoraConfig, lora_specs
 from pipezero.pipe.sequence import ShardSum
-from pipezero.train import finetune_lora
+from pipezero.train import finetune_lora, loop
 from pipezero.train.build import Parts, build
-from pipezero.train.checkpoint import prune_checkpoints
 from pipezero.train.checkpoint.resume import point_batch, resume_point
 from pipezero.train.cli import launch
 from pipezero.train.config import parse_config
@@ -59,9 +57,9 @@ from pipezero.train.data import (MemoryCorpus, PackedBatches, corpus_hash, load_
 from pipezero.train.data.chat_template import with_chat_template
 from pipezero.train.failure import run_as_command
 from pipezero.train.fingerprint import weights_fingerprint
-from pipezero.train.flags import expert_section, finetune_parser, wandb_section
-from pipezero.train.log import TensorBoardWriter, get_logger
-from pipezero.train.preempt import Preemption
+from pipezero.train.flags import finetune_parser, layout_section
+from pipezero.train.log import get_logger
+from pipezero.train.loop import Cadence, HeldOut, StepRecord
 from pipezero.train.run_dir import claim_run_dir
 from pipezero.train.checkpoint.from_deepspeed import load_deepspeed_checkpoint
 
@@ -303,25 +301,12 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
         raw["train_micro_batch_size_per_gpu"] = args.batch_size or 1
         raw["gradient_accumulation_steps"] = args.micro_batches or 4
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    pipeline = {"stages": 2 if world % 2 == 0 else 1, "schedule": "1f1b", **raw.get("pipeline", {})}
-    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule)) if v is not None})
-    raw["pipeline"] = pipeline
+    layout_section(raw, args, stages=2 if world % 2 == 0 else 1, zero_stage=1)  # train/flags.py's, as the job's
     apply_recompute_flags(raw, args)
-    raw["zero_optimization"] = {"stage": 1, **raw.get("zero_optimization", {}),
-                                **({"stage": args.zero_stage} if args.zero_stage is not None else {})}
-    if args.precision is not None:
-        raw["fp16"] = {**raw.get("fp16", {}), "enabled": args.precision == "fp16"}
-        raw["bf16"] = {**raw.get("bf16", {}), "enabled": args.precision == "bf16"}
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     raw.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}})
     raw.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
         "warmup_num_steps": warmup, "total_num_steps": args.steps, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}})
-    raw.setdefault("gradient_clipping", 1.0)
-    if args.sequence_parallel is not None:
-        raw["sequence_parallel_size"] = args.sequence_parallel
-    expert_section(raw, args.expert_parallel)
-    raw["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
-    wandb_section(raw, args.wandb)
     raw.setdefault("steps_per_print", 10)
     cfg = parse_config(raw, tensor=args.tensor, hidden_size=hidden_size, auto_values={
         "optimizer.params.lr": args.lr, "scheduler.params.total_num_steps": args.steps,
@@ -329,58 +314,43 @@ def train_config(args: argparse.Namespace, saved: Any, hidden_size: int) -> Any:
     return dataclasses.replace(cfg, batch=keep_global_batch(cfg.batch, saved))
 
 
-# -- the loop ---------------------------------------------------------------------------------------
+# -- the loop: train/loop.py's, with finetune's door -------------------------------------------------
 def train_loop(args: argparse.Namespace, parts: Parts, train: PackedBatches, val: PackedBatches, start: int,
                identity: dict[str, str] | None = None, lora: LoraConfig | None = None) -> float:
-    """Steps start+1 .. --steps: forward and backward of every micro-batch, the optimizer chain, logs, evals, saves."""
-    cfg, runner, opt = parts.config, parts.runner, parts.optimizer
-    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True, wandb=cfg.wandb)
-    stop = Preemption(args.save_on_signal, parts.device)  # SIGTERM / SIGUSR1: save at a step boundary, exit 0
-    loss = float("nan")
-    for step in range(start, args.steps):
-        t0 = time.perf_counter()
-        inputs, targets = train.next_batch()
-        t_data = time.perf_counter() - t0
-        loss = runner.train_step(inputs, targets).item()
-        stepped = opt.step()
-        lr = opt.param_groups[0]["lr"]
-        if stepped and parts.scheduler is not None:  # a skipped step (inf/nan) does not advance the schedule
-            parts.scheduler.step()
-        opt.zero_grad()
-        dt = time.perf_counter() - t0
-        tokens_s = _tokens(inputs) * parts.grid.data_sequence_size / dt  # a sequence rank holds a slice
-        tb.scalars({"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tokens_s, "perf/step_s": dt,
-                    "perf/data_share": t_data / dt, "data/packing_efficiency": train.efficiency()}, step + 1)
-        if (step + 1) % cfg.steps_per_print == 0 or step + 1 in (start + 1, args.steps):
-            log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tok/s | data %.1f%% of the step%s", step + 1,
-                     args.steps, loss, lr, tokens_s, 100 * t_data / dt, "" if stepped else " | SKIPPED (inf/nan)")
-        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
-            val_loss = evaluate(runner, val, args.eval_batches)
-            tb.scalar("val/loss", val_loss, step + 1)
-            log.info("step %d | held-out loss %.4f", step + 1, val_loss)
-        if stop.requested() or (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
-            ckpt_dir = Path(args.out) / "checkpoints"
-            saved = finetune_lora.save(parts, ckpt_dir, step + 1, train.state_dict(), identity or {}, lora)
-            log.info("saved checkpoint %s to %s", saved.name, ckpt_dir)
-            if parts.grid.rank == 0:
-                prune_checkpoints(ckpt_dir, keep=2)
-        stop.exit_if_requested(step + 1, args.steps, close=tb.close)
-    stop.restore()
-    tb.close()
-    return loss
+    """Steps start+1 .. --steps through the one loop (train/loop.py)."""
+    door = FinetuneDoor(args, parts, train, identity or {}, lora)
+    cadence = Cadence(args.steps, args.eval_interval, args.save_interval, parts.config.steps_per_print)
+    return loop.train_loop(parts, door, HeldOut(val, args.eval_batches, "held-out"), cadence, start,
+                           save_on_signal=args.save_on_signal)
 
 
-@torch.no_grad()
-def evaluate(runner: Any, val: PackedBatches, batches: int) -> float:
-    """Mean loss per trained token over the first `batches` held-out batches (the same ones every time)."""
-    val.load_state_dict({"epoch": 0, "step": 0})
-    n = max(1, min(batches, val.order.steps_per_epoch))
-    return sum(runner.eval_step(*val.next_batch()).item() for _ in range(n)) / n
+@dataclasses.dataclass
+class FinetuneDoor:
+    """finetune's side of the loop: packed batches (tokens counted), LoRA-aware checkpoints, the data share."""
 
+    args: argparse.Namespace
+    parts: Parts
+    train: PackedBatches
+    identity: dict[str, str]
+    lora: LoraConfig | None
 
-def _tokens(inputs: Any) -> int:
-    parts = inputs if isinstance(inputs, list) else [inputs]
-    return sum(int(p[0].numel()) for p in parts)
+    def next_batch(self) -> tuple[Any, Any]:
+        return self.train.next_batch()
+
+    def tokens(self, inputs: Any) -> int:
+        rows = inputs if isinstance(inputs, list) else [inputs]  # unpacked: one per micro-batch
+        return sum(int(r[0].numel()) for r in rows) * self.parts.grid.data_sequence_size  # a rank holds a slice
+
+    def save(self, step: int, loss: float) -> Path:
+        ckpt_dir = Path(self.args.out) / "checkpoints"
+        saved = finetune_lora.save(self.parts, ckpt_dir, step, self.train.state_dict(), self.identity, self.lora)
+        log.info("saved checkpoint %s to %s", saved.name, ckpt_dir)
+        return saved
+
+    def numbers(self, step: StepRecord, printing: bool) -> tuple[dict[str, float], list[str]]:
+        share = step.data_seconds / step.seconds
+        return ({"perf/data_share": share, "data/packing_efficiency": self.train.efficiency()},
+                [f"data {100 * share:.1f}% of the step"])
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ module imports neither torch nor another pipezero module, so `--help` answers be
 and the commands' modules (cli.py, gpt/job.py, finetune.py, plan/cli.py) do not import each other
 for their flags. The choices the parsers offer are written here as data (SCHEDULE_NAMES,
 FLOAT8_RECIPES); tests/test_cli_help.py checks them against the registry and pipe/float8.py.
+What the main job and finetune share is written once: the layout, batch and output flags
+(add_layout_flags, add_batch_flags, add_output_flags) and their values into a ds_config dict
+(layout_section, as wandb_section does --wandb's).
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import math
 import os
 from typing import Any
 
-__all__ = ["ALL_LINEAR", "FLOAT8_RECIPES", "LORA_DEFAULTS", "RECOMPUTE_MODES", "SCHEDULE_NAMES", "DefaultsHelp",
-           "add_expert_flag", "add_lora_flags", "add_preempt_flag", "add_recompute_flags", "add_wandb_flag", "cost",
-           "expert_section", "finetune_parser", "job_parser", "parse_job_args", "positive_int", "wandb_section"]
+__all__ = ["ALL_LINEAR", "FLOAT8_RECIPES", "LORA_DEFAULTS", "PRECISIONS", "RECOMPUTE_MODES", "SCHEDULE_NAMES",
+           "DefaultsHelp", "add_batch_flags", "add_expert_flag", "add_gpt_shape_flags", "add_layout_flags",
+           "add_lora_flags", "add_output_flags", "add_preempt_flag", "add_recompute_flags", "add_sequence_flag",
+           "add_wandb_flag", "cost", "expert_section", "finetune_parser", "job_parser", "layout_section",
+           "parse_job_args", "peak_fraction", "positive_int", "positive_number", "wandb_section"]
 
 DEFAULT_WANDB_PROJECT = "pipezero"  # --wandb without a name, where the config names no project
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")  # pipe/schedule/registry.py's
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")                     # pipe/float8.py's RECIPES
+PRECISIONS = ("fp32", "bf16", "fp16")                                                # --precision's choices
 RECOMPUTE_MODES = ("none", "full", "selective")                                      # pipe/memory/recompute.py's MODES
 LORA_DEFAULTS = dict(lora_alpha=8.0, lora_dropout=0.0, target_modules=("q_proj", "v_proj"))  # pipe/lora.py's LoraConfig
 ALL_LINEAR = "all-linear"                                                             # pipe/lora.py's ALL_LINEAR
@@ -36,20 +42,35 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _checked(value: Any, ok: bool, refusal: str) -> Any:
+    """`value`, or argparse's one-line usage error saying `refusal` (the argparse types below)."""
+    if not ok:
+        raise argparse.ArgumentTypeError(refusal)
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error)."""
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (expected >= 1)")
-    return value
+    return _checked(value, value >= 1, f"{value} is not a positive integer (expected >= 1)")
+
+
+def positive_number(text: str) -> float:
+    """argparse type: a finite number > 0 (a size, a bandwidth)."""
+    value = float(text)
+    return _checked(value, 0 < value < math.inf, f"{text} is not a finite number > 0")
+
+
+def peak_fraction(text: str) -> float:
+    """argparse type: an achieved fraction of a device's peak, in (0, 1]."""
+    value = float(text)
+    return _checked(value, 0 < value <= 1, f"{text} is not a fraction of peak in (0, 1] (e.g. 0.55)")
 
 
 def cost(text: str) -> float:
     """argparse type: a finite number >= 0 (a cost in the simulator's time units)."""
     value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
-    return value
+    return _checked(value, math.isfinite(value) and value >= 0, f"{text} is not a finite number >= 0")
 
 
 def add_wandb_flag(p: argparse.ArgumentParser) -> None:
@@ -129,6 +150,76 @@ def expert_section(raw: dict, n: int | None) -> None:
         raw["expert_parallel"] = {**raw.get("expert_parallel", {}), "enabled": n > 1, "autoep_size": n}
 
 
+def add_layout_flags(p: argparse.ArgumentParser, *, stages: str, zero_stage: int, chunks: bool = False) -> None:
+    """The parallel layout and the precision, each over the config's key (layout_section writes them):
+    --pipe (default `stages`), --tensor, --sequence-parallel, --schedule (and --chunks), --zero-stage
+    (default `zero_stage`), --precision, --float8 and the activation-checkpointing flags."""
+    p.add_argument("--pipe", type=int, default=None, help=f"pipeline stages (default: the config's, else {stages})")
+    p.add_argument("--tensor", type=int, default=1,
+                   help="tensor-parallel degree: each layer's attention heads and MLP split over this many ranks")
+    add_sequence_flag(p)
+    add_expert_flag(p)
+    p.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES,
+                   help="pipeline schedule (default: the config's, else 1f1b)")
+    if chunks:
+        p.add_argument("--chunks", type=int, default=None,
+                       help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help=f"default: the config's, else {zero_stage}")
+    p.add_argument("--precision", default=None, choices=PRECISIONS,
+                   help="default: the config's, else fp32")
+    p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES,
+                   help="the repeated layers' Linears in fp8 with this torchao recipe (a GPU of compute "
+                        "capability 8.9+)")
+    add_recompute_flags(p)
+
+
+def add_batch_flags(p: argparse.ArgumentParser, *, rows: str, default_size: int) -> None:
+    """--micro-batches (default 4) and --batch-size (`rows` per micro-batch per data rank)."""
+    p.add_argument("--micro-batches", type=positive_int, default=None, help="micro-batches per step (default 4)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help=f"{rows} per micro-batch per data rank (default {default_size})")
+
+
+def add_output_flags(p: argparse.ArgumentParser, *, out: str) -> None:
+    """Where the job writes (--out), which checkpoint it resumes (--resume-from), --wandb, --no-save-on-signal."""
+    p.add_argument("--out", default=out, help="TensorBoard logs, checkpoints and the exported model")
+    p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
+                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012, or a step "
+                        "folder's path), not the latest")
+    add_wandb_flag(p)
+    add_preempt_flag(p)
+
+
+def add_gpt_shape_flags(p: argparse.ArgumentParser) -> None:
+    """The small GPT's shape (train/gpt/model.py's GPTConfig), which the main job trains and `pipezero plan` plans."""
+    p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=positive_int, default=128, help="model width")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+
+
+def layout_section(raw: dict[str, Any], args: argparse.Namespace, *, stages: int, zero_stage: int) -> None:
+    """add_layout_flags' and add_output_flags' values into a ds_config dict, each over the config's key:
+    pipeline stages (else `stages`) and schedule (else 1f1b), the ZeRO stage (else `zero_stage`), the
+    precision, sequence_parallel_size, expert_parallel, TensorBoard under --out, --wandb; gradient_clipping 1.0 if unset.
+    (The activation-checkpointing flags: train/config/recompute.py's apply_recompute_flags.)"""
+    pipeline = {"stages": stages, "schedule": "1f1b", **raw.get("pipeline", {})}
+    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule)) if v is not None})
+    raw["pipeline"] = pipeline
+    raw["zero_optimization"] = {"stage": zero_stage, **raw.get("zero_optimization", {}),
+                                **({"stage": args.zero_stage} if args.zero_stage is not None else {})}
+    if args.precision is not None:
+        raw["fp16"] = {**raw.get("fp16", {}), "enabled": args.precision == "fp16"}
+        raw["bf16"] = {**raw.get("bf16", {}), "enabled": args.precision == "bf16"}
+    raw.setdefault("gradient_clipping", 1.0)
+    if args.sequence_parallel is not None:
+        raw["sequence_parallel_size"] = args.sequence_parallel
+    expert_section(raw, args.expert_parallel)
+    raw["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
+    wandb_section(raw, args.wandb)
+
+
 # -- the main job (pipezero train, python -m pipezero.train.gpt.job, examples/train_gpt.py) --------------
 
 def job_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -136,30 +227,11 @@ def job_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, formatter_class=DefaultsHelp, description=(
         "The main job: train the small GPT with a pipeline, ZeRO and mixed precision, top to bottom."))
     p.add_argument("config_file", nargs="?", default=None, metavar="CONFIG", help="a ds_config.json (as --config)")
-    p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: the config's, else 2)")
     p.add_argument("--data", type=int, default=None, help="data-parallel degree (default: world / pipe)")
-    p.add_argument("--tensor", type=int, default=1,
-                   help="tensor-parallel degree: each Block's heads and MLP split over this many ranks")
-    add_sequence_flag(p)
-    add_expert_flag(p)
-    p.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES,
-                   help="pipeline schedule (default: the config's, else 1f1b)")
-    p.add_argument("--chunks", type=int, default=None,
-                   help="virtual chunks per rank (default: the schedule's; interleaved_1f1b takes any >= 2)")
-    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's, else 2")
-    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
-                   help="default: the config's, else fp32")
-    p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES,
-                   help="the Blocks' Linears in fp8 with this torchao recipe (a GPU of compute capability 8.9+)")
-    add_recompute_flags(p)
+    add_layout_flags(p, stages="2", zero_stage=2, chunks=True)
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
-    p.add_argument("--micro-batches", type=positive_int, default=None, help="micro-batches per step (default 4)")
-    p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="sequences per micro-batch per data rank (default 4)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--d-model", type=int, default=128, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    add_batch_flags(p, rows="sequences", default_size=4)
+    add_gpt_shape_flags(p)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warm-up + cosine)")
     p.add_argument("--config", default=None, help="a ds_config.json; the flags above override its keys")
     p.add_argument("--pipeline-timeout", type=float, default=None,
@@ -171,19 +243,14 @@ def job_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def _add_job_run_flags(p: argparse.ArgumentParser) -> None:
     """Where the run reads and writes, how often it evaluates, saves and prints, and the GPU smoke."""
     p.add_argument("--data-path", default=None, help="your own text/.bin/.npy file (default: stdlib sources)")
-    p.add_argument("--out", default="runs/gpt", help="TensorBoard logs, checkpoints and the exported model")
+    add_output_flags(p, out="runs/gpt")
     p.add_argument("--resume", action="store_true", help="require a checkpoint in --out to resume from")
-    p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
-                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012, or a "
-                        "step folder's path), not the latest")
     p.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
     p.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--steps-per-print", type=int, default=None,
                    help="steps between log lines (default: the config's, else 10)")
     p.add_argument("--expect-device", default=None, choices=["cuda", "cpu"],
                    help="check that every parameter and each stage's activations live on this device (GPU smoke)")
-    add_wandb_flag(p)
-    add_preempt_flag(p)
 
 
 def parse_job_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
@@ -215,23 +282,9 @@ def finetune_parser(prog: str = "pipezero finetune") -> argparse.ArgumentParser:
     p.add_argument("--tokenize-workers", type=int, default=min(8, os.cpu_count() or 1),
                    help="processes that tokenize --data")
     p.add_argument("--config", default=None, help="a ds_config.json; the flags below override its keys")
-    p.add_argument("--pipe", type=int, default=None,
-                   help="pipeline stages (default: the config's, else 2 on an even world, else 1)")
-    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree")
-    add_sequence_flag(p)
-    add_expert_flag(p)
-    p.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES,
-                   help="pipeline schedule (default: the config's, else 1f1b)")
-    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="default: the config's, else 1")
-    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
-                   help="default: the config's, else fp32")
-    p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES,
-                   help="the decoder layers' Linears in fp8 with this torchao recipe (compute capability 8.9+)")
-    add_recompute_flags(p)
+    add_layout_flags(p, stages="2 on an even world, else 1", zero_stage=1)
     p.add_argument("--steps", type=positive_int, default=100, help="optimizer steps")
-    p.add_argument("--micro-batches", type=positive_int, default=None, help="micro-batches per step (default 4)")
-    p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="rows per micro-batch per data rank (default 1)")
+    add_batch_flags(p, rows="rows", default_size=1)
     p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (AdamW, warm-up then cosine)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
     p.add_argument("--eval-interval", type=positive_int, default=50, help="steps between held-out losses")
@@ -239,10 +292,7 @@ def finetune_parser(prog: str = "pipezero finetune") -> argparse.ArgumentParser:
     p.add_argument("--save-interval", type=positive_int, default=100,
                    help="steps between checkpoints (the last step is always saved)")
     p.add_argument("--seed", type=int, default=0, help="the data order's seed")
-    p.add_argument("--out", default="runs/finetune", help="TensorBoard, checkpoints and the exported model")
-    p.add_argument("--resume-from", default=None, metavar="STEP_DIR",
-                   help="resume from this checkpoint under --out/checkpoints (e.g. step_00000012, or a step "
-                        "folder's path), not the latest")
+    add_output_flags(p, out="runs/finetune")
     p.add_argument("--from-deepspeed", default=None, metavar="DIR",
                    help="start from DeepSpeed's save_checkpoint folder of --model (ZeRO 1-3 or universal: weights, "
                         "optimizer, LR schedule, step) unless --out holds a checkpoint")
@@ -252,21 +302,15 @@ def finetune_parser(prog: str = "pipezero finetune") -> argparse.ArgumentParser:
                    help="processes to launch through torchrun when not started by it (default: one per GPU, "
                         "else 1)")
     add_lora_flags(p)
-    add_wandb_flag(p)
-    add_preempt_flag(p)
     return p
 
 
 def _seq_len(text: str) -> int:
     value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 2 (a token and its next one)")
-    return value
+    return _checked(value, value >= 2, f"{value}: expected an integer >= 2 (a token and its next one)")
 
 
 def _fraction(text: str) -> float:
     value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text}: expected a share in (0, 1) of the documents to hold out for "
-                                         f"evaluation, e.g. 0.02")
-    return value
+    return _checked(value, 0.0 < value < 1.0, f"{text}: expected a share in (0, 1) of the documents to hold out "
+                                              f"for evaluation, e.g. 0.02")

@@ -4,7 +4,8 @@ A DeepSpeed user's loop is `engine, optimizer, _, scheduler = deepspeed.initiali
 `engine(x)`, `engine.backward(loss)`, `engine.step()` once per micro-batch. Here `initialize`
 returns the same four things, where the engine is a thin view of the explicit parts
 (`engine.parts`): calling it runs the model, `backward` scales the loss through the optimizer
-chain, `step` steps the chain and the LR schedule and clears the gradients. With
+chain, `step` steps the chain and the LR schedule and clears the gradients (train/loop.py's
+optimizer_step, the rule the main job's and finetune's loop takes). With
 gradient_accumulation_steps = k, as in DeepSpeed's engine, `backward` divides the loss by k and
 `step` steps only every k-th call (the accumulation boundary; the calls between only count);
 ZeRO stages 0-1 reduce the gradients once, at the boundary (no_sync before it), stages 2-3 on
@@ -29,6 +30,7 @@ from pipezero.train.build import Parts, build
 from pipezero.train.config import TrainConfig
 from pipezero.train.config.optim import OptimizerConfig, build_optimizer
 from pipezero.train.log import get_logger, warn_once
+from pipezero.train.loop import optimizer_step
 from pipezero.train.checkpoint import has_checkpoint
 from pipezero.train.checkpoint.from_deepspeed import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from pipezero.train.checkpoint.state import load_state, save_state
@@ -79,11 +81,8 @@ class Engine:
         """At the accumulation boundary step the optimizer chain and the LR schedule, then clear the
         gradients; True when the optimizer stepped (False: not a boundary, or an inf/nan skip)."""
         stepped = False
-        if self.is_gradient_accumulation_boundary():
-            stepped = self.optimizer.step()
-            if stepped and self.lr_scheduler is not None:  # a skipped step leaves the lr where it is
-                self.lr_scheduler.step()
-            self.optimizer.zero_grad()
+        if self.is_gradient_accumulation_boundary():  # the loop's rule: a skipped step leaves the lr
+            stepped = optimizer_step(self.optimizer, self.lr_scheduler)
         self.micro_steps += 1
         return stepped
 

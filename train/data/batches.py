@@ -133,6 +133,11 @@ class PackedBatches:
     def __next__(self) -> tuple[Any, Any]:
         return self.next_batch()
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in one pass over the rows."""
+        return self.order.steps_per_epoch
+
     def state_dict(self) -> dict[str, int]:
         return self.order.state_dict()
 

@@ -9,7 +9,8 @@
 It ships in the package, so `pipezero train` runs it from an installed wheel; examples/train_gpt.py
 is the same job as a script (it calls `main`). `main` builds the README's four parts by hand: a Grid, a PipelineModule of the GPT's layer
 specs, the optimizer chain ZeroOptimizer(LossScaler(AdamW)) and a PipelineRunner, and the loop
-talks to them directly; nothing hides behind an engine. Their settings come from one ds_config:
+(train/loop.py's, the one finetune and initialize's engine share; this job's `GptDoor` adds its MFU and
+timeline) talks to them directly; nothing hides behind an engine. Their settings come from one ds_config:
 the flags, on top of --config's file when given (pipezero.train.build makes the same parts from
 a config in one call). The corpus is the standard library's own source code (byte tokens, on
 every machine with Python), or --data-path. Re-running with the same --out resumes from the
@@ -28,30 +29,28 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from pipezero.comm import TRAFFIC
 from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
 from pipezero.pipe import simulate, to_image, to_png, to_text
 from pipezero.pipe.float8 import Float8Config
 from pipezero.pipe.schedule.timeline import chrome_trace, gather_events
-from pipezero.precision import LossScaler, global_grad_norm
+from pipezero.precision import LossScaler
 from pipezero.topology import Grid, process_device
-from pipezero.train import Parts, build_optimizer, build_scheduler, parse_config
-from pipezero.train.checkpoint import prune_checkpoints, step_dir_name
+from pipezero.train import Parts, build_optimizer, build_scheduler, loop, parse_config
+from pipezero.train.checkpoint import step_dir_name
 from pipezero.train.config import TrainConfig
 from pipezero.train.config.batch import BatchConfig, keep_global_batch
 from pipezero.train.config.recompute import apply_recompute_flags
 from pipezero.train.data import ShardedBatches, TokenData
 from pipezero.train.failure import run_as_command
-from pipezero.train.flags import expert_section, parse_job_args, wandb_section
+from pipezero.train.flags import layout_section, parse_job_args
 from pipezero.train.gpt.model import GPTConfig, flops_per_token, gpt_loss, gpt_specs, gpt_tensor_plan
-from pipezero.train.log import Phase, Progress, TensorBoardWriter, Timers, get_logger, warn_once
-from pipezero.train.preempt import Preemption
-from pipezero.train.metrics import mfu, peak_memory_bytes, timeline_result, traffic_scalars
+from pipezero.train.log import Progress, TensorBoardWriter, get_logger, warn_once
+from pipezero.train.loop import Cadence, HeldOut, StepRecord, open_writer
+from pipezero.train.metrics import mfu, timeline_result
 from pipezero.train.run_dir import claim_run_dir, export_done, record_loss, recorded_loss
 from pipezero.train.checkpoint.resume import ResumePoint, point_batch, resume_from_point, resume_point
 from pipezero.train.checkpoint.state import export_model, save_state
@@ -125,30 +124,17 @@ def ds_config(args: argparse.Namespace) -> dict:
         cfg["train_micro_batch_size_per_gpu"] = 4 if args.batch_size is None else args.batch_size
         cfg["gradient_accumulation_steps"] = 4 if args.micro_batches is None else args.micro_batches
         cfg.get("pipeline", {}).pop("micro_batches", None)
-    pipeline = {"stages": 2, "schedule": "1f1b", **cfg.get("pipeline", {})}
+    layout_section(cfg, args, stages=2, zero_stage=2)  # the flags train/flags.py shares with finetune
+    pipeline = cfg["pipeline"]
     if args.schedule is not None and args.chunks is None:
         pipeline.pop("chunks", None)  # a new schedule brings its own default chunk count
-    pipeline.update({k: v for k, v in (("stages", args.pipe), ("schedule", args.schedule), ("chunks", args.chunks),
-                                       ("timeout", args.pipeline_timeout)) if v is not None})
-    cfg["pipeline"] = pipeline
+    pipeline.update({k: v for k, v in (("chunks", args.chunks), ("timeout", args.pipeline_timeout)) if v is not None})
     apply_recompute_flags(cfg, args)
-    zero = {"stage": 2, **cfg.get("zero_optimization", {})}
-    zero.update({"stage": args.zero_stage} if args.zero_stage is not None else {})
-    cfg["zero_optimization"] = zero
-    if args.precision is not None:
-        cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": args.precision == "fp16"}
-        cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": args.precision == "bf16"}
     cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1,
                                                            "betas": [0.9, 0.95]}})
     cfg.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
         "warmup_num_steps": max(1, args.steps // 20), "total_num_steps": args.steps, "warmup_min_ratio": 0.1,
         "cos_min_ratio": 0.1}})
-    cfg.setdefault("gradient_clipping", 1.0)
-    if args.sequence_parallel is not None:
-        cfg["sequence_parallel_size"] = args.sequence_parallel
-    expert_section(cfg, args.expert_parallel)
-    cfg["tensorboard"] = {"enabled": True, "output_path": args.out, "job_name": "tensorboard"}
-    wandb_section(cfg, args.wandb)
     if args.steps_per_print:
         cfg["steps_per_print"] = args.steps_per_print
     cfg.setdefault("steps_per_print", 10)
@@ -233,14 +219,14 @@ def resume(parts, ckpt_dir: Path, resume_from: str | None, gpt: dict | None = No
     return resume_from_point(parts, resume_point(ckpt_dir, resume_from), gpt)
 
 
-def save(args: argparse.Namespace, parts: Parts, step: int, train: ShardedBatches, loss: float) -> None:
-    """A checkpoint of this step under --out/checkpoints; the two newest are kept."""
+def save(args: argparse.Namespace, parts: Parts, step: int, train: ShardedBatches, loss: float) -> Path:
+    """A checkpoint of this step under --out/checkpoints (the loop keeps the two newest); its folder."""
     ckpt_dir = Path(args.out) / "checkpoints"
-    save_state(parts, ckpt_dir, step, train.state_dict(), model_config=dataclasses.asdict(gpt_config(args)))
+    saved = save_state(parts, ckpt_dir, step, train.state_dict(), model_config=dataclasses.asdict(gpt_config(args)))
     log.info("step %d | saved checkpoint %s", step, ckpt_dir / step_dir_name(step))
     if parts.grid.rank == 0:
-        prune_checkpoints(ckpt_dir, keep=2)
         record_loss(args.out, step, loss)
+    return saved
 
 
 def export(args: argparse.Namespace, gpt: GPTConfig, start: int, loss: float) -> None:
@@ -274,117 +260,57 @@ def _summary_loss(out: str) -> float:
     return json.loads(path.read_text())["final_loss"] if path.is_file() else float("nan")
 
 
-# -- the loop ---------------------------------------------------------------------------------------------
+# -- the loop: train/loop.py's, with the main job's door ---------------------------------------------------
 
 def train_loop(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, train: ShardedBatches,
                val: ShardedBatches, start: int) -> float:
-    """Steps start+1 .. --steps: the schedule's forward and backward, the optimizer chain, logs, evals, saves."""
-    cfg, runner, opt = parts.config, parts.runner, parts.optimizer
-    logs = open_logs(args, parts, gpt, start)
-    stop = Preemption(args.save_on_signal, parts.device)  # SIGTERM / SIGUSR1: save at a step boundary, exit 0
-    loss = torch.tensor(float("nan"))
-    for step in range(start, args.steps):
-        TRAFFIC.reset()
-        t0 = time.perf_counter()
+    """Steps start+1 .. --steps through the one loop (train/loop.py); the simulated timeline drawn first."""
+    tb = open_writer(parts.config)
+    sim = simulate(parts.schedule, parts.grid.pipe_size)
+    _picture(tb, "pipeline/simulated", sim, start, args.out)
+    log.info("schedule (simulated bubble %.3f):\n%s", sim.bubble, to_text(sim))
+    door = GptDoor(args, parts, gpt, train, tb, Progress(args.steps, desc="train", start=start), start)
+    cadence = Cadence(args.steps, args.eval_interval, args.save_interval, parts.config.steps_per_print)
+    return loop.train_loop(parts, door, HeldOut(val, 4, "val"), cadence, start, save_on_signal=args.save_on_signal,
+                           writer=tb)
 
-        # forward + backward of every micro-batch, as the schedule orders them
-        x, y = train.next_batch()
-        loss = runner.train_step(x, y)
-        _time_actions(logs.timers, runner.timeline.events)
-
-        # the optimizer chain: reduce (ZeRO), unscale/check/clip (LossScaler), AdamW, gather
-        with logs.timers(Phase.OPTIMIZER):
-            stepped = opt.step()
-            grad_norm = parts.scaler.last_grad_norm if cfg.gradient_clipping else \
-                float(global_grad_norm([p for g in opt.param_groups for p in g["params"]]))
-            lr = opt.param_groups[0]["lr"]
-            if stepped:  # a step skipped for inf/nan does not advance the lr schedule (as DeepSpeed)
-                parts.scheduler.step()
-            opt.zero_grad()
-        logs.step(step + 1, loss.item(), lr, grad_norm, stepped, t0)
-
-        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
-            val_loss = evaluate(runner, val, batches=4)
-            logs.tb.scalar("val/loss", val_loss, step + 1)
-            log.info("step %d | val loss %.4f", step + 1, val_loss)
-        if stop.requested() or (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
-            save(args, parts, step + 1, train, loss.item())
-        stop.exit_if_requested(step + 1, args.steps, close=logs.tb.close)
-    stop.restore()
-    logs.tb.close()
-    return loss.item()
-
-
-@torch.no_grad()
-def evaluate(runner: PipelineRunner, val: ShardedBatches, batches: int) -> float:
-    """Mean loss over the first `batches` validation batches (the same ones every time)."""
-    val.load_state_dict({"epoch": 0, "step": 0})
-    losses = [runner.eval_step(*val.next_batch()).item() for _ in range(min(batches, val.steps_per_epoch))]
-    return sum(losses) / len(losses)
-
-
-# -- what each step shows: the log line, TensorBoard, the progress bar, timeline pictures ------------------
 
 @dataclasses.dataclass
-class Logs:
-    """Where each step's numbers go: the log line, TensorBoard, the progress bar, timeline pictures."""
+class GptDoor:
+    """The main job's side of the loop: its batches and checkpoints, MFU, the measured bubble and timeline
+    pictures (the first and the last step), the progress bar."""
 
     args: argparse.Namespace
     parts: Parts
     gpt: GPTConfig
+    train: ShardedBatches
     tb: TensorBoardWriter
-    timers: Timers
     progress: Progress
     start: int
 
-    def step(self, done: int, loss: float, lr: float, grad_norm: float, stepped: bool, t0: float) -> None:
-        """Log step `done` (1-based), which began at perf_counter() `t0`; every rank calls it."""
-        args, parts, scaler = self.args, self.parts, self.parts.scaler
-        traffic = traffic_scalars(TRAFFIC.snapshot())
-        self.timers.add(Phase.COMMUNICATION, sum(v for k, v in traffic.items() if k.startswith("seconds/")))
-        dt = time.perf_counter() - t0
-        tokens_s = parts.config.batch.train_batch_size * args.seq_len / dt
-        scalars = {"train/loss": loss, "train/lr": lr, "train/loss_scale": scaler.loss_scale,
-                   "train/skipped_steps": scaler.skipped_steps, "train/grad_norm": grad_norm,
-                   "perf/tokens_per_s": tokens_s, "perf/step_s": dt,
-                   "memory/peak_bytes": peak_memory_bytes(parts.device),
-                   **{f"comm/{k}": v for k, v in traffic.items()}}
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.train.next_batch()
+
+    def tokens(self, inputs: torch.Tensor) -> int:
+        return self.parts.config.batch.train_batch_size * self.args.seq_len
+
+    def save(self, step: int, loss: float) -> Path:
+        return save(self.args, self.parts, step, self.train, loss)
+
+    def numbers(self, step: StepRecord, printing: bool) -> tuple[dict[str, float], list[str]]:
+        parts, scalars, fields = self.parts, {}, []
         peak = PEAK_FLOPS.get(parts.dtype) if parts.device.type == "cuda" else None
-        util = mfu(tokens_s, flops_per_token(self.gpt), parts.grid.world_size, peak)
+        util = mfu(step.tokens_per_s, flops_per_token(self.gpt), parts.grid.world_size, peak)
         if util is not None:
             scalars["perf/mfu"] = util
-        edge = done in (self.start + 1, args.steps)  # the first and the last step draw their timeline
-        if done % parts.config.steps_per_print == 0 or edge:
-            scalars["pipeline/measured_bubble"] = parts.runner.measured_bubble()  # a collective: every rank
-            if edge:
-                _timeline_picture(self.tb, parts, args.out, done)
-            log.info("step %d/%d | loss %.4f | lr %.2e | scale %g | grad norm %.3f | %.0f tok/s%s | bubble %.2f%s",
-                     done, args.steps, loss, lr, scaler.loss_scale, grad_norm, tokens_s,
-                     "" if util is None else f" | MFU {util:.1%}",
-                     scalars["pipeline/measured_bubble"], "" if stepped else " | SKIPPED (inf/nan)")
-            if parts.config.wall_clock_breakdown:
-                log.info("time: %s", self.timers.format())
-        self.tb.scalars(scalars, done)
-        self.progress.update(loss=loss)
-
-
-def open_logs(args: argparse.Namespace, parts: Parts, gpt: GPTConfig, start: int) -> Logs:
-    """TensorBoard, timers and the progress bar; the schedule's simulated timeline drawn once up front."""
-    cfg, cuda = parts.config, parts.device.type == "cuda"
-    tb = TensorBoardWriter(cfg.tensorboard.output_path, cfg.tensorboard.job_name, enabled=True, wandb=cfg.wandb)
-    timers = Timers(enabled=cfg.wall_clock_breakdown, sync=torch.cuda.synchronize if cuda else None)
-    sim = simulate(parts.schedule, parts.grid.pipe_size)
-    _picture(tb, "pipeline/simulated", sim, start, args.out)
-    log.info("schedule (simulated bubble %.3f):\n%s", sim.bubble, to_text(sim))
-    return Logs(args, parts, gpt, tb, timers, Progress(args.steps, desc="train", start=start), start)
-
-
-def _time_actions(timers: Timers, events) -> None:
-    """wall_clock_breakdown from the runner's own timeline: forward, backward and waiting on peers."""
-    for e in events:
-        phase = Phase.COMMUNICATION if e.kind == "comm" else Phase.FORWARD if "F" in e.name else Phase.BACKWARD
-        if phase is not Phase.COMMUNICATION:
-            timers.add(phase, e.end - e.start)
+            fields.append(f"MFU {util:.1%}")
+        if printing:
+            bubble = scalars["pipeline/measured_bubble"] = parts.runner.measured_bubble()  # a collective
+            if step.done in (self.start + 1, self.args.steps):  # the first and the last step draw their timeline
+                _timeline_picture(self.tb, parts, self.args.out, step.done)
+            fields.append(f"bubble {bubble:.2f}")
+        self.progress.update(loss=step.loss)
+        return scalars, fields
 
 
 def _timeline_picture(tb: TensorBoardWriter, parts: Parts, out: str, step: int) -> None:

@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipezero.train.flags import positive_int
+from pipezero.train.flags import PRECISIONS, add_gpt_shape_flags, peak_fraction, positive_int, positive_number
 
 __all__ = ["add_plan_parser", "run_plan"]
 
@@ -25,40 +25,24 @@ def add_plan_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     """Register `pipezero plan` and its flags (each checked as it is read: argparse's one-line error)."""
     p = sub.add_parser("plan", help="rank every parallel layout by predicted tokens/s; print the winner's config",
                        formatter_class=formatter)
-    p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
-    p.add_argument("--d-model", type=positive_int, default=128, help="model width")
-    p.add_argument("--heads", type=positive_int, default=4, help="attention heads")
-    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+    add_gpt_shape_flags(p)
     p.add_argument("--vocab", type=positive_int, default=BYTE_VOCAB, help="vocabulary size")
     p.add_argument("--global-batch", type=positive_int, default=32, help="sequences per optimizer step")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="the training precision")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="the training precision")
     p.add_argument("--hardware", default="local", choices=["local", "h200"],
                    help="local: this machine, layer times measured; h200: modelled from FLOPs")
     p.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help="devices per node (local: processes, default 4; h200: default 8)")
     p.add_argument("--nodes", type=positive_int, default=None, help="h200: nodes (default 1; local is one machine)")
-    p.add_argument("--memory-gb", type=_positive, default=None, help="usable memory per device (default: the preset's)")
-    p.add_argument("--efficiency", type=_fraction, default=None,
+    p.add_argument("--memory-gb", type=positive_number, default=None,
+                   help="usable memory per device (default: the preset's)")
+    p.add_argument("--efficiency", type=peak_fraction, default=None,
                    help="h200: achieved fraction of peak, in (0, 1] (default 0.55)")
-    p.add_argument("--intra-gbps", type=_positive, default=None, help="GB/s per direction within a node")
-    p.add_argument("--inter-gbps", type=_positive, default=None, help="GB/s per device between nodes")
+    p.add_argument("--intra-gbps", type=positive_number, default=None, help="GB/s per direction within a node")
+    p.add_argument("--inter-gbps", type=positive_number, default=None, help="GB/s per device between nodes")
     p.add_argument("--top", type=positive_int, default=10,
                    help="rows of the table (layouts that cannot reach them are not simulated)")
     p.add_argument("--write-config", default=None, help="write the winner's ds_config.json here")
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number > 0")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a fraction of peak in (0, 1] (e.g. 0.55)")
-    return value
 
 
 def _check_flags(args: argparse.Namespace) -> None:
