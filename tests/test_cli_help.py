@@ -70,7 +70,7 @@ def test_train_runs_without_a_config(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli, "run_forwarding", lambda cmd: calls.append(cmd) or 0)
     assert cli.main(["train", "--steps", "20"]) == 0
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"pipeline": {"stages": 4}}))
@@ -95,7 +95,7 @@ def test_train_launches_tensor_and_sequence_ranks_too(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli, "run_forwarding", lambda cmd: calls.append(cmd) or 0)
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"sequence_parallel_size": 2}))
     assert cli.main(["train", "--steps", "2", "--sequence-parallel", "2"]) == 0

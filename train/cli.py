@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from pipezero.train.flags import (SCHEDULE_NAMES, DefaultsHelp, cost, finetune_parser, job_parser, parse_job_args,
                                   positive_int)
-from pipezero.train.forward_signals import TORCHRUN_SIGNALS, wait_forwarding
+from pipezero.train.forward_signals import run_forwarding
 from pipezero.train.plan.cli import add_plan_parser
 
 __all__ = ["DefaultsHelp", "cost", "examples_dir", "launch", "main", "positive_int"]  # flags' helpers as before
@@ -156,8 +155,7 @@ def launch(module: str, argv: list[str], nproc: int, prog: str, max_restarts: in
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", module, *argv]
     print(f"{prog}: " + " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, env={**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS})
-    return wait_forwarding(proc)  # SIGTERM / SIGUSR1 here go on to the workers: they save and exit 0
+    return run_forwarding(cmd)  # SIGTERM / SIGUSR1 here go on to the workers: they save and exit 0
 
 
 def _parser() -> argparse.ArgumentParser:

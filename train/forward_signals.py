@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SIGNALS", "TORCHRUN_SIGNALS", "wait_forwarding"]
+__all__ = ["SIGNALS", "TORCHRUN_SIGNALS", "run_forwarding", "wait_forwarding"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption's signals (train/preempt.py: save, then exit 0)
 
@@ -33,6 +33,12 @@ def children(pid: int) -> list[int]:
     except OSError:
         return []
     return [int(p) for p in text.split()]
+
+
+def run_forwarding(cmd: list[str]) -> int:
+    """Run torchrun's command line `cmd` to its end, SIGTERM / SIGUSR1 passed on to its workers; its status."""
+    proc = subprocess.Popen(cmd, env={**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS})
+    return wait_forwarding(proc)
 
 
 def wait_forwarding(proc: subprocess.Popen) -> int:
