@@ -25,7 +25,7 @@ from typing import Callable
 
 from pipezero.checks import is_int
 
-__all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "best_seconds", "h200", "local_cpu"]
+__all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "best_seconds", "h100", "h200", "local_cpu"]
 
 # Bytes one optimizer step moves per parameter in bf16 with fp32 masters, ZeRO 0-2 (pass by
 # pass: step_time's module docstring), on a GPU at two thirds of its memory bandwidth: one H200
@@ -55,6 +55,7 @@ class Hardware:
     optimizer_ns_per_param: float = 0.01   # Adam on the device, per fp32 master parameter
     cpu_adam_ns_per_param: float = 1.0     # offloaded Adam on the host, per parameter (per device)
     pcie_gbps: float = 25.0            # host <-> device, for offload
+    memory_gbps: float = 3350.0        # the device's memory bandwidth (a selective recompute's elementwise ops)
     reserved_gb: float = 2.0           # runtime context, communication buffers, allocator slack
     compute_slowdown: float = 1.0      # measured time x this (processes sharing fewer cores)
     layer_overhead_us: float = 30.0    # fixed cost of one layer's F, I or W (kernel launches; 0 when measured)
@@ -87,7 +88,16 @@ class Hardware:
 def h200(nodes: int = 1, gpus_per_node: int = 8) -> Hardware:
     """NVIDIA H200 SXM nodes (see the module docstring for where each number comes from)."""
     return Hardware(name=f"{nodes * gpus_per_node}x H200", gpus_per_node=gpus_per_node, nodes=nodes,
-                    memory_gb=141.0, peak_tflops=989.0, optimizer_ns_per_param=H200_STEP_BYTES / (0.66 * 4.8e3))
+                    memory_gb=141.0, peak_tflops=989.0, optimizer_ns_per_param=H200_STEP_BYTES / (0.66 * 4.8e3),
+                    memory_gbps=4800.0)
+
+
+def h100(nodes: int = 1, gpus_per_node: int = 8) -> Hardware:
+    """NVIDIA H100 SXM 80 GB nodes: the H200's compute and links, 80 GB of HBM3 at 3.35 TB/s (data sheet);
+    the memory the long-sequence runs were measured on (bench/RESULTS.md)."""
+    return Hardware(name=f"{nodes * gpus_per_node}x H100", gpus_per_node=gpus_per_node, nodes=nodes,
+                    memory_gb=80.0, peak_tflops=989.0, optimizer_ns_per_param=H200_STEP_BYTES / (0.66 * 3.35e3),
+                    memory_gbps=3350.0)
 
 
 def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
@@ -106,7 +116,7 @@ def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
                     intra_gbps=bandwidth / 1e9, intra_latency_us=latency * 1e6,
                     optimizer_ns_per_param=adam, reserved_gb=CPU_RESERVED_GB,
                     compute_slowdown=slowdown, host_offload=False, layer_overhead_us=0.0,
-                    optimizer_temp_bytes=0.0, unsettled=unsettled)
+                    optimizer_temp_bytes=0.0, memory_gbps=10.0, unsettled=unsettled)
 
 
 def _busy(cores: int) -> tuple[str, ...]:
