@@ -205,7 +205,7 @@ def kit_table(profile: Sequence[LayerProfile], winner: Prediction) -> str:
         option = replace(lay, checkpoint=ck, selective=selective, host_inputs=host)
         pred = predict(profile, option, hw, winner.shape, winner.precision)
         fits = "fits" if pred.memory.total <= hw.memory_gb * 1e9 else "does not fit"
-        rows.append(f"  {_kit_words(option):<55} {pred.memory.total / 1e9:8.3g} GB  {fits}, "
+        rows.append(f"  {_kit_words(option):<58} {pred.memory.total / 1e9:8.3g} GB  {fits}, "
                     f"{pred.tokens_per_second:,.0f} tokens/s")
     return "\n".join(rows)
 
