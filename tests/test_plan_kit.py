@@ -6,6 +6,7 @@ No process group: arithmetic over the planner's model (the autograd count runs o
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -78,6 +79,27 @@ def test_the_kit_the_plan_picks_is_the_fastest_that_fits():
         assert table.count("does not fit") == (0 if seq_len == 32768 else 4), table
     with pytest.raises(ValueError, match="no layout"):
         plan(tinyllama(4 * 524288), flops_profile(tinyllama(4 * 524288), 1e15), hw, 1, "bf16", top=3)
+
+
+def test_pipezero_plan_reads_a_hugging_face_config_and_prints_the_finetune_line(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from pipezero.train.cli import main
+
+    LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                num_attention_heads=32, num_key_value_heads=4).save_pretrained(tmp_path / "tinyllama")
+    config = tmp_path / "ds.json"
+    assert main(["plan", "--hardware", "h100", "--gpus-per-node", "1", "--hf-config", str(tmp_path / "tinyllama"),
+                 "--seq-len", "524288", "--global-batch", "1", "--precision", "bf16", "--top", "1",
+                 "--write-config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "ck1+h" in out and "full, every 1 layer, its inputs in pinned host memory" in out, out
+    assert (f"pipezero finetune --nproc 1 --model {tmp_path / 'tinyllama'} --data DATA --seq-len 524288 --config "
+            f"{config} --activation-checkpointing full --offload-activations") in out, out
+    from pipezero.train.config import parse_config
+
+    parsed = parse_config(json.loads(config.read_text()), world_size=1)
+    assert parsed.recompute.mode == "full" and parsed.recompute.offload
 
 
 def _saved_bytes_per_layer(layers: int, tokens: int) -> float:

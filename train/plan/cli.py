@@ -114,6 +114,17 @@ def _shape(args: argparse.Namespace, shape_cls: type):
     return shape_cls.from_hf_config(config, args.seq_len, name=path.parent.name or "")
 
 
+def _finetune_line(args: argparse.Namespace, pred, config_path: str) -> str:
+    """pipezero finetune's flags for the winner (--config takes the rest: the ds_config above)."""
+    lay, folder = pred.layout, Path(args.hf_config)
+    folder = folder if folder.is_dir() else folder.parent
+    kit = (f" --activation-checkpointing {lay.recompute}" if lay.checkpoint else "") + (
+        " --offload-activations" if lay.host_inputs else "") + (
+        f" --sequence-parallel {lay.sequence}" if lay.sequence > 1 else "")
+    return (f"pipezero finetune --nproc {lay.world} --model {folder} --data DATA --seq-len {args.seq_len} "
+            f"--config {config_path}{kit}")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Measure or model the layers, rank the layouts, print the table, the winner's parts and config."""
     import torch
@@ -156,11 +167,13 @@ def run_plan(args: argparse.Namespace) -> int:
         except OSError as e:
             raise SystemExit(f"pipezero plan: cannot write --write-config {path!r}: {e.strerror or e}") from None
         print(f"wrote {path}")
-        print("\n" + torchrun_command(preds[0], path))
     else:
-        print(f"\nto launch it, save the config above as {path} (or rerun with --write-config {path}), then:\n"
-              + torchrun_command(preds[0], path))
-    if args.vocab != BYTE_VOCAB:  # the line's job is byte-level: it cannot run the planned vocabulary
+        print(f"\nto launch it, save the config above as {path} (or rerun with --write-config {path}), then:")
+    if args.hf_config is not None:  # a Hugging Face model trains through pipezero finetune, not the GPT's job
+        print(_finetune_line(args, preds[0], path))
+    else:
+        print(torchrun_command(preds[0], path))
+    if args.vocab != BYTE_VOCAB and args.hf_config is None:  # the line's job is byte-level: it cannot run the planned vocabulary
         print(f"(that line runs pipezero's byte-level GPT, vocabulary {BYTE_VOCAB}, on the winner's layout; for the "
               f"planned vocabulary {args.vocab} take the ds_config to your own model: pipezero.train.initialize or "
               "build)")
