@@ -127,7 +127,7 @@ def _kept(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, p
 def _working(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, precision: str, d_model: int,
              tokens: float, tile: bool, before: bool) -> float:
     """Bytes alive only while the run's backward runs: its recompute (when checkpointed), the largest
-    backward transient, under offload the input fetched back and the one before it prefetched."""
+    backward transient, under offload the input of the run before, prefetched."""
     t, e = layout.tensor, bytes_per_element(precision)
     total = 0.0
     for i in run:
@@ -139,7 +139,9 @@ def _working(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout
     if layout.checkpoint:
         saved = sum(profile[i].act_bytes(precision, t, tile) - profile[i].loss_bytes for i in run)
         kept = sum(profile[i].selective_bytes(precision, t, tile) for i in run) if layout.selective else 0.0
-        fetched = (1 + before) * d_model * e if layout.host_inputs and profile[run[0]].kind != "Embedding" else 0
+        # offloaded: the input unpacked for the recompute is dropped once it ran (the recomputed ops keep
+        # their own tensors); the run before's, prefetched as this recompute starts, waits on the device
+        fetched = before * d_model * e if layout.host_inputs and profile[run[0]].kind != "Embedding" else 0
         total += (saved - kept + fetched) * tokens
     return total
 
