@@ -28,8 +28,8 @@ from typing import Any, Sequence
 from pipezero.checks import is_int
 from pipezero.train.plan.layers import block_terms, head_terms
 
-__all__ = ["MEASURED_LEN", "LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_experts", "held_params", "measure_profile",
-           "total_params"]
+__all__ = ["MEASURED_LEN", "LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_experts",
+           "held_params", "measure_profile", "total_params"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
