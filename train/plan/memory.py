@@ -45,7 +45,7 @@ from typing import Sequence
 from pipezero.train.plan.hardware import Hardware
 from pipezero.train.plan.layout import Layout
 from pipezero.pipe.tiled_mlp import TILE_FROM_ROWS, TILE_ROWS
-from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_experts, held_params
+from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_experts, held_params, tied_head
 
 __all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "backward_peak", "model_state_bytes", "rank_memory",
            "rank_tokens", "step_bytes", "tiled"]
@@ -156,6 +156,8 @@ def backward_peak(profile: Sequence[LayerProfile], layers: Sequence[int], live: 
     `grad_bytes` (per layer of `layers`: the gradient bytes its backward makes), the gradients made by
     the runs so far and this one. The largest sum is the peak.
     """
+    if live <= 0:  # no micro-batch in flight (the planner's memory floor)
+        return 0.0, 0.0
     tokens, tile = rank_tokens(layout, seq_len), tiled(layout, seq_len)
     runs = _runs(list(layers), layout)
     kept = [_kept(profile, run, layout, precision, d_model, tile) * tokens for run in runs]
@@ -179,7 +181,7 @@ def activation_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], liv
 
 def _grad_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], layout: Layout, precision: str) -> list[float]:
     """The gradient bytes each layer's backward makes (a tied pair's once, at the head: backward meets it first)."""
-    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"} and profile[layers[-1]].tied
+    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"} and tied_head(profile)
     g = STATE_BYTES[precision][1]
     return [0.0 if both and profile[i].kind == "Embedding" else
             g * held_params(profile, [i], layout.tensor, layout.expert) for i in layers]

@@ -29,7 +29,7 @@ from pipezero.checks import is_int
 from pipezero.train.plan.layers import block_terms, head_terms
 
 __all__ = ["MEASURED_LEN", "LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_experts",
-           "held_params", "measure_profile", "total_params"]
+           "held_params", "measure_profile", "tied_head", "total_params"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -343,13 +343,18 @@ def total_params(profile: Sequence[LayerProfile]) -> int:
     return sum(p.params for p in profile if not (p.kind == "Head" and p.tied))
 
 
+def tied_head(profile: Sequence[LayerProfile]) -> bool:
+    """Does the head share the embedding's weight (the GPT's; a Hugging Face config's tie_word_embeddings)?"""
+    return any(p.kind == "Head" and p.tied for p in profile)
+
+
 def held_params(profile: Sequence[LayerProfile], layers: Sequence[int], tensor: int = 1, expert: int = 1) -> float:
     """Parameters one rank holds for `layers`, per tensor rank (tied layers whole), its experts / `expert`.
 
     A tied head's weight is the embedding's: a rank holding both holds it once (a rank with only
     one of them keeps its own copy, which the tied-gradient all-reduce keeps equal).
     """
-    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"} and profile[layers[-1]].tied
+    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"} and tied_head(profile)
     return sum((profile[i].params - profile[i].expert_params * (1 - 1 / expert)) / (1 if profile[i].tied else tensor)
                for i in layers if not (both and profile[i].kind == "Head"))
 

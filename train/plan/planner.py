@@ -93,6 +93,8 @@ def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, globa
                                      **enumerate_kw))
     if top is None:
         preds = [predict(profile, layout, hw, shape, precision, memo) for layout in layouts]
+        fitting = {p.layout for p in preds if p.memory.total <= hw.memory_gb * 1e9}
+        preds = [p for p in preds if not _needless(p.layout, fitting)]
     else:
         preds = _bounded(profile, layouts, hw, shape, precision, top, memo)
     fits = [p for p in preds if p.memory.total <= hw.memory_gb * 1e9]
@@ -115,18 +117,32 @@ def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Har
     memory = [_memory_floor(profile, lay, hw, precision, shape) for lay in layouts]
     if layouts and min(memory) > limit:  # nothing can fit: the leanest one, for the error message
         return [predict(profile, layouts[memory.index(min(memory))], hw, shape, precision, memo)]
-    floors = sorted((step_time_floor(profile, lay, hw, precision, d, s), i) for i, lay in enumerate(layouts)
+    busy: dict = {}
+    floors = sorted((step_time_floor(profile, lay, hw, precision, d, s, busy), i) for i, lay in enumerate(layouts)
                     if memory[i] <= limit)
     best: list[float] = []  # step times of the fitting predictions so far, ascending, at most `top`
-    preds = []
+    preds, fitting = [], set()
     for floor, i in floors:
         if len(best) == top and floor > best[-1]:
             break
+        if _needless(layouts[i], fitting):
+            continue
         pred = predict(profile, layouts[i], hw, shape, precision, memo)
         preds.append(pred)
         if pred.memory.total <= limit:
             best = sorted(best + [pred.time.total])[:top]
+            fitting.add(layouts[i])
     return preds
+
+
+def _needless(layout: Layout, fitting: set) -> bool:
+    """Is a lighter twin of this layout among those that fit? Checkpointing and host inputs only add time,
+    so the twin without them (its floor is no higher: it comes first) is as fast or faster: the kit is
+    switched on only where what it saves is needed."""
+    if not layout.checkpoint:
+        return False
+    plain = replace(layout, checkpoint=0, selective=False, host_inputs=False)
+    return plain in fitting or (layout.host_inputs and replace(layout, host_inputs=False) in fitting)
 
 
 def _memory_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str,

@@ -283,7 +283,8 @@ def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision
     n = layout.reducing
     nbytes = (params - experts) * bytes_per_element(precision)
     bw, lat = hw.link(layout.tensor * n)
-    own = ring_seconds(experts * bytes_per_element(precision), layout.data * layout.sequence, bw, lat, 2.0, 1)
+    own = ring_seconds(experts * bytes_per_element(precision), layout.data * layout.sequence, bw, lat, 2.0, 1) \
+        if experts else 0.0
     if layout.zero == 0:
         reduce, gather = ring_seconds(nbytes, n, bw, lat, 2.0, buckets) + own, 0.0
     elif layout.zero < 3:
@@ -364,7 +365,7 @@ def _sequence_seconds(profile: Sequence[LayerProfile], held: dict[tuple[int, int
 
 
 def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str,
-                    d_model: int, seq_len: int) -> float:
+                    d_model: int, seq_len: int, memo: dict | None = None) -> float:
     """A lower bound of step_time(...).total, from the per-chunk costs alone (no simulation).
 
     No schedule finishes before its busiest rank has run every action (makespan >= busy), and
@@ -373,10 +374,13 @@ def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
     their floors and stops once a floor exceeds the step time of the table's last row.
     """
     held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
-    busy: dict[int, float] = {}
-    for (rank, _), layers in held.items():
+    key = replace(layout, zero=0, offload=False)  # `memo`: the busy part, the same for every ZeRO stage
+    busy: dict[int, float] = {} if memo is None or key not in memo else memo[key]
+    for (rank, _), layers in held.items() if not busy else ():
         c, _ = _chunk_costs(profile, layers, layout, hw, precision, d_model, seq_len, 0.0)
         busy[rank] = busy.get(rank, 0.0) + layout.microbatches * (c.forward + c.backward_input + c.backward_weight)
+    if memo is not None:
+        memo[key] = busy
     tail = 0.0
     for rank in range(layout.pipe):
         params, experts = _held(profile, [i for (r, _), rng in held.items() if r == rank for i in rng], layout)
