@@ -98,7 +98,7 @@ class ModelShape:
     def from_hf_config(cls, config: Any, seq_len: int, name: str = "") -> "ModelShape":
         """The shape of a Hugging Face causal LM's config (a PretrainedConfig or its config.json dict),
         trained with pipezero finetune's fused head + loss."""
-        get = config.get if isinstance(config, dict) else lambda k, default=None: getattr(config, k, default)
+        get = (config if isinstance(config, dict) else config.to_dict()).get
         experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0
         return cls(layers=get("num_hidden_layers"), d_model=get("hidden_size"), heads=get("num_attention_heads"),
                    kv_heads=get("num_key_value_heads") or 0, intermediate=get("intermediate_size") or 0,
