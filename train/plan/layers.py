@@ -9,17 +9,18 @@ Two block families (ModelShape.family):
   before and after GELU). tests/test_plan.py checks the count against autograd's saved tensors.
 * "llama": a Hugging Face decoder layer (Llama, Qwen, Mistral, ... through pipe/hf/): RMSNorm
   computed in fp32, rotary, grouped key/value heads, a gated (SwiGLU) MLP of `intermediate`, or
-  routed experts. Counted from the tensors autograd keeps (tests/test_plan_kit.py checks the
-  count against the live tensors of a step on CPU):
+  routed experts. Counted from the tensors autograd keeps on a row of packed documents
+  (tests/test_plan_kit.py checks a block's saved bytes against autograd's, within 0.2%):
   - `norms`: each of the two RMSNorms keeps its fp32 input (4d bytes) and its normalised output
     before the weight (d elements), and the weighted output feeds the projections (d elements);
-  - `attention`: q, and k and v at the query heads (transformers repeats grouped key/value heads
-    before SDPA), the attention output and its transposed copy for o_proj (5d elements), the
-    kernel's log-sum-exp (4 bytes per head);
+  - `attention`: q, and k and v at the query heads (pipe/document_attention.py repeats grouped
+    key/value heads for SDPA), the attention output and its transposed copy for o_proj (5d
+    elements), the kernel's log-sum-exp (4 bytes per head);
   - `mlp`: gate, up, silu(gate) and their product (4 x intermediate elements); row tiles
     (pipe/tiled_mlp.py) keep none of them, only the tiles' inputs, which are the norm's output;
   - `norm_backward`: while a block's backward runs, the RMSNorm's fp32 backward holds five
-    [tokens, d] fp32 temporaries (20d bytes) on top of what the block saved.
+    [tokens, d] fp32 temporaries (20d bytes) on top of what the block saved (the live tensors at
+    the peak of a step on CPU; an H200 shows about 2d bytes fewer: README, Long sequences).
   A selective recompute (pipe/memory/recompute.py) keeps the matmuls' and the attention kernel's
   outputs (q, k, v, the attention output, o_proj's; gate, up and down_proj's unless tiled).
 
@@ -59,20 +60,27 @@ def block_terms(family: str, d: int, heads: int, kv_heads: int, intermediate: in
                     act_extra_bytes=0.0, mlp_flops=6.0 * 8 * d * d, expert_params=0, moe_top_k=0)
     if family != "llama":
         raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
-    attn = 2 * d * d + 2 * d * kv_heads * hd
+    attn_params = 2 * d * d + 2 * d * kv_heads * hd
+    # elements per token, then bytes: the named terms of the module docstring
+    norm_outputs = 4.0 * d                     # two norms: normalised, and weighted (the projections' input)
+    norm_inputs_fp32 = 2 * 4.0 * d             # bytes: each norm's fp32 input
+    attention = 5.0 * d                        # q, repeated k and v, the output, its transposed copy
+    lse = 4.0 * heads                          # bytes: the attention kernel's log-sum-exp
+    norm_backward = NORM_BACKWARD_FP32 * 4.0 * d  # bytes, while the block's backward runs
+    selective = 3.0 * d + 2.0 * kv_heads * hd  # q, k, v projections', the attention's and o_proj's outputs
     if experts:
         routed = experts * 3 * d * moe_intermediate
         mlp_params, mlp_flops = routed + d * experts, 6.0 * (top_k * 3 * d * moe_intermediate + d * experts)
-        mlp_act, tiled, selective_mlp = 4.0 * top_k * moe_intermediate + 2.0 * top_k * d, 0.0, \
-            (2.0 * moe_intermediate + d) * top_k
+        mlp = 4.0 * top_k * moe_intermediate + 2.0 * top_k * d  # each expert's four, the dispatched tokens
+        tiled, selective_mlp = 0.0, (2.0 * moe_intermediate + d) * top_k  # experts are not tiled
     else:
         routed, mlp_params, mlp_flops = 0, 3 * d * intermediate, 6.0 * 3 * d * intermediate
-        mlp_act = tiled = 4.0 * intermediate
+        mlp = tiled = 4.0 * intermediate       # gate, up, silu(gate), their product
         selective_mlp = 2.0 * intermediate + d
-    return dict(params=attn + mlp_params + 2 * d, flops=6.0 * attn + mlp_flops,
-                act_shared=4.0 * d, act_sharded=5.0 * d + mlp_act, act_extra_bytes=2 * 4.0 * d + 4.0 * heads,
-                act_tiled=tiled, act_selective=3.0 * d + 2.0 * kv_heads * hd, act_selective_mlp=selective_mlp,
-                backward_bytes=NORM_BACKWARD_FP32 * 4.0 * d, mlp_flops=mlp_flops, expert_params=routed,
+    return dict(params=attn_params + mlp_params + 2 * d, flops=6.0 * attn_params + mlp_flops,
+                act_shared=norm_outputs, act_sharded=attention + mlp, act_extra_bytes=norm_inputs_fp32 + lse,
+                act_tiled=tiled, act_selective=selective, act_selective_mlp=selective_mlp,
+                backward_bytes=norm_backward, mlp_flops=mlp_flops, expert_params=routed,
                 moe_top_k=top_k if experts else 0)
 
 
