@@ -25,9 +25,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HeadLogits", "fused_cross_entropy", "hf_head_logits", "linear_cross_entropy"]
+__all__ = ["CHUNK_ELEMENTS", "HeadLogits", "fused_cross_entropy", "hf_head_logits", "linear_cross_entropy"]
 
-_CHUNK_ELEMENTS = 2**25  # logits per chunk: 128 MiB in fp32 (1,048 rows of a 32,000 vocabulary)
+CHUNK_ELEMENTS = 2**25  # logits per chunk: 128 MiB in fp32 (1,048 rows of a 32,000 vocabulary)
 
 
 class HeadLogits(NamedTuple):
@@ -100,7 +100,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
                          f"{tuple(hidden.shape)}; expected targets {tuple(hidden.shape[:-1])}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"linear_cross_entropy(softcap={softcap}): expected a positive cap or None")
-    rows = chunk_rows or max(1, _CHUNK_ELEMENTS // weight.shape[0])
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
     if rows < 1:
         raise ValueError(f"linear_cross_entropy(chunk_rows={chunk_rows}): expected a positive number of rows")
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))

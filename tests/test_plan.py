@@ -119,7 +119,8 @@ def test_cli_plan_prints_the_table_and_writes_the_config(tmp_path, capsys, monke
     assert "tokens/s" in out and "winner:" in out and "torchrun --standalone --nproc-per-node 4" in out
     # the launch line runs the job by module: an installed wheel has no examples/train_gpt.py
     assert f"torchrun --standalone --nproc-per-node 4 -m pipezero.train.gpt.job --config {path}" in out
-    parse_config(json.loads(path.read_text()), world_size=4, tensor=1)
+    tensor = int(out.split(" --tensor ")[1].split()[0])  # the winner's, as its launch line passes it
+    parse_config(json.loads(path.read_text()), world_size=4, tensor=tensor)
     assert main(["plan", "--hardware", "h200", "--layers", "4", "--d-model", "512", "--heads", "8",
                  "--seq-len", "512", "--vocab", "1024", "--global-batch", "16", "--top", "2"]) == 0
     out = capsys.readouterr().out  # the launch line's job is byte-level: said, not silently another model
@@ -485,10 +486,11 @@ def test_ulysses_all_to_alls_cost_eight_per_block_and_microbatch():
 
 
 def test_a_long_sequence_plan_picks_a_sequence_axis(tmp_path, capsys):
-    """At 512K tokens only a split sequence fits 17 GB: plan says so and the winner's ds_config carries it."""
+    """At 512K tokens only a split sequence, or checkpointed inputs in host memory, fit 17 GB: plan says so
+    and the winner's ds_config carries its sequence axis."""
     small = replace(HW, memory_gb=17.0)
     with pytest.raises(ValueError, match="no layout"):
-        plan(LONG, LONG_PROFILE, small, 2, "bf16", top=3, seq_len=None)  # without the axis
+        plan(LONG, LONG_PROFILE, small, 2, "bf16", top=3, seq_len=None, offload=False)  # neither
     preds = plan(LONG, LONG_PROFILE, small, 2, "bf16", top=3)
     assert preds[0].layout.sequence > 1 and all(p.memory.total <= 17e9 for p in preds)
     cfg = ds_config(preds[0])

@@ -90,3 +90,37 @@ def test_a_split_backward_timed_faster_than_the_forward_plans_on():
     assert plan(shape, profile, hw, 16, "bf16", top=5)  # every layout simulated, none refused
     zbv = Layout(pipe=2, data=2, tensor=1, schedule="zbv", chunks=2, microbatches=4, microbatch_size=2, zero=1)
     assert predict(profile, zbv, hw, shape, "bf16").time.total > 0
+
+
+def _noisy_clock(seed: int, busy: float = 0.3):
+    """perf_counter of a loaded machine: each reading 1 ms after the last, plus a 20 ms busy spell at random
+    (seeded), so a timing is the layer's own cost or that cost slowed by whatever else ran."""
+    import random
+
+    rng, state = random.Random(seed), {"now": 0.0}
+
+    def perf_counter() -> float:
+        state["now"] += 1e-3 + (0.02 if rng.random() < busy else 0.0)
+        return state["now"]
+    return perf_counter
+
+
+def test_the_winner_is_the_same_on_every_run_of_a_loaded_machine(monkeypatch, capsys):
+    """`pipezero plan` printed another winner on each run of a loaded machine. With every timing drawn from
+    a clock that busy spells slow at random (another seed each run), the layers' least-of-rounds times and
+    the peak's settled laps give one winner."""
+    from pipezero.pipe import costs
+    from pipezero.train.cli import main
+
+    monkeypatch.setattr(hardware, "_measure_ranks", lambda processes: (2.0, 1e-3, 1e9))  # spawns: test_plan's
+    winners = set()
+    for seed in range(3):
+        clock = types.SimpleNamespace(perf_counter=_noisy_clock(seed))
+        monkeypatch.setattr(costs, "time", clock)
+        monkeypatch.setattr(hardware, "time", clock)
+        assert main(["plan", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+                     "--global-batch", "8", "--top", "1"]) == 0
+        out = capsys.readouterr().out
+        winners.add(out.split("\nwinner:\n")[1].splitlines()[0])
+        assert not [float(v) for v in re.findall(r"([\d.]+)%", out.split("\nmemory at")[0]) if float(v) > 100]
+    assert len(winners) == 1, winners

@@ -29,8 +29,11 @@ def add_plan_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     p.add_argument("--vocab", type=positive_int, default=BYTE_VOCAB, help="vocabulary size")
     p.add_argument("--global-batch", type=positive_int, default=32, help="sequences per optimizer step")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="the training precision")
-    p.add_argument("--hardware", default="local", choices=["local", "h200"],
-                   help="local: this machine, layer times measured; h200: modelled from FLOPs")
+    p.add_argument("--hf-config", default=None,
+                   help="a Hugging Face config.json (or its folder): the model's shape (grouped key/value heads, "
+                        "gated MLP, experts), trained with the fused head + loss; replaces --layers ... --vocab")
+    p.add_argument("--hardware", default="local", choices=["local", "h100", "h200"],
+                   help="local: this machine, layer times measured; h100 / h200: modelled from FLOPs")
     p.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help="devices per node (local: processes, default 4; h200: default 8)")
     p.add_argument("--nodes", type=positive_int, default=None, help="h200: nodes (default 1; local is one machine)")
@@ -52,9 +55,12 @@ def _check_flags(args: argparse.Namespace) -> None:
                                                               ("inter_gbps", args.inter_gbps)) if v is not None]
         if given and given != ["--nodes 1"]:
             verb = "applies" if len(given) == 1 else "apply"
-            raise SystemExit(f"pipezero plan: {', '.join(given)} {verb} only to --hardware h200 (modelled); "
+            raise SystemExit(f"pipezero plan: {', '.join(given)} {verb} only to --hardware h100 / h200 (modelled); "
                              "--hardware local plans this one machine from measured times: drop them, "
                              "or add --hardware h200")
+        if args.hf_config is not None:
+            raise SystemExit("pipezero plan: --hf-config plans a Hugging Face decoder, whose layers are modelled, "
+                             "not timed here (this machine times pipezero's GPT blocks): add --hardware h100 or h200")
     if args.write_config is not None:
         folder = Path(args.write_config).resolve().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
@@ -64,12 +70,12 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _hardware(args: argparse.Namespace):
-    from pipezero.train.plan.hardware import h200, local_cpu
+    from pipezero.train.plan.hardware import h100, h200, local_cpu
 
     if args.hardware == "local":
         hw = local_cpu(args.gpus_per_node or 4, args.memory_gb)
     else:
-        hw = h200(args.nodes or 1, args.gpus_per_node or 8)
+        hw = (h100 if args.hardware == "h100" else h200)(args.nodes or 1, args.gpus_per_node or 8)
     changes = {k: v for k, v in (("memory_gb", args.memory_gb), ("efficiency", args.efficiency),
                                  ("intra_gbps", args.intra_gbps), ("inter_gbps", args.inter_gbps)) if v is not None}
     if args.hardware == "local":
@@ -77,18 +83,44 @@ def _hardware(args: argparse.Namespace):
     return replace(hw, **changes)
 
 
+def _shape(args: argparse.Namespace, shape_cls: type):
+    """The shape flags', or --hf-config's (a config.json, or the folder holding one)."""
+    if args.hf_config is None:
+        return shape_cls(layers=args.layers, d_model=args.d_model, heads=args.heads, seq_len=args.seq_len,
+                         vocab=args.vocab)
+    path = Path(args.hf_config)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"pipezero plan: --hf-config {args.hf_config!r}: cannot read a JSON config ({e}); "
+                         "pass a Hugging Face config.json or the folder holding it") from None
+    return shape_cls.from_hf_config(config, args.seq_len, name=path.parent.name or "")
+
+
+def _finetune_line(args: argparse.Namespace, pred, config_path: str) -> str:
+    """pipezero finetune's flags for the winner (--config takes the rest: the ds_config above)."""
+    lay, folder = pred.layout, Path(args.hf_config)
+    folder = folder if folder.is_dir() else folder.parent
+    kit = (f" --activation-checkpointing {lay.recompute}" if lay.checkpoint else "") + (
+        " --offload-activations" if lay.host_inputs else "") + (
+        f" --sequence-parallel {lay.sequence}" if lay.sequence > 1 else "")
+    return (f"pipezero finetune --nproc {lay.world} --model {folder} --data DATA --seq-len {args.seq_len} "
+            f"--config {config_path}{kit}")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Measure or model the layers, rank the layouts, print the table, the winner's parts and config."""
     import torch
 
-    from pipezero.train.plan.planner import ds_config, explain, format_table, plan, torchrun_command, write_config
+    from pipezero.train.plan.planner import (ds_config, explain, format_table, kit_table, plan, torchrun_command,
+                                             write_config)
     from pipezero.train.plan.model import MEASURED_LEN, ModelShape, flops_profile, measure_profile
 
     _check_flags(args)
     start = time.perf_counter()
     try:
-        shape = ModelShape(layers=args.layers, d_model=args.d_model, heads=args.heads, seq_len=args.seq_len,
-                           vocab=args.vocab)
+        shape = _shape(args, ModelShape)
         hw = _hardware(args)
         if args.hardware == "local":
             torch.set_num_threads(1)  # one thread per rank, as the processes share the cores
@@ -110,6 +142,7 @@ def run_plan(args: argparse.Namespace) -> int:
               "run to run, so plan again when it is idle)")
     print(format_table(preds))
     print("\nwinner:\n" + explain(preds[0]))
+    print("\n" + kit_table(profile, preds[0]))
     print("\nds_config.json:\n" + json.dumps(ds_config(preds[0])))
     path = args.write_config or "plan_ds_config.json"
     if args.write_config:
@@ -118,11 +151,13 @@ def run_plan(args: argparse.Namespace) -> int:
         except OSError as e:
             raise SystemExit(f"pipezero plan: cannot write --write-config {path!r}: {e.strerror or e}") from None
         print(f"wrote {path}")
-        print("\n" + torchrun_command(preds[0], path))
     else:
-        print(f"\nto launch it, save the config above as {path} (or rerun with --write-config {path}), then:\n"
-              + torchrun_command(preds[0], path))
-    if args.vocab != BYTE_VOCAB:  # the line's job is byte-level: it cannot run the planned vocabulary
+        print(f"\nto launch it, save the config above as {path} (or rerun with --write-config {path}), then:")
+    if args.hf_config is not None:  # a Hugging Face model trains through pipezero finetune, not the GPT's job
+        print(_finetune_line(args, preds[0], path))
+    else:
+        print(torchrun_command(preds[0], path))
+    if args.vocab != BYTE_VOCAB and args.hf_config is None:  # the line's job is byte-level: it cannot run the planned vocabulary
         print(f"(that line runs pipezero's byte-level GPT, vocabulary {BYTE_VOCAB}, on the winner's layout; for the "
               f"planned vocabulary {args.vocab} take the ds_config to your own model: pipezero.train.initialize or "
               "build)")

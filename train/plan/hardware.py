@@ -25,7 +25,7 @@ from typing import Callable
 
 from pipezero.checks import is_int
 
-__all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "best_seconds", "h200", "local_cpu"]
+__all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "best_seconds", "h100", "h200", "local_cpu"]
 
 # Bytes one optimizer step moves per parameter in bf16 with fp32 masters, ZeRO 0-2 (pass by
 # pass: step_time's module docstring), on a GPU at two thirds of its memory bandwidth: one H200
@@ -55,6 +55,7 @@ class Hardware:
     optimizer_ns_per_param: float = 0.01   # Adam on the device, per fp32 master parameter
     cpu_adam_ns_per_param: float = 1.0     # offloaded Adam on the host, per parameter (per device)
     pcie_gbps: float = 25.0            # host <-> device, for offload
+    memory_gbps: float = 3350.0        # the device's memory bandwidth (a selective recompute's elementwise ops)
     reserved_gb: float = 2.0           # runtime context, communication buffers, allocator slack
     compute_slowdown: float = 1.0      # measured time x this (processes sharing fewer cores)
     layer_overhead_us: float = 30.0    # fixed cost of one layer's F, I or W (kernel launches; 0 when measured)
@@ -87,7 +88,16 @@ class Hardware:
 def h200(nodes: int = 1, gpus_per_node: int = 8) -> Hardware:
     """NVIDIA H200 SXM nodes (see the module docstring for where each number comes from)."""
     return Hardware(name=f"{nodes * gpus_per_node}x H200", gpus_per_node=gpus_per_node, nodes=nodes,
-                    memory_gb=141.0, peak_tflops=989.0, optimizer_ns_per_param=H200_STEP_BYTES / (0.66 * 4.8e3))
+                    memory_gb=141.0, peak_tflops=989.0, optimizer_ns_per_param=H200_STEP_BYTES / (0.66 * 4.8e3),
+                    memory_gbps=4800.0)
+
+
+def h100(nodes: int = 1, gpus_per_node: int = 8) -> Hardware:
+    """NVIDIA H100 SXM 80 GB nodes: the H200's compute and links, 80 GB of HBM3 at 3.35 TB/s (data sheet);
+    the memory the long-sequence runs were measured on (bench/RESULTS.md)."""
+    return Hardware(name=f"{nodes * gpus_per_node}x H100", gpus_per_node=gpus_per_node, nodes=nodes,
+                    memory_gb=80.0, peak_tflops=989.0, optimizer_ns_per_param=H200_STEP_BYTES / (0.66 * 3.35e3),
+                    memory_gbps=3350.0)
 
 
 def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
@@ -106,7 +116,7 @@ def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
                     intra_gbps=bandwidth / 1e9, intra_latency_us=latency * 1e6,
                     optimizer_ns_per_param=adam, reserved_gb=CPU_RESERVED_GB,
                     compute_slowdown=slowdown, host_offload=False, layer_overhead_us=0.0,
-                    optimizer_temp_bytes=0.0, unsettled=unsettled)
+                    optimizer_temp_bytes=0.0, memory_gbps=10.0, unsettled=unsettled)
 
 
 def _busy(cores: int) -> tuple[str, ...]:
@@ -149,7 +159,8 @@ def _measure_ranks(processes: int, seconds: float = 1.5) -> tuple[float, float, 
     the lone minimum. Then the same ranks time gloo all-reduces of 1 KB and 4 MB: on a few
     shared cores a collective waits for every peer to be scheduled, milliseconds where a
     loopback link alone would suggest microseconds, and that latency is what tensor- and
-    data-parallel layouts pay on every bucket and every block.
+    data-parallel layouts pay on every bucket and every block. Each rank keeps its least lap (a busy
+    spell only slows a lap), the ranks' median is taken.
     """
     import multiprocessing as mp
     import socket
@@ -177,8 +188,6 @@ def _measure_ranks(processes: int, seconds: float = 1.5) -> tuple[float, float, 
 
 def _rank_loop(rank: int, world: int, port: int, barrier, queue, seconds: float) -> None:
     """A child of _measure_ranks: matmuls while the others do, then timed gloo all-reduces."""
-    import statistics
-
     import torch
     import torch.distributed as dist
 
@@ -200,7 +209,7 @@ def _rank_loop(rank: int, world: int, port: int, barrier, queue, seconds: float)
             start = time.perf_counter()
             dist.all_reduce(t)
             laps.append(time.perf_counter() - start)
-        times[numel] = statistics.median(laps)
+        times[numel] = min(laps)  # a lap is only ever slowed by other work: the least is the collective's own
     dist.destroy_process_group()
     queue.put((iteration, times[256], times[1 << 20]))
 

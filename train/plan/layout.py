@@ -1,20 +1,25 @@
-"""Layouts the planner considers: pipe x data x sequence x tensor, schedule, chunks, micro-batches, ZeRO,
-offload, recompute.
+"""Layouts the planner considers: pipe x data x expert x sequence x tensor, schedule, chunks, micro-batches,
+ZeRO, offload, recompute.
 
 Enumeration rules (each one a fact of the runtime, not a taste):
-* pipe x data x sequence x tensor = the world; tensor stays inside a node and divides the heads;
+* pipe x data x expert x sequence x tensor = the world; tensor stays inside a node and divides the heads;
+* expert (pipe/expert/, Grid(expert=E)) splits what would be the data axis: E divides the
+  model's experts, stays inside a node, and each of the data x expert ranks takes its own rows;
 * sequence (Ulysses, pipe/sequence/) stays inside a node with the tensor axis (tensor x sequence
   ranks in one), divides each tensor rank's heads (heads / tensor: each sequence rank attends
   with heads / (tensor x sequence) of them over the whole sequence) and the sequence length
   (each rank holds an equal slice);
-* the data degree divides the global batch; micro-batch size x micro-batches x data = it;
+* data x expert divides the global batch; micro-batch size x micro-batches x data x expert = it;
 * every registered schedule with its own chunk count, interleaved 1F1B also with 2 and 4
   chunks; a schedule that rejects (stages, micro-batches) is skipped; one stage runs plain
   gradient accumulation ("1f1b" with one stage);
 * the model's layers cover every virtual stage (pipe x chunks <= layers);
 * ZeRO 0-2 everywhere, 3 only without a pipeline (pipezero runs ZeRO-3 inside a pipeline
   only once that issue lands); optimizer offload only with ZeRO >= 1;
-* activation checkpointing off (0) or every layer (1).
+* activation checkpointing off (0) or every layer (1), full or selective (the matmuls' outputs kept),
+  its inputs on the device or in pinned host memory (where the hardware has a host to offload to);
+  the MLP in row tiles and the fused head + loss are not choices: the runtime tiles from
+  TILE_FROM_ROWS tokens a micro-batch (pipe/tiled_mlp.py) and the shape says whether the loss is fused.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from pipezero.pipe.schedule.registry import SCHEDULES, make_schedule
 __all__ = ["Layout", "divisors", "enumerate_layouts"]
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
+_KITS = ((False, False), (True, False))  # checkpointed: (selective, inputs on the host)
+_KITS_HOST = _KITS + ((False, True), (True, True))
 INTERLEAVED_CHUNKS = (2, 4)
 
 
@@ -46,22 +53,37 @@ class Layout:
     offload: bool = False
     checkpoint: int = 0
     sequence: int = 1      # the sequence axis' degree (ds_config's sequence_parallel_size)
+    selective: bool = False     # checkpointed runs keep the matmuls' outputs (pipe/memory/recompute.py)
+    host_inputs: bool = False   # checkpointed runs' inputs in pinned host memory (cpu_checkpointing)
+    expert: int = 1        # the expert axis' degree: data x expert ranks share the dense reduction
 
     @property
     def world(self) -> int:
         """Processes the layout needs."""
-        return self.pipe * self.data * self.sequence * self.tensor
+        return self.pipe * self.data * self.expert * self.sequence * self.tensor
 
     @property
     def reducing(self) -> int:
-        """Ranks that reduce gradients and over which ZeRO partitions: data x sequence."""
-        return self.data * self.sequence
+        """Ranks that reduce the dense gradients and over which ZeRO partitions: data x expert x sequence."""
+        return self.data * self.expert * self.sequence
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that take different rows of the batch: data x expert."""
+        return self.data * self.expert
+
+    @property
+    def recompute(self) -> str:
+        """The checkpointing mode as RecomputeConfig names it: none, full or selective."""
+        return "none" if not self.checkpoint else "selective" if self.selective else "full"
 
     @property
     def label(self) -> str:
-        """Short form for tables: p2 d2 t1 1f1b v1 m4x2 z2 (s4 after d when the sequence is split)."""
-        extra = (" off" if self.offload else "") + (f" ck{self.checkpoint}" if self.checkpoint else "")
-        seq = f" s{self.sequence}" if self.sequence > 1 else ""
+        """Short form for tables: p2 d2 t1 1f1b v1 m4x2 z2 (e2 and s4 after d when the experts or the sequence
+        are split; ck1 checkpointed, ck1s selectively, +h its inputs on the host)."""
+        kit = f" ck{self.checkpoint}" + ("s" if self.selective else "") + ("+h" if self.host_inputs else "")
+        extra = (" off" if self.offload else "") + (kit if self.checkpoint else "")
+        seq = (f" e{self.expert}" if self.expert > 1 else "") + (f" s{self.sequence}" if self.sequence > 1 else "")
         return (f"p{self.pipe} d{self.data}{seq} t{self.tensor} {self.schedule} v{self.chunks} "
                 f"m{self.microbatches}x{self.microbatch_size} z{self.zero}{extra}")
 
@@ -95,26 +117,37 @@ def _valid(pipe: int, microbatches: int, layers: int) -> Iterator[tuple[str, int
 def enumerate_layouts(world: int, gpus_per_node: int, global_batch: int, layers: int, heads: int, *,
                       microbatch_sizes: tuple[int, ...] = MICROBATCH_SIZES,
                       checkpoints: tuple[int, ...] = (0, 1), offload: bool = True,
-                      seq_len: int | None = None) -> Iterator[Layout]:
+                      seq_len: int | None = None, experts: int = 0) -> Iterator[Layout]:
     """Every valid layout of `world` processes for a model of `layers` pipeline layers.
 
     `seq_len`: the tokens per sequence; given, layouts that split it over a sequence axis are
-    among them (None: sequence 1 only, the planner before that axis)."""
+    among them (None: sequence 1 only, the planner before that axis). `experts`: a MoE's experts
+    per layer; given, layouts with an expert axis (Grid(expert=E): E divides the experts and what
+    would be the data axis, within a node) are among them. `offload`: whether the host takes the
+    optimizer and the checkpointed inputs."""
     for tensor in divisors(world):
         if tensor > gpus_per_node or heads % tensor:
             continue
         for sequence in _sequence_degrees(world // tensor, gpus_per_node, heads, seq_len, tensor):
             rest = world // (tensor * sequence)
             for pipe in divisors(rest):
-                data = rest // pipe
-                if pipe > layers or global_batch % data:
+                replicas = rest // pipe
+                if pipe > layers or global_batch % replicas:
                     continue
-                per_rank = global_batch // data
-                for size in (b for b in microbatch_sizes if per_rank % b == 0):
-                    m = per_rank // size
-                    for name, chunks in _schedules(pipe, m, layers):
-                        yield from _variants(pipe, data, tensor, name, chunks, m, size, checkpoints, offload,
-                                             sequence)
+                per_rank = global_batch // replicas
+                for expert in _expert_degrees(replicas, gpus_per_node, experts):
+                    for size in (b for b in microbatch_sizes if per_rank % b == 0):
+                        m = per_rank // size
+                        for name, chunks in _schedules(pipe, m, layers):
+                            yield from _variants(pipe, replicas // expert, tensor, name, chunks, m, size,
+                                                 checkpoints, offload, sequence, expert)
+
+
+def _expert_degrees(replicas: int, gpus_per_node: int, experts: int) -> list[int]:
+    """Degrees of the expert axis: 1, and what divides the data ranks and the experts within a node."""
+    if not experts:
+        return [1]
+    return [e for e in divisors(replicas) if e <= gpus_per_node and experts % e == 0]
 
 
 def _sequence_degrees(rest: int, gpus_per_node: int, heads: int, seq_len: int | None, tensor: int) -> list[int]:
@@ -127,11 +160,13 @@ def _sequence_degrees(rest: int, gpus_per_node: int, heads: int, seq_len: int | 
 
 
 def _variants(pipe: int, data: int, tensor: int, name: str, chunks: int, m: int, size: int,
-              checkpoints: tuple[int, ...], offload: bool, sequence: int = 1) -> Iterator[Layout]:
+              checkpoints: tuple[int, ...], offload: bool, sequence: int = 1, expert: int = 1) -> Iterator[Layout]:
     stages = (0, 1, 2, 3) if pipe == 1 else (0, 1, 2)
     for zero in stages:
         for off in ((False, True) if offload and zero else (False,)):
-            if zero and data * sequence == 1 and not off:
+            if zero and data * expert * sequence == 1 and not off:
                 continue  # sharding over one rank is stage 0 with extra steps
             for ck in checkpoints:
-                yield Layout(pipe, data, tensor, name, chunks, m, size, zero, off, ck, sequence)
+                for selective, host in (_KITS_HOST if ck and offload else _KITS if ck else ((False, False),)):
+                    yield Layout(pipe, data, tensor, name, chunks, m, size, zero, off, ck, sequence, selective,
+                                 host, expert)

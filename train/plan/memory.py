@@ -44,10 +44,11 @@ from typing import Sequence
 
 from pipezero.train.plan.hardware import Hardware
 from pipezero.train.plan.layout import Layout
-from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_params
+from pipezero.pipe.tiled_mlp import TILE_FROM_ROWS, TILE_ROWS
+from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_experts, held_params, tied_head
 
-__all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "model_state_bytes", "rank_memory", "rank_tokens",
-           "step_bytes"]
+__all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "backward_peak", "model_state_bytes", "rank_memory",
+           "rank_tokens", "step_bytes", "tiled"]
 
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 
@@ -62,11 +63,15 @@ class MemoryBreakdown:
     activations: float
     buffers: float
     step: float = 0.0      # the optimizer step's transient (alive when the activations are not)
+    grads_at_peak: float | None = None  # gradients alive at the activations' peak (None: all of `grads`)
 
     @property
     def total(self) -> float:
-        """The peak: the model state and buffers, plus the larger of the activations and the step."""
-        return self.params + self.grads + self.optimizer + max(self.activations, self.step) + self.buffers
+        """The peak: the model state and buffers, plus the larger of the activations (with the gradients made
+        by then) and the optimizer step (with every gradient)."""
+        at_peak = self.grads if self.grads_at_peak is None else self.grads_at_peak
+        return (self.params + self.optimizer + self.buffers
+                + max(at_peak + self.activations, self.grads + self.step))
 
 
 def model_state_bytes(params: float, stage: int, data: int, precision: str = "bf16",
@@ -95,32 +100,114 @@ def rank_tokens(layout: Layout, seq_len: int) -> float:
     return layout.microbatch_size * seq_len / layout.sequence
 
 
+def tiled(layout: Layout, seq_len: int) -> bool:
+    """Does the runtime run the MLP in row tiles at this layout (pipe/tiled_mlp.py's rule on the rank's rows)?"""
+    rows = rank_tokens(layout, seq_len)
+    return rows >= TILE_FROM_ROWS and rows > TILE_ROWS
+
+
+def _runs(layers: Sequence[int], layout: Layout) -> list[Sequence[int]]:
+    """The rank's layers as the backward meets them: checkpointed runs of `checkpoint` layers, or one each."""
+    k = layout.checkpoint or 1
+    return [layers[j:j + k] for j in range(0, len(layers), k)]
+
+
+def _kept(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, precision: str, d_model: int,
+          tile: bool) -> float:
+    """Bytes per token a run keeps on the device from its forward to its backward."""
+    t, e = layout.tensor, bytes_per_element(precision)
+    if not layout.checkpoint:
+        return sum(profile[i].act_bytes(precision, t, tile) for i in run)
+    first = profile[run[0]]
+    inputs = 0.0 if layout.host_inputs or first.kind == "Embedding" else d_model * e  # token ids: tiny
+    selective = sum(profile[i].selective_bytes(precision, t) for i in run) if layout.selective else 0.0
+    # (tiled too: the tiles' own checkpoints run under the selective policy, which keeps their matmuls' outputs)
+    return inputs + selective + sum(profile[i].loss_bytes for i in run)  # the loss sits outside the checkpoint
+
+
+def _working(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, precision: str, d_model: int,
+             tokens: float, tile: bool, before: bool) -> float:
+    """Bytes alive only while the run's backward runs: its recompute (when checkpointed), the largest
+    backward transient, under offload the input of the run before, prefetched."""
+    t, e = layout.tensor, bytes_per_element(precision)
+    total = 0.0
+    for i in run:
+        p = profile[i]
+        backward = min(p.backward_bytes * tokens, p.backward_cap_bytes) + p.backward_fixed_bytes
+        if tile and p.act_tiled:  # or, earlier in it, one tile's MLP intermediates, saved and their gradients
+            backward = max(backward, 2 * TILE_ROWS * p.act_tiled / (1 if p.tied else t) * e)
+        total = max(total, backward)
+    if layout.checkpoint:
+        saved = sum(profile[i].act_bytes(precision, t, tile) - profile[i].loss_bytes for i in run)
+        kept = sum(profile[i].selective_bytes(precision, t, tile) for i in run) if layout.selective else 0.0
+        # offloaded: the input unpacked for the recompute is dropped once it ran (the recomputed ops keep
+        # their own tensors); the run before's, prefetched as this recompute starts, waits on the device
+        fetched = before * d_model * e if layout.host_inputs and profile[run[0]].kind != "Embedding" else 0
+        total += (saved - kept + fetched) * tokens
+    return total
+
+
+def backward_peak(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
+                  precision: str, d_model: int, seq_len: int,
+                  grad_bytes: Sequence[float] | None = None) -> tuple[float, float]:
+    """(activations, gradients made so far) at the rank's peak, walking the last micro-batch's backward.
+
+    At each run (last first) what is alive is the other live micro-batches' kept bytes, this one's of the
+    runs it has not finished (this one's included), the run's working set (_working) and, with
+    `grad_bytes` (per layer of `layers`: the gradient bytes its backward makes), the gradients made by
+    the runs so far and this one. The largest sum is the peak.
+    """
+    if live <= 0:  # no micro-batch in flight (the planner's memory floor)
+        return 0.0, 0.0
+    tokens, tile = rank_tokens(layout, seq_len), tiled(layout, seq_len)
+    runs = _runs(list(layers), layout)
+    kept = [_kept(profile, run, layout, precision, d_model, tile) * tokens for run in runs]
+    grads = dict(zip(layers, grad_bytes)) if grad_bytes is not None else {}
+    others, pending, made = max(live - 1.0, 0.0) * sum(kept), sum(kept), 0.0
+    best = (0.0, 0.0)
+    for r in range(len(runs) - 1, -1, -1):
+        made += sum(grads.get(i, 0.0) for i in runs[r])
+        alive = others + pending + _working(profile, runs[r], layout, precision, d_model, tokens, tile, r > 0)
+        if alive + made > sum(best):
+            best = (alive, made)
+        pending -= kept[r]
+    return best
+
+
 def activation_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
                      precision: str, d_model: int, seq_len: int) -> float:
-    """Activations at the rank's peak: `live` micro-batches' saved tensors, one backward's transient."""
-    tokens = rank_tokens(layout, seq_len)
-    transient = max(profile[i].backward_bytes for i in layers) * tokens
-    saved = [profile[i].act_bytes(precision, layout.tensor) * tokens for i in layers]
-    if not layout.checkpoint:
-        return live * sum(saved) + transient
-    k = layout.checkpoint
-    runs = [range(j, min(j + k, len(layers))) for j in range(0, len(layers), k)]
-    loss = [profile[i].loss_bytes * tokens for i in layers]  # outside the checkpoint: kept
-    kept = len(runs) * tokens * d_model * bytes_per_element(precision) + sum(loss)
-    recomputed = max(sum(saved[j] - loss[j] for j in run) for run in runs)
-    return live * kept + max(recomputed, transient)  # the loss's backward ends before the first recompute
+    """Activations at the rank's peak: `live` micro-batches' kept tensors and one backward's working set."""
+    return backward_peak(profile, layers, live, layout, precision, d_model, seq_len)[0]
+
+
+def _grad_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], layout: Layout, precision: str) -> list[float]:
+    """The gradient bytes each layer's backward makes (a tied pair's once, at the head: backward meets it first)."""
+    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"} and tied_head(profile)
+    g = STATE_BYTES[precision][1]
+    return [0.0 if both and profile[i].kind == "Embedding" else
+            g * held_params(profile, [i], layout.tensor, layout.expert) for i in layers]
 
 
 def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
                 hw: Hardware, precision: str, d_model: int, seq_len: int) -> MemoryBreakdown:
-    """Memory of a pipeline rank holding `layers` with `live` whole-stage micro-batches at its peak."""
+    """Memory of a pipeline rank holding `layers` with `live` whole-stage micro-batches at its peak.
+
+    With one micro-batch a step and ZeRO 0-2, the gradients appear as the backward makes them (set to
+    None after each step), so the peak is the largest of activations + gradients made so far along the
+    backward: at long sequences the first block's, where every kept input is alive and few gradients."""
     e = bytes_per_element(precision)
     tokens = rank_tokens(layout, seq_len)
-    params = held_params(profile, layers, layout.tensor)
-    p, g, s = model_state_bytes(params, layout.zero, layout.reducing, precision, layout.offload)
+    params = held_params(profile, layers, layout.tensor, layout.expert)
+    experts = held_experts(profile, layers, layout.tensor, layout.expert)
+    p, g, s = model_state_bytes(params - experts, layout.zero, layout.reducing, precision, layout.offload)
+    pe, ge, se = model_state_bytes(experts, 0, 1, precision, layout.offload)  # experts: a plain AdamW each
+    p, g, s = p + pe, g + ge, s + se
     if layout.zero >= 2 and layout.microbatches > 1 and layout.reducing > 1:
-        g += STATE_BYTES[precision][1] * params  # whole .grad held until the last micro-batch (TransientShardSync)
-    act = activation_bytes(profile, layers, live, layout, precision, d_model, seq_len)
+        g += STATE_BYTES[precision][1] * (params - experts)  # whole .grad until the last micro-batch
+    growing = layout.microbatches == 1 and layout.zero < 3
+    shard = layout.reducing if layout.zero == 2 else 1  # stage 2 keeps its shard of what was reduced
+    made_per_layer = [b / shard for b in _grad_bytes(profile, layers, layout, precision)] if growing else None
+    act, made = backward_peak(profile, layers, live, layout, precision, d_model, seq_len, made_per_layer)
     p2p = 4 * tokens * d_model * e * layout.chunks if layout.pipe > 1 else 0.0
     if layout.zero == 3:
         largest = max(profile[i].params / (1 if profile[i].tied else layout.tensor) for i in layers)
@@ -128,4 +215,4 @@ def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: fl
     else:
         working = 2 * d_model * d_model * STATE_BYTES[precision][1] if layout.zero >= 2 else 0.0
     return MemoryBreakdown(p, g, s, act, p2p + working + hw.reserved_gb * 1e9,
-                           step_bytes(params, layout, hw, precision))
+                           step_bytes(params, layout, hw, precision), made if growing else None)

@@ -1,7 +1,7 @@
 """What the planner knows about a model: per-layer parameters, FLOPs, activation bytes and time.
 
-A GPT-style model is the layer list Embedding, n_layer x Block, FinalNorm, Head (tied to the
-embedding), the same list pipezero/train/gpt/model.py builds. Every number is per layer and
+A model is the layer list Embedding, n_layer x Block, FinalNorm, Head (the GPT's tied to the
+embedding), the list pipezero/train/gpt/model.py and pipe/hf/'s hf_layer_specs build. Every number is per layer and
 per token, so the time and memory models can cut the list into stages anywhere and scale it to any
 micro-batch. Time comes from one of two sources:
 
@@ -11,16 +11,13 @@ micro-batch. Time comes from one of two sources:
 * modelled (`flops_profile`): the layer's training FLOPs over (peak FLOP/s x efficiency);
   used for cluster-scale predictions on hardware that is not here.
 
-Activation bytes (what autograd keeps per token between forward and backward) follow
-Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-section 4) without dropout masks and with a fused attention that stores no score matrix:
-a block keeps 4d replicated elements (two LayerNorm inputs and outputs) and 12d elements
-that tensor parallelism shards (q, k, v, attention output, MLP hidden before and after
-GELU). tests/test_plan.py checks the count against autograd's saved tensors. The head's loss
-(cross-entropy of the logits cast to fp32) keeps log-softmax's fp32 output, 4 x vocab bytes
-per token, and while its backward runs two more such tensors (the gradients of that output and
-of its input): 8 x vocab bytes per token of the one micro-batch being differentiated (on the
-1.3B GPT, vocabulary 50,304, 0.4 of the 2.2 MB per token alive at the peak).
+Activation bytes (what autograd keeps per token between forward and backward) and the memory
+kit's terms are counted per family in layers.py (pipezero's GPT: Korthikanti et al. 2022,
+section 4; a Hugging Face decoder: RMSNorm in fp32, grouped key/value heads, a gated MLP or routed
+experts). The head's unfused loss (cross-entropy of the logits cast to fp32) keeps log-softmax's
+fp32 output, 4 x vocab bytes per token, and while its backward runs two more such tensors: 8 x
+vocab bytes per token of the one micro-batch being differentiated (on the 1.3B GPT, vocabulary
+50,304, 0.4 of the 2.2 MB per token alive at the peak); fused, none of them is whole.
 """
 
 from __future__ import annotations
@@ -29,16 +26,24 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from pipezero.checks import is_int
+from pipezero.train.plan.layers import block_terms, head_terms
 
-__all__ = ["MEASURED_LEN", "LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_params", "measure_profile",
-           "total_params"]
+__all__ = ["MEASURED_LEN", "LayerProfile", "ModelShape", "bytes_per_element", "flops_profile", "held_experts",
+           "held_params", "measure_profile", "tied_head", "total_params"]
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ModelShape:
-    """A GPT-style decoder: the shape flags of the main job (pipezero/train/gpt/job.py)."""
+    """A decoder: the shape flags of the main job (pipezero/train/gpt/job.py), or a Hugging Face config's.
+
+    `family` "gpt" is pipezero's GPT; "llama" a Hugging Face decoder (layers.py says what each keeps).
+    `kv_heads` (0: `heads`) and `intermediate` (0: 4 x d_model) are the attention's key/value heads
+    and the MLP's width; `experts` > 0 makes the MLP routed experts of `moe_intermediate`, each token
+    through `top_k` of them. `tied`: the head shares the embedding; `fused_loss`: the head + loss in
+    row chunks (pipe/fused_loss.py; `pipezero finetune`'s), never the whole logits.
+    """
 
     layers: int = 4
     d_model: int = 128
@@ -46,20 +51,62 @@ class ModelShape:
     seq_len: int = 128
     vocab: int = 256
     name: str = ""
+    family: str = "gpt"
+    kv_heads: int = 0
+    intermediate: int = 0
+    tied: bool = True
+    fused_loss: bool = False
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
 
     def __post_init__(self) -> None:
         for key in ("layers", "d_model", "heads", "seq_len", "vocab"):
             value = getattr(self, key)
             if not is_int(value, minimum=1):
                 raise ValueError(f"ModelShape({key}={value!r}): expected a positive integer")
+        for key in ("kv_heads", "intermediate", "experts", "top_k", "moe_intermediate"):
+            if not is_int(getattr(self, key), minimum=0):
+                raise ValueError(f"ModelShape({key}={getattr(self, key)!r}): expected an integer >= 0")
         if self.d_model % self.heads:
             raise ValueError(f"ModelShape(d_model={self.d_model}, heads={self.heads}): d_model must be a "
                              "multiple of heads")
+        if self.heads % self.key_value_heads:
+            raise ValueError(f"ModelShape(heads={self.heads}, kv_heads={self.kv_heads}): the key/value heads "
+                             "must divide the attention heads")
+        if self.experts and not (0 < self.top_k <= self.experts and self.moe_intermediate):
+            raise ValueError(f"ModelShape(experts={self.experts}, top_k={self.top_k}, moe_intermediate="
+                             f"{self.moe_intermediate}): a MoE needs 1 <= top_k <= experts and its experts' width")
+
+    @property
+    def key_value_heads(self) -> int:
+        """The attention's key/value heads (grouped-query attention: fewer than the heads)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def mlp_width(self) -> int:
+        """The dense MLP's intermediate width."""
+        return self.intermediate or 4 * self.d_model
 
     @property
     def label(self) -> str:
         """The name, or the shape in flag form."""
-        return self.name or f"GPT {self.layers}x{self.d_model} (heads {self.heads}, seq {self.seq_len})"
+        moe = f", {self.experts} experts top-{self.top_k}" if self.experts else ""
+        return self.name or f"GPT {self.layers}x{self.d_model} (heads {self.heads}, seq {self.seq_len}{moe})"
+
+    @classmethod
+    def from_hf_config(cls, config: Any, seq_len: int, name: str = "") -> "ModelShape":
+        """The shape of a Hugging Face causal LM's config (a PretrainedConfig or its config.json dict),
+        trained with pipezero finetune's fused head + loss."""
+        get = (config if isinstance(config, dict) else config.to_dict()).get
+        experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0
+        return cls(layers=get("num_hidden_layers"), d_model=get("hidden_size"), heads=get("num_attention_heads"),
+                   kv_heads=get("num_key_value_heads") or 0, intermediate=get("intermediate_size") or 0,
+                   vocab=get("vocab_size"), seq_len=seq_len, family="llama",
+                   tied=bool(get("tie_word_embeddings", False)), fused_loss=True, experts=int(experts),
+                   top_k=int(get("num_experts_per_tok") or 0) if experts else 0,
+                   moe_intermediate=int(get("moe_intermediate_size") or get("intermediate_size") or 0)
+                   if experts else 0, name=name or str(get("model_type") or "hf"))
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -91,11 +138,29 @@ class LayerProfile:
     tensor_overhead: float = 0.0            # seconds per micro-batch (not per token) that tensor parallelism's
                                             # hooks, autograd nodes and collective calls add to the layer's
                                             # forward + backward
+    # the memory kit's terms (layers.py): elements per token that MLP row tiles do not keep, that a
+    # selective recompute keeps (its MLP part apart: row tiles keep none of it); bytes per micro-batch
+    # that the backward holds beside backward_bytes (the fused loss's fp32 weight gradient), and at most
+    # backward_cap_bytes of backward_bytes x tokens (the fused loss's one chunk)
+    act_tiled: float = 0.0
+    act_selective: float = 0.0
+    act_selective_mlp: float = 0.0
+    backward_fixed_bytes: float = 0.0
+    backward_cap_bytes: float = float("inf")
+    mlp_flops: float = 0.0                  # per token, the MLP's part of `flops` (what tiling recomputes)
+    expert_params: int = 0                  # of `params`, the routed experts' (split over the expert axis)
+    moe_top_k: int = 0                      # experts each token goes to (a MoE block's)
 
-    def act_bytes(self, precision: str, tensor: int = 1) -> float:
-        """Saved bytes per token on one tensor rank."""
-        sharded = self.act_sharded if self.tied else self.act_sharded / tensor
+    def act_bytes(self, precision: str, tensor: int = 1, tiled: bool = False) -> float:
+        """Saved bytes per token on one tensor rank (`tiled`: the MLP in row tiles)."""
+        sharded = self.act_sharded - (self.act_tiled if tiled else 0.0)
+        sharded = sharded if self.tied else sharded / tensor
         return (self.act_shared + sharded) * _BYTES[precision] + self.act_extra_bytes + self.loss_bytes
+
+    def selective_bytes(self, precision: str, tensor: int = 1, tiled: bool = False) -> float:
+        """Bytes per token a selectively recomputed run keeps of this layer (the matmuls' outputs)."""
+        kept = self.act_selective + (0.0 if tiled else self.act_selective_mlp)
+        return kept / (1 if self.tied else tensor) * _BYTES[precision]
 
 
 def bytes_per_element(precision: str) -> int:
@@ -106,17 +171,20 @@ def bytes_per_element(precision: str) -> int:
 
 
 def _layers(shape: ModelShape) -> list[LayerProfile]:
-    """The analytic profile of every layer (seconds 0: filled by a time source)."""
+    """The analytic profile of every layer (seconds 0: filled by a time source); layers.py counts them."""
     d, s, v = shape.d_model, shape.seq_len, shape.vocab
-    block_flops = 6.0 * 12 * d * d + 12.0 * d * s      # weights' matmuls + QK^T and AV, x3 for backward
-    embed = LayerProfile(kind="Embedding", params=v * d + s * d, flops=0.0, act_shared=0.0, act_sharded=0.0,
-                         act_extra_bytes=8.0, tied=True)
-    block = LayerProfile(kind="Block", params=12 * d * d + 13 * d, flops=block_flops,
-                         act_shared=4.0 * d, act_sharded=12.0 * d)
+    terms = block_terms(shape.family, d, shape.heads, shape.key_value_heads, shape.mlp_width, shape.experts,
+                        shape.top_k, shape.moe_intermediate)
+    terms["flops"] += 12.0 * d * s  # QK^T and AV (causal or not: the kernels' count), x3 for backward
+    positions = s * d if shape.family == "gpt" else 0  # the GPT's learned positions; rotary has none
+    rotary = 0.0 if shape.family == "gpt" else 2.0 * d / shape.heads  # cos and sin, made once per micro-batch
+    embed = LayerProfile(kind="Embedding", params=v * d + positions, flops=0.0, act_shared=rotary, act_sharded=0.0,
+                         act_extra_bytes=8.0, tied=shape.tied)
+    block = LayerProfile(kind="Block", **terms)
     norm = LayerProfile(kind="FinalNorm", params=2 * d, flops=0.0, act_shared=float(d), act_sharded=0.0,
-                        act_extra_bytes=8.0)
-    head = LayerProfile(kind="Head", params=v * d, flops=6.0 * v * d, act_shared=float(d), act_sharded=0.0,
-                        loss_bytes=4.0 * v, backward_bytes=8.0 * v, tied=True)
+                        act_extra_bytes=8.0 if shape.family == "gpt" else 4.0 * d)
+    head = LayerProfile(kind="Head", params=v * d, flops=6.0 * v * d, act_sharded=0.0, tied=shape.tied,
+                        **head_terms(d, v, shape.fused_loss))
     return [embed, *([block] * shape.layers), norm, head]
 
 
@@ -140,6 +208,9 @@ def measure_profile(shape: ModelShape, precision: str = "fp32", microbatch: int 
     with the sequence, the rest does not): timing a 512K-token block on the host would take its
     memory and hours, and the planner only needs the trend.
     """
+    if shape.family != "gpt":
+        raise ValueError(f"measure_profile times pipezero's GPT blocks; {shape.label} is a {shape.family} "
+                         "decoder: plan it on modelled hardware (--hardware h100 or h200)")
     if shape.seq_len > max_len:
         short = measure_profile(replace(shape, seq_len=max_len), precision, microbatch, repeats, device, rounds,
                                 compile, max_len)
@@ -268,17 +339,26 @@ def _tensor_overhead_ms(cfg, dtype, hidden, repeats: int, rounds: int) -> float:
 
 
 def total_params(profile: Sequence[LayerProfile]) -> int:
-    """Unique parameters: the tied head's weight is the embedding's."""
-    return sum(p.params for p in profile if p.kind != "Head")
+    """Unique parameters: a tied head's weight is the embedding's."""
+    return sum(p.params for p in profile if not (p.kind == "Head" and p.tied))
 
 
-def held_params(profile: Sequence[LayerProfile], layers: Sequence[int], tensor: int = 1) -> float:
-    """Parameters one rank holds for `layers`, per tensor rank (tied layers whole).
+def tied_head(profile: Sequence[LayerProfile]) -> bool:
+    """Does the head share the embedding's weight (the GPT's; a Hugging Face config's tie_word_embeddings)?"""
+    return any(p.kind == "Head" and p.tied for p in profile)
 
-    The head's weight is the embedding's: a rank holding both holds it once (a rank with only
+
+def held_params(profile: Sequence[LayerProfile], layers: Sequence[int], tensor: int = 1, expert: int = 1) -> float:
+    """Parameters one rank holds for `layers`, per tensor rank (tied layers whole), its experts / `expert`.
+
+    A tied head's weight is the embedding's: a rank holding both holds it once (a rank with only
     one of them keeps its own copy, which the tied-gradient all-reduce keeps equal).
     """
-    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"}
-    return sum(profile[i].params / (1 if profile[i].tied else tensor) for i in layers
-               if not (both and profile[i].kind == "Head"))
+    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"} and tied_head(profile)
+    return sum((profile[i].params - profile[i].expert_params * (1 - 1 / expert)) / (1 if profile[i].tied else tensor)
+               for i in layers if not (both and profile[i].kind == "Head"))
 
+
+def held_experts(profile: Sequence[LayerProfile], layers: Sequence[int], tensor: int = 1, expert: int = 1) -> float:
+    """Of held_params, the routed experts' parameters one rank holds: each layer's experts / `expert`."""
+    return sum(profile[i].expert_params / expert / tensor for i in layers)

@@ -14,7 +14,7 @@ its parts: compute, bubble, exposed communication, the optimizer, the memory bre
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from pipezero.pipe.schedule.registry import schedule_entry
@@ -24,7 +24,7 @@ from pipezero.train.plan.memory import MemoryBreakdown, rank_memory
 from pipezero.train.plan.model import LayerProfile, ModelShape
 from pipezero.train.plan.step_time import TimeBreakdown, chunk_layers, step_time, step_time_floor
 
-__all__ = ["Prediction", "ds_config", "explain", "format_table", "plan", "predict", "torchrun_command"]
+__all__ = ["Prediction", "ds_config", "explain", "format_table", "kit_table", "plan", "predict", "torchrun_command"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,7 @@ def predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape
         layers = [i for (r, _), rng in sorted(held.items()) if r == rank for i in rng]
         mem = rank_memory(profile, layers, live[rank], layout, hw, precision, shape.d_model, shape.seq_len)
         worst = mem if worst is None or mem.total > worst.total else worst
-    tokens = layout.data * layout.microbatches * layout.microbatch_size * shape.seq_len
+    tokens = layout.replicas * layout.microbatches * layout.microbatch_size * shape.seq_len
     flops = sum(p.flops for p in profile) * tokens
     total = sum(p.seconds for p in profile) or 1.0
     return Prediction(layout, time, worst, tokens, flops, hw, shape, precision,
@@ -88,10 +88,13 @@ def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, globa
     memo: dict = {}
     enumerate_kw.setdefault("offload", hw.host_offload)
     enumerate_kw.setdefault("seq_len", shape.seq_len)
+    enumerate_kw.setdefault("experts", shape.experts)
     layouts = list(enumerate_layouts(hw.world, hw.gpus_per_node, global_batch, len(profile), shape.heads,
                                      **enumerate_kw))
     if top is None:
         preds = [predict(profile, layout, hw, shape, precision, memo) for layout in layouts]
+        fitting = {p.layout for p in preds if p.memory.total <= hw.memory_gb * 1e9}
+        preds = [p for p in preds if not _needless(p.layout, fitting)]
     else:
         preds = _bounded(profile, layouts, hw, shape, precision, top, memo)
     fits = [p for p in preds if p.memory.total <= hw.memory_gb * 1e9]
@@ -114,18 +117,32 @@ def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Har
     memory = [_memory_floor(profile, lay, hw, precision, shape) for lay in layouts]
     if layouts and min(memory) > limit:  # nothing can fit: the leanest one, for the error message
         return [predict(profile, layouts[memory.index(min(memory))], hw, shape, precision, memo)]
-    floors = sorted((step_time_floor(profile, lay, hw, precision, d, s), i) for i, lay in enumerate(layouts)
+    busy: dict = {}
+    floors = sorted((step_time_floor(profile, lay, hw, precision, d, s, busy), i) for i, lay in enumerate(layouts)
                     if memory[i] <= limit)
     best: list[float] = []  # step times of the fitting predictions so far, ascending, at most `top`
-    preds = []
+    preds, fitting = [], set()
     for floor, i in floors:
         if len(best) == top and floor > best[-1]:
             break
+        if _needless(layouts[i], fitting):
+            continue
         pred = predict(profile, layouts[i], hw, shape, precision, memo)
         preds.append(pred)
         if pred.memory.total <= limit:
             best = sorted(best + [pred.time.total])[:top]
+            fitting.add(layouts[i])
     return preds
+
+
+def _needless(layout: Layout, fitting: set) -> bool:
+    """Is a lighter twin of this layout among those that fit? Checkpointing and host inputs only add time,
+    so the twin without them (its floor is no higher: it comes first) is as fast or faster: the kit is
+    switched on only where what it saves is needed."""
+    if not layout.checkpoint:
+        return False
+    plain = replace(layout, checkpoint=0, selective=False, host_inputs=False)
+    return plain in fitting or (layout.host_inputs and replace(layout, host_inputs=False) in fitting)
 
 
 def _memory_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str,
@@ -173,13 +190,40 @@ def explain(p: Prediction) -> str:
         f"  step {t.total:.4g} s = pipeline makespan {t.pipeline:.4g} s (busiest rank computes {t.compute:.4g} s, "
         f"of it tensor-parallel all-reduce {t.tensor_comm:.3g} s"
         + (f", sequence all-to-all {t.sequence_comm:.3g} s" if p.layout.sequence > 1 else "")
+        + (f", expert dispatch + combine {t.expert_comm:.3g} s" if p.layout.expert > 1 else "")
         + f"; bubble {t.bubble:.1%})",
         f"    + exposed data-parallel comm {t.exposed_comm:.3g} s (of {t.data_comm:.3g} s in all) "
         f"+ optimizer {t.optimizer:.3g} s",
         f"  {p.tokens_per_second:,.0f} tokens/s, MFU {_mfu(p)} of {p.hardware.peak_tflops:.3g} TFLOP/s per device",
         f"  memory {m.total / gb:.3g} GB of {p.hardware.memory_gb:g}: params {m.params / gb:.3g}, "
         f"grads {m.grads / gb:.3g}, optimizer {m.optimizer / gb:.3g}, the larger of activations "
-        f"{m.activations / gb:.3g} and the optimizer step's transient {m.step / gb:.3g}, buffers {m.buffers / gb:.3g}"])
+        f"{m.activations / gb:.3g} and the optimizer step's transient {m.step / gb:.3g}, buffers {m.buffers / gb:.3g}",
+        f"  activation checkpointing: {_kit_words(p.layout)}"]
+        + ([f"  expert axis {p.layout.expert}: Grid(expert={p.layout.expert}) and pipe/expert/'s shard_experts "
+            "(README, Mixture-of-experts); ds_config has no key for it yet"] if p.layout.expert > 1 else []))
+
+
+def _kit_words(lay: Layout) -> str:
+    if not lay.checkpoint:
+        return "none"
+    return (f"{lay.recompute}, every {lay.checkpoint} layer{'s' if lay.checkpoint > 1 else ''}"
+            + (", its inputs in pinned host memory" if lay.host_inputs else ""))
+
+
+def kit_table(profile: Sequence[LayerProfile], winner: Prediction) -> str:
+    """What each activation-checkpointing choice needs on the winner's grid and batch, and whether it fits."""
+    hw, lay = winner.hardware, winner.layout
+    rows = [f"memory at {winner.shape.seq_len:,} tokens a sequence on {lay.label.split(' m')[0]}, "
+            f"micro-batch {lay.microbatch_size} (of {hw.memory_gb:g} GB):"]
+    kits = [(0, False, False), (1, True, False), (1, False, False)]
+    kits += [(1, True, True), (1, False, True)] if hw.host_offload else []
+    for ck, selective, host in kits:
+        option = replace(lay, checkpoint=ck, selective=selective, host_inputs=host)
+        pred = predict(profile, option, hw, winner.shape, winner.precision)
+        fits = "fits" if pred.memory.total <= hw.memory_gb * 1e9 else "does not fit"
+        rows.append(f"  {_kit_words(option):<58} {pred.memory.total / 1e9:8.3g} GB  {fits}, "
+                    f"{pred.tokens_per_second:,.0f} tokens/s")
+    return "\n".join(rows)
 
 
 def ds_config(p: Prediction) -> dict[str, Any]:
@@ -189,19 +233,22 @@ def ds_config(p: Prediction) -> dict[str, Any]:
                             "reduce_bucket_size": p.shape.d_model ** 2}  # what "auto" means (h*h)
     if lay.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    return {
-        "train_batch_size": lay.data * lay.microbatches * lay.microbatch_size,
+    out = {
+        "train_batch_size": lay.replicas * lay.microbatches * lay.microbatch_size,
         "train_micro_batch_size_per_gpu": lay.microbatch_size,
         "gradient_accumulation_steps": lay.microbatches,
         "bf16": {"enabled": p.precision == "bf16"},
         "fp16": {"enabled": p.precision == "fp16"},
         "zero_optimization": zero,
         "pipeline": {"stages": lay.pipe, "schedule": lay.schedule, "chunks": lay.chunks,
-                     "activation_checkpoint_interval": lay.checkpoint,
+                     "activation_checkpoint_interval": lay.checkpoint, "activation_checkpointing": lay.recompute,
                      "partition_method": list(p.partition_costs)},
         "sequence_parallel_size": lay.sequence,
         "gradient_clipping": 1.0,
     }
+    if lay.host_inputs:
+        out["activation_checkpointing"] = {"cpu_checkpointing": True}
+    return out
 
 
 def torchrun_command(p: Prediction, config_path: str = "plan_ds_config.json") -> str:

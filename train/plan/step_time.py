@@ -26,6 +26,17 @@
   q, k, v and Nh for the output, 4Nh/P per device; the backward moves their gradients alike.)
   The layers' compute is the rank's slice: s/P tokens (inside attention the whole sequence for
   heads/P of the heads, the same FLOPs);
+* expert parallel (pipe/expert/, a MoE's experts over the expert axis): each MoE block sends every
+  token's hidden state to its top-k experts' ranks and back, dispatch and combine, each
+  tokens x d x top-k x bytes per element of which (E-1)/E leave the rank, plus E-1 latencies: 2
+  all-to-alls forward, 2 backward (2 more recomputed under checkpointing), not overlapped
+  (DualPipeV's overlap of them is not built); the experts' gradients are all-reduced over the
+  ranks that hold the same experts (data x sequence), the dense ones over data x expert x sequence;
+* the memory kit: the MLP in row tiles (from TILE_FROM_ROWS tokens a micro-batch, as the runtime
+  does) adds one MLP forward to the backward; a selective recompute re-runs only the elementwise
+  ops, whose cost is their bytes read and written once at the device's memory bandwidth
+  (Hardware.memory_gbps); checkpointed inputs in host memory cross PCIe out in the forward and
+  back in the backward, on a side stream: what a block's copy takes beyond its own compute shows;
 * p2p: one activation (tokens x d_model, the sequence slice under a sequence axis) per hop,
   latency + bytes / bandwidth of the link
   between neighbouring stages (inter-node when a stage's tensor x data ranks fill a node);
@@ -61,11 +72,11 @@ from pipezero.pipe.schedule.registry import make_schedule, schedule_entry
 from pipezero.pipe.schedule.simulate import Costs, SimResult, simulate
 from pipezero.train.plan.hardware import Hardware
 from pipezero.train.plan.layout import Layout
-from pipezero.train.plan.memory import rank_tokens
-from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_params
+from pipezero.train.plan.memory import rank_tokens, tiled
+from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_experts, held_params
 
 __all__ = ["TimeBreakdown", "all_to_all_seconds", "buckets", "chunk_layers", "data_parallel_seconds",
-           "optimizer_seconds", "ring_seconds",
+           "expert_all_to_all_seconds", "kit_seconds", "optimizer_seconds", "ring_seconds",
            "Sim", "simulate_layout", "step_time", "step_time_floor"]
 
 
@@ -81,6 +92,7 @@ class TimeBreakdown:
     optimizer: float      # optimizer step (and offload transfers)
     bubble: float         # the simulator's idle fraction
     sequence_comm: float = 0.0  # part of compute spent in the sequence axis' all-to-alls (the busiest rank's)
+    expert_comm: float = 0.0    # part of compute spent in the expert axis' dispatch / combine (the busiest rank's)
 
     @property
     def total(self) -> float:
@@ -123,6 +135,33 @@ def all_to_all_seconds(layout: Layout, hw: Hardware, precision: str, d_model: in
     return ring_seconds(rank_tokens(layout, seq_len) * width * bytes_per_element(precision), sp, bw, lat)
 
 
+def expert_all_to_all_seconds(layout: Layout, hw: Hardware, precision: str, d_model: int, seq_len: int,
+                              top_k: int) -> float:
+    """One dispatch (or combine) of a MoE block: the rank's tokens x d x top-k elements, (E-1)/E of them sent,
+    over the expert group's link (E consecutive ranks inside the data axis: tensor x sequence x E apart)."""
+    e = layout.expert
+    bw, lat = hw.link(layout.tensor * layout.sequence * e)
+    return ring_seconds(rank_tokens(layout, seq_len) * d_model * top_k * bytes_per_element(precision), e, bw, lat)
+
+
+def kit_seconds(p: LayerProfile, layout: Layout, hw: Hardware, precision: str, d_model: int, seq_len: int,
+                forward: float) -> tuple[float, float]:
+    """(forward, backward) seconds the memory kit adds to one layer and micro-batch (module docstring):
+    `forward` is the layer's own forward seconds, under which a host copy hides."""
+    tokens, e = rank_tokens(layout, seq_len), bytes_per_element(precision)
+    back = 0.0
+    if tiled(layout, seq_len) and p.act_tiled and p.flops:
+        back += p.seconds * p.mlp_flops / p.flops / 3 * tokens * hw.compute_slowdown / (1 if p.tied else layout.tensor)
+    if layout.checkpoint and layout.selective:
+        redone = p.act_bytes(precision, layout.tensor, tiled(layout, seq_len)) - p.selective_bytes(
+            precision, layout.tensor, tiled(layout, seq_len)) - p.loss_bytes
+        back += 2 * redone * tokens / (hw.memory_gbps * 1e9)
+    if layout.checkpoint and layout.host_inputs and p.kind != "Embedding":
+        copy = tokens * d_model * e / (hw.pcie_gbps * 1e9)
+        return max(0.0, copy - forward), back + max(0.0, copy - forward)
+    return 0.0, back
+
+
 def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout, hw: Hardware,
                  precision: str, d_model: int, seq_len: int, p2p: float) -> tuple[Costs, float]:
     tokens = rank_tokens(layout, seq_len)
@@ -145,9 +184,21 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
     a2a = 4 * blocks * all_to_all_seconds(layout, hw, precision, d_model, seq_len)  # q, k, v, out
     fwd, tp = sec / 3 + launches + 2 * blocks * one + a2a, 4 * blocks * one
     back, weight = backward / 2 + launches + 2 * blocks * one + a2a, backward / 2 + launches
-    if layout.checkpoint:  # the recompute: measured, or one more forward
+    moe = [profile[i] for i in layers if profile[i].expert_params]
+    if moe and layout.expert > 1:
+        dispatch = 2 * len(moe) * expert_all_to_all_seconds(layout, hw, precision, d_model, seq_len, moe[0].moe_top_k)
+        fwd, back = fwd + dispatch, back + dispatch
+        a2a += dispatch / 2  # recomputed under checkpointing with the rest of the forward's exchanges
+    if layout.checkpoint and not layout.selective:  # the recompute: measured, or one more forward
         back += seconds(lambda p: p.seconds / 3 if p.recompute_seconds is None else p.recompute_seconds)
         back += launches + 2 * blocks * one + a2a
+    elif layout.checkpoint:  # selective: the matmuls' outputs kept, the exchanges and elementwise ops re-run
+        back += a2a
+    for i in layers:
+        p = profile[i]
+        own_forward = p.seconds / 3 * tokens * hw.compute_slowdown / (1 if p.tied else t)
+        added = kit_seconds(p, layout, hw, precision, d_model, seq_len, own_forward)
+        fwd, back = fwd + added[0], back + added[1]
     return Costs(forward=fwd, backward_input=back, backward_weight=weight, p2p=p2p), tp * layout.microbatches
 
 
@@ -226,18 +277,23 @@ def simulate_layout(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
 
 
 def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision: str,
-                          last_backward: float, compute: float, buckets: int = 1) -> tuple[float, float]:
-    """(all traffic, exposed part) of one rank's data-parallel collectives per step, in `buckets` pieces each,
-    over data x sequence."""
+                          last_backward: float, compute: float, buckets: int = 1,
+                          experts: float = 0.0) -> tuple[float, float]:
+    """(all traffic, exposed part) of one rank's data-parallel collectives per step, in `buckets` pieces each:
+    the dense parameters over data x expert x sequence, `experts` (of `params`: the rank's routed experts)
+    all-reduced over data x sequence, the ranks holding the same experts."""
     n = layout.reducing
-    nbytes = params * bytes_per_element(precision)
+    nbytes = (params - experts) * bytes_per_element(precision)
     bw, lat = hw.link(layout.tensor * n)
+    own = ring_seconds(experts * bytes_per_element(precision), layout.data * layout.sequence, bw, lat, 2.0, 1) \
+        if experts else 0.0
     if layout.zero == 0:
-        reduce, gather = ring_seconds(nbytes, n, bw, lat, 2.0, buckets), 0.0
+        reduce, gather = ring_seconds(nbytes, n, bw, lat, 2.0, buckets) + own, 0.0
     elif layout.zero < 3:
-        reduce = gather = ring_seconds(nbytes, n, bw, lat, 1.0, buckets)
+        reduce, gather = ring_seconds(nbytes, n, bw, lat, 1.0, buckets) + own, ring_seconds(nbytes, n, bw, lat, 1.0,
+                                                                                              buckets)
     else:
-        total = layout.microbatches * 3 * ring_seconds(nbytes, n, bw, lat, 1.0, buckets)
+        total = layout.microbatches * 3 * ring_seconds(nbytes, n, bw, lat, 1.0, buckets) + own
         return total, max(0.0, total - compute)
     return reduce + gather, max(0.0, reduce - last_backward) + gather
 
@@ -248,9 +304,9 @@ def buckets(params: float, d_model: int) -> int:
     return max(1, math.ceil(params / (d_model * d_model)))
 
 
-def optimizer_seconds(params: float, layout: Layout, hw: Hardware, precision: str) -> float:
-    """Adam over this rank's shard, on the device or offloaded to the host."""
-    shard = params / (layout.reducing if layout.zero >= 1 else 1)
+def optimizer_seconds(params: float, layout: Layout, hw: Hardware, precision: str, experts: float = 0.0) -> float:
+    """Adam over this rank's shard (its experts whole: they have no ZeRO group), on the device or offloaded."""
+    shard = (params - experts) / (layout.reducing if layout.zero >= 1 else 1) + experts
     if not layout.offload:
         return shard * hw.optimizer_ns_per_param * 1e-9
     round_trip = 2 * shard * bytes_per_element(precision) / (hw.pcie_gbps * 1e9)
@@ -265,16 +321,38 @@ def step_time(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, pre
     data_comm = exposed = opt = 0.0
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
-        params = held_params(profile, layers, layout.tensor)
+        params, experts = _held(profile, layers, layout)
         last = result.last_backward[rank]
         comm, hidden_not = data_parallel_seconds(params, layout, hw, precision, last, result.busy[rank],
-                                                 buckets(params, d_model))
-        if hidden_not + optimizer_seconds(params, layout, hw, precision) > exposed + opt:
-            data_comm, exposed, opt = comm, hidden_not, optimizer_seconds(params, layout, hw, precision)
+                                                 buckets(params, d_model), experts)
+        step = optimizer_seconds(params, layout, hw, precision, experts)
+        if hidden_not + step > exposed + opt:
+            data_comm, exposed, opt = comm, hidden_not, step
     return (TimeBreakdown(compute=max(result.busy.values()), pipeline=result.makespan, tensor_comm=tensor_comm,
                           data_comm=data_comm, exposed_comm=exposed, optimizer=opt, bubble=result.bubble,
-                          sequence_comm=sequence_comm),
+                          sequence_comm=sequence_comm, expert_comm=_expert_seconds(profile, held, layout, hw,
+                                                                                   precision, d_model, seq_len)),
             result, held)
+
+
+def _held(profile: Sequence[LayerProfile], layers: Sequence[int], layout: Layout) -> tuple[float, float]:
+    """(parameters, of them routed experts) one rank holds."""
+    return (held_params(profile, layers, layout.tensor, layout.expert),
+            held_experts(profile, layers, layout.tensor, layout.expert))
+
+
+def _expert_seconds(profile: Sequence[LayerProfile], held: dict[tuple[int, int], range], layout: Layout,
+                    hw: Hardware, precision: str, d_model: int, seq_len: int) -> float:
+    """The busiest pipeline rank's dispatch and combine seconds per step: 4 per MoE block and micro-batch,
+    6 when checkpointed (the recompute's forward exchanges again)."""
+    moe = [p for p in profile if p.expert_params]
+    if not moe or layout.expert == 1:
+        return 0.0
+    one = expert_all_to_all_seconds(layout, hw, precision, d_model, seq_len, moe[0].moe_top_k)
+    blocks = {rank: 0 for rank, _ in held}
+    for (rank, _), layers in held.items():
+        blocks[rank] += sum(1 for i in layers if profile[i].expert_params)
+    return max(blocks.values()) * (6 if layout.checkpoint else 4) * one * layout.microbatches
 
 
 def _sequence_seconds(profile: Sequence[LayerProfile], held: dict[tuple[int, int], range], layout: Layout,
@@ -289,7 +367,7 @@ def _sequence_seconds(profile: Sequence[LayerProfile], held: dict[tuple[int, int
 
 
 def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str,
-                    d_model: int, seq_len: int) -> float:
+                    d_model: int, seq_len: int, memo: dict | None = None) -> float:
     """A lower bound of step_time(...).total, from the per-chunk costs alone (no simulation).
 
     No schedule finishes before its busiest rank has run every action (makespan >= busy), and
@@ -298,14 +376,17 @@ def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
     their floors and stops once a floor exceeds the step time of the table's last row.
     """
     held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
-    busy: dict[int, float] = {}
-    for (rank, _), layers in held.items():
+    key = replace(layout, zero=0, offload=False)  # `memo`: the busy part, the same for every ZeRO stage
+    busy: dict[int, float] = {} if memo is None or key not in memo else memo[key]
+    for (rank, _), layers in held.items() if not busy else ():
         c, _ = _chunk_costs(profile, layers, layout, hw, precision, d_model, seq_len, 0.0)
         busy[rank] = busy.get(rank, 0.0) + layout.microbatches * (c.forward + c.backward_input + c.backward_weight)
+    if memo is not None:
+        memo[key] = busy
     tail = 0.0
     for rank in range(layout.pipe):
-        params = held_params(profile, [i for (r, _), rng in held.items() if r == rank for i in rng], layout.tensor)
+        params, experts = _held(profile, [i for (r, _), rng in held.items() if r == rank for i in rng], layout)
         _, unhidden = data_parallel_seconds(params, layout, hw, precision, float("inf"), float("inf"),
-                                            buckets(params, d_model))
-        tail = max(tail, unhidden + optimizer_seconds(params, layout, hw, precision))
+                                            buckets(params, d_model), experts)
+        tail = max(tail, unhidden + optimizer_seconds(params, layout, hw, precision, experts))
     return max(busy.values()) + tail

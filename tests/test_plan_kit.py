@@ -1,0 +1,188 @@
+"""The planner's memory kit and expert axis: predicted peaks against the H100 measurements, the kit it
+picks at long sequences, a Hugging Face block's saved bytes against autograd, MoE layouts and traffic.
+
+No process group: arithmetic over the planner's model (the autograd count runs one layer on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pipezero.train.plan import kit_table, plan, predict
+from pipezero.train.plan.hardware import h100, h200
+from pipezero.train.plan.layout import Layout, enumerate_layouts
+from pipezero.train.plan.memory import rank_memory
+from pipezero.train.plan.model import ModelShape, flops_profile, total_params
+from pipezero.train.plan.step_time import expert_all_to_all_seconds
+
+GIB = 2**30
+
+# bench/RESULTS.md, "Long packed sequences on one H100: the memory kit against transformers (issue 45)":
+# 1 x H100 80GB HBM3, 2026-12-06, `python3 bench/long_context.py --shape tinyllama --steps 1 --runs RUNS
+# --lengths L`, torch.cuda.max_memory_allocated / 2**30 (the table's "GB" are GiB: the bench divides by 2**30).
+H100_MEASURED_GIB = {
+    ("pipezero", 32768): 43.71,
+    ("pipezero-full", 32768): 11.91, ("pipezero-full", 65536): 17.42,
+    ("pipezero-full", 131072): 28.45, ("pipezero-full", 262144): 50.51,
+    ("pipezero-offload", 32768): 10.93, ("pipezero-offload", 131072): 19.60, ("pipezero-offload", 524288): 54.26,
+}
+# The model's distance from each: -0.6% .. +3.5% (README, "The planner and the memory kit").
+
+
+def tinyllama(seq_len: int) -> ModelShape:
+    """bench/long_context.py's "tinyllama" shape as `from_hf_config` reads a LlamaConfig of it."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                         num_attention_heads=32, num_key_value_heads=4)
+    return ModelShape.from_hf_config(config, seq_len)
+
+
+def _bench_peak(run: str, seq_len: int) -> float:
+    """The model's peak for the bench's run: one stage, one packed row, bf16 weights and torch AdamW on them
+    (its moments in bf16: 4 bytes a parameter; foreach's one bf16 temporary in the step), no reserve
+    (max_memory_allocated counts tensors only)."""
+    shape = tinyllama(seq_len)
+    profile = flops_profile(shape, 1.0)
+    layout = Layout(1, 1, 1, "1f1b", 1, 1, 1, 0, False, 0 if run == "pipezero" else 1,
+                    host_inputs=run == "pipezero-offload")
+    mem = rank_memory(profile, range(len(profile)), 1.0, layout, replace(h100(1, 1), reserved_gb=0.0), "bf16",
+                      shape.d_model, seq_len)
+    n = total_params(profile)
+    return replace(mem, optimizer=4.0 * n, step=2.0 * n).total / GIB
+
+
+@pytest.mark.parametrize("run,seq_len", sorted(H100_MEASURED_GIB))
+def test_predicted_peak_is_within_5_percent_of_the_h100_measurements(run, seq_len):
+    measured = H100_MEASURED_GIB[(run, seq_len)]
+    predicted = _bench_peak(run, seq_len)
+    assert predicted == pytest.approx(measured, rel=0.05), (run, seq_len, predicted)
+
+
+def test_the_kit_the_plan_picks_is_the_fastest_that_fits():
+    """On one H100 at 32K nothing needs checkpointing (the fastest fits); at 512K only checkpointed inputs
+    in host memory fit, and the table says which choices do not."""
+    hw = h100(1, 1)
+    for seq_len, recompute, host in ((32768, "none", False), (524288, "full", True)):
+        shape = tinyllama(seq_len)
+        profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
+        preds = plan(shape, profile, hw, 1, "bf16", top=3)
+        best = preds[0].layout
+        assert (best.recompute, best.host_inputs) == (recompute, host), best.label
+        table = kit_table(profile, preds[0])
+        assert table.count("does not fit") == (0 if seq_len == 32768 else 4), table
+    with pytest.raises(ValueError, match="no layout"):
+        plan(tinyllama(4 * 524288), flops_profile(tinyllama(4 * 524288), 1e15), hw, 1, "bf16", top=3)
+
+
+def test_pipezero_plan_reads_a_hugging_face_config_and_prints_the_finetune_line(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from pipezero.train.cli import main
+
+    LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                num_attention_heads=32, num_key_value_heads=4).save_pretrained(tmp_path / "tinyllama")
+    config = tmp_path / "ds.json"
+    assert main(["plan", "--hardware", "h100", "--gpus-per-node", "1", "--hf-config", str(tmp_path / "tinyllama"),
+                 "--seq-len", "524288", "--global-batch", "1", "--precision", "bf16", "--top", "1",
+                 "--write-config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "ck1+h" in out and "full, every 1 layer, its inputs in pinned host memory" in out, out
+    assert (f"pipezero finetune --nproc 1 --model {tmp_path / 'tinyllama'} --data DATA --seq-len 524288 --config "
+            f"{config} --activation-checkpointing full --offload-activations") in out, out
+    from pipezero.train.config import parse_config
+
+    parsed = parse_config(json.loads(config.read_text()), world_size=1)
+    assert parsed.recompute.mode == "full" and parsed.recompute.offload
+
+
+def _saved_bytes_per_layer(layers: int, tokens: int) -> float:
+    """Bytes autograd keeps in the forward of a tiny Llama's decoder layers, as pipezero runs them (bf16) on a
+    row of packed documents (each attended alone, key/value heads repeated for SDPA)."""
+    from transformers import LlamaConfig
+
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.topology import Grid
+
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=352, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=tokens)
+    module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1), loss_fn=causal_lm_loss,
+                            compile=False).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, tokens))
+    saved, params = {}, {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module((ids, None, torch.arange(128).repeat(tokens // 128)[None]))  # packed documents, as the bench's
+    return sum(v for k, v in saved.items() if k not in params)
+
+
+def test_a_hugging_face_blocks_saved_bytes_match_autograd():
+    """layers.py's count of a Llama block (fp32 norms, repeated key/value heads, the gated MLP whole) against
+    what autograd keeps for one more decoder layer."""
+    tokens = 512
+    per_layer = _saved_bytes_per_layer(3, tokens) - _saved_bytes_per_layer(2, tokens)
+    shape = ModelShape(layers=1, d_model=128, heads=4, kv_heads=1, intermediate=352, vocab=128, seq_len=tokens,
+                       family="llama")
+    model = flops_profile(shape, 1.0)[1].act_bytes("bf16") * tokens
+    assert model == pytest.approx(per_layer, rel=0.05), (model, per_layer)
+
+
+# --- the expert axis (issue 47) ---
+
+QWEN_MOE = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, num_experts=8,
+                num_experts_per_tok=2)
+
+
+def moe_shape(seq_len: int = 1024) -> ModelShape:
+    from transformers import Qwen3MoeConfig
+
+    return ModelShape.from_hf_config(Qwen3MoeConfig(**QWEN_MOE), seq_len)
+
+
+def test_a_moe_config_gives_experts_and_expert_layouts():
+    shape = moe_shape()
+    assert (shape.experts, shape.top_k, shape.moe_intermediate) == (8, 2, 256)
+    block = flops_profile(shape, 1.0)[1]
+    assert block.expert_params == 8 * 3 * 512 * 256
+    layouts = list(enumerate_layouts(8, 8, 16, 6, shape.heads, seq_len=shape.seq_len, experts=shape.experts))
+    assert {lay.expert for lay in layouts} == {1, 2, 4, 8}
+    for lay in layouts:
+        assert lay.world == 8 and lay.replicas * lay.microbatches * lay.microbatch_size == 16, lay
+        assert lay.reducing == lay.data * lay.expert * lay.sequence
+    assert " e2 " in replace(layouts[0], expert=2).label
+
+
+def test_experts_memory_divides_by_the_expert_degree():
+    shape, hw = moe_shape(), h200(1, 8)
+    profile = flops_profile(shape, 1e15)
+    one, four = (rank_memory(profile, range(len(profile)), 1.0, Layout(1, 8 // e, 1, "1f1b", 1, 2, 1, 1, expert=e),
+                             hw, "bf16", shape.d_model, shape.seq_len) for e in (1, 4))
+    experts = shape.layers * flops_profile(shape, 1.0)[1].expert_params
+    # bf16 parameters and gradients (2 + 2 bytes) of 3/4 of the experts leave the rank; their fp32 state
+    # (12 bytes) is whole per rank (no ZeRO group for experts), the dense state is over 8 ranks either way
+    assert one.params - four.params == pytest.approx(2 * experts * 3 / 4)
+    assert (one.grads - four.grads) == pytest.approx(2 * experts * 3 / 4)
+
+
+def test_expert_all_to_all_bytes_and_time_in_the_step():
+    """Dispatch and combine per MoE block: tokens x hidden x top-k x bytes, (E-1)/E of it sent, E-1 latencies;
+    2 forward and 2 backward per micro-batch."""
+    shape, hw = moe_shape(), h200(1, 8)
+    profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
+    e, m, b = 4, 3, 2
+    lay = Layout(1, 2, 1, "1f1b", 1, m, b, 0, expert=e)
+    nbytes = b * shape.seq_len * shape.d_model * shape.top_k * 2
+    one = (e - 1) / e * nbytes / (hw.intra_gbps * 1e9) + (e - 1) * hw.intra_latency_us * 1e-6
+    assert expert_all_to_all_seconds(lay, hw, "bf16", shape.d_model, shape.seq_len, shape.top_k) == pytest.approx(one)
+    split, whole = (predict(profile, replace(lay, expert=x, data=8 // x), hw, shape, "bf16").time for x in (e, 1))
+    assert split.expert_comm == pytest.approx(shape.layers * m * 4 * one) and whole.expert_comm == 0
+    assert split.compute > whole.compute  # the exchanges are not hidden (no DualPipeV overlap yet)
