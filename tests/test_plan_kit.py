@@ -168,9 +168,10 @@ def test_experts_memory_divides_by_the_expert_degree():
                              hw, "bf16", shape.d_model, shape.seq_len) for e in (1, 4))
     experts = shape.layers * flops_profile(shape, 1.0)[1].expert_params
     # bf16 parameters and gradients (2 + 2 bytes) of 3/4 of the experts leave the rank; their fp32 state
-    # (12 bytes) is whole per rank (no ZeRO group for experts), the dense state is over 8 ranks either way
+    # is sharded over the ranks holding the same experts (zero/reduction.py), the dense over 8 either way
     assert one.params - four.params == pytest.approx(2 * experts * 3 / 4)
     assert (one.grads - four.grads) == pytest.approx(2 * experts * 3 / 4)
+    assert one.optimizer == pytest.approx(four.optimizer)  # ZeRO-1: every expert's state over 8 ranks in both
 
 
 def test_expert_all_to_all_bytes_and_time_in_the_step():

@@ -200,7 +200,8 @@ def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: fl
     params = held_params(profile, layers, layout.tensor, layout.expert)
     experts = held_experts(profile, layers, layout.tensor, layout.expert)
     p, g, s = model_state_bytes(params - experts, layout.zero, layout.reducing, precision, layout.offload)
-    pe, ge, se = model_state_bytes(experts, 0, 1, precision, layout.offload)  # experts: a plain AdamW each
+    # the experts' param group reduces and shards over the ranks holding the same experts (data of them)
+    pe, ge, se = model_state_bytes(experts, layout.zero, layout.data, precision, layout.offload)
     p, g, s = p + pe, g + ge, s + se
     if layout.zero >= 2 and layout.microbatches > 1 and layout.reducing > 1:
         g += STATE_BYTES[precision][1] * (params - experts)  # whole .grad until the last micro-batch

@@ -199,8 +199,8 @@ def explain(p: Prediction) -> str:
         f"grads {m.grads / gb:.3g}, optimizer {m.optimizer / gb:.3g}, the larger of activations "
         f"{m.activations / gb:.3g} and the optimizer step's transient {m.step / gb:.3g}, buffers {m.buffers / gb:.3g}",
         f"  activation checkpointing: {_kit_words(p.layout)}"]
-        + ([f"  expert axis {p.layout.expert}: Grid(expert={p.layout.expert}) and pipe/expert/'s shard_experts "
-            "(README, Mixture-of-experts); ds_config has no key for it yet"] if p.layout.expert > 1 else []))
+        + ([f"  expert axis {p.layout.expert}: ds_config's expert_parallel autoep_size {p.layout.expert} "
+            "(pipezero finetune --expert-parallel; README, Mixture-of-experts)"] if p.layout.expert > 1 else []))
 
 
 def _kit_words(lay: Layout) -> str:
@@ -248,6 +248,8 @@ def ds_config(p: Prediction) -> dict[str, Any]:
     }
     if lay.host_inputs:
         out["activation_checkpointing"] = {"cpu_checkpointing": True}
+    if lay.expert > 1:  # DeepSpeed's AutoEP section, which build() reads as the grid's expert axis
+        out["expert_parallel"] = {"enabled": True, "autoep_size": lay.expert}
     return out
 
 
