@@ -33,8 +33,9 @@ A decoder layer's norms (RMSNorm, LayerNorm: each token alone too) run in tiles 
 copy of its input for backward and its backward makes five more [tokens, hidden] fp32 tensors (at 1M
 tokens of TinyLlama's shape, 40 GiB at once: the peak of a checkpointed layer's backward, measured by
 bench/live_tensors.py). Tiled, it keeps its bf16 input and output and its backward's fp32 temporaries
-are one tile's. The norm is recomputed once more (a few elementwise passes), so tiling starts where
-its memory matters (past 64K tokens), not at 32K where it would cost ~3% of a checkpointed step.
+are one tile's. The norm is recomputed once more (a few elementwise passes over [tokens, hidden] per
+norm), so tiling starts where its memory matters (past 64K tokens), not at 32K, where the memory does
+not limit the length and the passes would only cost time.
 """
 
 from __future__ import annotations
