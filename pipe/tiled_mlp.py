@@ -33,8 +33,9 @@ A decoder layer's norms (RMSNorm, LayerNorm: each token alone too) run in tiles 
 copy of its input for backward and its backward makes five more [tokens, hidden] fp32 tensors (at 1M
 tokens of TinyLlama's shape, 40 GiB at once: the peak of a checkpointed layer's backward, measured by
 bench/live_tensors.py). Tiled, it keeps its bf16 input and output and its backward's fp32 temporaries
-are one tile's. The norm is recomputed once more (a few elementwise passes), so tiling starts where
-its memory matters (past 64K tokens), not at 32K where it would cost ~3% of a checkpointed step.
+are one tile's. The norm is recomputed once more (a few elementwise passes over [tokens, hidden] per
+norm), so tiling starts where its memory matters (past 64K tokens), not at 32K, where the memory does
+not limit the length and the passes would only cost time.
 """
 
 from __future__ import annotations
@@ -67,9 +68,73 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile
     if rows < from_rows or rows <= tile_rows or not torch.is_grad_enabled():
         return fn(x)
     flat = x.reshape(rows, x.shape[-1])
-    outs = [checkpoint(fn, tile, use_reentrant=False) for tile in flat.split(tile_rows)]
+    tiles = flat.split(tile_rows)
+    if torch.compiler.is_compiling() or not flat.requires_grad:
+        outs = [checkpoint(fn, tile, use_reentrant=False) for tile in tiles]
+    else:
+        kept = _KeptRows(flat, tile_rows)
+        outs = [kept.checkpoint(fn, tile) for tile in tiles]
     out = torch.cat(outs)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class _KeepRows(torch.autograd.Function):
+    """Saves the rows for the tiles (through whatever saved-tensor hooks are set); computes nothing."""
+
+    @staticmethod
+    def forward(ctx, flat):
+        ctx.save_for_backward(flat)
+        return flat.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+class _KeptRows:
+    """The tiles' inputs saved once, before any tile runs, as one tensor: the rows.
+
+    Each tile's checkpoint keeps its input; kept one by one, an enclosing checkpoint (a checkpointed
+    layer, pipe/memory/recompute.py) would see its last kept tensor only when the last tile starts, so
+    its recompute, which stops once it has made every tensor the forward kept, would run every tile
+    but the last for nothing (the layer's output, which they make, is not kept): with a Llama's MLP
+    in tiles at the end of the layer, most of the MLP's forward once more per layer and step. Here
+    the tiles' inputs are saved once, before the tiles, and each tile's checkpoint keeps an index into
+    them, so an enclosing recompute stops before the tiles run; a tile's own recompute in backward
+    takes its rows from them.
+    """
+
+    def __init__(self, flat: torch.Tensor, tile_rows: int):
+        self.node = _KeepRows.apply(flat).grad_fn  # keeps the saved rows (not the tensor) alive
+        self.tile_rows, self.count, self.tiles = tile_rows, 0, None
+        self.expected: torch.Tensor | None = None
+
+    def checkpoint(self, fn: Callable[[torch.Tensor], torch.Tensor], tile: torch.Tensor) -> torch.Tensor:
+        self.expected = tile
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return checkpoint(fn, tile, use_reentrant=False)
+        finally:
+            self.expected = None
+
+    def _pack(self, t: torch.Tensor) -> object:
+        if t is not self.expected:  # not the tile's input: kept as it is (the checkpoint saves nothing else)
+            return t
+        self.expected, index = None, self.count
+        self.count += 1
+        return index
+
+    def _unpack(self, packed: object) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if self.tiles is None:
+            (flat,) = self.node.saved_tensors
+            self.tiles, self.left = flat.split(self.tile_rows), self.count
+        out = self.tiles[packed]
+        self.left -= 1
+        if self.left == 0:  # every tile has its rows: the rows go when the last tile is done with them
+            self.tiles = None
+        return out
 
 
 _TILED: dict[type, type] = {}

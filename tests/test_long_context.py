@@ -149,14 +149,25 @@ def _hf_truth(family: str):
 def _hf_pipeline(family: str, pipe: int = 1, recompute: str | None = None):
     """The same through hf_layer_specs(fused_loss=True) (MLP and norms in tiles of 5 rows; recompute "offload":
     every layer checkpointed, its inputs offloaded): (loss, grads by HF name)."""
+
+    names = ("TILE_FROM_ROWS", "TILE_ROWS", "NORM_TILE_FROM_ROWS", "NORM_TILE_ROWS")
+    saved = {name: getattr(tiled_mlp, name) for name in names}
+    for name in names:  # restored after: a gloo worker runs the next tests too
+        setattr(tiled_mlp, name, 1 if "FROM" in name else 5)
+    try:
+        return _hf_pipeline_tiled(family, pipe, recompute)
+    finally:
+        for name, value in saved.items():
+            setattr(tiled_mlp, name, value)
+
+
+def _hf_pipeline_tiled(family: str, pipe: int, recompute: str | None):
     from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
     from pipezero.pipe.hf.specs import HFDecoderLayer, _HFLayer
     from pipezero.pipe.memory.recompute import RecomputeConfig
     from pipezero.topology import Grid
 
-    tiled_mlp.TILE_FROM_ROWS, tiled_mlp.TILE_ROWS = 1, 5
-    tiled_mlp.NORM_TILE_FROM_ROWS, tiled_mlp.NORM_TILE_ROWS = 1, 5
     checkpointing = RecomputeConfig(mode="full", offload=True) if recompute == "offload" else None
     module = PipelineModule(hf_layer_specs(_hf_model(family), fused_loss=True), grid=Grid(pipe=pipe),
                             loss_fn=causal_lm_loss, recompute=checkpointing)
@@ -268,3 +279,35 @@ def test_checkpointed_offloaded_backward_keeps_one_lean_layer(monkeypatch):
     assert len(sliced) <= 4 * config.num_hidden_layers, sliced  # rotate_half's halves of q and k (66 before)
     peak = tracker.peak()[0] / (tokens * hidden * 2)
     assert peak < 16, f"{peak:.1f} [T, hidden] bf16 tensors alive at the peak (24.6 before)"
+
+
+def test_a_checkpointed_layer_recomputes_no_mlp_tile_before_its_backward():
+    """A checkpointed layer ending in a tiled MLP: its recompute stops before the tiles (their inputs are
+    kept as one tensor, ahead of them), so each tile runs twice (forward, its own recompute), not three
+    times but the last (29 calls of 10 tiles before); the gradients equal the untiled layer's, and again
+    in a second backward over the retained graph (a split backward's weight pass)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    up, down, norm = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.LayerNorm(8)
+    calls = [0]
+
+    def mlp(x):
+        calls[0] += 1
+        return down(F.gelu(up(x)))
+
+    def layer(h, tiled=True):
+        h = h + h.sin()
+        return h + (tiled_mlp.tiled_rows(mlp, norm(h), 5, 1) if tiled else mlp(norm(h)))
+
+    x = torch.randn(2, 23, 8, requires_grad=True)  # 46 rows: 10 tiles
+    params = [x, *up.parameters(), *down.parameters(), *norm.parameters()]
+    ref = torch.autograd.grad(layer(x.cos(), tiled=False).square().sum(), params)
+    calls[0] = 0
+    loss = checkpoint(layer, x.cos(), use_reentrant=False).square().sum()
+    grads = torch.autograd.grad(loss, params, retain_graph=True)
+    assert calls[0] == 20, calls[0]
+    again = torch.autograd.grad(loss, params)
+    for name, a, b, c in zip(["x", "up.w", "up.b", "down.w", "down.b", "norm.w", "norm.b"], grads, again, ref):
+        _close(a, c, name)
+        _close(b, c, f"{name}, second backward")
