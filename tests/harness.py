@@ -222,3 +222,16 @@ def _drop_task_groups(dist) -> None:
         return
     for pg in made:
         dist.destroy_process_group(pg)
+    _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions. They are keyed by mesh equality, which compares the
+    ranks and dim names but not the process groups: a later task's equal mesh would get an output spec
+    holding an earlier task's mesh, whose groups _drop_task_groups destroyed ("Could not resolve the
+    process group registered under the name ...")."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
+    _redistribute._gen_transform_infos.cache_clear()
