@@ -53,7 +53,6 @@ __all__ = ["FAMILIES", "block_terms", "head_terms"]
 FAMILIES = ("gpt", "llama")
 NORM_BACKWARD_FP32 = 5  # [tokens, d] fp32 temporaries of the RMSNorm's backward (tests/test_plan_kit.py)
 FLASH_HEAD_DIMS = 256   # CUDA's flash kernel takes head dims up to this, multiples of 8 (else k/v are repeated)
-_GPT_KIT = dict(act_kv_repeat=0.0, norm_fp32_bytes=0.0, norm_backward_bytes=0.0, norm_tile_grads=0.0)
 
 
 def block_terms(family: str, d: int, heads: int, kv_heads: int, intermediate: int, experts: int = 0,
@@ -61,13 +60,13 @@ def block_terms(family: str, d: int, heads: int, kv_heads: int, intermediate: in
     """A block's LayerProfile fields, per token: params, flops (without attention's s-dependent part),
     act_shared / act_sharded / act_extra_bytes, act_kv_repeat, act_tiled, act_selective (+ _mlp),
     norm_fp32_bytes, norm_backward_bytes, norm_tile_grads, backward_bytes, mlp_flops, expert_params,
-    moe_top_k."""
+    moe_top_k (the GPT's LayerNorm in the training dtype, untiled, and equal heads: no norm or kv_repeat term)."""
     hd = d // heads
     if family == "gpt":
         params = 12 * d * d + 13 * d
         return dict(params=params, flops=6.0 * 12 * d * d, act_shared=4.0 * d, act_sharded=12.0 * d,
                     act_tiled=8.0 * d, act_selective=5.0 * d, act_selective_mlp=5.0 * d, backward_bytes=0.0,
-                    act_extra_bytes=0.0, mlp_flops=6.0 * 8 * d * d, expert_params=0, moe_top_k=0, **_GPT_KIT)
+                    act_extra_bytes=0.0, mlp_flops=6.0 * 8 * d * d, expert_params=0, moe_top_k=0)
     if family != "llama":
         raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
     attn_params = 2 * d * d + 2 * d * kv_heads * hd
