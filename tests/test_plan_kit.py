@@ -138,6 +138,13 @@ def test_a_hugging_face_blocks_saved_bytes_match_autograd(monkeypatch):
         per_layer = _saved_bytes_per_layer(3, tokens) - _saved_bytes_per_layer(2, tokens)
         model = block.act_bytes("bf16", norms_tiled=norms_tiled) * tokens
         assert model == pytest.approx(per_layer, rel=0.002), (norms_tiled, model, per_layer)
+    # where the kernel needs equal heads (CUDA's in fp32) k and v are repeated: act_kv_repeat elements more
+    from pipezero.pipe import document_attention
+
+    monkeypatch.setattr(document_attention, "_grouped_kernel", lambda q, k, v: False)
+    per_layer = _saved_bytes_per_layer(3, tokens) - _saved_bytes_per_layer(2, tokens)
+    model = (block.act_bytes("bf16", norms_tiled=True) + block.act_kv_repeat * 2) * tokens
+    assert model == pytest.approx(per_layer, rel=0.002), (model, per_layer)
 
 
 # --- the expert axis (issue 47) ---
