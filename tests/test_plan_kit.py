@@ -24,7 +24,8 @@ GIB = 2**30
 # bench/live_tensors.py's extrapolation of the offloaded run (pipezero-offload: every layer checkpointed, its
 # input in pinned host memory) to TinyLlama's shape, for the code since memlive (norms in row tiles past 64K,
 # grouped k/v to SDPA as they are, one split for tiles and documents): `python bench/live_tensors.py --run
-# pipezero-offload --length L/32 --to L` (CPU, 2026-12-06; at 32K --length 16384: the norms are whole there).
+# pipezero-offload --length L/32 --to L` (CPU, 2026-12-06; at 32K --length 16384 and 32768 read the same:
+# the norms are whole there).
 # L/32 keeps the norms' tile count (NORM_TILE 512 scaled rows stand for 16,384). Only the offloaded run: its
 # extrapolation counts the scaled model's 6 checkpointed inputs, not 22, so the other runs' would be low.
 # The H100 peaks in bench/RESULTS.md are of the code before (main at 2330043): to be measured again.
