@@ -24,6 +24,13 @@ a document's part of the row, and there are --to / length times more of them; a 
 its MLP and norms where the full run at --to tokens tiles them (so --load needs the --save run's --to).
 At 16K scaled tokens it predicted the H100's 10.93 / 19.60 / 54.26 GiB at 32K / 128K / 512K (bench/
 RESULTS.md) as 10.77 / 19.26 / 53.91 GiB.
+
+The norms' tiles keep their count, not their rows: the scaled run's --length / 512 tiles stand for as
+many of 16,384 rows, and their input gradients, alive together until the split's backward joins them
+(d elements a token at the full run), are extrapolated right only where --to / 16,384 is that count:
+--length = --to / 32 (16K for 512K, 32K for 1M, 4K for 128K); the report says so otherwise. For the
+code since the norms are tiled (offloaded run, --length --to / 32): 13.51 / 29.03 / 49.72 GiB at 128K /
+512K / 1M (at 16K scaled tokens, 15.01 and 47.72 at 128K and 1M); tests/test_plan_kit.py holds them.
 """
 
 from __future__ import annotations
@@ -164,6 +171,7 @@ SCALE_DIMS = {256: 2048, 704: 5632, 4000: 32000, 8: 32, 32: 64, 64: 256, 2: 4, 4
 LOSS_ROWS = (2**25 // 4000, 2**25 // 32000)  # the fused loss's chunk rows, scaled and full
 LAYER_SHAPES = {(704, 256), (256, 704), (256, 256), (64, 256)}  # a layer's weights (their grads, Adam's state)
 LAYERS = TINYLLAMA["num_hidden_layers"] / SCALED["num_hidden_layers"]
+NORM_TILE_FROM_ROWS = tiled_mlp.NORM_TILE_FROM_ROWS  # the full run's (mirror_tiling changes the module's)
 
 
 def extrapolate(a: Alloc, length: int, to: int) -> float:
@@ -197,6 +205,8 @@ def _numel(shape: tuple) -> int:
 def report(tracker: LiveTensors, length: int, to: int, top: int) -> None:
     """The measured peak, then the extrapolated one (its own moment) with what is alive then, grouped."""
     measured, at, _ = tracker.peak()
+    if note := tile_count_note(length, to):
+        print(note)
     full, full_at, alive = tracker.peak(lambda a: extrapolate(a, length, to))
     print(f"measured peak {measured / 2**20:.1f} MiB ({measured / length:.0f} B/token) at op {at}; "
           f"extrapolated to TinyLlama's shape at {to} tokens: peak {full / 2**30:.2f} GiB at op {full_at} "
@@ -215,6 +225,16 @@ def report(tracker: LiveTensors, length: int, to: int, top: int) -> None:
     if rest:
         print(f"{sum(extrapolate(a, length, to) for a in rest) / 2**30:9.2f} "
               f"{sum(a.nbytes for a in rest) / 2**20:8.2f}      ({len(rows) - top} more groups)")
+
+
+def tile_count_note(length: int, to: int) -> str:
+    """Empty where the scaled run's norm tiles are as many as the full run's at `to` tokens; else the --length
+    that makes them so (their gradients waiting for the join are extrapolated by their count)."""
+    full_rows = SCALE_DIMS[NORM_TILE]
+    if to < NORM_TILE_FROM_ROWS or length * full_rows == to * NORM_TILE:
+        return ""
+    return (f"note: {length // NORM_TILE} norm tiles stand for {to // full_rows} at {to} tokens (their input "
+            f"gradients are extrapolated by the count): --length {to * NORM_TILE // full_rows} keeps it")
 
 
 def mirror_tiling(to: int) -> None:

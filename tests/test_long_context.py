@@ -253,7 +253,7 @@ def test_checkpointed_offloaded_backward_keeps_one_lean_layer(monkeypatch):
     CUDA allocations simulated): no backward makes a whole-row gradient per tile or document (slices did:
     O(T^2 / tile) traffic: 66 of them here), and the peak holds 14.0 [T, hidden] tensors' bytes (24.6
     before: the recomputed layer's RMSNorms in fp32 and their backward, k/v repeated to every head).
-    bench/live_tensors.py extrapolates the same path to 100 GiB (before) and 48 GiB (now) for TinyLlama
+    bench/live_tensors.py extrapolates the same path to 100 GiB (before) and 49.7 GiB (now) for TinyLlama
     at 1M tokens."""
     from bench.live_tensors import LiveTensors, simulated_offload
     from pipezero.pipe import PipelineModule

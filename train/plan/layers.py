@@ -11,16 +11,23 @@ Two block families (ModelShape.family):
   computed in fp32, rotary, grouped key/value heads, a gated (SwiGLU) MLP of `intermediate`, or
   routed experts. Counted from the tensors autograd keeps on a row of packed documents
   (tests/test_plan_kit.py checks a block's saved bytes against autograd's, within 0.2%):
-  - `norms`: each of the two RMSNorms keeps its fp32 input (4d bytes) and its normalised output
-    before the weight (d elements), and the weighted output feeds the projections (d elements);
-  - `attention`: q, and k and v at the query heads (pipe/document_attention.py repeats grouped
-    key/value heads for SDPA), the attention output and its transposed copy for o_proj (5d
-    elements), the kernel's log-sum-exp (4 bytes per head);
+  - `norms`: each of the two RMSNorms keeps its normalised output before the weight (d elements)
+    and the weighted output feeds the projections (d elements); whole, its fp32 input (4d bytes)
+    and 1/rms (4 bytes) too (`norm_fp32`). In row tiles (pipe/tiled_mlp.py, past
+    NORM_TILE_FROM_ROWS rows) it keeps its input in the training dtype in place of the normalised
+    output and nothing in fp32;
+  - `attention`: q, k and v at the key/value heads where the kernel takes them grouped (SDPA's
+    enable_gqa: CPU's flash kernel and CUDA's, which takes 16-bit inputs, pipe/document_attention.py;
+    in fp32 on a GPU they are repeated to the query heads, `kv_repeat`), the kernel's output and
+    the documents' joined output that o_proj reads (the transpose before o_proj is then free), the
+    kernel's log-sum-exp (4 bytes per head);
   - `mlp`: gate, up, silu(gate) and their product (4 x intermediate elements); row tiles
     (pipe/tiled_mlp.py) keep none of them, only the tiles' inputs, which are the norm's output;
-  - `norm_backward`: while a block's backward runs, the RMSNorm's fp32 backward holds five
+  - `norm_backward`: while a block's backward runs, a whole RMSNorm's fp32 backward holds five
     [tokens, d] fp32 temporaries (20d bytes) on top of what the block saved (the live tensors at
-    the peak of a step on CPU; an H200 shows about 2d bytes fewer: README, Long sequences).
+    the peak of a step on CPU; an H200 shows about 2d bytes fewer: README, Long sequences); in row
+    tiles one tile's (NORM_TILE_ROWS rows), beside the tiles' input gradients waiting for their
+    join and the joined gradient (`norm_tile_grads`: 2d elements a token, bench/live_tensors.py).
   A selective recompute (pipe/memory/recompute.py) keeps the matmuls' and the attention kernel's
   outputs (q, k, v, the attention output, o_proj's; gate, up and down_proj's unless tiled).
 
@@ -45,13 +52,15 @@ __all__ = ["FAMILIES", "block_terms", "head_terms"]
 
 FAMILIES = ("gpt", "llama")
 NORM_BACKWARD_FP32 = 5  # [tokens, d] fp32 temporaries of the RMSNorm's backward (tests/test_plan_kit.py)
+FLASH_HEAD_DIMS = 256   # CUDA's flash kernel takes head dims up to this, multiples of 8 (else k/v are repeated)
 
 
 def block_terms(family: str, d: int, heads: int, kv_heads: int, intermediate: int, experts: int = 0,
                 top_k: int = 0, moe_intermediate: int = 0) -> dict[str, float]:
     """A block's LayerProfile fields, per token: params, flops (without attention's s-dependent part),
-    act_shared / act_sharded / act_extra_bytes, act_tiled, act_selective (+ _mlp), backward_bytes,
-    mlp_flops, expert_params, moe_top_k."""
+    act_shared / act_sharded / act_extra_bytes, act_kv_repeat, act_tiled, act_selective (+ _mlp),
+    norm_fp32_bytes, norm_backward_bytes, norm_tile_grads, backward_bytes, mlp_flops, expert_params,
+    moe_top_k (the GPT's LayerNorm in the training dtype, untiled, and equal heads: no norm or kv_repeat term)."""
     hd = d // heads
     if family == "gpt":
         params = 12 * d * d + 13 * d
@@ -62,11 +71,16 @@ def block_terms(family: str, d: int, heads: int, kv_heads: int, intermediate: in
         raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
     attn_params = 2 * d * d + 2 * d * kv_heads * hd
     # elements per token, then bytes: the named terms of the module docstring
-    norm_outputs = 4.0 * d                     # two norms: normalised, and weighted (the projections' input)
-    norm_inputs_fp32 = 2 * 4.0 * d             # bytes: each norm's fp32 input
-    attention = 5.0 * d                        # q, repeated k and v, the output, its transposed copy
+    norm_outputs = 4.0 * d                     # two norms: normalised (tiled: its input), and weighted
+    norm_fp32 = 2 * (4.0 * d + 4.0)            # bytes: each whole norm's fp32 input and 1/rms
+    kv = 2.0 * kv_heads * hd                   # k and v at the key/value heads, as the kernel takes them
+    kv_repeat = 2.0 * d - kv                   # more, where k and v are repeated to the query heads
+    if hd % 8 or hd > FLASH_HEAD_DIMS:         # no flash kernel on a GPU: repeated in every precision
+        kv, kv_repeat = kv + kv_repeat, 0.0
+    attention = 3.0 * d + kv                   # q, k, v, the kernel's output, the joined output o_proj reads
     lse = 4.0 * heads                          # bytes: the attention kernel's log-sum-exp
-    norm_backward = NORM_BACKWARD_FP32 * 4.0 * d  # bytes, while the block's backward runs
+    norm_backward = NORM_BACKWARD_FP32 * 4.0 * d  # bytes, while the block's backward runs (a whole norm)
+    norm_tile_grads = 2.0 * d                  # the tiles' input gradients and their join (norms in tiles)
     selective = 3.0 * d + 2.0 * kv_heads * hd  # q, k, v projections', the attention's and o_proj's outputs
     if experts:
         routed = experts * 3 * d * moe_intermediate
@@ -78,10 +92,11 @@ def block_terms(family: str, d: int, heads: int, kv_heads: int, intermediate: in
         mlp = tiled = 4.0 * intermediate       # gate, up, silu(gate), their product
         selective_mlp = 2.0 * intermediate + d
     return dict(params=attn_params + mlp_params + 2 * d, flops=6.0 * attn_params + mlp_flops,
-                act_shared=norm_outputs, act_sharded=attention + mlp, act_extra_bytes=norm_inputs_fp32 + lse,
-                act_tiled=tiled, act_selective=selective, act_selective_mlp=selective_mlp,
-                backward_bytes=norm_backward, mlp_flops=mlp_flops, expert_params=routed,
-                moe_top_k=top_k if experts else 0)
+                act_shared=norm_outputs, act_sharded=attention + mlp, act_extra_bytes=norm_fp32 + lse,
+                act_kv_repeat=kv_repeat, act_tiled=tiled, act_selective=selective,
+                act_selective_mlp=selective_mlp, norm_fp32_bytes=norm_fp32, norm_backward_bytes=norm_backward,
+                norm_tile_grads=norm_tile_grads, backward_bytes=0.0, mlp_flops=mlp_flops,
+                expert_params=routed, moe_top_k=top_k if experts else 0)
 
 
 def head_terms(d: int, vocab: int, fused: bool) -> dict[str, float]:

@@ -32,6 +32,10 @@
   live micro-batch keeps each checkpointed run's input and the loss's saved output, and then
   either the loss's backward transient or the run being recomputed with its full activations
   (the loss's backward is over before the first recompute starts).
+  The MLP (from TILE_FROM_ROWS rows) and a Hugging Face layer's norms (from NORM_TILE_FROM_ROWS)
+  run in row tiles where the runtime tiles them (pipe/tiled_mlp.py, on the rank's rows): tiled, the
+  MLP keeps none of its intermediates and the norms no fp32 copy, and their backward holds one tile's
+  (layers.py's terms).
 * buffers: the p2p send/receive buffers (the slice that crosses stages: divided by the sequence
   degree too), two reduce buckets in flight (ZeRO 0-2) or two
   gathered layers (ZeRO 3), the runtime's reserve.
@@ -44,11 +48,11 @@ from typing import Sequence
 
 from pipezero.train.plan.hardware import Hardware
 from pipezero.train.plan.layout import Layout
-from pipezero.pipe.tiled_mlp import TILE_FROM_ROWS, TILE_ROWS
+from pipezero.pipe.tiled_mlp import NORM_TILE_FROM_ROWS, NORM_TILE_ROWS, TILE_FROM_ROWS, TILE_ROWS
 from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_experts, held_params, tied_head
 
-__all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "backward_peak", "model_state_bytes", "rank_memory",
-           "rank_tokens", "step_bytes", "tiled"]
+__all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "backward_peak", "model_state_bytes", "norms_tiled",
+           "rank_memory", "rank_tokens", "step_bytes", "tiled"]
 
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 
@@ -106,6 +110,12 @@ def tiled(layout: Layout, seq_len: int) -> bool:
     return rows >= TILE_FROM_ROWS and rows > TILE_ROWS
 
 
+def norms_tiled(layout: Layout, seq_len: int) -> bool:
+    """Does the runtime run a Hugging Face layer's norms in row tiles here (pipe/tiled_mlp.py's norm rule)?"""
+    rows = rank_tokens(layout, seq_len)
+    return rows >= NORM_TILE_FROM_ROWS and rows > NORM_TILE_ROWS
+
+
 def _runs(layers: Sequence[int], layout: Layout) -> list[Sequence[int]]:
     """The rank's layers as the backward meets them: checkpointed runs of `checkpoint` layers, or one each."""
     k = layout.checkpoint or 1
@@ -113,11 +123,11 @@ def _runs(layers: Sequence[int], layout: Layout) -> list[Sequence[int]]:
 
 
 def _kept(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, precision: str, d_model: int,
-          tile: bool) -> float:
+          tile: bool, norms: bool) -> float:
     """Bytes per token a run keeps on the device from its forward to its backward."""
     t, e = layout.tensor, bytes_per_element(precision)
     if not layout.checkpoint:
-        return sum(profile[i].act_bytes(precision, t, tile) for i in run)
+        return sum(profile[i].act_bytes(precision, t, tile, norms) for i in run)
     first = profile[run[0]]
     inputs = 0.0 if layout.host_inputs or first.kind == "Embedding" else d_model * e  # token ids: tiny
     selective = sum(profile[i].selective_bytes(precision, t) for i in run) if layout.selective else 0.0
@@ -126,7 +136,7 @@ def _kept(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, p
 
 
 def _working(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, precision: str, d_model: int,
-             tokens: float, tile: bool, before: bool) -> float:
+             tokens: float, tile: bool, norms: bool, before: bool) -> float:
     """Bytes alive only while the run's backward runs: its recompute (when checkpointed), the largest
     backward transient, under offload the input of the run before, prefetched."""
     t, e = layout.tensor, bytes_per_element(precision)
@@ -136,9 +146,9 @@ def _working(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout
         backward = min(p.backward_bytes * tokens, p.backward_cap_bytes) + p.backward_fixed_bytes
         if tile and p.act_tiled:  # or, earlier in it, one tile's MLP intermediates, saved and their gradients
             backward = max(backward, 2 * TILE_ROWS * p.act_tiled / (1 if p.tied else t) * e)
-        total = max(total, backward)
+        total = max(total, backward, p.norm_backward(precision, tokens, norms, NORM_TILE_ROWS))
     if layout.checkpoint:
-        saved = sum(profile[i].act_bytes(precision, t, tile) - profile[i].loss_bytes for i in run)
+        saved = sum(profile[i].act_bytes(precision, t, tile, norms) - profile[i].loss_bytes for i in run)
         kept = sum(profile[i].selective_bytes(precision, t, tile) for i in run) if layout.selective else 0.0
         # offloaded: the input unpacked for the recompute is dropped once it ran (the recomputed ops keep
         # their own tensors); the run before's, prefetched as this recompute starts, waits on the device
@@ -159,15 +169,15 @@ def backward_peak(profile: Sequence[LayerProfile], layers: Sequence[int], live: 
     """
     if live <= 0:  # no micro-batch in flight (the planner's memory floor)
         return 0.0, 0.0
-    tokens, tile = rank_tokens(layout, seq_len), tiled(layout, seq_len)
+    tokens, tile, norms = rank_tokens(layout, seq_len), tiled(layout, seq_len), norms_tiled(layout, seq_len)
     runs = _runs(list(layers), layout)
-    kept = [_kept(profile, run, layout, precision, d_model, tile) * tokens for run in runs]
+    kept = [_kept(profile, run, layout, precision, d_model, tile, norms) * tokens for run in runs]
     grads = dict(zip(layers, grad_bytes)) if grad_bytes is not None else {}
     others, pending, made = max(live - 1.0, 0.0) * sum(kept), sum(kept), 0.0
     best = (0.0, 0.0)
     for r in range(len(runs) - 1, -1, -1):
         made += sum(grads.get(i, 0.0) for i in runs[r])
-        alive = others + pending + _working(profile, runs[r], layout, precision, d_model, tokens, tile, r > 0)
+        alive = others + pending + _working(profile, runs[r], layout, precision, d_model, tokens, tile, norms, r > 0)
         if alive + made > sum(best):
             best = (alive, made)
         pending -= kept[r]

@@ -150,12 +150,30 @@ class LayerProfile:
     mlp_flops: float = 0.0                  # per token, the MLP's part of `flops` (what tiling recomputes)
     expert_params: int = 0                  # of `params`, the routed experts' (split over the expert axis)
     moe_top_k: int = 0                      # experts each token goes to (a MoE block's)
+    # the norms' and attention's terms (layers.py): elements per token more where k and v are repeated to
+    # the query heads (fp32 on a GPU); saved bytes per token of the norms' fp32 work that row tiles of the
+    # norms do not keep (part of act_extra_bytes); the norms' backward: bytes per token of a whole norm's
+    # fp32 temporaries, and in row tiles elements per token of the tiles' gradients beside their join
+    act_kv_repeat: float = 0.0
+    norm_fp32_bytes: float = 0.0
+    norm_backward_bytes: float = 0.0
+    norm_tile_grads: float = 0.0
 
-    def act_bytes(self, precision: str, tensor: int = 1, tiled: bool = False) -> float:
-        """Saved bytes per token on one tensor rank (`tiled`: the MLP in row tiles)."""
-        sharded = self.act_sharded - (self.act_tiled if tiled else 0.0)
+    def act_bytes(self, precision: str, tensor: int = 1, tiled: bool = False, norms_tiled: bool = False) -> float:
+        """Saved bytes per token on one tensor rank (`tiled`: the MLP in row tiles; `norms_tiled`: the norms)."""
+        repeat = self.act_kv_repeat if _BYTES[precision] == 4 else 0.0  # CUDA's flash kernel: 16-bit only
+        sharded = self.act_sharded + repeat - (self.act_tiled if tiled else 0.0)
         sharded = sharded if self.tied else sharded / tensor
-        return (self.act_shared + sharded) * _BYTES[precision] + self.act_extra_bytes + self.loss_bytes
+        extra = self.act_extra_bytes - (self.norm_fp32_bytes if norms_tiled else 0.0)
+        return (self.act_shared + sharded) * _BYTES[precision] + extra + self.loss_bytes
+
+    def norm_backward(self, precision: str, tokens: float, norms_tiled: bool, tile_rows: int) -> float:
+        """Bytes the norms' backward holds at once beyond what the layer saved: a whole norm's fp32
+        temporaries for every token, or one tile's (`tile_rows`) beside the tiles' gradients and their join."""
+        if not norms_tiled:
+            return self.norm_backward_bytes * tokens
+        rows = min(tokens, tile_rows)
+        return self.norm_backward_bytes * rows + self.norm_tile_grads * tokens * _BYTES[precision]
 
     def selective_bytes(self, precision: str, tensor: int = 1, tiled: bool = False) -> float:
         """Bytes per token a selectively recomputed run keeps of this layer (the matmuls' outputs)."""
@@ -181,8 +199,9 @@ def _layers(shape: ModelShape) -> list[LayerProfile]:
     embed = LayerProfile(kind="Embedding", params=v * d + positions, flops=0.0, act_shared=rotary, act_sharded=0.0,
                          act_extra_bytes=8.0, tied=shape.tied)
     block = LayerProfile(kind="Block", **terms)
+    fp32 = 0.0 if shape.family == "gpt" else 4.0 * d + 4.0  # a Llama RMSNorm's fp32 input and 1/rms (whole)
     norm = LayerProfile(kind="FinalNorm", params=2 * d, flops=0.0, act_shared=float(d), act_sharded=0.0,
-                        act_extra_bytes=8.0 if shape.family == "gpt" else 4.0 * d)
+                        act_extra_bytes=8.0 if shape.family == "gpt" else fp32, norm_fp32_bytes=fp32)
     head = LayerProfile(kind="Head", params=v * d, flops=6.0 * v * d, act_sharded=0.0, tied=shape.tied,
                         **head_terms(d, v, shape.fused_loss))
     return [embed, *([block] * shape.layers), norm, head]
