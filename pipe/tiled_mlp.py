@@ -46,6 +46,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipezero.pipe.memory.recompute import recomputed_matmuls
+
 __all__ = ["NORM_TILE_FROM_ROWS", "NORM_TILE_ROWS", "TILE_FROM_ROWS", "TILE_ROWS", "tile_mlp", "tile_norm",
            "tiled_rows"]
 
@@ -69,11 +71,12 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile
         return fn(x)
     flat = x.reshape(rows, x.shape[-1])
     tiles = flat.split(tile_rows)
-    if torch.compiler.is_compiling() or not flat.requires_grad:
-        outs = [checkpoint(fn, tile, use_reentrant=False) for tile in tiles]
-    else:
-        kept = _KeptRows(flat, tile_rows)
-        outs = [kept.checkpoint(fn, tile) for tile in tiles]
+    with recomputed_matmuls():  # under a selective checkpoint too, no tile's matmul output is kept
+        if torch.compiler.is_compiling() or not flat.requires_grad:
+            outs = [checkpoint(fn, tile, use_reentrant=False) for tile in tiles]
+        else:
+            kept = _KeptRows(flat, tile_rows)
+            outs = [kept.checkpoint(fn, tile) for tile in tiles]
     out = torch.cat(outs)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 

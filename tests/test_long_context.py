@@ -281,6 +281,37 @@ def test_checkpointed_offloaded_backward_keeps_one_lean_layer(monkeypatch):
     assert peak < 16, f"{peak:.1f} [T, hidden] bf16 tensors alive at the peak (24.6 before)"
 
 
+def test_selective_checkpointing_keeps_no_mlp_tile_output(monkeypatch):
+    """A selectively checkpointed layer keeps its matmuls' outputs, but not those of its MLP's row tiles
+    (which recompute themselves): kept, every tile's [rows, intermediate] outputs made the whole
+    [T, intermediate] the tiles avoid, and the step's peak was above the unchecked run's (30.8 against
+    22.1 [T, hidden] bf16 tensors here)."""
+    from bench.live_tensors import LiveTensors
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.memory.recompute import RecomputeConfig
+    from pipezero.topology import Grid
+
+    for name, value in (("TILE_FROM_ROWS", 1), ("TILE_ROWS", 256), ("NORM_TILE_FROM_ROWS", 1), ("NORM_TILE_ROWS", 256)):
+        monkeypatch.setattr(tiled_mlp, name, value)
+    tokens, hidden = 2048, 64
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=hidden, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=tokens,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    ids = torch.randint(0, 32, (1, tokens), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(tokens).remainder(300)[None]
+    peaks = {}
+    for mode in ("none", "selective"):
+        torch.manual_seed(0)
+        module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1), loss_fn=causal_lm_loss,
+                                recompute=RecomputeConfig(mode=mode)).to(torch.bfloat16)
+        tracker = LiveTensors()
+        with tracker:
+            module.loss(module((ids, None, positions)), ids).backward()
+        peaks[mode] = tracker.peak()[0] / (tokens * hidden * 2)
+    assert peaks["selective"] < 0.85 * peaks["none"], peaks
+
+
 def test_a_checkpointed_layer_recomputes_no_mlp_tile_before_its_backward():
     """A checkpointed layer ending in a tiled MLP: its recompute stops before the tiles (their inputs are
     kept as one tensor, ahead of them), so each tile runs twice (forward, its own recompute), not three

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from pipezero.pipe.memory.offload import HostOffload
 
 __all__ = ["MODES", "SAVED_OPS", "RecomputeConfig", "checkpoint_blocks", "checkpointed", "checkpointed_runs",
-           "in_selective_run"]
+           "in_selective_run", "recomputed_matmuls"]
 
 MODES = ("none", "full", "selective")
 _selective = threading.local()  # set while a selectively checkpointed run's forward (or its recompute) runs
@@ -102,7 +102,21 @@ class RecomputeConfig:
 
 def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     packet = getattr(op, "overloadpacket", op)
-    return CheckpointPolicy.MUST_SAVE if packet in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = packet in SAVED_OPS and not getattr(_selective, "recomputed", False)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextmanager
+def recomputed_matmuls():
+    """Within it, a selective run keeps no matmul output: code that recomputes its own pieces (the row
+    tiles of pipe/tiled_mlp.py) would otherwise have every tile's [rows, intermediate] outputs kept by
+    the enclosing selective checkpoint, the whole [T, intermediate] the tiles exist to avoid. The same
+    code runs under it in the forward and the recompute, so the policy decides alike in both."""
+    before, _selective.recomputed = getattr(_selective, "recomputed", False), True
+    try:
+        yield
+    finally:
+        _selective.recomputed = before
 
 
 def _context_fn(mode: str) -> Callable | None:

@@ -130,8 +130,8 @@ def _kept(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, p
         return sum(profile[i].act_bytes(precision, t, tile, norms) for i in run)
     first = profile[run[0]]
     inputs = 0.0 if layout.host_inputs or first.kind == "Embedding" else d_model * e  # token ids: tiny
-    selective = sum(profile[i].selective_bytes(precision, t) for i in run) if layout.selective else 0.0
-    # (tiled too: the tiles' own checkpoints run under the selective policy, which keeps their matmuls' outputs)
+    # row tiles keep none of their matmuls' outputs (pipe/memory/recompute.py's recomputed_matmuls)
+    selective = sum(profile[i].selective_bytes(precision, t, tile) for i in run) if layout.selective else 0.0
     return inputs + selective + sum(profile[i].loss_bytes for i in run)  # the loss sits outside the checkpoint
 
 
