@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from harness import run  # noqa: E402
+from peft_start import peft_start  # noqa: E402
 
 WORLD, VOCAB, SEQ, BATCH = 4, 256, 8, 4  # byte tokens: the GPT job's batches feed the model as they are
 STEPS, SAVED_AT, LR = 4, 2, 1e-3
@@ -222,15 +223,7 @@ def _peft_truth(root: str) -> dict:
     """The base and its starting adapters (B non-zero) on disk; peft's losses and adapters, one process, AdamW."""
     from pipezero.pipe.hf import causal_lm_loss
 
-    base = _base(router=False)
-    base.save_pretrained(f"{root}/base")
-    model = peft.get_peft_model(base, _peft_config())
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    model.save_pretrained(f"{root}/start")
+    model = peft_start(_base(router=False), _peft_config(), root)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for step in range(2):

@@ -247,6 +247,15 @@ def test_saved_activations_grow_linearly_with_the_packed_length(monkeypatch):
     assert _saved_bytes(module, 1024) < 0.8 * large
 
 
+def _long_row_llama(monkeypatch, tokens: int = 2048, hidden: int = 64):
+    """A 2-layer Llama for one packed row of `tokens`, its MLP and norms in 256-row tiles from any length."""
+    for name, value in (("TILE_FROM_ROWS", 1), ("TILE_ROWS", 256), ("NORM_TILE_FROM_ROWS", 1), ("NORM_TILE_ROWS", 256)):
+        monkeypatch.setattr(tiled_mlp, name, value)
+    return transformers.LlamaConfig(vocab_size=32, hidden_size=hidden, intermediate_size=176, num_hidden_layers=2,
+                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=tokens,
+                                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
 def test_checkpointed_offloaded_backward_keeps_one_lean_layer(monkeypatch):
     """The memory kit at its longest (every layer checkpointed, its input offloaded; MLP and norms tiled)
     on a packed row of documents, bf16, every allocation tracked (bench/live_tensors.py, the offload's
@@ -261,12 +270,8 @@ def test_checkpointed_offloaded_backward_keeps_one_lean_layer(monkeypatch):
     from pipezero.pipe.memory.recompute import RecomputeConfig
     from pipezero.topology import Grid
 
-    for name, value in (("TILE_FROM_ROWS", 1), ("TILE_ROWS", 256), ("NORM_TILE_FROM_ROWS", 1), ("NORM_TILE_ROWS", 256)):
-        monkeypatch.setattr(tiled_mlp, name, value)
     tokens, hidden = 2048, 64
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=hidden, intermediate_size=176, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=tokens,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = _long_row_llama(monkeypatch, tokens, hidden)
     module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1), loss_fn=causal_lm_loss,
                             recompute=RecomputeConfig(mode="full", offload=True)).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
@@ -292,12 +297,8 @@ def test_selective_checkpointing_keeps_no_mlp_tile_output(monkeypatch):
     from pipezero.pipe.memory.recompute import RecomputeConfig
     from pipezero.topology import Grid
 
-    for name, value in (("TILE_FROM_ROWS", 1), ("TILE_ROWS", 256), ("NORM_TILE_FROM_ROWS", 1), ("NORM_TILE_ROWS", 256)):
-        monkeypatch.setattr(tiled_mlp, name, value)
     tokens, hidden = 2048, 64
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=hidden, intermediate_size=176, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=tokens,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = _long_row_llama(monkeypatch, tokens, hidden)
     ids = torch.randint(0, 32, (1, tokens), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(tokens).remainder(300)[None]
     peaks = {}

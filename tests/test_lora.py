@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from harness import run  # noqa: E402
+from peft_start import peft_start  # noqa: E402
 from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
 from pipezero.pipe import deferred_linear  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict, hf_tensor_plan  # noqa: E402
@@ -59,15 +60,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _truth(root: str, tied: bool = False) -> dict:
     """Base checkpoint and starting adapters on disk; the one-process peft run's losses and adapters."""
     root = f"{root}/tied" if tied else root
-    base = _base(tied)
-    base.save_pretrained(f"{root}/base")
-    model = peft.get_peft_model(base, _peft_config())
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    model.save_pretrained(f"{root}/start")
+    model = peft_start(_base(tied), _peft_config(), root)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR)
     losses = []

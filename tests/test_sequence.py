@@ -206,17 +206,9 @@ def _peft_config():
 
 def _lora_truth(root):
     """peft's model on the base (adapters' B made non-zero, saved as its starting adapter directory)."""
-    import peft
+    from peft_start import peft_start
 
-    base = _model("llama")
-    base.save_pretrained(f"{root}/base")
-    model = peft.get_peft_model(base, _peft_config())
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    model.save_pretrained(f"{root}/start")
+    model = peft_start(_model("llama"), _peft_config(), root)
     ids, positions, labels = _batch(packed=True)
     loss = torch.stack([causal_lm_loss(model(ids[i:i + 1], position_ids=positions[i:i + 1], use_cache=False).logits,
                                        labels[i:i + 1]) for i in range(ROWS)]).mean()
