@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from harness import run  # noqa: E402
-from peft_start import peft_start  # noqa: E402
+from peft_start import peft_start, peft_train  # noqa: E402
 
 WORLD, VOCAB, SEQ, BATCH = 4, 256, 8, 4  # byte tokens: the GPT job's batches feed the model as they are
 STEPS, SAVED_AT, LR = 4, 2, 1e-3
@@ -221,20 +221,8 @@ def _peft_config():
 
 def _peft_truth(root: str) -> dict:
     """The base and its starting adapters (B non-zero) on disk; peft's losses and adapters, one process, AdamW."""
-    from pipezero.pipe.hf import causal_lm_loss
-
     model = peft_start(_base(router=False), _peft_config(), root)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for step in range(2):
-        ids, targets = _rows(step)
-        loss = causal_lm_loss(model(ids).logits, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    adapters = {k.removeprefix("base_model.model."): v.clone()
-                for k, v in peft.get_peft_model_state_dict(model).items()}
+    losses, adapters = peft_train(model, (_rows(step) for step in range(2)), lr=1e-2)
     return {"losses": losses, "adapters": adapters}
 
 

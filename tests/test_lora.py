@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from harness import run  # noqa: E402
-from peft_start import peft_start  # noqa: E402
+from peft_start import peft_start, peft_train  # noqa: E402
 from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
 from pipezero.pipe import deferred_linear  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict, hf_tensor_plan  # noqa: E402
@@ -61,18 +61,7 @@ def _truth(root: str, tied: bool = False) -> dict:
     """Base checkpoint and starting adapters on disk; the one-process peft run's losses and adapters."""
     root = f"{root}/tied" if tied else root
     model = peft_start(_base(tied), _peft_config(), root)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR)
-    losses = []
-    for step in range(STEPS):
-        ids, targets = _batch(step)
-        loss = causal_lm_loss(model(ids).logits, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    adapters = {k.removeprefix("base_model.model."): v.clone()
-                for k, v in peft.get_peft_model_state_dict(model).items()}
+    losses, adapters = peft_train(model, (_batch(step) for step in range(STEPS)), lr=LR)
     return {"base": f"{root}/base", "start": f"{root}/start", "losses": losses, "adapters": adapters}
 
 
