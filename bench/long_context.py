@@ -202,19 +202,20 @@ def measure(run: str, shape: str, length: int, steps: int, layers: int | None = 
     step = build(config, device, dtype, run, offload_optimizer)
     ids, positions = _row(length, config.vocab_size, device)
     try:
-        step(ids, positions)  # warm-up
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step(ids, positions)
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        timed = [_timed(step, ids, positions, cuda) for _ in range(1 + steps)]  # the first: warm-up
     except torch.OutOfMemoryError:
         return {"error": "out of memory"}
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"tokens_per_s": steps * length / elapsed, "peak_gb": peak / 2**30}
+    seconds = sum(timed[1:]) if steps else timed[0]  # --steps 0: the warm-up step's time (a long row's only step)
+    return {"tokens_per_s": max(steps, 1) * length / seconds, "peak_gb": peak / 2**30}
+
+
+def _timed(step, ids: torch.Tensor, positions: torch.Tensor, cuda: bool) -> float:
+    start = time.perf_counter()
+    step(ids, positions)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def _in_subprocess(run: str, shape: str, length: int, steps: int, layers: int | None, offload: bool) -> dict:
@@ -234,7 +235,7 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--runs", nargs="+", default=["pipezero", "torch"], choices=RUNS)
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step (0: time the warm-up step)")
     p.add_argument("--layers", type=int, default=None, help="the shape's depth cut to N layers (same width)")
     p.add_argument("--offload-optimizer", default="auto", choices=("auto", "on", "off"),
                    help="AdamW state on the host (auto: on for llama3-8b)")
