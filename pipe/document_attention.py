@@ -17,9 +17,10 @@ materialises the whole scores (quadratic on CPU, where CI runs) and its fast pat
 torch.compile (minutes of compilation on a 2-core CPU); per-document SDPA is exact and
 linear everywhere with no compilation. The cost is one SDPA call per document (a Python loop):
 nothing beside the attention of a long document, but launch-bound for hundreds of short ones on
-a GPU, where one flash varlen call over the cumulative lengths (`Documents.cu_seqlens`,
-torch.nn.attention.varlen.varlen_attn, CUDA only) is the next step; it is not taken here yet,
-for want of a GPU test of it.
+a GPU. So on CUDA, in bf16 / fp16 with a head dim flash takes, every document of the micro-batch
+goes through one flash varlen call over the cumulative lengths (`Documents.cu_seqlens`,
+torch.nn.attention.varlen.varlen_attn, torch >= 2.11; grouped key/value heads as they are), and
+the per-document loop serves CPU, fp32 and older torch.
 
 The documents are one `split` of the row (autograd's SplitBackward joins their gradients once; a slice
 per document would make a zero-filled gradient of the whole row per document, O(T^2 / document) memory
@@ -108,6 +109,8 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
     if docs.shape != (batch, tokens):
         raise ValueError(f"document_attention: the documents are of a {docs.shape[0]} x {docs.shape[1]} micro-batch, "
                          f"q of {batch} x {tokens}; make them from this micro-batch's position or segment ids")
+    if not docs.single and _varlen_fits(q):
+        return _varlen_attention(q, k, v, docs, scale)
     groups = heads // k.shape[1]
     grouped = groups > 1 and _grouped_kernel(q, k, v)
     if groups > 1 and not grouped:  # repeated here: the memory-efficient and cuDNN kernels need equal heads
@@ -134,3 +137,29 @@ def _grouped_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True)  # no mask, no dropout, causal, gqa
     return torch.backends.cuda.can_use_flash_attention(params)
+
+
+_VARLEN_TORCH = tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _varlen_fits(q: torch.Tensor) -> bool:
+    """Can one flash varlen call attend this micro-batch's documents (CUDA, half precision, flash's head dims)?"""
+    dim = q.shape[-1]
+    return _VARLEN_TORCH and q.is_cuda and q.dtype in _HALF and dim <= 256 and dim % 8 == 0
+
+
+def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
+                      scale: float | None) -> torch.Tensor:
+    """Every document of the micro-batch in one flash varlen call: [B, H, T, D] in and out (a view of the
+    [B, T, H, D] layout the output projection reads)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    batch, heads, tokens, dim = q.shape
+
+    def flat(t: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B * T, H, D]: the documents end to end
+        return t.transpose(1, 2).reshape(batch * tokens, t.shape[1], dim)
+
+    out = varlen_attn(flat(q), flat(k), flat(v), docs.cu_seqlens, docs.cu_seqlens, docs.longest, docs.longest,
+                      scale=scale, window_size=(-1, 0), enable_gqa=k.shape[1] != heads)  # (-1, 0): causal
+    return out.view(batch, tokens, heads, dim).transpose(1, 2)

@@ -67,6 +67,39 @@ def test_document_attention_equals_the_masked_attention():
         document_attention(q[:1], k[:1], v[:1], docs)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flash varlen)")
+@pytest.mark.parametrize("kv_heads", [4, 32])
+def test_one_varlen_call_equals_one_sdpa_call_per_document_on_cuda(kv_heads):
+    from pipezero.pipe import document_attention as module
+
+    torch.manual_seed(0)
+    lengths = [300, 1, 2500, 1000, 296]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    docs = documents_from_positions(positions)
+    q = torch.randn(1, 32, sum(lengths), 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, sum(lengths), 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    assert module._varlen_fits(q)
+    out = document_attention(q, k, v, docs)
+    ref = torch.cat([F.scaled_dot_product_attention(a.float(), b.float(), c.float(), is_causal=True,
+                                                    enable_gqa=True)
+                     for a, b, c in zip(*(t.split(lengths, dim=2) for t in (q, k, v)))], dim=2)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    g = torch.randn_like(out)
+    grads = zip("qkv", torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g.float()))
+    for name, a, b in grads:
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2, msg=lambda m: f"d{name}: {m}")
+
+
+def test_the_varlen_call_is_for_cuda_in_half_precision_only():
+    from pipezero.pipe import document_attention as module
+
+    assert not module._varlen_fits(torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16))  # CPU: the loop
+    if torch.cuda.is_available():
+        assert not module._varlen_fits(torch.zeros(1, 2, 8, 64, device="cuda"))  # fp32: the loop
+        assert not module._varlen_fits(torch.zeros(1, 2, 8, 320, device="cuda", dtype=torch.bfloat16))
+
+
 @pytest.fixture
 def tiles(monkeypatch):
     """The MLP and the norms in tiles of 5 rows from any size (by default from 8,192 and 65,536 rows)."""
