@@ -3,14 +3,18 @@
 Four gloo ranks, each a data replica of the dense layers with its own rows of the batch:
 Qwen3-MoE at pipe 1 with expert 4 (each rank one of the four experts; the experts' reduction group
 is one rank) and expert 2 x data 2 (each pair of ranks splits the experts, each expert held by two
-ranks whose gradients are summed), under ZeRO 1, 2 and 3; Mixtral and DeepSeek-V3 (shared
-experts, a dense first layer) at pipe 2 x expert 2 under 1F1B, and Mixtral under ZB-V (split
-backward; the final norm and the head on different stages: the load-balancing term crosses a
-boundary). The groups come from Grid(expert=E): its expert axis (E consecutive ranks of the old
+ranks whose gradients are summed), under ZeRO 1, 2 and 3; at pipe 2 x expert 2, Mixtral and
+DeepSeek-V3 (shared experts, a dense first layer) under 1F1B (DeepSeek-V3 at ZeRO-1 and ZeRO-3),
+Mixtral under ZB-V (split backward; the final norm and the head on different stages: the
+load-balancing term crosses a boundary), OLMoE under DualPipeV (four microbatches a rank, its F/B
+pairs and split backwards) and DeepSeek-V3 under DualPipeV at ZeRO-3 (the V puts the embedding, the
+dense first layer and the head on pipe rank 0, which holds no experts). Eight ranks: Qwen3-MoE at
+pipe 2 x expert 4 (data 1, each rank one expert) under ZB-V at ZeRO-3. One row a microbatch.
+The groups come from Grid(expert=E): its expert axis (E consecutive ranks of the old
 data axis) splits the experts, its data axis holds the same experts. One optimizer,
 ZeroOptimizer(LossScaler(SGD, clipping on)) over data x expert, takes expert_param_groups: the
 experts reduce and shard over their own data group (zero/reduction.py).
-The truth is transformers' model on the whole batch, one microbatch per rank
+The truth is transformers' model on the whole batch, one row a microbatch
 (output_router_logits=True: the load-balancing loss too), its gradients clipped by torch's own
 clip_grad_norm_ to half their norm: the loss and, through one SGD step of rate 1, every clipped
 gradient by Hugging Face name (an expert's on the rank holding it), fp32; hf_state_dict gathers
@@ -32,12 +36,14 @@ from test_hf_router import _batch, _targets, _truth, _model  # noqa: E402
 WORLD = 4
 
 
-def _expert_step(family: str, expert: int, pipe: int, zero_stage: int, zbv: bool, max_norm: float) -> tuple:
-    """One step at pipe x data x expert = WORLD: the loss, each parameter's gradient by Hugging Face name, and
-    which experts this rank holds. The groups are the Grid's; the asserts check them against the layout."""
+def _expert_step(family: str, expert: int, pipe: int, zero_stage: int, schedule: str, microbatches: int,
+                 max_norm: float) -> tuple:
+    """One step at pipe x data x expert = the world, one row per microbatch: the loss, each parameter's gradient
+    by Hugging Face name, and which experts this rank holds. The groups are the Grid's; the asserts check them
+    against the layout."""
     import torch.distributed as dist
 
-    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
+    from pipezero.pipe import DualPipeV, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
     from pipezero.pipe.expert import expert_param_groups, expert_parameters, shard_experts
     from pipezero.precision import LossScaler
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict
@@ -45,35 +51,37 @@ def _expert_step(family: str, expert: int, pipe: int, zero_stage: int, zbv: bool
     from pipezero.topology import Grid
     from pipezero.zero import ZeroOptimizer, gathered
 
-    grid = Grid(pipe=pipe, expert=expert)  # data x expert = WORLD / pipe: the dense parameters' replicas
+    grid = Grid(pipe=pipe, expert=expert)  # data x expert = world / pipe: the dense parameters' replicas
     expert_group, same_experts = grid.expert_group, grid.expert_data_group
-    replicas = WORLD // pipe
+    world = dist.get_world_size()
+    replicas = world // pipe
     first = grid.pipe_rank * replicas  # ranks that split the experts, then those that hold the same ones
     block = (grid.rank - first) // expert * expert + first
     assert dist.get_process_group_ranks(expert_group) == list(range(block, block + expert))
     assert dist.get_process_group_ranks(same_experts) == list(range(first + grid.expert_rank, first + replicas,
                                                                     expert))
     assert grid.group_ranks("data_sequence") == list(range(first, first + replicas))
+    v = schedule != "1f1b"  # ZB-V and DualPipeV: two chunks per rank in a V
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
-                            partition_method="uniform", num_chunks=2 if zbv else 1, placement="v" if zbv else "looped")
-    assert shard_experts(module, expert_group) > 0
+                            partition_method="uniform", num_chunks=2 if v else 1, placement="v" if v else "looped")
+    shard_experts(module, expert_group)  # none on a rank of dense layers only (DeepSeek-V3's first, in a V)
     experts = expert_parameters(module)
-    assert experts and all(p.shape[0] == 4 // expert for p in experts)  # this rank's experts only
+    assert all(p.shape[0] == 4 // expert for p in experts)  # this rank's experts only
     before = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
               for n, p in layer.hf_parameters()}
     scaler = LossScaler(torch.optim.SGD(expert_param_groups(module, grid), lr=1.0), init_scale=1.0, dynamic=False,
                         clip_grad_norm=max_norm)
     opt = ZeroOptimizer(scaler, stage=zero_stage, group=grid.data_sequence_group,
                         module=module if zero_stage == 3 else None)
-    runner = PipelineRunner(module, (ZeroBubbleV if zbv else OneFOneB)(num_microbatches=pipe), optimizer=opt)
-    ids, mask, labels = _batch(True)
-    share = ids.shape[0] // grid.data_expert_size
-    rows = slice(grid.data_expert_rank * share, (grid.data_expert_rank + 1) * share)
+    kind = {"1f1b": OneFOneB, "zbv": ZeroBubbleV, "dualpipev": DualPipeV}[schedule]
+    runner = PipelineRunner(module, kind(num_microbatches=microbatches), optimizer=opt)
+    ids, mask, labels = _batch(True, replicas * microbatches)
+    rows = slice(grid.data_expert_rank * microbatches, (grid.data_expert_rank + 1) * microbatches)
     batch = (ids[rows], mask[rows]), _targets(labels)[rows]
     loss = runner.train_step(*batch)
     assert opt.step() is not False
     if zero_stage == 1 and pipe == 1:  # an inf in one expert's gradient, on one rank: every rank skips
-        hook = experts[0].register_hook(lambda g: g * float("inf")) if grid.rank == WORLD - 1 else None
+        hook = experts[0].register_hook(lambda g: g * float("inf")) if grid.rank == world - 1 else None
         opt.zero_grad()
         runner.train_step(*batch)
         assert opt.step() is False and scaler.skipped_steps == 1
@@ -89,16 +97,23 @@ def _expert_step(family: str, expert: int, pipe: int, zero_stage: int, zbv: bool
     return loss, {n: before[n] - after[n] for n in after}, part, whole
 
 
-CASES = [("qwen3_moe", 4, 1, 1, False), ("qwen3_moe", 4, 1, 3, False), ("qwen3_moe", 2, 1, 2, False),
-         ("qwen3_moe", 2, 1, 3, False), ("mixtral", 2, 2, 1, False), ("deepseek_v3", 2, 2, 1, False),
-         ("mixtral", 2, 2, 1, True)]
-# family, expert, pipe, ZeRO stage (dense and expert parameters), ZB-V (else 1F1B)
+CASES = [("qwen3_moe", 4, 1, 1, "1f1b", 1), ("qwen3_moe", 4, 1, 3, "1f1b", 1), ("qwen3_moe", 2, 1, 2, "1f1b", 1),
+         ("qwen3_moe", 2, 1, 3, "1f1b", 1), ("mixtral", 2, 2, 1, "1f1b", 2), ("deepseek_v3", 2, 2, 1, "1f1b", 2),
+         ("mixtral", 2, 2, 1, "zbv", 2), ("olmoe", 2, 2, 1, "dualpipev", 4), ("deepseek_v3", 2, 2, 3, "1f1b", 2),
+         ("deepseek_v3", 2, 2, 3, "dualpipev", 4)]
+# family, expert, pipe, ZeRO stage (dense and expert parameters), schedule, microbatches per rank (one row each)
+WIDE = [("qwen3_moe", 4, 2, 3, "zbv", 2)]  # the same at world 8: expert 4 x pipe 2 (data 1)
 
 
-def _clipped(family: str) -> tuple[torch.Tensor, dict, float]:
-    """transformers' loss and gradients (one microbatch per data x expert rank), the gradients clipped by
+def _rows(case: tuple, world: int) -> int:
+    """The rows of the whole batch: one per microbatch of each data x expert rank."""
+    return world // case[2] * case[5]
+
+
+def _clipped(family: str, rows: int) -> tuple[torch.Tensor, dict, float]:
+    """transformers' loss and gradients (one microbatch per row), the gradients clipped by
     torch.nn.utils.clip_grad_norm_ to half their global norm, and that max norm."""
-    loss, grads = _truth(family, True, WORLD)
+    loss, grads = _truth(family, True, rows, rows)
     model = _model(family)
     for name, p in model.named_parameters():
         p.grad = grads.get(name)
@@ -198,25 +213,36 @@ def _cases(max_norms: list[float]) -> list:
             [_accumulated(*case) for case in ACCUMULATED])
 
 
+def _wide(max_norms: list[float]) -> list:
+    return [_expert_step(*case, max_norm) for case, max_norm in zip(WIDE, max_norms)]
+
+
 def test_expert_parallel_equals_one_process():
     """Each fails with the expert gradients divided by the ranks holding the same experts only, or left
     out of the clipping norm."""
-    truths = {family: _clipped(family) for family in sorted({case[0] for case in CASES})}
-    results = run(_cases, WORLD, [truths[case[0]][2] for case in CASES], timeout=300)
-    wanted = [(case[0], *truths[case[0]][:2]) for case in CASES] + [(BUILT["family"], *_built_truth())]
-    for i, (family, want_loss, want_grads) in enumerate(wanted):
-        grads = {}
-        for rank_results in results:
+    keys = [(case[0], _rows(case, WORLD)) for case in CASES] + [(case[0], _rows(case, 8)) for case in WIDE]
+    truths = {key: _clipped(*key) for key in sorted(set(keys))}
+    norms = [truths[key][2] for key in keys]
+    results = run(_cases, WORLD, norms[:len(CASES)], timeout=300)
+    wide = run(_wide, 8, norms[len(CASES):], timeout=300)
+    wanted = [(key[0], *truths[key][:2]) for key in keys[:len(CASES)]] + [(BUILT["family"], *_built_truth())]
+    checked = [(results, i, want) for i, want in enumerate(wanted)]
+    checked += [(wide, i, (key[0], *truths[key][:2])) for i, key in enumerate(keys[len(CASES):])]
+    for ranks, i, (family, want_loss, want_grads) in checked:
+        grads, wholes = {}, set()
+        for rank_results in ranks:
             loss, rank_grads, (lo, hi), whole = rank_results[i]
             stepped = {n: p.detach() - want_grads[n] for n, p in _model(family).named_parameters()}
-            assert whole is None or whole and all(torch.allclose(t, stepped[n], rtol=1e-5, atol=1e-5)
-                                                  for n, t in whole.items())
-            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family}: {m}")
+            assert whole is None or all(torch.allclose(t, stepped[n], rtol=1e-5, atol=1e-5) for n, t in whole.items())
+            wholes |= set(whole or ())
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family} {i}: {m}")
             for name, value in rank_grads.items():
                 want = want_grads[name][lo:hi] if ".experts." in name else want_grads[name]
-                torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{family} {name}: {m}")
+                torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{family} {i} {name}: {m}")
                 grads[name] = value
-        assert set(grads) == set(want_grads), (family, set(grads) ^ set(want_grads))
+        assert set(grads) == set(want_grads), (family, i, set(grads) ^ set(want_grads))
+        assert ranks[0][i][3] is None or wholes == {n for n in want_grads if ".experts." in n}, (family, i, wholes)
     local = [_local_grads(rank) for rank in range(WORLD)]
     for i, (stage, expert) in enumerate(ACCUMULATED, start=len(wanted)):
         for rank, updates in enumerate(results):

@@ -44,10 +44,10 @@ def _model(family: str):
     return model
 
 
-def _batch(masked: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _batch(masked: bool, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
-    labels = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+    ids = torch.randint(3, VOCAB, (rows, SEQ), generator=gen)
+    labels = torch.randint(3, VOCAB, (rows, SEQ), generator=gen)
     if not masked:
         return ids, None, labels
     mask = torch.ones_like(ids)
@@ -60,14 +60,15 @@ def _targets(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
 
 
-def _truth(family: str, masked: bool, microbatches: int) -> tuple[torch.Tensor, dict]:
-    """transformers' loss and gradients, the batch split into microbatches (the mean of their losses)."""
+def _truth(family: str, masked: bool, microbatches: int, rows: int = BATCH) -> tuple[torch.Tensor, dict]:
+    """transformers' loss and gradients, the batch (of `rows` rows) split into microbatches (the mean of their
+    losses)."""
     model = _model(family)
-    ids, mask, labels = _batch(masked)
+    ids, mask, labels = _batch(masked, rows)
     losses = []
     for i in range(microbatches):
-        rows = slice(i * BATCH // microbatches, (i + 1) * BATCH // microbatches)
-        out = model(ids[rows], attention_mask=None if mask is None else mask[rows], labels=labels[rows])
+        part = slice(i * rows // microbatches, (i + 1) * rows // microbatches)
+        out = model(ids[part], attention_mask=None if mask is None else mask[part], labels=labels[part])
         if family != "deepseek_v3":
             assert out.aux_loss is not None and out.aux_loss > 0  # the term is there and weighs
         (out.loss / microbatches).backward()
