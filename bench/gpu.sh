@@ -4,7 +4,7 @@
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
-#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|docatt ...]
+#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|docatt|moe-core ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -95,6 +95,7 @@ for w in $what; do
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
     moe) run moe 560 python3 bench/moe.py --timeout 240 \
            --runs pipezero pipezero-compiled hf-grouped_mm-compiled torchtitan-compiled ;;  # issue 47; .whl
+    moe-core) run moe-core 330 python3 bench/moe.py --timeout 160 --runs pipezero-compiled hf-grouped_mm-compiled ;;
     moe-more) run moe-more 560 python3 bench/moe.py --timeout 200 \
                 --runs hf-grouped_mm-compiled hf-grouped_mm torchtitan hf-eager hf-batched_mm hf-sonicmoe \
                 hf-deepgemm ;;
@@ -102,7 +103,7 @@ for w in $what; do
                --runs alst pipezero-offload --lengths 524288 ;;  # issue 45 beside ALST (deepspeed in .whl)
     docatt) python3 -c "import inspect, torch.nn.attention.varlen as v; print(inspect.signature(v.varlen_attn))"
             run varlen-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py -k varlen
-            run docatt 150 python3 bench/document_attention.py --device cuda ;;  # one varlen call vs a loop
+            run docatt 120 python3 bench/document_attention.py --device cuda --lengths 131072 524288 --rounds 3 ;;  # one varlen call vs a loop
     long-kit) run long-kit 200 python3 bench/long_context.py --shape tinyllama --steps 1 \
                 --runs pipezero pipezero-full pipezero-offload --lengths 32768  # the kit's cost (issue 45)
               run long-128k 80 python3 bench/long_context.py --shape tinyllama --steps 1 --runs pipezero-offload \
