@@ -13,7 +13,7 @@ pipe 2 x expert 4 (data 1, each rank one expert) under ZB-V at ZeRO-3. One row a
 With a sequence axis (each rank one slice of every row, Ulysses attention, the routers' sums added
 over the slices): Qwen3-MoE at expert 2 x sequence 2 (the ranks holding the same experts are the
 two sequence ranks) under ZeRO-1 and ZeRO-3, at expert 1 x sequence 2 x data 2 (the experts' group
-one rank, the same experts on all four), Mixtral at pipe 2 x expert 2 x sequence 2 (eight ranks),
+one rank, the same experts on all four), Mixtral at pipe 2 x expert 2 x sequence 2 under ZB-V (eight ranks),
 and build() with sequence_parallel_size 2 beside expert_parallel.
 The groups come from Grid(expert=E, sequence=S): its expert axis (E consecutive ranks of the old
 data axis) splits the experts, its data x sequence ranks hold the same experts. One optimizer,
@@ -116,7 +116,7 @@ CASES = [("qwen3_moe", 4, 1, 1, "1f1b", 1), ("qwen3_moe", 4, 1, 3, "1f1b", 1), (
 # family, expert, pipe, ZeRO stage (dense and expert parameters), schedule, microbatches per rank (one row each)
 # [, sequence: each row split in that many slices, one a rank]
 WIDE = [("qwen3_moe", 4, 2, 3, "zbv", 2),  # the same at world 8: expert 4 x pipe 2 (data 1)
-        ("mixtral", 2, 2, 1, "1f1b", 2, 2)]  # pipe 2 x expert 2 x sequence 2: the slices' sums cross a stage
+        ("mixtral", 2, 2, 1, "zbv", 2, 2)]  # pipe 2 x expert 2 x sequence 2 under ZB-V: the sums cross a stage
 
 
 def _rows(case: tuple, world: int) -> int:
