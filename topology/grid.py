@@ -14,7 +14,7 @@ that split the experts between them); the ranks holding the same experts are dat
 (`expert_data_group`, same expert index in every block; the data axis alone without a sequence
 split). Every rank of data x expert still reads its own rows (its sequence ranks one slice of
 each), and the dense parameters reduce over all of them. With expert=1 every name and rank is
-what it was.
+what it was, and `expert_data_group` is `data_sequence_group` (every rank holds every expert).
 
 Across nodes: torchrun gives each node's agent one contiguous block of global ranks
 (node n holds ranks n * nproc_per_node ... (n + 1) * nproc_per_node - 1), so the axes that
