@@ -10,10 +10,15 @@ load-balancing term crosses a boundary), OLMoE under DualPipeV (four microbatche
 pairs and split backwards) and DeepSeek-V3 under DualPipeV at ZeRO-3 (the V puts the embedding, the
 dense first layer and the head on pipe rank 0, which holds no experts). Eight ranks: Qwen3-MoE at
 pipe 2 x expert 4 (data 1, each rank one expert) under ZB-V at ZeRO-3. One row a microbatch.
-The groups come from Grid(expert=E): its expert axis (E consecutive ranks of the old
-data axis) splits the experts, its data axis holds the same experts. One optimizer,
-ZeroOptimizer(LossScaler(SGD, clipping on)) over data x expert, takes expert_param_groups: the
-experts reduce and shard over their own data group (zero/reduction.py).
+With a sequence axis (each rank one slice of every row, Ulysses attention, the routers' sums added
+over the slices): Qwen3-MoE at expert 2 x sequence 2 (the ranks holding the same experts are the
+two sequence ranks) under ZeRO-1 and ZeRO-3, at expert 1 x sequence 2 x data 2 (the experts' group
+one rank, the same experts on all four), Mixtral at pipe 2 x expert 2 x sequence 2 under ZB-V (eight ranks),
+and build() with sequence_parallel_size 2 beside expert_parallel.
+The groups come from Grid(expert=E, sequence=S): its expert axis (E consecutive ranks of the old
+data axis) splits the experts, its data x sequence ranks hold the same experts. One optimizer,
+ZeroOptimizer(LossScaler(SGD, clipping on)) over data x expert x sequence, takes expert_param_groups: the
+experts reduce and shard over their own data x sequence group (zero/reduction.py).
 The truth is transformers' model on the whole batch, one row a microbatch
 (output_router_logits=True: the load-balancing loss too), its gradients clipped by torch's own
 clip_grad_norm_ to half their norm: the loss and, through one SGD step of rate 1, every clipped
@@ -36,11 +41,11 @@ from test_hf_router import _batch, _targets, _truth, _model  # noqa: E402
 WORLD = 4
 
 
-def _expert_step(family: str, expert: int, pipe: int, zero_stage: int, schedule: str, microbatches: int,
-                 max_norm: float) -> tuple:
-    """One step at pipe x data x expert = the world, one row per microbatch: the loss, each parameter's gradient
-    by Hugging Face name, and which experts this rank holds. The groups are the Grid's; the asserts check them
-    against the layout."""
+def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stage: int, schedule: str,
+                 microbatches: int, sequence: int = 1) -> tuple:
+    """One step at pipe x data x expert x sequence = the world, one row per microbatch: the loss, each parameter's
+    gradient by Hugging Face name, and which experts this rank holds. The groups are the Grid's; the asserts
+    check them against the layout."""
     import torch.distributed as dist
 
     from pipezero.pipe import DualPipeV, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
@@ -48,18 +53,22 @@ def _expert_step(family: str, expert: int, pipe: int, zero_stage: int, schedule:
     from pipezero.precision import LossScaler
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict
     from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.sequence import shard_batch, whole_positions
     from pipezero.topology import Grid
     from pipezero.zero import ZeroOptimizer, gathered
 
-    grid = Grid(pipe=pipe, expert=expert)  # data x expert = world / pipe: the dense parameters' replicas
+    grid = Grid(pipe=pipe, expert=expert, sequence=sequence)  # data x expert x sequence = world / pipe
     expert_group, same_experts = grid.expert_group, grid.expert_data_group
     world = dist.get_world_size()
-    replicas = world // pipe
+    replicas = world // pipe  # the dense parameters' replicas
     first = grid.pipe_rank * replicas  # ranks that split the experts, then those that hold the same ones
-    block = (grid.rank - first) // expert * expert + first
-    assert dist.get_process_group_ranks(expert_group) == list(range(block, block + expert))
-    assert dist.get_process_group_ranks(same_experts) == list(range(first + grid.expert_rank, first + replicas,
-                                                                    expert))
+    local = grid.rank - first
+    data, e, s = local // (expert * sequence), local // sequence % expert, local % sequence  # sequence fastest
+    assert dist.get_process_group_ranks(expert_group) == [first + (data * expert + i) * sequence + s
+                                                          for i in range(expert)]
+    datas = replicas // (expert * sequence)  # the same experts: every data and sequence rank at expert index e
+    assert dist.get_process_group_ranks(same_experts) == sorted(
+        first + (d * expert + e) * sequence + t for d in range(datas) for t in range(sequence))
     assert grid.group_ranks("data_sequence") == list(range(first, first + replicas))
     v = schedule != "1f1b"  # ZB-V and DualPipeV: two chunks per rank in a V
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
@@ -75,9 +84,11 @@ def _expert_step(family: str, expert: int, pipe: int, zero_stage: int, schedule:
                         module=module if zero_stage == 3 else None)
     kind = {"1f1b": OneFOneB, "zbv": ZeroBubbleV, "dualpipev": DualPipeV}[schedule]
     runner = PipelineRunner(module, kind(num_microbatches=microbatches), optimizer=opt)
-    ids, mask, labels = _batch(True, replicas * microbatches)
+    ids, mask, labels = _batch(True, replicas // sequence * microbatches)
     rows = slice(grid.data_expert_rank * microbatches, (grid.data_expert_rank + 1) * microbatches)
     batch = (ids[rows], mask[rows]), _targets(labels)[rows]
+    if sequence > 1:  # the whole rows' positions, then this rank's slice of each row
+        batch = shard_batch((*batch[0], whole_positions(ids[rows])), batch[1], grid)
     loss = runner.train_step(*batch)
     assert opt.step() is not False
     if zero_stage == 1 and pipe == 1:  # an inf in one expert's gradient, on one rank: every rank skips
@@ -100,14 +111,17 @@ def _expert_step(family: str, expert: int, pipe: int, zero_stage: int, schedule:
 CASES = [("qwen3_moe", 4, 1, 1, "1f1b", 1), ("qwen3_moe", 4, 1, 3, "1f1b", 1), ("qwen3_moe", 2, 1, 2, "1f1b", 1),
          ("qwen3_moe", 2, 1, 3, "1f1b", 1), ("mixtral", 2, 2, 1, "1f1b", 2), ("deepseek_v3", 2, 2, 1, "1f1b", 2),
          ("mixtral", 2, 2, 1, "zbv", 2), ("olmoe", 2, 2, 1, "dualpipev", 4), ("deepseek_v3", 2, 2, 3, "1f1b", 2),
-         ("deepseek_v3", 2, 2, 3, "dualpipev", 4)]
+         ("deepseek_v3", 2, 2, 3, "dualpipev", 4), ("qwen3_moe", 2, 1, 1, "1f1b", 2, 2),
+         ("qwen3_moe", 2, 1, 3, "1f1b", 2, 2), ("qwen3_moe", 1, 1, 1, "1f1b", 2, 2)]
 # family, expert, pipe, ZeRO stage (dense and expert parameters), schedule, microbatches per rank (one row each)
-WIDE = [("qwen3_moe", 4, 2, 3, "zbv", 2)]  # the same at world 8: expert 4 x pipe 2 (data 1)
+# [, sequence: each row split in that many slices, one a rank]
+WIDE = [("qwen3_moe", 4, 2, 3, "zbv", 2),  # the same at world 8: expert 4 x pipe 2 (data 1)
+        ("mixtral", 2, 2, 1, "zbv", 2, 2)]  # pipe 2 x expert 2 x sequence 2 under ZB-V: the sums cross a stage
 
 
 def _rows(case: tuple, world: int) -> int:
     """The rows of the whole batch: one per microbatch of each data x expert rank."""
-    return world // case[2] * case[5]
+    return world // case[2] // (case[6] if len(case) > 6 else 1) * case[5]
 
 
 def _clipped(family: str, rows: int) -> tuple[torch.Tensor, dict, float]:
@@ -126,17 +140,20 @@ def _clipped(family: str, rows: int) -> tuple[torch.Tensor, dict, float]:
 # build() from a ds_config with DeepSpeed's expert_parallel section: Adam whose eps (1e3) dwarfs every
 # gradient steps each parameter by lr * g / (|g| + eps), near g at lr = eps: the update shows the gradient
 BUILT = dict(family="qwen3_moe", expert=2, stage=2, lr=1e3, eps=1e3, clip=1.0)
+BUILT_SEQUENCE = (1, 2)  # expert 2 x data 2, and expert 2 x sequence 2 (sequence_parallel_size), two rows a rank
 
 
-def _built_step() -> tuple:
-    """One step of build()'s parts at expert 2 x data 2: the loss, each parameter's update by Hugging Face name,
-    which experts this rank holds (as _expert_step)."""
+def _built_step(sequence: int) -> tuple:
+    """One step of build()'s parts at expert 2 x data 2 (or x sequence 2): the loss, each parameter's update by
+    Hugging Face name, which experts this rank holds (as _expert_step)."""
+    from pipezero.pipe.sequence import shard_batch, whole_positions
     from pipezero.pipe.expert import expert_parameters
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
     from pipezero.pipe.hf.specs import _HFLayer
     from pipezero.train import build
 
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "pipeline": {"stages": 1},
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": sequence,
+              "pipeline": {"stages": 1}, "sequence_parallel_size": sequence,
               "zero_optimization": {"stage": BUILT["stage"]}, "gradient_clipping": BUILT["clip"],
               "optimizer": {"type": "Adam", "params": {"lr": BUILT["lr"], "eps": BUILT["eps"]}},
               "expert_parallel": {"enabled": True, "autoep_size": BUILT["expert"]}}
@@ -147,8 +164,11 @@ def _built_step() -> tuple:
     before = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
               for n, p in layer.hf_parameters()}
     ids, mask, labels = _batch(True)
-    rows = slice(grid.data_expert_rank, grid.data_expert_rank + 1)
-    loss = parts.runner.train_step((ids[rows], mask[rows]), _targets(labels)[rows])
+    rows = slice(grid.data_expert_rank * sequence, (grid.data_expert_rank + 1) * sequence)
+    batch = (ids[rows], mask[rows]), _targets(labels)[rows]
+    if sequence > 1:
+        batch = shard_batch((*batch[0], whole_positions(ids[rows])), batch[1], grid)
+    loss = parts.runner.train_step(*batch)
     assert parts.optimizer.step() is not False
     after = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
              for n, p in layer.hf_parameters()}
@@ -209,12 +229,13 @@ def _accumulated(stage: int, expert: int) -> list[torch.Tensor]:
 
 
 def _cases(max_norms: list[float]) -> list:
-    return ([_expert_step(*case, max_norm) for case, max_norm in zip(CASES, max_norms)] + [_built_step()] +
+    return ([_expert_step(max_norm, *case) for case, max_norm in zip(CASES, max_norms)] +
+            [_built_step(sequence) for sequence in BUILT_SEQUENCE] +
             [_accumulated(*case) for case in ACCUMULATED])
 
 
 def _wide(max_norms: list[float]) -> list:
-    return [_expert_step(*case, max_norm) for case, max_norm in zip(WIDE, max_norms)]
+    return [_expert_step(max_norm, *case) for case, max_norm in zip(WIDE, max_norms)]
 
 
 def test_expert_parallel_equals_one_process():
@@ -225,7 +246,8 @@ def test_expert_parallel_equals_one_process():
     norms = [truths[key][2] for key in keys]
     results = run(_cases, WORLD, norms[:len(CASES)], timeout=300)
     wide = run(_wide, 8, norms[len(CASES):], timeout=300)
-    wanted = [(key[0], *truths[key][:2]) for key in keys[:len(CASES)]] + [(BUILT["family"], *_built_truth())]
+    wanted = [(key[0], *truths[key][:2]) for key in keys[:len(CASES)]]
+    wanted += [(BUILT["family"], *_built_truth())] * len(BUILT_SEQUENCE)
     checked = [(results, i, want) for i, want in enumerate(wanted)]
     checked += [(wide, i, (key[0], *truths[key][:2])) for i, key in enumerate(keys[len(CASES):])]
     for ranks, i, (family, want_loss, want_grads) in checked:

@@ -4,9 +4,11 @@ A tiny Qwen3-MoE (a dense first layer, four experts in the second), four gloo ra
 Checkpoints: one ZeroOptimizer (ZeRO-1) Adam over expert_param_groups (the README's recipe: the
 experts in a param group reduced over their own ranks), saved with save_state(HandParts(module, opt))
 by global name; written at expert 2 the run resumes at expert 4, written at expert 1 (experts whole, one
-ZeroOptimizer) and at expert 4 it resumes at expert 2 (the dense parameters under ZeRO-3 then): the
-losses after the resume equal the uninterrupted expert-2 run's within 1e-5, and a checkpoint of the
-last step (every weight and Adam moment, whole, by name) equals the uninterrupted run's.
+ZeroOptimizer) and at expert 4 it resumes at expert 2 (the dense parameters under ZeRO-3 then); written
+at expert 2 it resumes at expert 2 x sequence 2 (each rank one slice of every row), and written there
+at expert 4: the losses (at expert 2 x sequence 2 from the start too) and after the resume equal the
+uninterrupted expert-2 run's within 1e-5, and a checkpoint of the last step (every weight and Adam
+moment, whole, by name) equals the uninterrupted run's.
 Loaders: under Grid(pipe=2, expert=2) (data 1) and Grid(expert=2) (data 2) the GPT job's token
 batches feed the MoE, whose loss and gradients (one SGD step of rate 1) equal transformers' on the union of the rows; initialize's sampler and the fine-tuning
 job's packed rows are split by data x expert rank too. LoRA on the attention with the experts split
@@ -64,7 +66,7 @@ def _mine(x: torch.Tensor, grid) -> torch.Tensor:
 
 # -- (a) checkpoints across expert degrees ------------------------------------------------------------
 
-def _adam_job(expert: int, stage: int = 1):
+def _adam_job(expert: int, stage: int = 1, sequence: int = 1):
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
     from pipezero.pipe.expert import expert_param_groups, shard_experts
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
@@ -72,20 +74,25 @@ def _adam_job(expert: int, stage: int = 1):
     from pipezero.train.checkpoint.state_parts import HandParts
     from pipezero.zero import ZeroOptimizer
 
-    grid = Grid(expert=expert)  # data = WORLD / expert
+    grid = Grid(expert=expert, sequence=sequence)  # data = WORLD / (expert x sequence)
     module = PipelineModule(hf_layer_specs(_base()), grid=grid, loss_fn=causal_lm_loss, partition_method="uniform")
     if expert > 1:  # expert 1: the experts whole, dense parameters like the rest
         assert shard_experts(module, grid.expert_group) == 1
     opt = ZeroOptimizer(torch.optim.Adam(expert_param_groups(module, grid, lr=LR)), stage=stage,
                         group=grid.data_sequence_group, module=module if stage == 3 else None)
-    return HandParts(module, opt, grid=grid), PipelineRunner(module, OneFOneB(num_microbatches=1), optimizer=opt)
+    rows = OneFOneB(num_microbatches=BATCH // grid.data_expert_size)  # one row a microbatch
+    return HandParts(module, opt, grid=grid), PipelineRunner(module, rows, optimizer=opt)
 
 
 def _train(parts, runner, start: int, stop: int) -> list[float]:
+    from pipezero.pipe.sequence import shard_batch, whole_positions
+
     grid, losses = parts.grid, []
     for step in range(start, stop):
-        ids, targets = _rows(step)
-        losses.append(runner.train_step(_mine(ids, grid), _mine(targets, grid)).item())
+        ids, targets = (_mine(t, grid) for t in _rows(step))
+        batch = shard_batch((ids, None, whole_positions(ids)), targets, grid) if grid.sequence_size > 1 else (
+            ids, targets)  # a sequence split: each rank one slice of every row
+        losses.append(runner.train_step(*batch).item())
         parts.optimizer.step()
         parts.optimizer.zero_grad()
     return losses
@@ -101,16 +108,25 @@ def _resumes(root: str) -> dict[str, list[float]]:
     save_state(parts, f"{root}/at2", SAVED_AT)
     out["ref"] = out["2"] + _train(parts, runner, SAVED_AT, STEPS)
     save_state(parts, f"{root}/ref", STEPS)
-    for saved, resumed in ((2, 4), (1, 2), (4, 2)):  # the last resumed under ZeRO-3 (a stage may differ)
+    # the last two resumed under ZeRO-3 (a stage may differ); "2s": expert 2 x sequence 2 (data 1)
+    for saved, resumed in ((2, 4), (1, 2), (4, 2), (2, "2s"), ("2s", 4)):
         if saved != 2:
-            parts, runner = _adam_job(saved)
+            parts, runner = _job(saved)
             out[str(saved)] = _train(parts, runner, 0, SAVED_AT)
             save_state(parts, f"{root}/at{saved}", SAVED_AT)
-        parts, runner = _adam_job(resumed, stage=3 if saved == 4 else 1)
+        parts, runner = _job(resumed, stage=3 if saved in (4, "2s") else 1)
         assert load_state(parts, f"{root}/at{saved}")["step"] == SAVED_AT
         out[f"{saved}->{resumed}"] = _train(parts, runner, SAVED_AT, STEPS)
         save_state(parts, f"{root}/{saved}-{resumed}", STEPS)
     return out
+
+
+def _job(layout: int | str, stage: int = 1):
+    """_adam_job at expert N, or "Ns": expert N x sequence 2."""
+    return _adam_job(int(str(layout).rstrip("s")), stage, 2 if str(layout).endswith("s") else 1)
+
+
+PAIRS = ("2-4", "1-2", "4-2", "2-2s", "2s-4")  # saved at, resumed at
 
 
 def test_checkpoint_resumes_across_expert_degrees(tmp_path):
@@ -123,12 +139,12 @@ def test_checkpoint_resumes_across_expert_degrees(tmp_path):
     kept = sorted(k for k in ref if k.startswith(("model/", "optim/")))
     assert any(".experts." in k and k.endswith("exp_avg") for k in kept)
     for out in results:
-        for saved in ("1", "4"):
+        for saved in ("1", "4", "2s"):
             np.testing.assert_allclose(out[saved], out["ref"][:SAVED_AT], rtol=0, atol=1e-5, err_msg=saved)
-        for pair in ("2-4", "1-2", "4-2"):
+        for pair in PAIRS:
             np.testing.assert_allclose(out[pair.replace("-", "->")], out["ref"][SAVED_AT:], rtol=0, atol=1e-5,
                                        err_msg=pair)
-    for pair in ("2-4", "1-2", "4-2"):
+    for pair in PAIRS:
         got = load_checkpoint(tmp_path / pair).tensors
         assert sorted(k for k in got if k.startswith(("model/", "optim/"))) == kept, pair
         for key in kept:

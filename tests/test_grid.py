@@ -182,6 +182,9 @@ def test_expert_axis_is_pure_arithmetic():
     # with pipe 2 and sequence 2 (16 ranks): the expert group steps over the sequence ranks
     assert axis_groups((2, 2, 2, 2, 1), ["expert"])[:2] == [[0, 2], [1, 3]]
     assert axis_groups((2, 2, 2, 2, 1), FLATTENED["data_sequence"]) == [list(range(8)), list(range(8, 16))]
+    # the same experts: every data and sequence rank of one expert index (the experts' reduction group)
+    assert axis_groups((2, 2, 2, 2, 1), FLATTENED["expert_data"])[:2] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert axis_groups((1, 1, 2, 2, 1), FLATTENED["expert_data"]) == [[0, 1], [2, 3]]
     assert axis_groups((2, 3, 1, 1, 2), ["data"]) == axis_groups((2, 3, 1, 2), ["data"])  # expert 1: as before
 
 

@@ -6,8 +6,10 @@ The truth is transformers' own `model(ids, attention_mask=mask, labels=labels).l
 backward, per microbatch (as gradient accumulation computes it), for tiny Qwen3-MoE, Mixtral,
 OLMoE and Qwen2-MoE (whose coefficient is raised so the term weighs), and DeepSeek-V3, which
 adds no term. pipe 1 (one microbatch, with and without a padding mask) and pipe 2 under 1F1B
-(Qwen3-MoE and Mixtral, two microbatches, masked, two MoE layers per stage): loss and every
-gradient by Hugging Face name, fp32, 1e-5. Each fails with the term left out of the loss.
+(Qwen3-MoE and Mixtral, two microbatches, masked, two MoE layers per stage), and the same at sequence 2
+(each rank one slice of every row, the gradients' mean over the two): loss and every gradient by Hugging
+Face name, fp32, 1e-5. Each fails with the term left out of the loss; the sequence case with the sums
+left per slice, or added over the slices without the backward's sum.
 """
 
 import pytest
@@ -77,31 +79,41 @@ def _truth(family: str, masked: bool, microbatches: int, rows: int = BATCH) -> t
 
 
 def _pipeline(families: list[str], masked: bool, microbatches: int, experts: str | None = None,
-              recompute: int = 0) -> dict:
-    """Each family's loss and gradients (by Hugging Face name) through PipelineRunner on grid pipe=world."""
+              recompute: int = 0, sequence: int = 1) -> dict:
+    """Each family's loss and gradients (by Hugging Face name) through PipelineRunner on grid pipe=world, or
+    pipe=world / sequence x sequence (each rank a slice of every row; its gradients averaged over the
+    sequence group, as ZeRO averages them)."""
     import torch.distributed as dist
 
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
     from pipezero.pipe.hf import causal_lm_loss, hf_config, hf_layer_specs
     from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.sequence import shard_batch, whole_positions
     from pipezero.topology import Grid
 
     out = {}
     for family in families:
-        grid = Grid(pipe=dist.get_world_size())
+        grid = Grid(pipe=dist.get_world_size() // sequence, sequence=sequence)
         specs = hf_layer_specs(_model(family), experts=experts)
         assert hf_config(specs)._experts_implementation == (experts or "grouped_mm")  # transformers' default
         module = PipelineModule(specs, grid=grid, loss_fn=causal_lm_loss, partition_method="uniform",
                                 activation_checkpoint_interval=recompute)
         runner = PipelineRunner(module, OneFOneB(num_microbatches=microbatches))
         ids, mask, labels = _batch(masked)
-        loss = runner.train_step(ids if mask is None else (ids, mask), _targets(labels))
-        if microbatches > 1:  # without targets: the logits and each microbatch's term, concatenated
+        if sequence > 1:  # positions of the whole rows, then each rank's slice
+            batch = shard_batch((ids, mask, whole_positions(ids)), _targets(labels), grid)
+            loss = runner.train_step(*batch)
+        else:
+            loss = runner.train_step(ids if mask is None else (ids, mask), _targets(labels))
+        if microbatches > 1 and sequence == 1:  # without targets: the logits and each microbatch's term
             evaluated = runner.eval_step(ids)
             if evaluated is not None:
                 assert evaluated[0].shape == (*ids.shape, VOCAB) and evaluated[1].shape == (microbatches,)
         grads = {n: p.grad for layer in module.modules() if isinstance(layer, _HFLayer)
                  for n, p in layer.hf_parameters() if p.grad is not None}
+        for g in grads.values() if sequence > 1 else ():
+            dist.all_reduce(g, group=grid.sequence_group)
+            g /= sequence
         out[family] = loss, grads
     return out
 
@@ -131,6 +143,12 @@ def test_router_loss_pipe2_1f1b_equals_transformers():
     checkpointing each recomputed layer adds its sums again."""
     _check(run(_pipeline, 2, PIPE2, True, 2, timeout=240), True, 2)
     _check(run(_pipeline, 2, ["mixtral"], True, 2, None, 1, timeout=240), True, 2)
+
+
+def test_router_loss_over_a_sequence_split_equals_transformers():
+    """Sequence 2: each rank routes its slice of every row, and the term is transformers' over all the rows'
+    tokens (the layers' sums added over the sequence group before the product: per slice it is not)."""
+    _check(run(_pipeline, 2, PIPE2, True, 2, None, 0, 2, timeout=240), True, 2)
 
 
 def test_unchecked_router_loss_is_named():

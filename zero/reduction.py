@@ -10,7 +10,7 @@ built:
 
 Expert parallelism needs both (pipe/expert/, expert_param_groups): an expert's gradient already
 sums what every rank of its expert group sent it, so it is summed over the ranks holding the same
-experts and divided by the whole data x expert size, the mean the dense parameters get.
+experts and divided by the whole data x expert x sequence size, the mean the dense parameters get.
 """
 
 from __future__ import annotations
@@ -68,6 +68,6 @@ def take_reductions(param_groups: list[dict], default_group: Any) -> list[Reduct
         mean_over = pg.pop(MEAN_KEY, size)
         if not is_int(mean_over, 1):
             raise ValueError(f"param group {g}: {MEAN_KEY!r} = {mean_over!r}; expected a positive integer, the "
-                             "number the summed gradient is divided by (e.g. grid.data_expert_size)")
+                             "number the summed gradient is divided by (e.g. grid.data_sequence_size)")
         out.append(Reduction(group, size, rank, mean_over))
     return out

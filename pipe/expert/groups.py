@@ -1,13 +1,15 @@
 """The param groups of a model with sharded experts: one optimizer, each group reduced over its own ranks.
 
-A dense parameter is a replica on every rank of data x expert, so it is averaged over that whole
-group (the optimizer's, grid.data_sequence_group). An expert's gradient already sums what every
-rank of its expert group sent it; the ranks holding the same experts (grid.expert_data_group)
-sum it and divide by data x expert, which is the mean the dense parameters get. The expert group
-says so with two keys ZeroOptimizer reads (zero/reduction.py: "zero_group", "zero_mean_over"),
-which also make ZeRO shard the experts over their own group, and let the loss scaler's inf/nan
-check and the global gradient norm see them with everything else (each expert counted once: its
-slices lie on the ranks of its own group, and every expert group holds other experts).
+A dense parameter is a replica on every rank of data x expert x sequence, so it is averaged over
+that whole group (the optimizer's, grid.data_sequence_group). An expert's gradient already sums
+what every rank of its expert group sent it; the ranks holding the same experts
+(grid.expert_data_group: data x sequence, each sequence rank routing its own slice of the rows)
+sum it and divide by data x expert x sequence, which is the mean the dense parameters get. The
+expert group says so with two keys ZeroOptimizer reads (zero/reduction.py: "zero_group",
+"zero_mean_over"), which also make ZeRO shard the experts over their own group, and let the loss
+scaler's inf/nan check and the global gradient norm see them with everything else (each expert
+counted once: its slices lie on the ranks of its own group, and every expert group holds other
+experts).
 DeepSpeed-MoE and Megatron-core reduce experts over the same expert-data-parallel group.
 """
 
@@ -25,11 +27,7 @@ __all__ = ["expert_param_groups"]
 
 
 def _check(module: nn.Module, grid: Grid) -> None:
-    """The experts were split over the grid's expert axis, and no other axis divides their tokens."""
-    if grid.sequence_size > 1 and grid.expert_size > 1:
-        raise ValueError(f"expert_param_groups: Grid(expert={grid.expert_size}, sequence={grid.sequence_size}): "
-                         "experts over a sequence split are not supported yet (the ranks holding the same "
-                         "experts would be data x sequence); use sequence=1 with an expert axis")
+    """The experts were split over the grid's expert axis."""
     # A stage with no sharded experts (a pipeline stage of dense layers only, or experts left whole) is
     # not refused here: that is this rank's view alone (build() checks every stage, on every rank), and
     # experts left whole train as dense layers, correctly, only without the expert split.
@@ -56,5 +54,5 @@ def expert_param_groups(module: nn.Module, grid: Grid, **options: Any) -> list[d
     groups = [{"params": dense, **options}]
     if experts:
         groups.append({"params": experts, **options, "zero_group": grid.expert_data_group,
-                       "zero_mean_over": grid.data_expert_size})
+                       "zero_mean_over": grid.data_sequence_size})
     return groups

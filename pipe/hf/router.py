@@ -16,6 +16,14 @@ So the loss is exact on any pipeline, and its gradient reaches each layer's rout
 the ordinary backward of `stats` (d aux / d P_e = E T_e / R^2); no stage needs a loss term
 of its own. The loss is per microbatch, as gradient accumulation computes it in transformers.
 
+Under a sequence split (pipe/sequence/) each rank routes only its slice of every row, and the
+sums of one slice give another loss: the final norm adds the slices' (T, P) over the sequence group
+before the product (`sum_over_sequence`, whose backward sums every rank's gradient of the total),
+so every sequence rank holds the whole rows' term. ShardMean weighs rank r's loss by its share of
+the trained tokens, n_r x degree / N: shares that add up to the degree, so the mean of the ranks'
+losses holds the term once and the backward's sum hands each rank's routers degree x d aux / d P,
+whose mean over the sequence ranks (ZeRO's) is one process's gradient.
+
 DeepSeek-V3 balances with a bias instead (e_score_correction_bias): transformers' forward adds
 no term, and neither does this. Other families are refused until their loss is checked here.
 """

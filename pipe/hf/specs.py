@@ -44,7 +44,7 @@ from pipezero.pipe.hf.router import Routed, RouterTap, as_routed, router_loss, s
 from pipezero.pipe.hf.static_cache import StaticKVCache
 from pipezero.pipe.hf.weights import CheckpointTensors, ModelTensors
 from pipezero.pipe.memory.recompute import in_selective_run
-from pipezero.pipe.sequence.comms import gather_sequence
+from pipezero.pipe.sequence.comms import gather_sequence, sum_over_sequence
 from pipezero.pipe.sequence.hf_attention import (check_hf_sequence, register_ulysses, ulysses_around,
                                                  whole_mask_inputs)
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
@@ -451,13 +451,25 @@ class HFFinalNorm(_HFLayer):
         super().__init__()
         self.model, self.prefix = model, model.path(model.norm)
         self.inner = tile_norm(_materialise(model.norm)) if _is_norm(model.norm) else _materialise(model.norm)
+        self.sequence_group: Any = None  # once split: the routers' sums are added over it
         model.fill(self, self.prefix)
+
+    @classmethod
+    def check_sequence(cls, model: _Model, degree: int, tensor: int = 1) -> None:
+        """Any degree: the norm is per token, the routers' sums add up over the slices."""
+
+    def split_sequence(self, group: Any, degree: int) -> None:
+        """A routed model's load-balancing loss reads the whole rows' sums: each slice's, added over the
+        sequence group (SplitsSequence; pipe/hf/router.py)."""
+        self.sequence_group = group
 
     def forward(self, x: tuple) -> torch.Tensor | Routed:
         rest, stats = split_stats(self.model.router, x[2:])
         hidden = self.inner(x[0] if len(rest) < 2 else x[0][:, -1:])  # decoding (a cache follows): the last position
         if stats is None:
             return hidden
+        if self.sequence_group is not None:
+            stats = sum_over_sequence(stats, self.sequence_group)
         return Routed(hidden, (self.model.router.coef * self.model.router.balance(stats)).reshape(1))
 
 

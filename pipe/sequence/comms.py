@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "gather_sequence", "heads_to_sequence", "sequence_to_heads"]
+__all__ = ["all_to_all", "gather_sequence", "heads_to_sequence", "sequence_to_heads", "sum_over_sequence"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -58,6 +58,31 @@ def heads_to_sequence(x: torch.Tensor, group, degree: int) -> torch.Tensor:
     parts = x.reshape(b, degree, s // degree, heads_local, d).transpose(0, 1)  # [degree, b, s_l, h_l, d]
     got = all_to_all(parts, group)                                          # part i: head group i
     return got.permute(1, 2, 0, 3, 4).reshape(b, s // degree, degree * heads_local, d)
+
+
+class _SumOver(torch.autograd.Function):
+    """Every rank's x summed over the group; backward: every rank's gradient of the sum, summed too
+    (each rank's loss reads the same total, so each x reaches every rank's loss)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+@torch.compiler.disable
+def sum_over_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the sequence group of a tensor each rank computed on its slice (a MoE router's
+    running sums: pipe/hf/router.py), differentiable."""
+    return _SumOver.apply(x, group)
 
 
 @torch.compiler.disable

@@ -1,6 +1,7 @@
 """Which layers split the sequence, and the one call that splits a PipelineModule's.
 
-A layer that mixes tokens (attention) and can run on a slice of the sequence implements
+A layer that mixes tokens (attention; a routed MoE's final norm, whose load-balancing loss reads
+the routers' sums over every token) and can run on a slice of the sequence implements
 `SplitsSequence`: `check_sequence` (a classmethod on the spec's arguments, so every rank refuses
 a bad degree before any collective, whether or not it builds the layer; `tensor` is the tensor
 degree a tensor plan splits its heads by first, 1 without a plan) and `split_sequence`
