@@ -6,7 +6,7 @@ is one rank) and expert 2 x data 2 (each pair of ranks splits the experts, each 
 ranks whose gradients are summed), under ZeRO 1, 2 and 3; at pipe 2 x expert 2, Mixtral and
 DeepSeek-V3 (shared experts, a dense first layer) under 1F1B (DeepSeek-V3 at ZeRO-1 and ZeRO-3),
 Mixtral under ZB-V (split backward; the final norm and the head on different stages: the
-load-balancing term crosses a boundary), OLMoE under DualPipeV (four microbatches a rank, its F/B
+load-balancing term crosses a boundary), gpt-oss under 1F1B, OLMoE under DualPipeV (four microbatches a rank, its F/B
 pairs and split backwards) and DeepSeek-V3 under DualPipeV at ZeRO-3 (the V puts the embedding, the
 dense first layer and the head on pipe rank 0, which holds no experts). Eight ranks: Qwen3-MoE at
 pipe 2 x expert 4 (data 1, each rank one expert) under ZB-V at ZeRO-3. One row a microbatch.
@@ -112,7 +112,8 @@ CASES = [("qwen3_moe", 4, 1, 1, "1f1b", 1), ("qwen3_moe", 4, 1, 3, "1f1b", 1), (
          ("qwen3_moe", 2, 1, 3, "1f1b", 1), ("mixtral", 2, 2, 1, "1f1b", 2), ("deepseek_v3", 2, 2, 1, "1f1b", 2),
          ("mixtral", 2, 2, 1, "zbv", 2), ("olmoe", 2, 2, 1, "dualpipev", 4), ("deepseek_v3", 2, 2, 3, "1f1b", 2),
          ("deepseek_v3", 2, 2, 3, "dualpipev", 4), ("qwen3_moe", 2, 1, 1, "1f1b", 2, 2),
-         ("qwen3_moe", 2, 1, 3, "1f1b", 2, 2), ("qwen3_moe", 1, 1, 1, "1f1b", 2, 2)]
+         ("qwen3_moe", 2, 1, 3, "1f1b", 2, 2), ("qwen3_moe", 1, 1, 1, "1f1b", 2, 2),
+         ("gpt_oss", 2, 2, 1, "1f1b", 2)]
 # family, expert, pipe, ZeRO stage (dense and expert parameters), schedule, microbatches per rank (one row each)
 # [, sequence: each row split in that many slices, one a rank]
 WIDE = [("qwen3_moe", 4, 2, 3, "zbv", 2),  # the same at world 8: expert 4 x pipe 2 (data 1)

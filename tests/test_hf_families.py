@@ -47,6 +47,7 @@ FAMILIES = {  # model_type: (config fields, tie_word_embeddings)
     "gpt_neox": (dict(rotary_pct=0.5), False),
     "starcoder2": (dict(sliding_window=4), True),
     "mixtral": (_MOE, False),                                # experts stored one by one
+    "gpt_oss": (dict(_MIXED, num_local_experts=4, num_experts_per_tok=2), False),
     "deepseek_v3": (dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                          n_group=1, topk_group=1, num_key_value_heads=4, head_dim=None), False),

@@ -29,6 +29,8 @@ FAMILIES = {
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                       shared_expert_intermediate_size=16),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"] * 2),  # attention sinks, biased router
     "deepseek_v3": dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
                         n_group=1, topk_group=1, num_key_value_heads=4, head_dim=None),
@@ -134,7 +136,7 @@ def _check(results: list[dict], masked: bool, microbatches: int) -> None:
 
 def test_router_loss_pipe1_equals_transformers():
     """Without a padding mask (T counted by histc) and with one (T and P weighed by it)."""
-    for families, masked in ((["qwen3_moe", "qwen2_moe"], False), (["mixtral", "olmoe", "deepseek_v3"], True)):
+    for families, masked in ((["qwen3_moe", "qwen2_moe"], False), (["mixtral", "olmoe", "gpt_oss", "deepseek_v3"], True)):
         _check(run(_pipeline, 1, families, masked, 1, timeout=180), masked, 1)
 
 
@@ -157,7 +159,7 @@ def test_unchecked_router_loss_is_named():
     config = transformers.AutoConfig.for_model("phimoe", **{**_COMMON, "num_local_experts": 4,
                                                              "num_experts_per_tok": 2})
     with pytest.raises(ValueError, match=r"output_router_logits=True, and its router loss is checked against "
-                                         r"transformers only for \['mixtral'"):
+                                         r"transformers only for \['gpt_oss'"):
         hf_layer_specs(config)
 
 

@@ -41,7 +41,7 @@ from torch import nn
 __all__ = ["NO_ROUTER_LOSS", "SWITCH_LOSS", "Routed", "RouterLoss", "RouterTap", "as_routed", "router_loss",
            "split_stats"]
 
-SWITCH_LOSS = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")  # transformers' load_balancing_loss_func
+SWITCH_LOSS = ("gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")  # transformers' load_balancing_loss_func
 NO_ROUTER_LOSS = ("deepseek_v3",)  # output_router_logits=True returns the logits, adds no loss
 
 
