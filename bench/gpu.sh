@@ -4,7 +4,7 @@
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
-#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|docatt|moe-core ...]
+#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|long-128k|docatt|moe-core ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -95,7 +95,7 @@ for w in $what; do
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
     moe) run moe 560 python3 bench/moe.py --timeout 240 \
            --runs pipezero pipezero-compiled hf-grouped_mm-compiled torchtitan-compiled ;;  # issue 47; .whl
-    moe-core) run moe-core 330 python3 bench/moe.py --timeout 160 --runs pipezero-compiled hf-grouped_mm-compiled ;;
+    moe-core) run moe-core 290 python3 bench/moe.py --timeout 140 --runs pipezero-compiled hf-grouped_mm-compiled ;;
     moe-more) run moe-more 560 python3 bench/moe.py --timeout 200 \
                 --runs hf-grouped_mm-compiled hf-grouped_mm torchtitan hf-eager hf-batched_mm hf-sonicmoe \
                 hf-deepgemm ;;
@@ -105,10 +105,10 @@ for w in $what; do
             run varlen-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py -k varlen
             run docatt 120 python3 bench/document_attention.py --device cuda --lengths 131072 524288 --rounds 3 ;;  # one varlen call vs a loop
     long-kit) run long-kit 200 python3 bench/long_context.py --shape tinyllama --steps 1 \
-                --runs pipezero pipezero-full pipezero-offload --lengths 32768  # the kit's cost (issue 45)
-              run long-128k 80 python3 bench/long_context.py --shape tinyllama --steps 1 --runs pipezero-offload \
-                --lengths 131072 ;;
-    long-1m) run long-1m 270 python3 bench/long_context.py --shape tinyllama --steps 0 --runs pipezero-offload \
+                --runs pipezero pipezero-full pipezero-offload --lengths 32768 ;;  # the kit's cost (issue 45)
+    long-128k) run long-128k 80 python3 bench/long_context.py --shape tinyllama --steps 1 --runs pipezero-offload \
+                 --lengths 131072 ;;
+    long-1m) run long-1m 240 python3 bench/long_context.py --shape tinyllama --steps 0 --runs pipezero-offload \
                --lengths 1048576 ;;  # one step of 1M tokens, its time the first step's
     long-512k) run long-512k 300 env DS_SKIP_CUDA_CHECK=1 python3 bench/long_context.py --shape tinyllama --steps 1 \
                  --runs pipezero-offload alst --lengths 524288 ;;  # beside DeepSpeed ALST (deepspeed in .whl)
