@@ -19,8 +19,8 @@ linear everywhere with no compilation. The cost is one SDPA call per document (a
 nothing beside the attention of a long document, but launch-bound for hundreds of short ones on
 a GPU. So on CUDA, in bf16 / fp16 with a head dim flash takes, every document of the micro-batch
 goes through one flash varlen call over the cumulative lengths (`Documents.cu_seqlens`,
-torch.nn.attention.varlen.varlen_attn, torch >= 2.11; grouped key/value heads as they are), and
-the per-document loop serves CPU, fp32 and older torch.
+torch.nn.attention.varlen.varlen_attn where it takes a causal window and grouped key/value
+heads), and the per-document loop serves CPU, fp32 and older torch.
 
 The documents are one `split` of the row (autograd's SplitBackward joins their gradients once; a slice
 per document would make a zero-filled gradient of the whole row per document, O(T^2 / document) memory
@@ -38,6 +38,7 @@ previous one: transformers' rule for packed position ids) or segment ids.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +140,18 @@ def _grouped_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return torch.backends.cuda.can_use_flash_attention(params)
 
 
-_VARLEN_TORCH = tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)
+def _varlen_api() -> bool:
+    """Does this torch's varlen_attn take a causal window and grouped heads? (2.10 had is_causal and no
+    enable_gqa; the arguments, not the version number, say which call works.)"""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    wanted = {"window_size", "enable_gqa", "scale"}
+    return wanted <= set(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN_TORCH = _varlen_api()
 _HALF = (torch.bfloat16, torch.float16)
 
 
