@@ -72,6 +72,8 @@ def test_document_attention_equals_the_masked_attention():
 def test_one_varlen_call_equals_one_sdpa_call_per_document_on_cuda(kv_heads):
     from pipezero.pipe import document_attention as module
 
+    if not module._VARLEN_TORCH:
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn takes no causal window or grouped heads")
     torch.manual_seed(0)
     lengths = [300, 1, 2500, 1000, 296]
     positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
