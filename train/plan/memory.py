@@ -39,10 +39,22 @@
 * buffers: the p2p send/receive buffers (the slice that crosses stages: divided by the sequence
   degree too), two reduce buckets in flight (ZeRO 0-2) or two
   gathered layers (ZeRO 3), the runtime's reserve.
+
+Host memory per rank (HostBreakdown), what the offloads allocate there:
+* the offloaded optimizer, per parameter of the rank's shard (zero/offload.py, zero/partition.py): the
+  fp32 master (pinned) and Adam's two fp32 moments (the optimizer makes them beside the master), 12
+  bytes, and where the reduced gradients land: at stages 0-1 one pinned fp32 buffer (4), at stages 2-3
+  a pinned copy in the model's dtype, folded into a pinned fp32 sum (e + 4): OFFLOAD_BYTES;
+* checkpointed inputs in pinned host memory (pipe/memory/offload.py): every checkpointed run's input
+  that requires a gradient (the hidden states; a run that starts at the embedding has token ids) of
+  every micro-batch in flight, at the peak all of them; each a tensor of its own, and CUDA's pinned
+  allocator rounds every block up to a power of two bytes (torch's CachingHostAllocator);
+* the process itself (Hardware.host_reserved_gb).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -51,10 +63,30 @@ from pipezero.train.plan.layout import Layout
 from pipezero.pipe.tiled_mlp import NORM_TILE_FROM_ROWS, NORM_TILE_ROWS, TILE_FROM_ROWS, TILE_ROWS
 from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_experts, held_params, tied_head
 
-__all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "backward_peak", "model_state_bytes", "norms_tiled",
-           "rank_memory", "rank_tokens", "step_bytes", "tiled"]
+__all__ = ["HostBreakdown", "MemoryBreakdown", "OFFLOAD_BYTES", "STATE_BYTES", "activation_bytes", "backward_peak",
+           "host_bytes", "model_state_bytes", "norms_tiled", "pinned", "rank_memory", "rank_tokens", "step_bytes",
+           "tiled"]
 
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+
+# Host bytes per parameter of an offloaded shard, by ZeRO stage: the fp32 master and Adam's two moments
+# (12) and the gradients' landing: stages 0-1 land fp32 once a step (4), stages 2-3 land each micro-batch
+# in the model's dtype and fold it into an fp32 sum (e + 4); the precision gives e.
+OFFLOAD_BYTES = {(stage, precision): 12.0 + (4.0 if stage <= 1 else STATE_BYTES[precision][1] + 4.0)
+                 for stage in range(4) for precision in STATE_BYTES}
+
+
+@dataclass(frozen=True, slots=True)
+class HostBreakdown:
+    """Bytes one rank keeps in host memory."""
+
+    optimizer: float = 0.0   # the offloaded optimizer's masters, moments and gradient landing
+    inputs: float = 0.0      # checkpointed inputs of the micro-batches in flight, pinned
+    reserved: float = 0.0    # the process itself
+
+    @property
+    def total(self) -> float:
+        return self.optimizer + self.inputs + self.reserved
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +100,7 @@ class MemoryBreakdown:
     buffers: float
     step: float = 0.0      # the optimizer step's transient (alive when the activations are not)
     grads_at_peak: float | None = None  # gradients alive at the activations' peak (None: all of `grads`)
+    host: HostBreakdown = HostBreakdown()  # what the rank keeps in host memory
 
     @property
     def total(self) -> float:
@@ -76,6 +109,17 @@ class MemoryBreakdown:
         at_peak = self.grads if self.grads_at_peak is None else self.grads_at_peak
         return (self.params + self.optimizer + self.buffers
                 + max(at_peak + self.activations, self.grads + self.step))
+
+    def fits(self, hw: Hardware) -> bool:
+        """Within the device's memory and the host's, both."""
+        return self.total <= hw.memory_gb * 1e9 and self.host.total <= hw.host_memory_gb * 1e9
+
+    def misfit(self, hw: Hardware) -> str:
+        """What does not fit, in words ("" when it fits): "host 233 GB of 120"."""
+        over = [f"{where} {need / 1e9:.3g} GB of {have:g}" for where, need, have in
+                (("device", self.total, hw.memory_gb), ("host", self.host.total, hw.host_memory_gb))
+                if need > have * 1e9]
+        return " and ".join(over)
 
 
 def model_state_bytes(params: float, stage: int, data: int, precision: str = "bf16",
@@ -198,6 +242,30 @@ def _grad_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], layout: 
             g * held_params(profile, [i], layout.tensor, layout.expert) for i in layers]
 
 
+def pinned(nbytes: float) -> float:
+    """Bytes CUDA's caching host allocator takes for a pinned tensor of `nbytes`: the next power of two."""
+    return 2.0 ** math.ceil(math.log2(nbytes)) if nbytes > 0 else 0.0
+
+
+def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
+               hw: Hardware, precision: str, d_model: int, seq_len: int) -> HostBreakdown:
+    """Host memory of a pipeline rank holding `layers` with `live` micro-batches at its peak (module docstring)."""
+    if not hw.host_offload:  # the devices are the host: nothing is offloaded, their memory is counted
+        return HostBreakdown()
+    optimizer = 0.0
+    if layout.offload:
+        params = held_params(profile, layers, layout.tensor, layout.expert)
+        experts = held_experts(profile, layers, layout.tensor, layout.expert)
+        shard = (params - experts) / layout.reducing + experts / layout.data if layout.zero >= 1 else params
+        optimizer = OFFLOAD_BYTES[(layout.zero, precision)] * shard
+    inputs = 0.0
+    if layout.checkpoint and layout.host_inputs and live > 0:
+        one = pinned(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision))
+        runs = sum(profile[run[0]].kind != "Embedding" for run in _runs(list(layers), layout))
+        inputs = live * runs * one
+    return HostBreakdown(optimizer, inputs, hw.host_reserved_gb * 1e9)
+
+
 def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
                 hw: Hardware, precision: str, d_model: int, seq_len: int) -> MemoryBreakdown:
     """Memory of a pipeline rank holding `layers` with `live` whole-stage micro-batches at its peak.
@@ -226,4 +294,5 @@ def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: fl
     else:
         working = 2 * d_model * d_model * STATE_BYTES[precision][1] if layout.zero >= 2 else 0.0
     return MemoryBreakdown(p, g, s, act, p2p + working + hw.reserved_gb * 1e9,
-                           step_bytes(params, layout, hw, precision), made if growing else None)
+                           step_bytes(params, layout, hw, precision), made if growing else None,
+                           host_bytes(profile, layers, live, layout, hw, precision, d_model, seq_len))
