@@ -200,3 +200,103 @@ def test_expert_all_to_all_bytes_and_time_in_the_step():
     split, whole = (predict(profile, replace(lay, expert=x, data=8 // x), hw, shape, "bf16").time for x in (e, 1))
     assert split.expert_comm == pytest.approx(shape.layers * m * 4 * one) and whole.expert_comm == 0
     assert split.compute > whole.compute  # the exchanges are not hidden (no DualPipeV overlap yet)
+
+
+# --- host memory (issue 45: the planner counted only the device's) ---
+
+def _host_peak(tracker) -> int:
+    """The most bytes of host allocations (LiveTensors.host()) alive at once."""
+    events = sorted([(a.born, a.nbytes) for a in tracker.allocs if a.host]
+                    + [(a.died + 1, -a.nbytes) for a in tracker.allocs if a.host and a.died >= 0])
+    running, best = 0, 0
+    for _, delta in events:
+        running += delta
+        best = max(best, running)
+    return best
+
+
+def _distinct_bytes(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def test_host_bytes_are_what_the_offloads_hold(monkeypatch):
+    """A tiny Llama in bf16, every layer checkpointed with its input offloaded, two micro-batches in flight,
+    under ZeroOptimizer(stage 1, offload_optimizer) over AdamW, one step on CPU: the planner's host bytes are
+    the offloaded inputs alive at once (every allocation tracked, bench/live_tensors.py) and the tensors the
+    offloaded optimizer keeps (fp32 masters, their gradients, Adam's moments). On CPU the gradient lands in
+    the fp32 sum where a GPU lands it in a pinned fp32 buffer, the same 4 bytes at stage 1; a GPU's pinned
+    blocks round up to powers of two, which these sizes are."""
+    from transformers import LlamaConfig
+
+    from bench.live_tensors import LiveTensors, simulated_offload
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.memory.recompute import RecomputeConfig
+    from pipezero.topology import Grid
+    from pipezero.train.plan.memory import host_bytes
+    from pipezero.zero import ZeroConfig, ZeroOptimizer
+
+    tokens, micro = 512, 2
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=tokens)
+    module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1), loss_fn=causal_lm_loss,
+                            recompute=RecomputeConfig(mode="full", offload=True)).to(torch.bfloat16)
+    opt = ZeroOptimizer(torch.optim.AdamW(module.parameters()), config=ZeroConfig(stage=1, offload_optimizer=True))
+    ids = torch.randint(0, 64, (micro, 1, tokens), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(tokens).remainder(128)[None]
+    tracker = LiveTensors()
+    with tracker, simulated_offload(tracker):  # both forwards before either backward: two in flight
+        losses = [module.loss(module((row, None, positions)), row) for row in ids]
+        sum(losses).backward()
+    opt.step()
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    held = _distinct_bytes(masters + [p.grad for p in masters]
+                           + [t for s in opt.state.values() for t in s.values() if t.numel() > 1])
+
+    shape = ModelShape.from_hf_config(config, tokens)
+    profile = flops_profile(shape, 1.0)
+    layout = Layout(1, 1, 1, "1f1b", 1, micro, 1, 1, True, 1, host_inputs=True)
+    planned = host_bytes(profile, range(len(profile)), float(micro), layout, h100(1, 1), "bf16", shape.d_model,
+                         tokens)
+    # each micro-batch's decoder layers' and final norm's inputs, and the fused head's copy, dropped at once
+    assert planned.inputs == _host_peak(tracker) == (micro * (3 + 1) + 1) * tokens * 64 * 2
+    assert planned.optimizer == pytest.approx(held, rel=0.02), (planned.optimizer, held)
+    assert planned.reserved == h100(1, 1).host_reserved_gb * 1e9
+
+
+def llama8b(seq_len: int) -> ModelShape:
+    """The Llama-3-8B shape as issue 45's reproduction writes its config.json."""
+    return ModelShape.from_hf_config({"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+                                      "intermediate_size": 14336, "num_hidden_layers": 32,
+                                      "num_attention_heads": 32, "num_key_value_heads": 8,
+                                      "tie_word_embeddings": False}, seq_len, name="l8b")
+
+
+def test_a_layout_fits_only_where_the_host_holds_what_it_offloads(tmp_path):
+    """The 8B shape at 512K tokens on one H200: the only layout the device holds (z1 off ck1+h, 79.6 GB) keeps
+    its optimizer (16 B/param, 128 GB) and 33 checkpointed inputs (the decoder layers' and the final norm's)
+    and the fused head's brief copy (146 GB) on the host; with 1 TB it wins, with
+    120 GB (one GPU in a 128 GiB machine) nothing fits and the error says host memory. A layout that offloads
+    nothing plans the same whatever the host."""
+    from pipezero.train.cli import main
+
+    shape, hw = llama8b(524288), h200(1, 1)
+    profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
+    best = plan(shape, profile, replace(hw, host_memory_gb=1000.0), 1, "bf16", top=1)[0]
+    assert best.layout.label == "p1 d1 t1 1f1b v1 m1x1 z1 off ck1+h" and best.memory.total < 141e9
+    assert best.memory.host.optimizer == pytest.approx(16 * total_params(profile))
+    assert best.memory.host.inputs == 34 * 524288 * 4096 * 2
+    with pytest.raises(ValueError, match=r"120 GB of host memory.* the least 2\d\d\.\d GB \(p1 d1 t1 1f1b v1 m1x1 "
+                                         r"z1 off ck1\+h: optimizer 128, checkpointed inputs 146"):
+        plan(shape, profile, replace(hw, host_memory_gb=120.0), 1, "bf16", top=1)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "tie_word_embeddings": False}))
+    with pytest.raises(SystemExit, match="host memory"):
+        main(["plan", "--hf-config", str(tmp_path), "--seq-len", "524288", "--global-batch", "1", "--precision",
+              "bf16", "--hardware", "h200", "--gpus-per-node", "1", "--top", "5", "--host-memory-gb", "120"])
+    short, node = llama8b(8192), h200(1, 8)
+    short_profile = flops_profile(short, node.peak_tflops * 1e12 * node.efficiency)
+    lean, roomy = (plan(short, short_profile, replace(node, host_memory_gb=gb), 8, "bf16", top=3) for gb in (8, 1000))
+    assert [(p.layout, p.tokens_per_second) for p in lean] == [(p.layout, p.tokens_per_second) for p in roomy]
+    assert not lean[0].layout.offload and lean[0].memory.host.total == node.host_reserved_gb * 1e9

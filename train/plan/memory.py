@@ -47,8 +47,10 @@ Host memory per rank (HostBreakdown), what the offloads allocate there:
   a pinned copy in the model's dtype, folded into a pinned fp32 sum (e + 4): OFFLOAD_BYTES;
 * checkpointed inputs in pinned host memory (pipe/memory/offload.py): every checkpointed run's input
   that requires a gradient (the hidden states; a run that starts at the embedding has token ids) of
-  every micro-batch in flight, at the peak all of them; each a tensor of its own, and CUDA's pinned
-  allocator rounds every block up to a power of two bytes (torch's CachingHostAllocator);
+  every micro-batch in flight, at the peak all of them; the fused head's run copies its input and drops
+  it at once (LayerProfile.keeps_input), one copy more while it lives. Each is a tensor of its own, and
+  CUDA's pinned allocator rounds every block up to a power of two bytes (torch's CachingHostAllocator)
+  and keeps freed blocks for the next copy;
 * the process itself (Hardware.host_reserved_gb).
 """
 
@@ -261,8 +263,9 @@ def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: flo
     inputs = 0.0
     if layout.checkpoint and layout.host_inputs and live > 0:
         one = pinned(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision))
-        runs = sum(profile[run[0]].kind != "Embedding" for run in _runs(list(layers), layout))
-        inputs = live * runs * one
+        firsts = [profile[run[0]] for run in _runs(list(layers), layout) if profile[run[0]].kind != "Embedding"]
+        kept = sum(p.keeps_input for p in firsts)
+        inputs = (live * kept + (kept < len(firsts))) * one  # a run that keeps none: one copy, briefly
     return HostBreakdown(optimizer, inputs, hw.host_reserved_gb * 1e9)
 
 

@@ -158,6 +158,9 @@ class LayerProfile:
     norm_fp32_bytes: float = 0.0
     norm_backward_bytes: float = 0.0
     norm_tile_grads: float = 0.0
+    # a checkpointed run starting here keeps its input until its backward; the fused head's does not (it
+    # returns the hidden state inside HeadLogits, no tensor: the checkpoint's saved input dies at once)
+    keeps_input: bool = True
 
     def act_bytes(self, precision: str, tensor: int = 1, tiled: bool = False, norms_tiled: bool = False) -> float:
         """Saved bytes per token on one tensor rank (`tiled`: the MLP in row tiles; `norms_tiled`: the norms)."""

@@ -144,9 +144,10 @@ def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Har
     d, s = shape.d_model, shape.seq_len
     memory = [_memory_floor(profile, lay, hw, precision, shape) for lay in layouts]
     possible = [m.fits(hw) for m in memory]
-    if layouts and not any(possible):  # nothing can fit: the leanest one, for the error message
-        least = min(range(len(layouts)), key=lambda i: (memory[i].total, memory[i].host.total))
-        return [predict(profile, layouts[least], hw, shape, precision, memo)]
+    if layouts and not any(possible):  # nothing can fit; for the error message, what may fit the device
+        device = [i for i, m in enumerate(memory) if m.total <= hw.memory_gb * 1e9] or \
+            [min(range(len(layouts)), key=lambda i: memory[i].total)]  # or the leanest
+        return [predict(profile, layouts[i], hw, shape, precision, memo) for i in device]
     busy: dict = {}
     floors = sorted((step_time_floor(profile, lay, hw, precision, d, s, busy), i) for i, lay in enumerate(layouts)
                     if possible[i])
