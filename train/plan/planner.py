@@ -6,8 +6,9 @@
 
 Each layout (layout.py) is timed by step_time.py (pipe/schedule/simulate.py per rank with
 compute, p2p, tensor- and data-parallel traffic) and sized by memory.py (the ZeRO
-formulas, the simulator's peak live micro-batches); layouts over the device's memory are
-dropped and the rest ranked by tokens/s (less memory breaks ties). Why a layout wins is in
+formulas, the simulator's peak live micro-batches; and the host memory its offloads take);
+layouts over the device's memory or the host's are dropped and the rest ranked by tokens/s
+(less device memory breaks ties). Why a layout wins is in
 its parts: compute, bubble, exposed communication, the optimizer, the memory breakdown.
 """
 
