@@ -44,7 +44,12 @@ Host memory per rank (HostBreakdown), what the offloads allocate there:
 * the offloaded optimizer, per parameter of the rank's shard (zero/offload.py, zero/partition.py): the
   fp32 master (pinned) and Adam's two fp32 moments (the optimizer makes them beside the master), 12
   bytes, and where the reduced gradients land: at stages 0-1 one pinned fp32 buffer (4), at stages 2-3
-  a pinned copy in the model's dtype, folded into a pinned fp32 sum (e + 4): OFFLOAD_BYTES;
+  a pinned copy in the model's dtype, folded into a pinned fp32 sum (e + 4): OFFLOAD_BYTES. Each pinned
+  buffer is one bucket's shard, which CUDA's pinned allocator rounds up to a power of two bytes; the
+  planner does not model the buckets and counts their bytes as they are (zero/partition.py's
+  plan_groups over the Llama-3-8B shape, reduce_bucket_size d x d, one rank: 32.1 GB of fp32 shards
+  take 35.4 GB pinned, so the masters and the landing take 6.6 GB more than counted, 2.4% of that
+  layout's 281 GB);
 * checkpointed inputs in pinned host memory (pipe/memory/offload.py): every checkpointed run's input
   that requires a gradient (the hidden states; a run that starts at the embedding has token ids) of
   every micro-batch in flight, at the peak all of them; the fused head's run copies its input and drops
