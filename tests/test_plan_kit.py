@@ -260,7 +260,8 @@ def test_host_bytes_are_what_the_offloads_hold(monkeypatch):
                          tokens)
     # each micro-batch's decoder layers' and final norm's inputs, and the fused head's copy, dropped at once
     assert planned.inputs == _host_peak(tracker) == (micro * (3 + 1) + 1) * tokens * 64 * 2
-    assert planned.optimizer == pytest.approx(held, rel=0.02), (planned.optimizer, held)
+    # the planner's final norm has a bias's d parameters more than a Llama's RMSNorm: 64 of 140,736
+    assert planned.optimizer == pytest.approx(held, rel=1e-3), (planned.optimizer, held)
     assert planned.reserved == h100(1, 1).host_reserved_gb * 1e9
 
 
@@ -295,6 +296,8 @@ def test_a_layout_fits_only_where_the_host_holds_what_it_offloads(tmp_path):
     with pytest.raises(SystemExit, match="host memory"):
         main(["plan", "--hf-config", str(tmp_path), "--seq-len", "524288", "--global-batch", "1", "--precision",
               "bf16", "--hardware", "h200", "--gpus-per-node", "1", "--top", "5", "--host-memory-gb", "120"])
+    with pytest.raises(SystemExit, match="--host-memory-gb 120.0 applies only to --hardware h100 / h200"):
+        main(["plan", "--host-memory-gb", "120"])  # here the devices are the host: nothing is offloaded
     short, node = llama8b(8192), h200(1, 8)
     short_profile = flops_profile(short, node.peak_tflops * 1e12 * node.efficiency)
     lean, roomy = (plan(short, short_profile, replace(node, host_memory_gb=gb), 8, "bf16", top=3) for gb in (8, 1000))
