@@ -130,8 +130,9 @@ def _none_fits(preds: Sequence[Prediction], hw: Hardware, shape: ModelShape) -> 
     fix = ("more host memory per device (--host-memory-gb, if the machine has it), more devices (the "
            "optimizer's shards and the sequence split over them)" if host else
            "add devices (a sequence axis splits each sequence over them)")
-    return (f"no layout of {shape.label} fits {hw.memory_gb:g} GB per device and {hw.host_memory_gb:g} GB of host "
-            f"memory per device on {hw.name}{need}: {fix}, lower the micro-batch or the sequence length")
+    of_host = f" and {hw.host_memory_gb:g} GB of host memory" if hw.host_offload else ""
+    return (f"no layout of {shape.label} fits {hw.memory_gb:g} GB{of_host} per device on {hw.name}{need}: {fix}, "
+            "lower the micro-batch or the sequence length")
 
 
 def _host_words(h: HostBreakdown) -> str:
