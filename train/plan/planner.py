@@ -140,6 +140,9 @@ def _host_words(h: HostBreakdown) -> str:
             f"the process {h.reserved / 1e9:.3g}")
 
 
+_MESSAGE_PREDICTIONS = 64  # layouts predicted, least host memory first, to say why none fits
+
+
 def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Hardware, shape: ModelShape,
              precision: str, top: int, memo: dict) -> list[Prediction]:
     """Predictions of the layouts that can reach the `top` best (branch and bound on the floors)."""
@@ -147,7 +150,8 @@ def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Har
     memory = [_memory_floor(profile, lay, hw, precision, shape) for lay in layouts]
     possible = [m.fits(hw) for m in memory]
     if layouts and not any(possible):  # nothing can fit; for the error message, what may fit the device
-        device = [i for i, m in enumerate(memory) if m.total <= hw.memory_gb * 1e9] or \
+        device = sorted((i for i, m in enumerate(memory) if m.total <= hw.memory_gb * 1e9),
+                        key=lambda i: memory[i].host.total)[:_MESSAGE_PREDICTIONS] or \
             [min(range(len(layouts)), key=lambda i: memory[i].total)]  # or the leanest
         return [predict(profile, layouts[i], hw, shape, precision, memo) for i in device]
     busy: dict = {}
