@@ -27,6 +27,8 @@ from pipezero.train.plan.step_time import TimeBreakdown, chunk_layers, step_time
 
 __all__ = ["Prediction", "ds_config", "explain", "format_table", "kit_table", "plan", "predict", "torchrun_command"]
 
+_MESSAGE_PREDICTIONS = 64  # layouts predicted, least host memory first, to say why none fits
+
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
@@ -138,9 +140,6 @@ def _none_fits(preds: Sequence[Prediction], hw: Hardware, shape: ModelShape) -> 
 def _host_words(h: HostBreakdown) -> str:
     return (f"optimizer {h.optimizer / 1e9:.3g}, checkpointed inputs {h.inputs / 1e9:.3g}, "
             f"the process {h.reserved / 1e9:.3g}")
-
-
-_MESSAGE_PREDICTIONS = 64  # layouts predicted, least host memory first, to say why none fits
 
 
 def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Hardware, shape: ModelShape,
