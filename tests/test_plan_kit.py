@@ -303,3 +303,16 @@ def test_a_layout_fits_only_where_the_host_holds_what_it_offloads(tmp_path):
     lean, roomy = (plan(short, short_profile, replace(node, host_memory_gb=gb), 8, "bf16", top=3) for gb in (8, 1000))
     assert [(p.layout, p.tokens_per_second) for p in lean] == [(p.layout, p.tokens_per_second) for p in roomy]
     assert not lean[0].layout.offload and lean[0].memory.host.total == node.host_reserved_gb * 1e9
+
+
+def test_a_nodes_ranks_share_its_host_memory():
+    """Pipeline ranks in one node take its memory together: the fullest node's mean per device is what must fit
+    (ranks are numbered pipe slowest, so a node holds one stage where the other axes fill it)."""
+    from pipezero.train.plan import node_host
+    from pipezero.train.plan.memory import HostBreakdown
+
+    first, last = HostBreakdown(10.0, 20.0, 1.0), HostBreakdown(10.0, 0.0, 1.0)  # 1F1B: stage 0 keeps more inputs
+    p2d4 = Layout(2, 4, 1, "1f1b", 1, 8, 1, 1, True, 1, host_inputs=True)
+    assert node_host([first, last], p2d4, h200(1, 8)) == HostBreakdown(10.0, 10.0, 1.0)  # both stages in a node
+    assert node_host([first, last], p2d4, h200(2, 4)) == first  # a node a stage: the first stage's node
+    assert node_host([first, last], replace(p2d4, data=1), h200(1, 1)) == first

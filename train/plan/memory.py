@@ -57,6 +57,7 @@ Host memory per rank (HostBreakdown), what the offloads allocate there:
   CUDA's pinned allocator rounds every block up to a power of two bytes (torch's CachingHostAllocator)
   and keeps freed blocks for the next copy;
 * the process itself (Hardware.host_reserved_gb).
+A node's ranks share its memory: the planner checks the fullest node's mean (planner.node_host).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from pipezero.train.plan.memory import HostBreakdown, MemoryBreakdown, rank_memo
 from pipezero.train.plan.model import LayerProfile, ModelShape
 from pipezero.train.plan.step_time import TimeBreakdown, chunk_layers, step_time, step_time_floor
 
-__all__ = ["Prediction", "ds_config", "explain", "format_table", "kit_table", "plan", "predict", "torchrun_command"]
+__all__ = ["Prediction", "ds_config", "explain", "format_table", "kit_table", "node_host", "plan", "predict",
+           "torchrun_command"]
 
 _MESSAGE_PREDICTIONS = 64  # layouts predicted, least host memory first, to say why none fits
 
@@ -36,7 +37,7 @@ class Prediction:
 
     layout: Layout
     time: TimeBreakdown
-    memory: MemoryBreakdown        # the fullest pipeline rank (its `host`: the host's fullest rank's)
+    memory: MemoryBreakdown        # the fullest pipeline rank (its `host`: the fullest node's per device)
     tokens_per_step: int
     flops_per_step: float          # model FLOPs (no recompute), as MFU counts them
     hardware: Hardware
@@ -65,13 +66,13 @@ def predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape
     """Step time and peak memory of one layout (`memo`: see step_time.simulate_layout)."""
     time, result, held = step_time(profile, layout, hw, precision, shape.d_model, shape.seq_len, memo)
     live = result.live
-    worst, host = None, None
+    worst, hosts = None, []
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in sorted(held.items()) if r == rank for i in rng]
         mem = rank_memory(profile, layers, live[rank], layout, hw, precision, shape.d_model, shape.seq_len)
         worst = mem if worst is None or mem.total > worst.total else worst
-        host = mem.host if host is None or mem.host.total > host.total else host
-    worst = replace(worst, host=host)  # the device's fullest rank, with the host's fullest rank's host bytes
+        hosts.append(mem.host)
+    worst = replace(worst, host=node_host(hosts, layout, hw))  # the device's fullest rank, the host's fullest node
     tokens = layout.replicas * layout.microbatches * layout.microbatch_size * shape.seq_len
     flops = sum(p.flops for p in profile) * tokens
     total = sum(p.seconds for p in profile) or 1.0
@@ -114,6 +115,25 @@ def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, globa
     if keep_unfit:
         rank += sorted((p for p in preds if p not in fits), key=lambda p: -p.tokens_per_second)
     return rank[:top]
+
+
+def node_host(hosts: Sequence[HostBreakdown], layout: Layout, hw: Hardware) -> HostBreakdown:
+    """The host memory per device of the fullest node, from each pipeline rank's (`hosts`, by pipe rank).
+
+    A node's processes share its memory: the layout fits where each node's ranks together take no more
+    than its devices' share (gpus_per_node x Hardware.host_memory_gb). Ranks are numbered pipe slowest
+    (topology/grid.py's AXES), so global rank g is pipe rank g // (world / pipe), and a node of G devices
+    holds ranks n G .. n G + G - 1: one pipe rank where the other axes fill the node, several where not.
+    """
+    per_stage, node = layout.world // layout.pipe, min(hw.gpus_per_node, layout.world)
+    best = HostBreakdown()
+    for first in range(0, layout.world, node):
+        ranks = [hosts[g // per_stage] for g in range(first, min(first + node, layout.world))]
+        n = len(ranks)
+        mean = HostBreakdown(sum(h.optimizer for h in ranks) / n, sum(h.inputs for h in ranks) / n,
+                             sum(h.reserved for h in ranks) / n)
+        best = mean if mean.total > best.total else best
+    return best
 
 
 def _none_fits(preds: Sequence[Prediction], hw: Hardware, shape: ModelShape) -> str:
@@ -185,13 +205,13 @@ def _memory_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware,
                   shape: ModelShape) -> MemoryBreakdown:
     """The fullest rank's memory with no micro-batch in flight, device and host: a lower bound of predict()'s."""
     held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
-    worst, host = None, HostBreakdown()
+    worst, hosts = None, []
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
         mem = rank_memory(profile, layers, 0.0, layout, hw, precision, shape.d_model, shape.seq_len)
         worst = mem if worst is None or mem.total > worst.total else worst
-        host = mem.host if mem.host.total > host.total else host
-    return replace(worst, host=host)
+        hosts.append(mem.host)
+    return replace(worst, host=node_host(hosts, layout, hw))
 
 
 def format_table(preds: Sequence[Prediction]) -> str:
