@@ -45,11 +45,10 @@ Host memory per rank (HostBreakdown), what the offloads allocate there:
   fp32 master (pinned) and Adam's two fp32 moments (the optimizer makes them beside the master), 12
   bytes, and where the reduced gradients land: at stages 0-1 one pinned fp32 buffer (4), at stages 2-3
   a pinned copy in the model's dtype, folded into a pinned fp32 sum (e + 4): OFFLOAD_BYTES. Each pinned
-  buffer is one bucket's shard, which CUDA's pinned allocator rounds up to a power of two bytes; the
-  planner does not model the buckets and counts their bytes as they are (zero/partition.py's
-  plan_groups over the Llama-3-8B shape, reduce_bucket_size d x d, one rank: 32.1 GB of fp32 shards
-  take 35.4 GB pinned, so the masters and the landing take 6.6 GB more than counted, 2.4% of that
-  layout's 281 GB);
+  buffer is one bucket's shard, which CUDA's pinned allocator rounds up to a power of two bytes, so the
+  buckets are cut as zero/partition.py cuts them (optimizer_shards; tests/test_plan_kit.py checks them
+  against plan_groups): TinyLlama's 4.4 GB of fp32 shards take 5.8 GB pinned, the 8B's 32.1 take 35.4.
+  The routed experts' param group is counted at its bytes;
 * checkpointed inputs in pinned host memory (pipe/memory/offload.py): every checkpointed run's input
   that requires a gradient (the hidden states; a run that starts at the embedding has token ids) of
   every micro-batch in flight, at the peak all of them; the fused head's run copies its input and drops
@@ -64,6 +63,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from pipezero.train.plan.hardware import Hardware
@@ -72,8 +72,8 @@ from pipezero.pipe.tiled_mlp import NORM_TILE_FROM_ROWS, NORM_TILE_ROWS, TILE_FR
 from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_experts, held_params, tied_head
 
 __all__ = ["HostBreakdown", "MemoryBreakdown", "OFFLOAD_BYTES", "STATE_BYTES", "activation_bytes", "backward_peak",
-           "host_bytes", "model_state_bytes", "norms_tiled", "pinned", "rank_memory", "rank_tokens", "step_bytes",
-           "tiled"]
+           "host_bytes", "model_state_bytes", "norms_tiled", "optimizer_shards", "pinned", "rank_memory",
+           "rank_tokens", "step_bytes", "tiled"]
 
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 
@@ -255,6 +255,45 @@ def pinned(nbytes: float) -> float:
     return 2.0 ** math.ceil(math.log2(nbytes)) if nbytes > 0 else 0.0
 
 
+def optimizer_shards(profile: Sequence[LayerProfile], layers: Sequence[int], layout: Layout,
+                     d_model: int) -> tuple[int, ...]:
+    """The elements of this rank's slice of each ZeRO bucket of the rank's dense parameters (zero/partition.py's
+    plan_groups with the planner's ds_config, reduce_bucket_size d_model x d_model): stages 0-2 cut the
+    parameters, last first, into buckets of at most that many elements (a larger tensor alone), stage 3 makes
+    a bucket of each layer; each bucket split over the reducing ranks (padded to a multiple of them)."""
+    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"} and tied_head(profile)
+    runs = [[math.ceil(n / (1 if profile[i].tied else layout.tensor))
+             for n in (profile[i].tensors or (profile[i].params - profile[i].expert_params,))]
+            for i in layers if not (both and profile[i].kind == "Head")]
+    parts = layout.reducing if layout.zero >= 1 else 1
+    return _shards(tuple(tuple(run) for run in runs), d_model * d_model, parts, layout.zero == 3)
+
+
+@lru_cache(maxsize=4096)
+def _shards(runs: tuple[tuple[int, ...], ...], limit: int, parts: int, per_layer: bool) -> tuple[int, ...]:
+    buckets: list[int] = []
+    if per_layer:
+        buckets = [sum(run) for run in runs if sum(run)]
+    else:
+        open_ = 0
+        for n in (n for run in reversed(runs) for n in reversed(run)):
+            if open_ and open_ + n > limit:
+                buckets.append(open_)
+                open_ = 0
+            open_ += n
+        buckets += [open_] if open_ else []
+    return tuple(-(-b // parts) for b in buckets)
+
+
+def _offloaded_buckets(shards: Sequence[int], stage: int, e: int) -> tuple[float, float]:
+    """(pinned bytes, Adam's moments' bytes) of the offloaded buckets: each shard's fp32 master, its gradient's
+    landing (stages 0-1 fp32; 2-3 the model's dtype beside an fp32 sum), each a pinned block; the moments are
+    not pinned."""
+    landing = (4,) if stage <= 1 else (e, 4)
+    return (sum(pinned(4 * s) + sum(pinned(b * s) for b in landing) for s in shards),
+            8.0 * sum(shards))
+
+
 def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
                hw: Hardware, precision: str, d_model: int, seq_len: int) -> HostBreakdown:
     """Host memory of a pipeline rank holding `layers` with `live` micro-batches at its peak (module docstring)."""
@@ -262,10 +301,11 @@ def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: flo
         return HostBreakdown()
     optimizer = 0.0
     if layout.offload:
-        params = held_params(profile, layers, layout.tensor, layout.expert)
         experts = held_experts(profile, layers, layout.tensor, layout.expert)
-        shard = (params - experts) / layout.reducing + experts / layout.data if layout.zero >= 1 else params
-        optimizer = OFFLOAD_BYTES[(layout.zero, precision)] * shard
+        pinned_bytes, moments = _offloaded_buckets(optimizer_shards(profile, layers, layout, d_model), layout.zero,
+                                                   bytes_per_element(precision))
+        # the experts' own param group (split over the data ranks holding the same experts): their bytes
+        optimizer = pinned_bytes + moments + OFFLOAD_BYTES[(layout.zero, precision)] * experts / layout.data
     inputs = 0.0
     if layout.checkpoint and layout.host_inputs and live > 0:
         one = pinned(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision))
