@@ -285,13 +285,25 @@ def _shards(runs: tuple[tuple[int, ...], ...], limit: int, parts: int, per_layer
     return tuple(-(-b // parts) for b in buckets)
 
 
-def _offloaded_buckets(shards: Sequence[int], stage: int, e: int) -> tuple[float, float]:
-    """(pinned bytes, Adam's moments' bytes) of the offloaded buckets: each shard's fp32 master, its gradient's
-    landing (stages 0-1 fp32; 2-3 the model's dtype beside an fp32 sum), each a pinned block; the moments are
-    not pinned."""
-    landing = (4,) if stage <= 1 else (e, 4)
-    return (sum(pinned(4 * s) + sum(pinned(b * s) for b in landing) for s in shards),
-            8.0 * sum(shards))
+_MEMO: dict[tuple, tuple[Sequence[LayerProfile], float]] = {}  # _offloaded_optimizer's, by profile and rank
+
+
+def _offloaded_optimizer(profile: Sequence[LayerProfile], layers: Sequence[int], layout: Layout, precision: str,
+                         d_model: int) -> float:
+    """Host bytes of the rank's offloaded dense buckets: each shard's fp32 master and its gradient's landing
+    (stages 0-1 fp32; 2-3 the model's dtype beside an fp32 sum), each a pinned block, and Adam's moments (not
+    pinned). Memoised: the planner asks for the same rank under many schedules and micro-batch counts."""
+    key = (id(profile), tuple(layers), layout.tensor, layout.reducing, layout.zero, precision, d_model)
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    shards = optimizer_shards(profile, layers, layout, d_model)
+    landing = (4,) if layout.zero <= 1 else (bytes_per_element(precision), 4)
+    total = sum(pinned(4 * s) + sum(pinned(b * s) for b in landing) for s in shards) + 8.0 * sum(shards)
+    if len(_MEMO) > 1 << 16:
+        _MEMO.clear()
+    _MEMO[key] = (profile, total)
+    return total
 
 
 def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
@@ -302,10 +314,9 @@ def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: flo
     optimizer = 0.0
     if layout.offload:
         experts = held_experts(profile, layers, layout.tensor, layout.expert)
-        pinned_bytes, moments = _offloaded_buckets(optimizer_shards(profile, layers, layout, d_model), layout.zero,
-                                                   bytes_per_element(precision))
         # the experts' own param group (split over the data ranks holding the same experts): their bytes
-        optimizer = pinned_bytes + moments + OFFLOAD_BYTES[(layout.zero, precision)] * experts / layout.data
+        optimizer = (_offloaded_optimizer(profile, layers, layout, precision, d_model)
+                     + OFFLOAD_BYTES[(layout.zero, precision)] * experts / layout.data)
     inputs = 0.0
     if layout.checkpoint and layout.host_inputs and live > 0:
         one = pinned(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision))

@@ -126,6 +126,8 @@ def node_host(hosts: Sequence[HostBreakdown], layout: Layout, hw: Hardware) -> H
     holds ranks n G .. n G + G - 1: one pipe rank where the other axes fill the node, several where not.
     """
     per_stage, node = layout.world // layout.pipe, min(hw.gpus_per_node, layout.world)
+    if per_stage % node == 0:  # each node holds ranks of one stage
+        return max(hosts, key=lambda h: h.total)
     best = HostBreakdown()
     for first in range(0, layout.world, node):
         ranks = [hosts[g // per_stage] for g in range(first, min(first + node, layout.world))]
