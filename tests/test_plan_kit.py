@@ -219,7 +219,7 @@ def _distinct_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def test_host_bytes_are_what_the_offloads_hold(monkeypatch):
+def test_host_bytes_are_what_the_offloads_hold():
     """A tiny Llama in bf16, every layer checkpointed with its input offloaded, two micro-batches in flight,
     under ZeroOptimizer(stage 1, offload_optimizer) over AdamW, one step on CPU: the planner's host bytes are
     the offloaded inputs alive at once (every allocation tracked, bench/live_tensors.py) and the tensors the
