@@ -200,3 +200,147 @@ def test_expert_all_to_all_bytes_and_time_in_the_step():
     split, whole = (predict(profile, replace(lay, expert=x, data=8 // x), hw, shape, "bf16").time for x in (e, 1))
     assert split.expert_comm == pytest.approx(shape.layers * m * 4 * one) and whole.expert_comm == 0
     assert split.compute > whole.compute  # the exchanges are not hidden (no DualPipeV overlap yet)
+
+
+# --- host memory (issue 45: the planner counted only the device's) ---
+
+def _host_peak(tracker) -> int:
+    """The most bytes of host allocations (LiveTensors.host()) alive at once."""
+    events = sorted([(a.born, a.nbytes) for a in tracker.allocs if a.host]
+                    + [(a.died + 1, -a.nbytes) for a in tracker.allocs if a.host and a.died >= 0])
+    running, best = 0, 0
+    for _, delta in events:
+        running += delta
+        best = max(best, running)
+    return best
+
+
+def _distinct_bytes(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def test_host_bytes_are_what_the_offloads_hold():
+    """A tiny Llama in bf16, every layer checkpointed with its input offloaded, two micro-batches in flight,
+    under ZeroOptimizer(stage 1, offload_optimizer) over AdamW, one step on CPU: the planner's host bytes are
+    the offloaded inputs alive at once (every allocation tracked, bench/live_tensors.py) and the tensors the
+    offloaded optimizer keeps (fp32 masters, their gradients, Adam's moments), the masters and gradients
+    each a pinned block on a GPU (a power of two bytes). On CPU the gradient lands in the fp32 sum where a
+    GPU lands it in a pinned fp32 buffer, the same 4 bytes at stage 1."""
+    from transformers import LlamaConfig
+
+    from bench.live_tensors import LiveTensors, simulated_offload
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.memory.recompute import RecomputeConfig
+    from pipezero.topology import Grid
+    from pipezero.train.plan.memory import host_bytes, pinned
+    from pipezero.zero import ZeroConfig, ZeroOptimizer
+
+    tokens, micro = 512, 2
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=tokens)
+    module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1), loss_fn=causal_lm_loss,
+                            recompute=RecomputeConfig(mode="full", offload=True)).to(torch.bfloat16)
+    opt = ZeroOptimizer(torch.optim.AdamW(module.parameters()),  # the bucket size the planner's ds_config sets
+                        config=ZeroConfig(stage=1, offload_optimizer=True, reduce_bucket_size=64 * 64))
+    ids = torch.randint(0, 64, (micro, 1, tokens), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(tokens).remainder(128)[None]
+    tracker = LiveTensors()
+    with tracker, simulated_offload(tracker):  # both forwards before either backward: two in flight
+        losses = [module.loss(module((row, None, positions)), row) for row in ids]
+        sum(losses).backward()
+    opt.step()
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    assert len(masters) > 3  # several buckets
+    # on a GPU each master and its gradient's landing is a pinned block of a power of two bytes
+    held = (sum(pinned(t.untyped_storage().nbytes()) for t in masters + [p.grad for p in masters])
+            + _distinct_bytes([t for s in opt.state.values() for t in s.values() if t.numel() > 1]))
+
+    shape = ModelShape.from_hf_config(config, tokens)
+    profile = flops_profile(shape, 1.0)
+    layout = Layout(1, 1, 1, "1f1b", 1, micro, 1, 1, True, 1, host_inputs=True)
+    planned = host_bytes(profile, range(len(profile)), float(micro), layout, h100(1, 1), "bf16", shape.d_model,
+                         tokens)
+    # each micro-batch's decoder layers' and final norm's inputs, and the fused head's copy, dropped at once
+    assert planned.inputs == _host_peak(tracker) == (micro * (3 + 1) + 1) * tokens * 64 * 2
+    assert planned.optimizer == held
+    assert planned.reserved == h100(1, 1).host_reserved_gb * 1e9
+
+
+def llama8b(seq_len: int) -> ModelShape:
+    """The Llama-3-8B shape as issue 45's reproduction writes its config.json."""
+    return ModelShape.from_hf_config({"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+                                      "intermediate_size": 14336, "num_hidden_layers": 32,
+                                      "num_attention_heads": 32, "num_key_value_heads": 8,
+                                      "tie_word_embeddings": False}, seq_len, name="l8b")
+
+
+def test_a_layout_fits_only_where_the_host_holds_what_it_offloads(tmp_path):
+    """The 8B shape at 512K tokens on one H200: the only layout the device holds (z1 off ck1+h, 79.6 GB) keeps
+    its optimizer (16 B/param, in pinned blocks 135 GB) and 33 checkpointed inputs (the decoder layers' and the
+    final norm's) and the fused head's brief copy (146 GB) on the host; with 1 TB it wins, with 120 GB (one GPU
+    in a 128 GiB machine) nothing fits and the error says host memory. A layout that offloads nothing plans the
+    same whatever the host."""
+    from pipezero.train.cli import main
+
+    shape, hw = llama8b(524288), h200(1, 1)
+    profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
+    best = plan(shape, profile, replace(hw, host_memory_gb=1000.0), 1, "bf16", top=1)[0]
+    assert best.layout.label == "p1 d1 t1 1f1b v1 m1x1 z1 off ck1+h" and best.memory.total < 141e9
+    # 16 B/param, 128.5 GB, the masters and the landing in pinned blocks of powers of two: 135.1 GB
+    assert best.memory.host.optimizer == pytest.approx(135.1e9, rel=1e-3) and total_params(profile) == 8030261248
+    assert best.memory.host.inputs == 34 * 524288 * 4096 * 2
+    with pytest.raises(ValueError, match=r"120 GB of host memory.* the least 2\d\d\.\d GB \(p1 d1 t1 1f1b v1 m1x1 "
+                                         r"z1 off ck1\+h: optimizer 135, checkpointed inputs 146"):
+        plan(shape, profile, replace(hw, host_memory_gb=120.0), 1, "bf16", top=1)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "tie_word_embeddings": False}))
+    with pytest.raises(SystemExit, match="host memory"):
+        main(["plan", "--hf-config", str(tmp_path), "--seq-len", "524288", "--global-batch", "1", "--precision",
+              "bf16", "--hardware", "h200", "--gpus-per-node", "1", "--top", "5", "--host-memory-gb", "120"])
+    with pytest.raises(SystemExit, match="--host-memory-gb 120.0 applies only to --hardware h100 / h200"):
+        main(["plan", "--host-memory-gb", "120"])  # here the devices are the host: nothing is offloaded
+    short, node = llama8b(8192), h200(1, 8)
+    short_profile = flops_profile(short, node.peak_tflops * 1e12 * node.efficiency)
+    lean, roomy = (plan(short, short_profile, replace(node, host_memory_gb=gb), 8, "bf16", top=3) for gb in (8, 1000))
+    assert [(p.layout, p.tokens_per_second) for p in lean] == [(p.layout, p.tokens_per_second) for p in roomy]
+    assert not lean[0].layout.offload and lean[0].memory.host.total == node.host_reserved_gb * 1e9
+
+
+def test_a_nodes_ranks_share_its_host_memory():
+    """Pipeline ranks in one node take its memory together: the fullest node's mean per device is what must fit
+    (ranks are numbered pipe slowest, so a node holds one stage where the other axes fill it)."""
+    from pipezero.train.plan import node_host
+    from pipezero.train.plan.memory import HostBreakdown
+
+    first, last = HostBreakdown(10.0, 20.0, 1.0), HostBreakdown(10.0, 0.0, 1.0)  # 1F1B: stage 0 keeps more inputs
+    p2d4 = Layout(2, 4, 1, "1f1b", 1, 8, 1, 1, True, 1, host_inputs=True)
+    assert node_host([first, last], p2d4, h200(1, 8)) == HostBreakdown(10.0, 10.0, 1.0)  # both stages in a node
+    assert node_host([first, last], p2d4, h200(2, 4)) == first  # a node a stage: the first stage's node
+    assert node_host([first, last], replace(p2d4, data=1), h200(1, 1)) == first
+
+
+@pytest.mark.parametrize("stage, parts", [(1, 1), (2, 8), (3, 1)])
+def test_the_offloaded_buckets_are_zeros(stage, parts):
+    """The planner cuts a rank's parameters into ZeRO's buckets (whose pinned blocks round up to powers of two
+    each) as zero/partition.py's plan_groups does, on the 8B's and TinyLlama's parameters (meta tensors)."""
+    import transformers
+
+    from pipezero.train.plan.memory import optimizer_shards
+    from pipezero.zero.partition import plan_groups
+    from pipezero.zero.reduction import Reduction
+
+    for shape in (llama8b(4096), tinyllama(4096)):
+        config = transformers.LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.d_model,
+                                          intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                                          num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        groups = [{"params": list(model.parameters())}]
+        buckets = plan_groups(groups, shape.d_model ** 2, [Reduction(None, parts, 0, parts)], True,
+                              model if stage == 3 else None, [float("inf")])
+        profile = flops_profile(shape, 1.0)
+        layout = Layout(1, parts, 1, "1f1b", 1, 1, 1, stage, True)
+        assert optimizer_shards(profile, range(len(profile)), layout, shape.d_model) == \
+            tuple(b.shard_numel for b in buckets), (shape.name, stage, parts)

@@ -39,6 +39,9 @@ def add_plan_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     p.add_argument("--nodes", type=positive_int, default=None, help="h200: nodes (default 1; local is one machine)")
     p.add_argument("--memory-gb", type=positive_number, default=None,
                    help="usable memory per device (default: the preset's)")
+    p.add_argument("--host-memory-gb", type=positive_number, default=None,
+                   help="h100 / h200: host memory per device, for the offloaded optimizer and checkpointed inputs "
+                        "(default 256: a DGX node's 2 TB over 8 GPUs; one GPU in a 128 GiB machine: about 120)")
     p.add_argument("--efficiency", type=peak_fraction, default=None,
                    help="h200: achieved fraction of peak, in (0, 1] (default 0.55)")
     p.add_argument("--intra-gbps", type=positive_number, default=None, help="GB/s per direction within a node")
@@ -52,7 +55,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     """What the hardware preset cannot use, refused before anything is measured."""
     if args.hardware == "local":
         given = [f"--{k.replace('_', '-')} {v}" for k, v in (("nodes", args.nodes), ("efficiency", args.efficiency),
-                                                              ("inter_gbps", args.inter_gbps)) if v is not None]
+                                                              ("inter_gbps", args.inter_gbps),
+                                                              ("host_memory_gb", args.host_memory_gb)) if v is not None]
         if given and given != ["--nodes 1"]:
             verb = "applies" if len(given) == 1 else "apply"
             raise SystemExit(f"pipezero plan: {', '.join(given)} {verb} only to --hardware h100 / h200 (modelled); "
@@ -77,7 +81,8 @@ def _hardware(args: argparse.Namespace):
     else:
         hw = (h100 if args.hardware == "h100" else h200)(args.nodes or 1, args.gpus_per_node or 8)
     changes = {k: v for k, v in (("memory_gb", args.memory_gb), ("efficiency", args.efficiency),
-                                 ("intra_gbps", args.intra_gbps), ("inter_gbps", args.inter_gbps)) if v is not None}
+                                 ("intra_gbps", args.intra_gbps), ("inter_gbps", args.inter_gbps),
+                                 ("host_memory_gb", args.host_memory_gb)) if v is not None}
     if args.hardware == "local":
         changes["nodes"] = 1
     return replace(hw, **changes)

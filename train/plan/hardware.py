@@ -7,6 +7,12 @@ NVLink 900 GB/s total = 450 GB/s per direction) and a DGX/HGX-style node: 8 GPUs
 transformer layer's kernels reach (matmuls, attention, norms together); 0.55 is a round
 figure for Hopper at large shapes, the planner's one free parameter at cluster scale.
 
+Host memory (what an offloaded optimizer and checkpointed inputs in pinned memory take, per device):
+the presets give each GPU an eighth of a DGX H100 / H200's 2 TB of system memory (both data sheets),
+HOST_GB_PER_GPU; a host with less per GPU (one GPU in a 128 GiB machine) says so with `pipezero plan
+--host-memory-gb`. Each process also keeps `host_reserved_gb` for itself (the interpreter, torch, the
+CUDA context and its pinned pools: bench/long_context.py's allowance).
+
 Measured here, every number is the least of repeated timings (`best_seconds`): on a machine
 shared with other work a timing only ever comes out slower than the code's own cost, so the
 least is what repeats from run to run, once enough laps agree with it. A measurement whose laps
@@ -25,7 +31,8 @@ from typing import Callable
 
 from pipezero.checks import is_int
 
-__all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "Hardware", "best_seconds", "h100", "h200", "local_cpu"]
+__all__ = ["CPU_RESERVED_GB", "H200_STEP_BYTES", "HOST_GB_PER_GPU", "Hardware", "best_seconds", "h100", "h200",
+           "local_cpu"]
 
 # Bytes one optimizer step moves per parameter in bf16 with fp32 masters, ZeRO 0-2 (pass by
 # pass: step_time's module docstring), on a GPU at two thirds of its memory bandwidth: one H200
@@ -36,6 +43,9 @@ H200_STEP_BYTES = 98.0
 # arenas, Python objects made while building): 4.3-7.9 MB over every layout of bench/plan.py
 # in two runs on 2026-12-01 (memory does not share the timing's noise); the least of them.
 CPU_RESERVED_GB = 0.0043
+
+# Host memory per GPU of the presets: a DGX H100 / H200 node's 2 TB of system memory over its 8 GPUs.
+HOST_GB_PER_GPU = 2048.0 / 8
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -62,6 +72,8 @@ class Hardware:
     optimizer_temp_bytes: float = 4.0  # per parameter, alive for a moment in the optimizer step (torch's foreach
                                        # Adam on a GPU: one fp32 temporary of the shard; a CPU steps tensor by tensor)
     host_offload: bool = True          # whether offloading to a host makes sense (not on a CPU device)
+    host_memory_gb: float = HOST_GB_PER_GPU  # host memory per device (a node's RAM / its devices)
+    host_reserved_gb: float = 6.0      # the process's own host memory: interpreter, torch, CUDA context
     unsettled: tuple[str, ...] = ()    # why the measurements may not repeat (a busy machine), in words
 
     def __post_init__(self) -> None:
@@ -69,9 +81,12 @@ class Hardware:
             value = getattr(self, key)
             if not is_int(value, minimum=1):
                 raise ValueError(f"Hardware({key}={value!r}): expected a positive integer")
-        for key in ("memory_gb", "peak_tflops", "efficiency", "intra_gbps", "inter_gbps", "pcie_gbps"):
+        for key in ("memory_gb", "peak_tflops", "efficiency", "intra_gbps", "inter_gbps", "pcie_gbps",
+                    "host_memory_gb"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"Hardware({key}={getattr(self, key)!r}): expected a number > 0")
+        if not self.host_reserved_gb >= 0:
+            raise ValueError(f"Hardware(host_reserved_gb={self.host_reserved_gb!r}): expected a number >= 0")
 
     @property
     def world(self) -> int:
@@ -101,7 +116,10 @@ def h100(nodes: int = 1, gpus_per_node: int = 8) -> Hardware:
 
 
 def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
-    """This machine as `processes` gloo ranks: FLOP/s, Adam, contention and gloo's all-reduce measured."""
+    """This machine as `processes` gloo ranks: FLOP/s, Adam, contention and gloo's all-reduce measured.
+
+    The devices are the host: nothing is offloaded (host_offload False), and the host memory per
+    process is what the kernel says is available now (MemAvailable) over the processes."""
     import torch
 
     cores = os.cpu_count() or 1
@@ -116,7 +134,8 @@ def local_cpu(processes: int = 4, memory_gb: float | None = None) -> Hardware:
                     intra_gbps=bandwidth / 1e9, intra_latency_us=latency * 1e6,
                     optimizer_ns_per_param=adam, reserved_gb=CPU_RESERVED_GB,
                     compute_slowdown=slowdown, host_offload=False, layer_overhead_us=0.0,
-                    optimizer_temp_bytes=0.0, memory_gbps=10.0, unsettled=unsettled)
+                    optimizer_temp_bytes=0.0, memory_gbps=10.0, unsettled=unsettled,
+                    host_memory_gb=_available_gb() / processes, host_reserved_gb=0.0)
 
 
 def _busy(cores: int) -> tuple[str, ...]:
@@ -229,6 +248,16 @@ def _ram_gb() -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     except (ValueError, OSError):
         return 8.0
+
+
+def _available_gb() -> float:
+    """/proc/meminfo's MemAvailable in GB (the physical memory where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024 / 1e9
+    except (OSError, KeyError, ValueError):
+        return _ram_gb()
 
 
 def _matmul_tflops(torch) -> tuple[float, bool]:

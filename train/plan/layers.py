@@ -60,13 +60,16 @@ def block_terms(family: str, d: int, heads: int, kv_heads: int, intermediate: in
     """A block's LayerProfile fields, per token: params, flops (without attention's s-dependent part),
     act_shared / act_sharded / act_extra_bytes, act_kv_repeat, act_tiled, act_selective (+ _mlp),
     norm_fp32_bytes, norm_backward_bytes, norm_tile_grads, backward_bytes, mlp_flops, expert_params,
-    moe_top_k (the GPT's LayerNorm in the training dtype, untiled, and equal heads: no norm or kv_repeat term)."""
+    moe_top_k, tensors (the GPT's LayerNorm in the training dtype, untiled, and equal heads: no norm or
+    kv_repeat term)."""
     hd = d // heads
     if family == "gpt":
         params = 12 * d * d + 13 * d
+        # ln1, ln2 (weight, bias), qkv, proj, fc, out (weight, bias): train/gpt/model.py's Block
+        tensors = (d, d, d, d, 3 * d * d, 3 * d, d * d, d, 4 * d * d, 4 * d, 4 * d * d, d)
         return dict(params=params, flops=6.0 * 12 * d * d, act_shared=4.0 * d, act_sharded=12.0 * d,
                     act_tiled=8.0 * d, act_selective=5.0 * d, act_selective_mlp=5.0 * d, backward_bytes=0.0,
-                    act_extra_bytes=0.0, mlp_flops=6.0 * 8 * d * d, expert_params=0, moe_top_k=0)
+                    act_extra_bytes=0.0, mlp_flops=6.0 * 8 * d * d, expert_params=0, moe_top_k=0, tensors=tensors)
     if family != "llama":
         raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
     attn_params = 2 * d * d + 2 * d * kv_heads * hd
@@ -82,13 +85,16 @@ def block_terms(family: str, d: int, heads: int, kv_heads: int, intermediate: in
     norm_backward = NORM_BACKWARD_FP32 * 4.0 * d  # bytes, while the block's backward runs (a whole norm)
     norm_tile_grads = 2.0 * d                  # the tiles' input gradients and their join (norms in tiles)
     selective = 3.0 * d + 2.0 * kv_heads * hd  # q, k, v projections', the attention's and o_proj's outputs
+    attn_tensors = (d * d, d * kv_heads * hd, d * kv_heads * hd, d * d)  # q, k, v, o
     if experts:
         routed = experts * 3 * d * moe_intermediate
+        mlp_tensors = (d * experts,)           # the router (the experts are a param group of their own)
         mlp_params, mlp_flops = routed + d * experts, 6.0 * (top_k * 3 * d * moe_intermediate + d * experts)
         mlp = 4.0 * top_k * moe_intermediate + 2.0 * top_k * d  # each expert's four, the dispatched tokens
         tiled, selective_mlp = 0.0, (2.0 * moe_intermediate + d) * top_k  # experts are not tiled
     else:
         routed, mlp_params, mlp_flops = 0, 3 * d * intermediate, 6.0 * 3 * d * intermediate
+        mlp_tensors = (d * intermediate,) * 3  # gate, up, down
         mlp = tiled = 4.0 * intermediate       # gate, up, silu(gate), their product
         selective_mlp = 2.0 * intermediate + d
     return dict(params=attn_params + mlp_params + 2 * d, flops=6.0 * attn_params + mlp_flops,
@@ -96,12 +102,14 @@ def block_terms(family: str, d: int, heads: int, kv_heads: int, intermediate: in
                 act_kv_repeat=kv_repeat, act_tiled=tiled, act_selective=selective,
                 act_selective_mlp=selective_mlp, norm_fp32_bytes=norm_fp32, norm_backward_bytes=norm_backward,
                 norm_tile_grads=norm_tile_grads, backward_bytes=0.0, mlp_flops=mlp_flops,
-                expert_params=routed, moe_top_k=top_k if experts else 0)
+                expert_params=routed, moe_top_k=top_k if experts else 0,
+                tensors=attn_tensors + mlp_tensors + (d, d))  # the two norms last, as a decoder layer registers
 
 
 def head_terms(d: int, vocab: int, fused: bool) -> dict[str, float]:
     """The head's LayerProfile fields for its loss: fused (pipe/fused_loss.py) or over whole logits."""
     if fused:
         return dict(act_shared=2.0 * d, loss_bytes=0.0, backward_bytes=8.0 * vocab,
-                    backward_cap_bytes=2 * CHUNK_ELEMENTS * 4.0, backward_fixed_bytes=4.0 * vocab * d)
+                    backward_cap_bytes=2 * CHUNK_ELEMENTS * 4.0, backward_fixed_bytes=4.0 * vocab * d,
+                    keeps_input=False)
     return dict(act_shared=float(d), loss_bytes=4.0 * vocab, backward_bytes=8.0 * vocab)

@@ -39,11 +39,31 @@
 * buffers: the p2p send/receive buffers (the slice that crosses stages: divided by the sequence
   degree too), two reduce buckets in flight (ZeRO 0-2) or two
   gathered layers (ZeRO 3), the runtime's reserve.
+
+Host memory per rank (HostBreakdown), what the offloads allocate there:
+* the offloaded optimizer, per parameter of the rank's shard (zero/offload.py, zero/partition.py): the
+  fp32 master (pinned) and Adam's two fp32 moments (the optimizer makes them beside the master), 12
+  bytes, and where the reduced gradients land: at stages 0-1 one pinned fp32 buffer (4), at stages 2-3
+  a pinned copy in the model's dtype, folded into a pinned fp32 sum (e + 4): OFFLOAD_BYTES. Each pinned
+  buffer is one bucket's shard, which CUDA's pinned allocator rounds up to a power of two bytes, so the
+  buckets are cut as zero/partition.py cuts them (optimizer_shards; tests/test_plan_kit.py checks them
+  against plan_groups): TinyLlama's 4.4 GB of fp32 shards take 5.8 GB pinned, the 8B's 32.1 take 35.4.
+  The routed experts' param group is counted at its bytes;
+* checkpointed inputs in pinned host memory (pipe/memory/offload.py): every checkpointed run's input
+  that requires a gradient (the hidden states; a run that starts at the embedding has token ids) of
+  every micro-batch in flight, at the peak all of them; the fused head's run copies its input and drops
+  it at once (LayerProfile.keeps_input), one copy more while it lives. Each is a tensor of its own, and
+  CUDA's pinned allocator rounds every block up to a power of two bytes (torch's CachingHostAllocator)
+  and keeps freed blocks for the next copy;
+* the process itself (Hardware.host_reserved_gb).
+A node's ranks share its memory: the planner checks the fullest node's mean (planner.node_host).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from pipezero.train.plan.hardware import Hardware
@@ -51,10 +71,30 @@ from pipezero.train.plan.layout import Layout
 from pipezero.pipe.tiled_mlp import NORM_TILE_FROM_ROWS, NORM_TILE_ROWS, TILE_FROM_ROWS, TILE_ROWS
 from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_experts, held_params, tied_head
 
-__all__ = ["MemoryBreakdown", "STATE_BYTES", "activation_bytes", "backward_peak", "model_state_bytes", "norms_tiled",
-           "rank_memory", "rank_tokens", "step_bytes", "tiled"]
+__all__ = ["HostBreakdown", "MemoryBreakdown", "OFFLOAD_BYTES", "STATE_BYTES", "activation_bytes", "backward_peak",
+           "host_bytes", "model_state_bytes", "norms_tiled", "optimizer_shards", "pinned", "rank_memory",
+           "rank_tokens", "step_bytes", "tiled"]
 
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+
+# Host bytes per parameter of an offloaded shard, by ZeRO stage: the fp32 master and Adam's two moments
+# (12) and the gradients' landing: stages 0-1 land fp32 once a step (4), stages 2-3 land each micro-batch
+# in the model's dtype and fold it into an fp32 sum (e + 4); the precision gives e.
+OFFLOAD_BYTES = {(stage, precision): 12.0 + (4.0 if stage <= 1 else STATE_BYTES[precision][1] + 4.0)
+                 for stage in range(4) for precision in STATE_BYTES}
+
+
+@dataclass(frozen=True, slots=True)
+class HostBreakdown:
+    """Bytes one rank keeps in host memory."""
+
+    optimizer: float = 0.0   # the offloaded optimizer's masters, moments and gradient landing
+    inputs: float = 0.0      # checkpointed inputs of the micro-batches in flight, pinned
+    reserved: float = 0.0    # the process itself
+
+    @property
+    def total(self) -> float:
+        return self.optimizer + self.inputs + self.reserved
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +108,7 @@ class MemoryBreakdown:
     buffers: float
     step: float = 0.0      # the optimizer step's transient (alive when the activations are not)
     grads_at_peak: float | None = None  # gradients alive at the activations' peak (None: all of `grads`)
+    host: HostBreakdown = HostBreakdown()  # what the rank keeps in host memory
 
     @property
     def total(self) -> float:
@@ -76,6 +117,17 @@ class MemoryBreakdown:
         at_peak = self.grads if self.grads_at_peak is None else self.grads_at_peak
         return (self.params + self.optimizer + self.buffers
                 + max(at_peak + self.activations, self.grads + self.step))
+
+    def fits(self, hw: Hardware) -> bool:
+        """Within the device's memory and the host's, both."""
+        return self.total <= hw.memory_gb * 1e9 and self.host.total <= hw.host_memory_gb * 1e9
+
+    def misfit(self, hw: Hardware) -> str:
+        """What does not fit, in words ("" when it fits): "host 233 GB of 120"."""
+        over = [f"{where} {need / 1e9:.3g} GB of {have:g}" for where, need, have in
+                (("device", self.total, hw.memory_gb), ("host", self.host.total, hw.host_memory_gb))
+                if need > have * 1e9]
+        return " and ".join(over)
 
 
 def model_state_bytes(params: float, stage: int, data: int, precision: str = "bf16",
@@ -198,6 +250,82 @@ def _grad_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], layout: 
             g * held_params(profile, [i], layout.tensor, layout.expert) for i in layers]
 
 
+def pinned(nbytes: float) -> float:
+    """Bytes CUDA's caching host allocator takes for a pinned tensor of `nbytes`: the next power of two."""
+    return 2.0 ** math.ceil(math.log2(nbytes)) if nbytes > 0 else 0.0
+
+
+def optimizer_shards(profile: Sequence[LayerProfile], layers: Sequence[int], layout: Layout,
+                     d_model: int) -> tuple[int, ...]:
+    """The elements of this rank's slice of each ZeRO bucket of the rank's dense parameters (zero/partition.py's
+    plan_groups with the planner's ds_config, reduce_bucket_size d_model x d_model): stages 0-2 cut the
+    parameters, last first, into buckets of at most that many elements (a larger tensor alone), stage 3 makes
+    a bucket of each layer; each bucket split over the reducing ranks (padded to a multiple of them)."""
+    both = {profile[i].kind for i in layers} >= {"Embedding", "Head"} and tied_head(profile)
+    runs = [[math.ceil(n / (1 if profile[i].tied else layout.tensor))
+             for n in (profile[i].tensors or (profile[i].params - profile[i].expert_params,))]
+            for i in layers if not (both and profile[i].kind == "Head")]
+    parts = layout.reducing if layout.zero >= 1 else 1
+    return _shards(tuple(tuple(run) for run in runs), d_model * d_model, parts, layout.zero == 3)
+
+
+@lru_cache(maxsize=4096)
+def _shards(runs: tuple[tuple[int, ...], ...], limit: int, parts: int, per_layer: bool) -> tuple[int, ...]:
+    buckets: list[int] = []
+    if per_layer:
+        buckets = [sum(run) for run in runs if sum(run)]
+    else:
+        open_ = 0
+        for n in (n for run in reversed(runs) for n in reversed(run)):
+            if open_ and open_ + n > limit:
+                buckets.append(open_)
+                open_ = 0
+            open_ += n
+        buckets += [open_] if open_ else []
+    return tuple(-(-b // parts) for b in buckets)
+
+
+_MEMO: dict[tuple, tuple[Sequence[LayerProfile], float]] = {}  # _offloaded_optimizer's, by profile and rank
+
+
+def _offloaded_optimizer(profile: Sequence[LayerProfile], layers: Sequence[int], layout: Layout, precision: str,
+                         d_model: int) -> float:
+    """Host bytes of the rank's offloaded dense buckets: each shard's fp32 master and its gradient's landing
+    (stages 0-1 fp32; 2-3 the model's dtype beside an fp32 sum), each a pinned block, and Adam's moments (not
+    pinned). Memoised: the planner asks for the same rank under many schedules and micro-batch counts."""
+    key = (id(profile), tuple(layers), layout.tensor, layout.reducing, layout.zero, precision, d_model)
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    shards = optimizer_shards(profile, layers, layout, d_model)
+    landing = (4,) if layout.zero <= 1 else (bytes_per_element(precision), 4)
+    total = sum(pinned(4 * s) + sum(pinned(b * s) for b in landing) for s in shards) + 8.0 * sum(shards)
+    if len(_MEMO) > 1 << 16:
+        _MEMO.clear()
+    _MEMO[key] = (profile, total)
+    return total
+
+
+def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
+               hw: Hardware, precision: str, d_model: int, seq_len: int) -> HostBreakdown:
+    """Host memory of a pipeline rank holding `layers` with `live` micro-batches at its peak (module docstring)."""
+    if not hw.host_offload:  # the devices are the host: nothing is offloaded, their memory is counted
+        return HostBreakdown()
+    optimizer = 0.0
+    if layout.offload:
+        experts = held_experts(profile, layers, layout.tensor, layout.expert)
+        # the experts' own param group (split over the data ranks holding the same experts): their bytes
+        optimizer = (_offloaded_optimizer(profile, layers, layout, precision, d_model)
+                     + OFFLOAD_BYTES[(layout.zero, precision)] * experts / layout.data)
+    inputs = 0.0
+    if layout.checkpoint and layout.host_inputs and live > 0:
+        one = pinned(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision))
+        firsts = [profile[run[0]] for run in _runs(list(layers), layout) if profile[run[0]].kind != "Embedding"]
+        kept = sum(p.keeps_input for p in firsts)
+        inputs = (live * kept + (kept < len(firsts))) * one  # a run that keeps none: one copy, briefly
+    return HostBreakdown(optimizer, inputs, hw.host_reserved_gb * 1e9)
+
+
 def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
                 hw: Hardware, precision: str, d_model: int, seq_len: int) -> MemoryBreakdown:
     """Memory of a pipeline rank holding `layers` with `live` whole-stage micro-batches at its peak.
@@ -226,4 +354,5 @@ def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: fl
     else:
         working = 2 * d_model * d_model * STATE_BYTES[precision][1] if layout.zero >= 2 else 0.0
     return MemoryBreakdown(p, g, s, act, p2p + working + hw.reserved_gb * 1e9,
-                           step_bytes(params, layout, hw, precision), made if growing else None)
+                           step_bytes(params, layout, hw, precision), made if growing else None,
+                           host_bytes(profile, layers, live, layout, hw, precision, d_model, seq_len))

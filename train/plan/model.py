@@ -158,6 +158,12 @@ class LayerProfile:
     norm_fp32_bytes: float = 0.0
     norm_backward_bytes: float = 0.0
     norm_tile_grads: float = 0.0
+    # a checkpointed run starting here keeps its input until its backward; the fused head's does not (it
+    # returns the hidden state inside HeadLogits, no tensor: the checkpoint's saved input dies at once)
+    keeps_input: bool = True
+    # the elements of each parameter tensor but the routed experts', whole, in the module's order (ZeRO's
+    # buckets are cut from them: memory.optimizer_shards); () is one tensor of params - expert_params
+    tensors: tuple[int, ...] = ()
 
     def act_bytes(self, precision: str, tensor: int = 1, tiled: bool = False, norms_tiled: bool = False) -> float:
         """Saved bytes per token on one tensor rank (`tiled`: the MLP in row tiles; `norms_tiled`: the norms)."""
@@ -197,13 +203,15 @@ def _layers(shape: ModelShape) -> list[LayerProfile]:
     positions = s * d if shape.family == "gpt" else 0  # the GPT's learned positions; rotary has none
     rotary = 0.0 if shape.family == "gpt" else 2.0 * d / shape.heads  # cos and sin, made once per micro-batch
     embed = LayerProfile(kind="Embedding", params=v * d + positions, flops=0.0, act_shared=rotary, act_sharded=0.0,
-                         act_extra_bytes=8.0, tied=shape.tied)
+                         act_extra_bytes=8.0, tied=shape.tied, tensors=(v * d, positions) if positions else (v * d,))
     block = LayerProfile(kind="Block", **terms)
     fp32 = 0.0 if shape.family == "gpt" else 4.0 * d + 4.0  # a Llama RMSNorm's fp32 input and 1/rms (whole)
-    norm = LayerProfile(kind="FinalNorm", params=2 * d, flops=0.0, act_shared=float(d), act_sharded=0.0,
-                        act_extra_bytes=8.0 if shape.family == "gpt" else fp32, norm_fp32_bytes=fp32)
+    norm_tensors = (d, d) if shape.family == "gpt" else (d,)  # LayerNorm's weight and bias; RMSNorm's weight
+    norm = LayerProfile(kind="FinalNorm", params=sum(norm_tensors), flops=0.0, act_shared=float(d), act_sharded=0.0,
+                        act_extra_bytes=8.0 if shape.family == "gpt" else fp32, norm_fp32_bytes=fp32,
+                        tensors=norm_tensors)
     head = LayerProfile(kind="Head", params=v * d, flops=6.0 * v * d, act_sharded=0.0, tied=shape.tied,
-                        **head_terms(d, v, shape.fused_loss))
+                        tensors=(v * d,), **head_terms(d, v, shape.fused_loss))
     return [embed, *([block] * shape.layers), norm, head]
 
 

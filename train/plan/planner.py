@@ -6,8 +6,9 @@
 
 Each layout (layout.py) is timed by step_time.py (pipe/schedule/simulate.py per rank with
 compute, p2p, tensor- and data-parallel traffic) and sized by memory.py (the ZeRO
-formulas, the simulator's peak live micro-batches); layouts over the device's memory are
-dropped and the rest ranked by tokens/s (less memory breaks ties). Why a layout wins is in
+formulas, the simulator's peak live micro-batches; and the host memory its offloads take);
+layouts over the device's memory or the host's are dropped and the rest ranked by tokens/s
+(less device memory breaks ties). Why a layout wins is in
 its parts: compute, bubble, exposed communication, the optimizer, the memory breakdown.
 """
 
@@ -20,11 +21,14 @@ from typing import Any, Sequence
 from pipezero.pipe.schedule.registry import schedule_entry
 from pipezero.train.plan.hardware import Hardware
 from pipezero.train.plan.layout import Layout, enumerate_layouts
-from pipezero.train.plan.memory import MemoryBreakdown, rank_memory
+from pipezero.train.plan.memory import HostBreakdown, MemoryBreakdown, rank_memory
 from pipezero.train.plan.model import LayerProfile, ModelShape
 from pipezero.train.plan.step_time import TimeBreakdown, chunk_layers, step_time, step_time_floor
 
-__all__ = ["Prediction", "ds_config", "explain", "format_table", "kit_table", "plan", "predict", "torchrun_command"]
+__all__ = ["Prediction", "ds_config", "explain", "format_table", "kit_table", "node_host", "plan", "predict",
+           "torchrun_command"]
+
+_MESSAGE_PREDICTIONS = 64  # layouts predicted, least host memory first, to say why none fits
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +37,7 @@ class Prediction:
 
     layout: Layout
     time: TimeBreakdown
-    memory: MemoryBreakdown        # the fullest pipeline rank
+    memory: MemoryBreakdown        # the fullest pipeline rank (its `host`: the fullest node's per device)
     tokens_per_step: int
     flops_per_step: float          # model FLOPs (no recompute), as MFU counts them
     hardware: Hardware
@@ -47,6 +51,11 @@ class Prediction:
         return self.tokens_per_step / self.time.total
 
     @property
+    def fits(self) -> bool:
+        """Within the device's memory and the host's (MemoryBreakdown.fits)."""
+        return self.memory.fits(self.hardware)
+
+    @property
     def mfu(self) -> float:
         """Model FLOPs per second over the devices' peak."""
         return self.flops_per_step / self.time.total / (self.layout.world * self.hardware.peak_tflops * 1e12)
@@ -57,11 +66,13 @@ def predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape
     """Step time and peak memory of one layout (`memo`: see step_time.simulate_layout)."""
     time, result, held = step_time(profile, layout, hw, precision, shape.d_model, shape.seq_len, memo)
     live = result.live
-    worst = None
+    worst, hosts = None, []
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in sorted(held.items()) if r == rank for i in rng]
         mem = rank_memory(profile, layers, live[rank], layout, hw, precision, shape.d_model, shape.seq_len)
         worst = mem if worst is None or mem.total > worst.total else worst
+        hosts.append(mem.host)
+    worst = replace(worst, host=node_host(hosts, layout, hw))  # the device's fullest rank, the host's fullest node
     tokens = layout.replicas * layout.microbatches * layout.microbatch_size * shape.seq_len
     flops = sum(p.flops for p in profile) * tokens
     total = sum(p.seconds for p in profile) or 1.0
@@ -93,33 +104,80 @@ def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, globa
                                      **enumerate_kw))
     if top is None:
         preds = [predict(profile, layout, hw, shape, precision, memo) for layout in layouts]
-        fitting = {p.layout for p in preds if p.memory.total <= hw.memory_gb * 1e9}
+        fitting = {p.layout for p in preds if p.fits}
         preds = [p for p in preds if not _needless(p.layout, fitting)]
     else:
         preds = _bounded(profile, layouts, hw, shape, precision, top, memo)
-    fits = [p for p in preds if p.memory.total <= hw.memory_gb * 1e9]
+    fits = [p for p in preds if p.fits]
     if not fits:
-        least = min(preds, key=lambda p: p.memory.total, default=None)
-        need = f"; the smallest needs {least.memory.total / 1e9:.1f} GB ({least.layout.label})" if least else ""
-        raise ValueError(f"no layout of {shape.label} fits {hw.memory_gb:g} GB per device on {hw.name}{need}: "
-                         "add devices (a sequence axis splits each sequence over them), lower the micro-batch "
-                         "or the sequence length")
+        raise ValueError(_none_fits(preds, hw, shape))
     rank = sorted(fits, key=lambda p: (-p.tokens_per_second, p.memory.total))
     if keep_unfit:
         rank += sorted((p for p in preds if p not in fits), key=lambda p: -p.tokens_per_second)
     return rank[:top]
 
 
+def node_host(hosts: Sequence[HostBreakdown], layout: Layout, hw: Hardware) -> HostBreakdown:
+    """The host memory per device of the fullest node, from each pipeline rank's (`hosts`, by pipe rank).
+
+    A node's processes share its memory: the layout fits where each node's ranks together take no more
+    than its devices' share (gpus_per_node x Hardware.host_memory_gb). Ranks are numbered pipe slowest
+    (topology/grid.py's AXES), so global rank g is pipe rank g // (world / pipe), and a node of G devices
+    holds ranks n G .. n G + G - 1: one pipe rank where the other axes fill the node, several where not.
+    """
+    per_stage, node = layout.world // layout.pipe, min(hw.gpus_per_node, layout.world)
+    if per_stage % node == 0:  # each node holds ranks of one stage
+        return max(hosts, key=lambda h: h.total)
+    best = HostBreakdown()
+    for first in range(0, layout.world, node):
+        ranks = [hosts[g // per_stage] for g in range(first, min(first + node, layout.world))]
+        n = len(ranks)
+        mean = HostBreakdown(sum(h.optimizer for h in ranks) / n, sum(h.inputs for h in ranks) / n,
+                             sum(h.reserved for h in ranks) / n)
+        best = mean if mean.total > best.total else best
+    return best
+
+
+def _none_fits(preds: Sequence[Prediction], hw: Hardware, shape: ModelShape) -> str:
+    """Why no layout fits: the leanest one on the device, and, where it fits the device, its host memory."""
+    on_device = [p for p in preds if p.memory.total <= hw.memory_gb * 1e9]
+    host = bool(on_device)
+    least = (min(on_device, key=lambda p: p.memory.host.total) if host else
+             min(preds, key=lambda p: p.memory.total, default=None))
+    if least is None:
+        need = ""
+    elif host:
+        need = (f"; those that fit the device need more host memory, the least {least.memory.host.total / 1e9:.1f} "
+                f"GB ({least.layout.label}: {_host_words(least.memory.host)})")
+    else:
+        need = f"; the smallest needs {least.memory.total / 1e9:.1f} GB ({least.layout.label})"
+    fix = ("more host memory per device (--host-memory-gb, if the machine has it), more devices (the "
+           "optimizer's shards and the sequence split over them)" if host else
+           "add devices (a sequence axis splits each sequence over them)")
+    of_host = f" and {hw.host_memory_gb:g} GB of host memory" if hw.host_offload else ""
+    return (f"no layout of {shape.label} fits {hw.memory_gb:g} GB{of_host} per device on {hw.name}{need}: {fix}, "
+            "lower the micro-batch or the sequence length")
+
+
+def _host_words(h: HostBreakdown) -> str:
+    return (f"optimizer {h.optimizer / 1e9:.3g}, checkpointed inputs {h.inputs / 1e9:.3g}, "
+            f"the process {h.reserved / 1e9:.3g}")
+
+
 def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Hardware, shape: ModelShape,
              precision: str, top: int, memo: dict) -> list[Prediction]:
     """Predictions of the layouts that can reach the `top` best (branch and bound on the floors)."""
-    d, s, limit = shape.d_model, shape.seq_len, hw.memory_gb * 1e9
+    d, s = shape.d_model, shape.seq_len
     memory = [_memory_floor(profile, lay, hw, precision, shape) for lay in layouts]
-    if layouts and min(memory) > limit:  # nothing can fit: the leanest one, for the error message
-        return [predict(profile, layouts[memory.index(min(memory))], hw, shape, precision, memo)]
+    possible = [m.fits(hw) for m in memory]
+    if layouts and not any(possible):  # nothing can fit; for the error message, what may fit the device
+        device = sorted((i for i, m in enumerate(memory) if m.total <= hw.memory_gb * 1e9),
+                        key=lambda i: memory[i].host.total)[:_MESSAGE_PREDICTIONS] or \
+            [min(range(len(layouts)), key=lambda i: memory[i].total)]  # or the leanest
+        return [predict(profile, layouts[i], hw, shape, precision, memo) for i in device]
     busy: dict = {}
     floors = sorted((step_time_floor(profile, lay, hw, precision, d, s, busy), i) for i, lay in enumerate(layouts)
-                    if memory[i] <= limit)
+                    if possible[i])
     best: list[float] = []  # step times of the fitting predictions so far, ascending, at most `top`
     preds, fitting = [], set()
     for floor, i in floors:
@@ -129,7 +187,7 @@ def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Har
             continue
         pred = predict(profile, layouts[i], hw, shape, precision, memo)
         preds.append(pred)
-        if pred.memory.total <= limit:
+        if pred.fits:
             best = sorted(best + [pred.time.total])[:top]
             fitting.add(layouts[i])
     return preds
@@ -146,29 +204,35 @@ def _needless(layout: Layout, fitting: set) -> bool:
 
 
 def _memory_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str,
-                  shape: ModelShape) -> float:
-    """The fullest rank's memory with no micro-batch in flight: a lower bound of predict()'s."""
+                  shape: ModelShape) -> MemoryBreakdown:
+    """The fullest rank's memory with no micro-batch in flight, device and host: a lower bound of predict()'s."""
     held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
-    worst = 0.0
+    worst, hosts = None, []
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
-        worst = max(worst, rank_memory(profile, layers, 0.0, layout, hw, precision, shape.d_model,
-                                       shape.seq_len).total)
-    return worst
+        mem = rank_memory(profile, layers, 0.0, layout, hw, precision, shape.d_model, shape.seq_len)
+        worst = mem if worst is None or mem.total > worst.total else worst
+        hosts.append(mem.host)
+    return replace(worst, host=node_host(hosts, layout, hw))
 
 
 def format_table(preds: Sequence[Prediction]) -> str:
     """The ranked table: layout, tokens/s, MFU, step, bubble, exposed comm, memory."""
     rows = [f"{'#':>3}  {'layout':<44} {'tokens/s':>11} {'MFU':>6} {'step s':>9} {'bubble':>6} "
-            f"{'exp.comm':>8} {'mem GB':>8}"]
+            f"{'exp.comm':>8} {'mem GB':>8} {'host GB':>8}"]
     for i, p in enumerate(preds, 1):
         rows.append(f"{i:>3}  {p.layout.label:<44} {p.tokens_per_second:>11,.0f} {_mfu(p):>6} "
                     f"{p.time.total:>9.4g} {p.time.bubble:>6.1%} {p.time.exposed_comm / p.time.total:>8.1%} "
-                    f"{p.memory.total / 1e9:>8.3g}")
+                    f"{p.memory.total / 1e9:>8.3g} {_host_gb(p):>8}")
     over = [p for p in preds if p.mfu > 1]
     if over:
         rows.append(_unreliable_mfu(over[0]))
     return "\n".join(rows)
+
+
+def _host_gb(p: Prediction) -> str:
+    """The host memory a rank needs in GB; "-" where the devices are the host (nothing is offloaded)."""
+    return f"{p.memory.host.total / 1e9:.3g}" if p.hardware.host_offload else "-"
 
 
 def _mfu(p: Prediction) -> str:
@@ -197,8 +261,10 @@ def explain(p: Prediction) -> str:
         f"  {p.tokens_per_second:,.0f} tokens/s, MFU {_mfu(p)} of {p.hardware.peak_tflops:.3g} TFLOP/s per device",
         f"  memory {m.total / gb:.3g} GB of {p.hardware.memory_gb:g}: params {m.params / gb:.3g}, "
         f"grads {m.grads / gb:.3g}, optimizer {m.optimizer / gb:.3g}, the larger of activations "
-        f"{m.activations / gb:.3g} and the optimizer step's transient {m.step / gb:.3g}, buffers {m.buffers / gb:.3g}",
-        f"  activation checkpointing: {_kit_words(p.layout)}"]
+        f"{m.activations / gb:.3g} and the optimizer step's transient {m.step / gb:.3g}, buffers {m.buffers / gb:.3g}"]
+        + ([f"  host memory {m.host.total / gb:.3g} GB of {p.hardware.host_memory_gb:g}: {_host_words(m.host)}"]
+           if p.hardware.host_offload else [])
+        + [f"  activation checkpointing: {_kit_words(p.layout)}"]
         + ([f"  expert axis {p.layout.expert}: ds_config's expert_parallel autoep_size {p.layout.expert} "
             "(pipezero finetune --expert-parallel; README, Mixture-of-experts)"] if p.layout.expert > 1 else []))
 
@@ -213,15 +279,18 @@ def _kit_words(lay: Layout) -> str:
 def kit_table(profile: Sequence[LayerProfile], winner: Prediction) -> str:
     """What each activation-checkpointing choice needs on the winner's grid and batch, and whether it fits."""
     hw, lay = winner.hardware, winner.layout
+    of_host = f", host {hw.host_memory_gb:g} GB" if hw.host_offload else ""
     rows = [f"memory at {winner.shape.seq_len:,} tokens a sequence on {lay.label.split(' m')[0]}, "
-            f"micro-batch {lay.microbatch_size} (of {hw.memory_gb:g} GB):"]
+            f"micro-batch {lay.microbatch_size} (of {hw.memory_gb:g} GB{of_host}):"]
     kits = [(0, False, False), (1, True, False), (1, False, False)]
     kits += [(1, True, True), (1, False, True)] if hw.host_offload else []
     for ck, selective, host in kits:
         option = replace(lay, checkpoint=ck, selective=selective, host_inputs=host)
         pred = predict(profile, option, hw, winner.shape, winner.precision)
-        fits = "fits" if pred.memory.total <= hw.memory_gb * 1e9 else "does not fit"
-        rows.append(f"  {_kit_words(option):<58} {pred.memory.total / 1e9:8.3g} GB  {fits}, "
+        misfit = pred.memory.misfit(hw)
+        fits = f"does not fit ({misfit})" if misfit else "fits"
+        on_host = f", host {pred.memory.host.total / 1e9:5.3g} GB" if hw.host_offload else ""
+        rows.append(f"  {_kit_words(option):<58} {pred.memory.total / 1e9:8.3g} GB{on_host}  {fits}, "
                     f"{pred.tokens_per_second:,.0f} tokens/s")
     return "\n".join(rows)
 
