@@ -11,8 +11,8 @@ the file and line. 2 steps with --sequence-parallel 2 give the 2-step pipe 2 los
 
 A tiny Qwen3-MoE with output_router_logits=True (its coefficient raised so the term weighs) trains 3
 steps at a constant lr (the default schedule's first two steps are at lr 0, DeepSpeed's) at one
-process, at data 2 and expert 2, and on four ranks at sequence 2 x data 2 and sequence 2 x expert 2:
-each run's last loss and exported weights equal a plain transformers + torch AdamW loop's on the same
+process, at data 2, expert 2 and pipe 2 (ZB-V), and on four ranks at sequence 2 x data 2 and
+sequence 2 x expert 2: each run's last loss and exported weights equal a plain transformers + torch AdamW loop's on the same
 packed rows (transformers' token-mean cross-entropy and its aux_loss, the mean over the step's
 micro-batches; fp32, 1e-5), and the weights moved.
 """
@@ -240,14 +240,18 @@ def _check_moe(root: Path, losses: list[float], names: list[str]) -> None:
 def test_finetune_moe_router_loss_equals_transformers(tmp_path):
     """output_router_logits=True: the load-balancing term through finetune's token-mean loss (it failed at
     the first step: fused_cross_entropy got the head's Routed) at one process (4 micro-batches), at data 2
-    and at expert 2 (each rank two of the four experts; 2 micro-batches each): the same forward calls of 2
-    rows, each adding its term, as the transformers loop."""
+    and at expert 2 (each rank two of the four experts; 2 micro-batches each), and at pipe 2 under ZB-V (4
+    micro-batches; the routing sums cross the stages both ways, the last chunk on rank 0): the same forward
+    calls of 2 rows, each adding its term, as the transformers loop."""
     _model_dir(tmp_path)
     _moe_dir(tmp_path)
     _chats(tmp_path / "chat.jsonl")
     one = run(_moe_runs, 1, str(tmp_path), [("one", ("--micro-batches", "4"))], timeout=300)
-    two = run(_moe_runs, 2, str(tmp_path), [("data", ()), ("expert", ("--expert-parallel", "2"))], timeout=300)
-    _check_moe(tmp_path, [one[0][0], *two[0]], ["one", "data", "expert"])
+    runs = [("data", ()), ("expert", ("--expert-parallel", "2")),
+            ("zbv", ("--pipe", "2", "--schedule", "zbv", "--micro-batches", "4"))]
+    two = run(_moe_runs, 2, str(tmp_path), runs, timeout=300)
+    assert two[0] == two[1], two  # every rank logs the step's loss
+    _check_moe(tmp_path, [one[0][0], *two[0]], ["one", "data", "expert", "zbv"])
 
 
 def test_finetune_splits_experts_beside_a_sequence_split(tmp_path):
