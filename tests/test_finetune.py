@@ -12,9 +12,9 @@ the file and line. 2 steps with --sequence-parallel 2 give the 2-step pipe 2 los
 A tiny Qwen3-MoE with output_router_logits=True (its coefficient raised so the term weighs) trains 3
 steps at a constant lr (the default schedule's first two steps are at lr 0, DeepSpeed's) at one
 process, at data 2, expert 2 and pipe 2 (ZB-V), and on four ranks at sequence 2 x data 2 and
-sequence 2 x expert 2: each run's last loss and exported weights equal a plain transformers + torch AdamW loop's on the same
-packed rows (transformers' token-mean cross-entropy and its aux_loss, the mean over the step's
-micro-batches; fp32, 1e-5), and the weights moved.
+sequence 2 x expert 2: each run's last loss and exported weights equal a plain transformers + torch
+AdamW loop's on the same packed rows (transformers' token-mean cross-entropy and its aux_loss, the
+mean over the step's micro-batches; fp32, 1e-5), and the weights moved.
 """
 
 from __future__ import annotations
