@@ -103,8 +103,8 @@ for w in $what; do
                --runs alst pipezero-offload --lengths 524288 ;;  # issue 45 beside ALST (deepspeed in .whl)
     docatt) python3 -c "import inspect, torch.nn.attention.varlen as v; print(inspect.signature(v.varlen_attn))"
             run varlen-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py -k varlen
-            run docatt 120 python3 bench/document_attention.py --device cuda --lengths 131072 524288 --rounds 3 ;;  # one varlen call vs a loop
-    long-kit) run long-kit 200 python3 bench/long_context.py --shape tinyllama --steps 1 \
+            run docatt 100 python3 bench/document_attention.py --device cuda --lengths 131072 524288 --rounds 3 ;;  # one varlen call vs a loop
+    long-kit) run long-kit 170 python3 bench/long_context.py --shape tinyllama --steps 1 \
                 --runs pipezero pipezero-full pipezero-offload --lengths 32768 ;;  # the kit's cost (issue 45)
     long-128k) run long-128k 80 python3 bench/long_context.py --shape tinyllama --steps 1 --runs pipezero-offload \
                  --lengths 131072 ;;
