@@ -4,7 +4,7 @@
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
-#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|long-128k|docatt|moe-core ...]
+#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -101,10 +101,10 @@ for w in $what; do
                 hf-deepgemm ;;
     alst-8b) run alst-8b 570 env DS_SKIP_CUDA_CHECK=1 python3 bench/long_context.py --shape llama3-8b --layers 8 --steps 1 \
                --runs alst pipezero-offload --lengths 524288 ;;  # issue 45 beside ALST (deepspeed in .whl)
-    docatt) python3 -c "import inspect, torch.nn.attention.varlen as v; print(inspect.signature(v.varlen_attn))"
-            run varlen-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py -k varlen
-            run docatt 120 python3 bench/document_attention.py --device cuda --lengths 131072 524288 --rounds 3 ;;  # one varlen call vs a loop
-    long-kit) run long-kit 200 python3 bench/long_context.py --shape tinyllama --steps 1 \
+    varlen-test) python3 -c "import inspect, torch.nn.attention.varlen as v; print(inspect.signature(v.varlen_attn))"
+                 run varlen-test 60 python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py -k varlen ;;
+    docatt) run docatt 100 python3 bench/document_attention.py --device cuda --lengths 131072 524288 --rounds 3 ;;  # one varlen call vs a loop
+    long-kit) run long-kit 170 python3 bench/long_context.py --shape tinyllama --steps 1 \
                 --runs pipezero pipezero-full pipezero-offload --lengths 32768 ;;  # the kit's cost (issue 45)
     long-128k) run long-128k 80 python3 bench/long_context.py --shape tinyllama --steps 1 --runs pipezero-offload \
                  --lengths 131072 ;;

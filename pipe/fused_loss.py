@@ -73,7 +73,9 @@ def fused_cross_entropy(output: HeadLogits | torch.Tensor, targets: torch.Tensor
         return linear_cross_entropy(*output, targets=targets, ignore_index=ignore_index, chunk_rows=chunk_rows,
                                     reduction=reduction)
     if not isinstance(output, torch.Tensor):
-        raise TypeError(f"fused_cross_entropy: expected logits (a tensor) or HeadLogits, got {type(output).__name__}")
+        raise TypeError(f"fused_cross_entropy: expected logits (a tensor) or HeadLogits, got {type(output).__name__} "
+                        "(a MoE with output_router_logits=True gives Routed, the logits and its router term: wrap "
+                        "the loss_fn in pipezero.pipe.hf.router.WithRouterLoss)")
     return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index,
                            reduction=reduction)
 

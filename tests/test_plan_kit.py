@@ -168,6 +168,8 @@ def test_a_moe_config_gives_experts_and_expert_layouts():
     assert block.expert_params == 8 * 3 * 512 * 256
     layouts = list(enumerate_layouts(8, 8, 16, 6, shape.heads, seq_len=shape.seq_len, experts=shape.experts))
     assert {lay.expert for lay in layouts} == {1, 2, 4, 8}
+    assert all(lay.expert == 1 for lay in layouts if lay.tensor > 1)  # build() refuses experts beside tensor
+    assert all(lay.expert * lay.sequence <= 8 for lay in layouts)  # the expert group inside the node
     for lay in layouts:
         assert lay.world == 8 and lay.replicas * lay.microbatches * lay.microbatch_size == 16, lay
         assert lay.reducing == lay.data * lay.expert * lay.sequence

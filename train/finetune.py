@@ -23,7 +23,10 @@ Llama-style model trains on the standard library's sources as bytes. With LoRA (
 --lora-config: train/finetune_lora.py) the base is frozen, checkpoints hold the adapters only and
 the peft adapter goes to <out>/adapter beside the merged model. --chat-template FILE replaces the
 tokenizer's chat template (train/data/chat_template.py). Outside torchrun, --nproc N (default: one
-per GPU) launches N processes of this job through torchrun. The log opens with the layout.
+per GPU) launches N processes of this job through torchrun. The log opens with the layout. A MoE
+whose config has output_router_logits=True adds router_aux_loss_coef x its load-balancing loss,
+each micro-batch's (as each forward call in transformers), the step's term the mean of its
+micro-batches' (pipe/hf/router.py's WithRouterLoss says why, and why not the Trainer's sum).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 from pipezero.pipe import PipelineModule
 from pipezero.pipe.float8 import Float8Config
 from pipezero.pipe.hf import hf_config, hf_layer_specs, hf_tensor_plan
+from pipezero.pipe.hf.router import WithRouterLoss
 from pipezero.pipe.lora import LoraConfig, lora_specs
 from pipezero.pipe.sequence import ShardSum
 from pipezero.train import finetune_lora, loop
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None, prog: str = "pipezero finetune") -> floa
     corpus, pad_id, data_id = documents(args, model_config, tokenizer)  # bad data fails here, before a collective
     cfg = train_config(args, point_batch(point), model_config.hidden_size)
     plan = finetune_lora.tensor_plan(hf_tensor_plan(), lora) if args.tensor > 1 else None  # adapter-aware
-    parts = build(cfg, specs=specs, loss_fn=ShardSum(token_mean_loss), hidden_size=model_config.hidden_size,
+    loss_fn = WithRouterLoss(ShardSum(token_mean_loss))   # a MoE's router term once, beside the token mean
+    parts = build(cfg, specs=specs, loss_fn=loss_fn, hidden_size=model_config.hidden_size,
                   tensor=args.tensor, tensor_plan=plan,
                   float8=Float8Config(recipe=args.float8) if args.float8 else None)
     log_layout(parts, lora)

@@ -24,6 +24,19 @@ the trained tokens, n_r x degree / N: shares that add up to the degree, so the m
 losses holds the term once and the backward's sum hands each rank's routers degree x d aux / d P,
 whose mean over the sequence ranks (ZeRO's) is one process's gradient.
 
+A loss of its own (finetune's token mean, train/data's token_mean_loss under ShardSum) takes the
+term through `WithRouterLoss(loss_fn)`: loss_fn on the logits, plus coef x aux once, outside
+loss_fn's sequence weighing (ShardSum multiplies its loss by the degree; the term, whole on every
+sequence rank, would count that many times). Each microbatch adds its own term, as each forward
+call does in transformers, and the runner's and the replicas' means make the step's term the mean
+of the microbatches' (every rank's): a plain loop's `(model(**mb).loss / accumulation).backward()`,
+whatever its cross-entropy's normalisation. transformers' Trainer (4.46 on, 5.x), when it
+normalises the cross-entropy by the step's token count (num_items_in_batch), divides neither term
+by the accumulation and, with average_tokens_across_devices (its default), multiplies the loss by
+the processes' count before DDP's mean: its router term is the SUM over every forward call of the
+step, its weight growing with the accumulation and the data degree. Not copied: here the term
+weighs the same at any layout; at one microbatch on one process the two agree.
+
 DeepSeek-V3 balances with a bias instead (e_score_correction_bias): transformers' forward adds
 no term, and neither does this. Other families are refused until their loss is checked here.
 """
@@ -38,8 +51,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["NO_ROUTER_LOSS", "SWITCH_LOSS", "Routed", "RouterLoss", "RouterTap", "as_routed", "router_loss",
-           "split_stats"]
+from pipezero.pipe.sequence.loss import shard_loss
+
+__all__ = ["NO_ROUTER_LOSS", "SWITCH_LOSS", "Routed", "RouterLoss", "RouterTap", "WithRouterLoss", "as_routed",
+           "router_loss", "split_stats"]
 
 SWITCH_LOSS = ("gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")  # transformers' load_balancing_loss_func
 NO_ROUTER_LOSS = ("deepseek_v3",)  # output_router_logits=True returns the logits, adds no loss
@@ -89,6 +104,23 @@ class Routed(NamedTuple):
 
     def map(self, fn: Callable[[Any], Any]) -> "Routed":
         return self._replace(value=fn(self.value))
+
+
+class WithRouterLoss:
+    """loss_fn of the logits, plus a Routed output's router term counted once (module docstring); any
+    other output goes to loss_fn as it is. Under a sequence split loss_fn is bound as it says (ShardSum,
+    ShardMean, or a mean over the shard's targets) and the term stays out of its weighing."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn = loss_fn
+
+    def bind(self, group: Any, degree: int) -> "WithRouterLoss":
+        return WithRouterLoss(shard_loss(self.loss_fn, group, degree))
+
+    def __call__(self, output: Any, targets: Any) -> torch.Tensor:
+        if not isinstance(output, Routed):
+            return self.loss_fn(output, targets)
+        return self.loss_fn(output.value, targets) + output.aux[0]
 
 
 def as_routed(loss: RouterLoss | None, x: Any) -> Any:

@@ -6,7 +6,7 @@ Face models through transformers' attention interface: hf_attention.py), the lay
 from pipezero.pipe.sequence.attention import Ulysses, check_heads
 from pipezero.pipe.sequence.batch import next_token_labels, shard_batch, shard_sequence, whole_positions
 from pipezero.pipe.sequence.layers import SplitsSequence, split_sequence
-from pipezero.pipe.sequence.loss import ShardMean, ShardSum
+from pipezero.pipe.sequence.loss import ShardMean, ShardSum, ShardsLoss, shard_loss
 
-__all__ = ["ShardMean", "ShardSum", "SplitsSequence", "Ulysses", "check_heads", "next_token_labels",
-           "shard_batch", "shard_sequence", "split_sequence", "whole_positions"]
+__all__ = ["ShardMean", "ShardSum", "ShardsLoss", "SplitsSequence", "Ulysses", "check_heads",
+           "next_token_labels", "shard_batch", "shard_loss", "shard_sequence", "split_sequence", "whole_positions"]

@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from torch import nn
 
-from pipezero.pipe.sequence.loss import ShardMean, ShardSum
+from pipezero.pipe.sequence.loss import shard_loss
 
 __all__ = ["SplitsSequence", "split_sequence"]
 
@@ -52,5 +52,4 @@ def split_sequence(specs: Sequence[Any], layers: nn.Module, loss_fn: Callable | 
             layer.split_sequence(grid.sequence_group, degree)
     if loss_fn is None:
         return None
-    shard = loss_fn if isinstance(loss_fn, (ShardMean, ShardSum)) else ShardMean(loss_fn)
-    return shard.bind(grid.sequence_group, degree)
+    return shard_loss(loss_fn, grid.sequence_group, degree)

@@ -11,19 +11,36 @@ fewer; an SFT prompt may fill a slice with none).
 `ShardMean(loss_fn)` takes a loss_fn that is a mean over this shard's targets other than -100
 (causal_lm_loss, the GPT's loss, F.cross_entropy's mean): PipelineModule wraps every loss_fn
 so under a sequence axis. `ShardSum(loss_fn)` marks a loss already divided by the global count
-(train/data's token_mean_loss, its scale computed over the whole batch): only times degree.
+(train/data's token_mean_loss, its scale computed over the whole batch): only times degree. Any
+`ShardsLoss` (a `bind(group, degree)`) is bound as it is: a wrapper that adds a term every sequence
+rank holds whole (pipe/hf/router.py's `WithRouterLoss`) binds the loss it wraps (`shard_loss`) and
+adds the term once, outside that loss's weighing.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardMean", "ShardSum"]
+__all__ = ["ShardMean", "ShardSum", "ShardsLoss", "shard_loss"]
 
 IGNORE_INDEX = -100  # Hugging Face's (and train/data's) untrained label
+
+
+@runtime_checkable
+class ShardsLoss(Protocol):
+    """A loss_fn that says how a sequence shard weighs it (ShardMean, ShardSum, or a wrapper of one)."""
+
+    def bind(self, group: Any, degree: int) -> Callable: ...
+
+
+def shard_loss(loss_fn: Callable, group: Any, degree: int) -> Callable:
+    """loss_fn bound to the sequence group: a ShardsLoss as it says, any other a mean over its shard's
+    trained targets (ShardMean)."""
+    shard = loss_fn if isinstance(loss_fn, ShardsLoss) else ShardMean(loss_fn)
+    return shard.bind(group, degree)
 
 
 class ShardSum:

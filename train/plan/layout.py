@@ -135,7 +135,7 @@ def enumerate_layouts(world: int, gpus_per_node: int, global_batch: int, layers:
                 if pipe > layers or global_batch % replicas:
                     continue
                 per_rank = global_batch // replicas
-                for expert in _expert_degrees(replicas, gpus_per_node, experts):
+                for expert in _expert_degrees(replicas, gpus_per_node, experts, sequence * tensor, tensor):
                     for size in (b for b in microbatch_sizes if per_rank % b == 0):
                         m = per_rank // size
                         for name, chunks in _schedules(pipe, m, layers):
@@ -143,11 +143,13 @@ def enumerate_layouts(world: int, gpus_per_node: int, global_batch: int, layers:
                                                  checkpoints, offload, sequence, expert)
 
 
-def _expert_degrees(replicas: int, gpus_per_node: int, experts: int) -> list[int]:
-    """Degrees of the expert axis: 1, and what divides the data ranks and the experts within a node."""
-    if not experts:
+def _expert_degrees(replicas: int, gpus_per_node: int, experts: int, stride: int, tensor: int) -> list[int]:
+    """Degrees of the expert axis: 1, and what divides the data ranks and the experts, the group within a
+    node (its ranks lie `stride` = sequence x tensor apart, Grid's order); none beside a tensor split,
+    which build() refuses."""
+    if not experts or tensor > 1:
         return [1]
-    return [e for e in divisors(replicas) if e <= gpus_per_node and experts % e == 0]
+    return [e for e in divisors(replicas) if e * stride <= gpus_per_node and experts % e == 0]
 
 
 def _sequence_degrees(rest: int, gpus_per_node: int, heads: int, seq_len: int | None, tensor: int) -> list[int]:
