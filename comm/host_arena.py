@@ -13,12 +13,15 @@ of its own (one page more is allocated to start on a boundary: no other allocati
 page, which CUDA would refuse to register twice). It is unregistered when its storage is freed (the
 last view gone), after the device has finished what it queued.
 
+Where the driver cannot register host memory (an error other than out of memory: a virtualised GPU may
+refuse it) the arena is one block of torch's pinned allocator instead, rounded, said once in the log.
 Without CUDA (or `pin=False`) the same views of the same allocation are made, unpinned: the CPU tests
 run this code.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Sequence
 
@@ -28,6 +31,9 @@ __all__ = ["ALIGN", "arena_bytes", "arena_layout", "host_arena"]
 
 ALIGN = 4096   # bytes: each buffer starts on a page of its own
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+_OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
+_WARNED: list[int] = []  # the first registration error, said once
+log = logging.getLogger(__name__)
 
 
 def arena_layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
@@ -55,21 +61,34 @@ def host_arena(specs: Sequence[tuple[int, torch.dtype]], pin: bool) -> list[torc
     allocation = torch.empty(total, dtype=torch.uint8)
     skip = -allocation.data_ptr() % ALIGN
     pages = allocation[skip:skip + max(total - ALIGN, 0)]   # whole pages, all ours
-    if pin and total:
-        _pin(pages)
+    if pin and total and not _pin(pages):
+        pages = _pinned_block(pages.nbytes)
     return [pages[o:o + n].view(dtype) for o, n, (_, dtype) in zip(offsets, sizes, specs)]
 
 
-def _pin(pages: torch.Tensor) -> None:
-    """Page-lock the arena's pages where they lie; unlock them when its storage is freed."""
+def _pin(pages: torch.Tensor) -> bool:
+    """Page-lock the arena's pages where they lie and unlock them when its storage is freed: True; False
+    where this CUDA cannot register host memory (a virtualised driver may not)."""
     ptr, nbytes = pages.data_ptr(), pages.nbytes
     error = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
-    if error != 0:
+    if error == _OUT_OF_MEMORY:
         raise RuntimeError(f"pinning {nbytes} bytes of host memory (cudaHostRegister) failed with CUDA error "
                            f"{error}: the host cannot lock that much; offload less (offload_optimizer, "
                            "the checkpointed inputs) or use a host with more memory per GPU")
+    if error != 0:
+        if not _WARNED:
+            _WARNED.append(error)
+            log.warning("cudaHostRegister failed with CUDA error %d: the offloads' host arenas come from "
+                        "torch's pinned allocator instead (each rounded up to a power of two bytes)", error)
+        return False
     done = weakref.finalize(pages.untyped_storage(), _unpin, ptr)
     done.atexit = False  # at exit the CUDA context may be gone; the process's pages go with it
+    return True
+
+
+def _pinned_block(nbytes: int) -> torch.Tensor:
+    """One block of torch's pinned allocator (page-aligned, rounded up to a power of two bytes)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _unpin(ptr: int) -> None:

@@ -1,5 +1,6 @@
 """comm/: p2p bit-exactness, paired 1F1B-like exchanges, bucketed all-reduce vs per-tensor ones, host arenas."""
 
+import importlib
 import warnings
 
 import pytest
@@ -223,3 +224,10 @@ def test_an_arena_is_pinned_once_at_its_bytes_and_unpinned_when_freed(monkeypatc
     with pytest.raises(RuntimeError, match="pinning 4096 bytes of host memory .* CUDA error 2"):
         host_arena([(2, torch.float32)], pin=True)
     assert host_arena([(3, torch.float32)], pin=False)[0].shape == (3,) and len(calls) == 4  # not pinned
+    blocks = []  # a driver that cannot register host memory (801: not supported): torch's pinned block
+    host_arena_module = importlib.import_module("pipezero.comm.host_arena")  # the package names the function
+    monkeypatch.setattr(host_arena_module, "_pinned_block",
+                        lambda n: blocks.append(n) or torch.zeros(n, dtype=torch.uint8))
+    monkeypatch.setattr(Cudart, "cudaHostRegister", lambda self, ptr, nbytes, flags: 801)
+    d, e = host_arena([(10, torch.float32), (3, torch.float32)], pin=True)
+    assert blocks == [8192] and e.data_ptr() - d.data_ptr() == 4096 and d.shape == (10,)
