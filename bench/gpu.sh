@@ -93,7 +93,7 @@ for w in $what; do
     gpu-tests) run gpu-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_hf_generate.py \
                  tests/test_generate_static.py tests/test_zero_offload.py tests/test_state_hand.py ;;  # CUDA cases too
     offload-test) run offload-test 240 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py -k cuda ;;
-    pinned-test) run pinned-test 240 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py \
+    pinned-test) run pinned-test 90 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py \
                    tests/test_recompute.py tests/test_comm.py -k "cuda or arena or host" ;;  # the host arenas (issue 45)
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
     moe) run moe 560 python3 bench/moe.py --timeout 240 \
