@@ -2,7 +2,7 @@
 # The GPU benchmark session: run on the 2 x H200 machine from the repo root.
 #   bash bench/gpu.sh [main-job|nsys|plan|zero|pipe|pipe-bf16|pipe-masters|pipe-gaps|tensor|comm|precision|train|hybrid|hf|
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
-#                      profile|trace|smoke|offload|offload-big|offload-test|pinned-test|split-backward|data|speed|speed-profile|speed-more|
+#                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
 #                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
@@ -10,7 +10,6 @@
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
 #   beside pipezero eager / compiled layers + fused loss (needs transformers: carry its wheel in .whl).
 #   offload-test: the offload tests that need CUDA (streams, pinned buffers, parameters off the GPU).
-#   pinned-test: the offloads' host arenas on CUDA (registered, pinned, reused; equal to the runs without).
 #   alst-8b / alst-tiny: bench/long_context.py beside DeepSpeed ALST (Llama-3-8B's width at 8 layers, 512K
 #   tokens, optimizer on the host, DeepSpeed's CPU Adam JIT-built in the first alst run's set-up; TinyLlama's
 #   shape at 128K and 512K); needs transformers and deepspeed in .whl.
@@ -93,8 +92,6 @@ for w in $what; do
     gpu-tests) run gpu-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_hf_generate.py \
                  tests/test_generate_static.py tests/test_zero_offload.py tests/test_state_hand.py ;;  # CUDA cases too
     offload-test) run offload-test 240 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py -k cuda ;;
-    pinned-test) run pinned-test 90 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py \
-                   tests/test_recompute.py tests/test_comm.py -k "cuda or arena or host" ;;  # the host arenas (issue 45)
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
     moe) run moe 560 python3 bench/moe.py --timeout 240 \
            --runs pipezero pipezero-compiled hf-grouped_mm-compiled torchtitan-compiled ;;  # issue 47; .whl

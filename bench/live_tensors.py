@@ -10,10 +10,10 @@ Python object for as long as the storage lives). The peak is the most bytes aliv
 step (after a warm-up step, so the optimizer's state is there); the report lists what is alive then.
 
 The memory kit's offload moves each checkpointed run's inputs to pinned host memory and copies them
-back on a side stream (pipe/memory/offload.py). On CPU there is no stream, but the same allocations are
-made (a pooled host buffer per input, each copy back a new tensor made when the run before it is
-prefetched); `simulated_offload` counts the host buffers as host memory, so the CPU peak is the GPU's,
-up to the kernels' own workspaces.
+back on a side stream (pipe/memory/offload.py). On CPU there is no stream: HostOffload keeps a plain
+copy and hands it back as it is. `simulated_offload` runs the CUDA path's allocations on CPU instead
+(the host copies counted as host memory, each copy back a new tensor made when the run before it is
+prefetched), so the CPU peak is the GPU's, up to the kernels' own workspaces.
 
 The scaled shape keeps TinyLlama's structure (6 layers of hidden 256, 8 heads of 32 and 2 key-value
 heads, intermediate 2.75 x hidden, vocab 4,000; fused loss chunks of 2^25 logits, MLP tiles of 2,048
@@ -247,22 +247,31 @@ def mirror_tiling(to: int) -> None:
 
 @contextmanager
 def simulated_offload(tracker: LiveTensors) -> Iterator[None]:
-    """HostOffload's host copies counted as host memory. On CPU its path is the CUDA path's (a pooled host
-    buffer per input, each copy back a new tensor made when prefetched); only where the buffers live
-    differs. Follows pipe/memory/offload.py's private _Stashed (made once per offloaded input)."""
+    """HostOffload's CUDA allocations on CPU: host copies counted as host memory, and each copy back a new
+    tensor made when prefetched (on CPU HostOffload hands its copy back as it is). Follows the private
+    layout of pipe/memory/offload.py's _Stashed (host, on_device): keep the two in step."""
     from pipezero.pipe.memory import offload
 
     cls = offload._Stashed
-    saved = cls.__init__
+    saved = cls.__init__, cls.prefetch, cls.fetch
 
-    def init(self, *args):
+    def init(self, t, stream):
         with tracker.host():
-            saved(self, *args)
-    cls.__init__ = init
+            saved[0](self, t, stream)
+
+    def prefetch(self):
+        if self.on_device is None:
+            self.on_device = self.host.clone()
+
+    def fetch(self):
+        self.prefetch()
+        out, self.on_device = self.on_device, None
+        return out
+    cls.__init__, cls.prefetch, cls.fetch = init, prefetch, fetch
     try:
         yield
     finally:
-        cls.__init__ = saved
+        cls.__init__, cls.prefetch, cls.fetch = saved
 
 
 def main() -> None:

@@ -1,10 +1,8 @@
-"""What the other packages share: p2p activations, bucketed collectives, traffic, host arenas for the
-offloads' copies (and, re-exported, the optimizer chain)."""
+"""What the other packages share: p2p activations, bucketed collectives, traffic (and, re-exported, the optimizer chain)."""
 
 from pipezero.chain import ChainLink, ChainWrapper, innermost, links  # re-exported: the chain lives at the root
 from pipezero.comm.buckets import DEFAULT_BUCKET_BYTES, all_reduce_coalesced, plan_buckets
 from pipezero.comm.collectives import Handle, all_gather, all_reduce, group_size, reduce_scatter
-from pipezero.comm.host_arena import ALIGN, arena_bytes, arena_layout, host_arena
 from pipezero.comm.nvtx import nvtx_range, profiling, profiling_enabled
 from pipezero.comm.p2p import P2P, CommTimeout, PeerLost, is_peer_lost, peer_lost
 from pipezero.comm.replica import is_replica, mark_replica
@@ -17,5 +15,5 @@ __all__ = [
     "all_reduce_coalesced", "plan_buckets",
     "nvtx_range", "profiling", "profiling_enabled", "ChainLink", "ChainWrapper", "innermost", "links",
     "mark_replica", "is_replica", "TensorShard", "mark_tensor_shard", "tensor_shard", "whole_of_shard",
-    "slice_of_whole", "ALIGN", "arena_bytes", "arena_layout", "host_arena",
+    "slice_of_whole",
 ]

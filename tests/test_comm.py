@@ -1,6 +1,5 @@
-"""comm/: p2p bit-exactness, paired 1F1B-like exchanges, bucketed all-reduce vs per-tensor ones, host arenas."""
+"""comm/: p2p bit-exactness, paired 1F1B-like exchanges, bucketed all-reduce vs per-tensor ones."""
 
-import importlib
 import warnings
 
 import pytest
@@ -8,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from harness import run
-from pipezero.comm import (P2P, TRAFFIC, CommTimeout, all_gather, all_reduce, all_reduce_coalesced, arena_layout,
-                           host_arena, plan_buckets, reduce_scatter)
+from pipezero.comm import (P2P, TRAFFIC, CommTimeout, all_gather, all_reduce, all_reduce_coalesced, plan_buckets,
+                           reduce_scatter)
 
 
 def _payload(step, src):
@@ -193,41 +192,3 @@ def test_plan_buckets_groups_dtypes_and_caps_size():
     assert plan_buckets(ts, 80) == [[0, 2], [1], [3]]
     with pytest.raises(ValueError, match="bucket_bytes=0"):
         plan_buckets(ts, 0)
-
-
-def test_an_arena_is_pinned_once_at_its_bytes_and_unpinned_when_freed(monkeypatch):
-    """On a GPU an arena is registered (page-locked) once, its whole pages from a page boundary, and
-    unregistered once its last view is gone, after the device's queued work; a failed registration names
-    the bytes. CUDA's calls are recorded here (no GPU on CI)."""
-    calls = []
-
-    class Cudart:
-        def cudaHostRegister(self, ptr, nbytes, flags):
-            calls.append(("register", ptr, nbytes))
-            return 2 if nbytes == 4096 else 0
-
-        def cudaHostUnregister(self, ptr):
-            calls.append(("unregister", ptr))
-            return 0
-    monkeypatch.setattr(torch.cuda, "cudart", Cudart)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(("synchronize",)))
-    a, b, c = host_arena([(10, torch.float32), (3, torch.bfloat16), (5000, torch.float32)], pin=True)
-    assert arena_layout([40, 6, 20000]) == ([0, 4096, 8192], 32768)  # 7 pages and one to align
-    assert calls == [("register", a.data_ptr(), 28672)] and a.data_ptr() % 4096 == 0
-    assert (b.data_ptr() - a.data_ptr(), c.data_ptr() - a.data_ptr(), c.shape, b.dtype) == \
-        (4096, 8192, (5000,), torch.bfloat16)
-    ptr = a.data_ptr()
-    del a, b
-    assert len(calls) == 1   # c still holds the arena
-    del c
-    assert calls[1:] == [("synchronize",), ("unregister", ptr)]
-    with pytest.raises(RuntimeError, match="pinning 4096 bytes of host memory .* CUDA error 2"):
-        host_arena([(2, torch.float32)], pin=True)
-    assert host_arena([(3, torch.float32)], pin=False)[0].shape == (3,) and len(calls) == 4  # not pinned
-    blocks = []  # a driver that cannot register host memory (801: not supported): torch's pinned block
-    host_arena_module = importlib.import_module("pipezero.comm.host_arena")  # the package names the function
-    monkeypatch.setattr(host_arena_module, "_pinned_block",
-                        lambda n: blocks.append(n) or torch.zeros(n, dtype=torch.uint8))
-    monkeypatch.setattr(Cudart, "cudaHostRegister", lambda self, ptr, nbytes, flags: 801)
-    d, e = host_arena([(10, torch.float32), (3, torch.float32)], pin=True)
-    assert blocks == [8192] and e.data_ptr() - d.data_ptr() == 4096 and d.shape == (10,)

@@ -225,9 +225,9 @@ def test_host_bytes_are_what_the_offloads_hold():
     """A tiny Llama in bf16, every layer checkpointed with its input offloaded, two micro-batches in flight,
     under ZeroOptimizer(stage 1, offload_optimizer) over AdamW, one step on CPU: the planner's host bytes are
     the offloaded inputs alive at once (every allocation tracked, bench/live_tensors.py) and the tensors the
-    offloaded optimizer keeps (fp32 masters, their gradients, Adam's moments), the masters one arena and the
-    gradients another (pinned on a GPU at their bytes, comm/host_arena.py). On CPU the gradient lands in the
-    fp32 sum where a GPU lands it in a pinned fp32 buffer, the same 4 bytes at stage 1."""
+    offloaded optimizer keeps (fp32 masters, their gradients, Adam's moments), the masters and gradients
+    each a pinned block on a GPU (a power of two bytes). On CPU the gradient lands in the fp32 sum where a
+    GPU lands it in a pinned fp32 buffer, the same 4 bytes at stage 1."""
     from transformers import LlamaConfig
 
     from bench.live_tensors import LiveTensors, simulated_offload
@@ -235,8 +235,7 @@ def test_host_bytes_are_what_the_offloads_hold():
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
     from pipezero.pipe.memory.recompute import RecomputeConfig
     from pipezero.topology import Grid
-    from pipezero.comm import arena_bytes
-    from pipezero.train.plan.memory import host_bytes
+    from pipezero.train.plan.memory import host_bytes, pinned
     from pipezero.zero import ZeroConfig, ZeroOptimizer
 
     tokens, micro = 512, 2
@@ -255,11 +254,9 @@ def test_host_bytes_are_what_the_offloads_hold():
     opt.step()
     masters = [p for g in opt.param_groups for p in g["params"]]
     assert len(masters) > 3  # several buckets
-    grads = [p.grad for p in masters]
-    assert len({t.untyped_storage().data_ptr() for t in masters}) == 1  # one arena each
-    assert len({t.untyped_storage().data_ptr() for t in grads}) == 1
-    moments = [t for s in opt.state.values() for t in s.values() if t.numel() > 1]
-    held = _distinct_bytes(masters + grads) + _distinct_bytes(moments)
+    # on a GPU each master and its gradient's landing is a pinned block of a power of two bytes
+    held = (sum(pinned(t.untyped_storage().nbytes()) for t in masters + [p.grad for p in masters])
+            + _distinct_bytes([t for s in opt.state.values() for t in s.values() if t.numel() > 1]))
 
     shape = ModelShape.from_hf_config(config, tokens)
     profile = flops_profile(shape, 1.0)
@@ -267,7 +264,7 @@ def test_host_bytes_are_what_the_offloads_hold():
     planned = host_bytes(profile, range(len(profile)), float(micro), layout, h100(1, 1), "bf16", shape.d_model,
                          tokens)
     # each micro-batch's decoder layers' and final norm's inputs, and the fused head's copy, dropped at once
-    assert planned.inputs == _host_peak(tracker) == (micro * (3 + 1) + 1) * arena_bytes([tokens * 64 * 2])
+    assert planned.inputs == _host_peak(tracker) == (micro * (3 + 1) + 1) * tokens * 64 * 2
     assert planned.optimizer == held
     assert planned.reserved == h100(1, 1).host_reserved_gb * 1e9
 
@@ -282,23 +279,21 @@ def llama8b(seq_len: int) -> ModelShape:
 
 def test_a_layout_fits_only_where_the_host_holds_what_it_offloads(tmp_path):
     """The 8B shape at 512K tokens on one H200: the only layout the device holds (z1 off ck1+h, 79.6 GB) keeps
-    its optimizer (16 B/param, 128.5 GB: its pinned arenas take their bytes) and 33 checkpointed inputs (the
-    decoder layers' and the final norm's) and the fused head's brief copy (146 GB) on the host; with 1 TB it
-    wins, with 120 GB (one GPU in a 128 GiB machine) nothing fits and the error says host memory. A layout
-    that offloads nothing plans the same whatever the host."""
+    its optimizer (16 B/param, in pinned blocks 135 GB) and 33 checkpointed inputs (the decoder layers' and the
+    final norm's) and the fused head's brief copy (146 GB) on the host; with 1 TB it wins, with 120 GB (one GPU
+    in a 128 GiB machine) nothing fits and the error says host memory. A layout that offloads nothing plans the
+    same whatever the host."""
     from pipezero.train.cli import main
 
     shape, hw = llama8b(524288), h200(1, 1)
     profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
     best = plan(shape, profile, replace(hw, host_memory_gb=1000.0), 1, "bf16", top=1)[0]
     assert best.layout.label == "p1 d1 t1 1f1b v1 m1x1 z1 off ck1+h" and best.memory.total < 141e9
-    # 16 B/param, 128.5 GB: the masters and the landing each one pinned arena of their bytes (135.1 GB when
-    # CUDA's pinned allocator rounded each bucket's block up to a power of two)
-    assert total_params(profile) == 8030261248
-    assert best.memory.host.optimizer == pytest.approx(16 * 8030261248, rel=1e-6)
-    assert best.memory.host.inputs == 34 * (524288 * 4096 * 2 + 4096)  # a page more each to align it
+    # 16 B/param, 128.5 GB, the masters and the landing in pinned blocks of powers of two: 135.1 GB
+    assert best.memory.host.optimizer == pytest.approx(135.1e9, rel=1e-3) and total_params(profile) == 8030261248
+    assert best.memory.host.inputs == 34 * 524288 * 4096 * 2
     with pytest.raises(ValueError, match=r"120 GB of host memory.* the least 2\d\d\.\d GB \(p1 d1 t1 1f1b v1 m1x1 "
-                                         r"z1 off ck1\+h: optimizer 128, checkpointed inputs 146"):
+                                         r"z1 off ck1\+h: optimizer 135, checkpointed inputs 146"):
         plan(shape, profile, replace(hw, host_memory_gb=120.0), 1, "bf16", top=1)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128256,
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -330,9 +325,8 @@ def test_a_nodes_ranks_share_its_host_memory():
 
 @pytest.mark.parametrize("stage, parts", [(1, 1), (2, 8), (3, 1)])
 def test_the_offloaded_buckets_are_zeros(stage, parts):
-    """The planner cuts a rank's parameters into ZeRO's buckets (each kind of pinned buffer one arena of their
-    shards, each from a page boundary) as zero/partition.py's plan_groups does, on the 8B's and TinyLlama's
-    parameters (meta tensors)."""
+    """The planner cuts a rank's parameters into ZeRO's buckets (whose pinned blocks round up to powers of two
+    each) as zero/partition.py's plan_groups does, on the 8B's and TinyLlama's parameters (meta tensors)."""
     import transformers
 
     from pipezero.train.plan.memory import optimizer_shards

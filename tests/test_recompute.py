@@ -25,7 +25,7 @@ from pipezero.config_fields import ConfigError
 from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
 from pipezero.pipe.compile import model_blocks
 from pipezero.pipe.lora import LoraConfig, lora_specs, trainable_parameters
-from pipezero.pipe.memory.offload import HostOffload, HostPool
+from pipezero.pipe.memory.offload import HostOffload
 from pipezero.pipe.memory.recompute import RecomputeConfig, checkpoint_blocks
 from pipezero.topology import Grid
 from pipezero.train.config import parse_config
@@ -241,63 +241,6 @@ def test_checkpointing_keeps_less():
     assert full < none / 3, (full, none)
     _, moved = _kept_bytes(FULL_OFF)
     assert moved == 4 * 4 * 64 * 32 * 4  # the four blocks' inputs [batch, seq, d_model] in fp32, no more
-
-
-def test_offloaded_inputs_reuse_their_host_buffers():
-    """The offload's host buffers, one per input in flight at its exact bytes (torch's pinned allocator
-    rounded each to a power of two), are made in the first step and reused by the next; the gradients are
-    the checkpointed run's without offload, bitwise."""
-    cfg = GPTConfig(vocab_size=64, n_layer=4, n_head=2, d_model=16, seq_len=32, seed=1)
-    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
-    grads, made = {}, []
-    for recompute in (FULL, FULL_OFF):
-        model = GPT(cfg)
-        offload = HostOffload() if recompute.offload else None
-        checkpoint_blocks(model_blocks(model), recompute, offload)
-        for _ in range(2):
-            model.zero_grad()
-            gpt_loss(model(ids), ids).backward()
-            if offload is not None:
-                made.append(offload.pools[torch.device("cpu")].made)
-        grads[recompute.offload] = [p.grad for p in model.parameters()]
-    assert made == [4, 4]  # the four blocks' inputs, then the same buffers again
-    assert [b.numel() for b in offload.pools[torch.device("cpu")].free] == [2 * 32 * 16 * 4] * 4
-    for a, b in zip(grads[False], grads[True], strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_offloaded_inputs_wait_in_pinned_buffers_reused_across_steps():
-    """On a GPU the inputs go to pinned buffers of their bytes on a side stream and come back on it: three
-    steps equal the checkpointed run without offload bitwise, and the second and third make no buffer."""
-    cfg = GPTConfig(vocab_size=64, n_layer=4, n_head=2, d_model=64, seq_len=256, seed=1)
-    ids = torch.randint(0, 64, (4, 256), generator=torch.Generator().manual_seed(0)).cuda()
-    grads, made = {}, []
-    for recompute in (FULL, FULL_OFF):
-        model = GPT(cfg).cuda()
-        offload = HostOffload() if recompute.offload else None
-        checkpoint_blocks(model_blocks(model), recompute, offload)
-        for _ in range(3):
-            model.zero_grad()
-            gpt_loss(model(ids), ids).backward()
-            if offload is not None:
-                made.append(offload.pools[ids.device].made)
-        grads[recompute.offload] = [p.grad for p in model.parameters()]
-    pool = offload.pools[ids.device]
-    assert made == [4, 4, 4] and all(b.is_pinned() for b in pool.free)
-    for a, b in zip(grads[False], grads[True], strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def test_a_host_pool_takes_the_smallest_buffer_that_fits():
-    pool = HostPool(pin=False)
-    big, _ = pool.take(torch.zeros(100))        # 400 bytes
-    small, view = pool.take(torch.zeros(10, dtype=torch.bfloat16))
-    assert view.shape == (10,) and view.dtype == torch.bfloat16 and small.numel() == 20
-    pool.give_back(big), pool.give_back(small)
-    assert pool.take(torch.zeros(5))[0] is small and pool.take(torch.zeros(50))[0] is big and pool.made == 2
-    pool.give_back(big)
-    assert pool.take(torch.zeros(200))[0].numel() == 800 and pool.made == 3 and pool.free == []  # outgrown
 
 
 # -- ds_config --------------------------------------------------------------------------------------

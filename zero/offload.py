@@ -33,12 +33,6 @@ Training", USENIX ATC 2021, section 4):
 With `offload_param` (stage 3) the owned parameter slices live in (pinned) host memory and are
 uploaded when their submodule runs (see stage3.py), so the device holds only the working set,
 on any data degree, one included.
-
-The host buffers of one kind (the masters; the landing copies; the fp32 sums, one set per sum buffer)
-are views of one arena of comm/host_arena.py, pinned at its own size: torch's pinned allocator would
-round each bucket's buffer up to a power of two bytes (TinyLlama's offloaded optimizer: 20.4 GB of
-host where its tensors hold 17.6). An arena is made when its kind is first needed, for every bucket
-of the same dtypes (they land the same way), so a kind that a configuration never uses takes nothing.
 """
 
 from __future__ import annotations
@@ -51,23 +45,16 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from pipezero.comm import Handle, host_arena
+from pipezero.comm import Handle
 from pipezero.zero.partition import Bucket
 
-__all__ = ["HostOffload", "host_copy", "host_masters", "host_threads", "upload"]
+__all__ = ["HostOffload", "host_copy", "host_threads", "upload"]
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy of t, pinned when a GPU may copy from it asynchronously."""
     out = t.detach().to("cpu", copy=True)
     return out.pin_memory() if torch.cuda.is_available() and t.device.type == "cuda" else out
-
-
-def host_masters(buckets: list[Bucket]) -> list[torch.Tensor]:
-    """Room for each bucket's fp32 master shard on the host: views of one arena, pinned when a bucket
-    is on a GPU (its master is uploaded asynchronously from there)."""
-    pin = any(b.device.type == "cuda" for b in buckets)
-    return host_arena([(b.shard_numel, torch.float32) for b in buckets], pin)
 
 
 def host_threads() -> int:
@@ -107,7 +94,8 @@ class HostOffload:
         device = cuda[0].device if cuda else None
         self._down = torch.cuda.Stream(device) if device is not None else None
         self._up = torch.cuda.Stream(device) if device is not None else None
-        self._arenas: dict[tuple, dict[Bucket, torch.Tensor]] = {}  # a kind's buffer per bucket (_carve)
+        self._landing: dict[Bucket, torch.Tensor] = {}   # pinned: the D2H copies land here
+        self._grads: dict[tuple, torch.Tensor] = {}      # host fp32: sums, and what the master steps with
         self._flip = 0   # delayed: which of two sum buffers this step fills; the update in flight reads the other
         self._ready: dict[Bucket, Any] = {}              # this step's gradient so far: a tensor or a _Landing
         self._lane: ThreadPoolExecutor | None = None      # folds landed copies into the sums (GPU only)
@@ -193,7 +181,9 @@ class HostOffload:
         side stream, and its event."""
         if self._down is None or values.device.type != "cuda":
             return values, None
-        landing = self._carve("landing", b, dtype)   # pinned: the D2H copies land here
+        landing = self._landing.get(b)
+        if landing is None:
+            landing = self._landing[b] = torch.empty(values.numel(), dtype=dtype, pin_memory=True)
         self._down.wait_stream(torch.cuda.current_stream(values.device))
         with torch.cuda.stream(self._down):
             landing.copy_(values, non_blocking=True)
@@ -203,19 +193,11 @@ class HostOffload:
         return landing, done
 
     def _sum_buffer(self, b: Bucket) -> torch.Tensor:
-        """b's host fp32 sum, what its master steps with (delayed: one of two, see `_flip`)."""
-        return self._carve(("sum", self._flip), b, torch.float32)
-
-    def _carve(self, kind: Any, b: Bucket, dtype: torch.dtype) -> torch.Tensor:
-        """b's host buffer of `kind` in `dtype`: on the first ask, one arena holds it for every bucket
-        of b's dtypes (pinned on a GPU), which receive their gradients the same way."""
-        alike = (b.device, b.dtype, b.grad_dtype, b.reduce_dtype)
-        buffers = self._arenas.get((kind, dtype, alike))
-        if buffers is None:
-            same = [c for c in self.buckets if (c.device, c.dtype, c.grad_dtype, c.reduce_dtype) == alike]
-            views = host_arena([(c.shard_numel, dtype) for c in same], pin=b.device.type == "cuda")
-            buffers = self._arenas[(kind, dtype, alike)] = dict(zip(same, views))
-        return buffers[b]
+        grad = self._grads.get((b, self._flip))
+        if grad is None:
+            grad = self._grads[(b, self._flip)] = torch.empty(b.shard_numel, dtype=torch.float32,
+                                                pin_memory=b.device.type == "cuda")
+        return grad
 
     # -- the step ---------------------------------------------------------------------------
     @contextmanager

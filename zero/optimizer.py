@@ -25,7 +25,7 @@ from pipezero.chain import ChainWrapper, describe, innermost, links
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_strategies import make_grad_sync
-from pipezero.zero.offload import HostOffload, host_copy, host_masters
+from pipezero.zero.offload import HostOffload, host_copy
 from pipezero.zero.partition import Bucket, plan_groups
 from pipezero.zero.reduction import take_reductions
 from pipezero.zero.stage3 import ParamGatherer
@@ -143,10 +143,9 @@ class ZeroOptimizer(ChainWrapper):
 
     def _build(self, module: nn.Module | None) -> None:
         cfg = self.config
-        offload = cfg.offload_optimizer or cfg.offload_param
-        masters = host_masters(self.buckets) if offload else [None] * len(self.buckets)  # one host arena
-        for b, master in zip(self.buckets, masters):
-            b.build(keep_full=self.stage < 3 or b.persistent, master=master)
+        offload = torch.device("cpu") if cfg.offload_optimizer or cfg.offload_param else None
+        for b in self.buckets:
+            b.build(offload, keep_full=self.stage < 3 or b.persistent)
             if cfg.offload_param and not b.persistent:
                 b.local = host_copy(b.local)  # uploaded to the compute device when the submodule runs
             if any(is_replica(p) for p in b.params) or (self.stage == 0 and b.reduction.rank > 0):

@@ -105,11 +105,10 @@ class Bucket:
         return (lo - self.part * s, hi - self.part * s) if lo < hi else None
 
     # -- building -------------------------------------------------------------------
-    def build(self, keep_full: bool, master: torch.Tensor | None = None) -> None:
+    def build(self, master_device: torch.device | None, keep_full: bool) -> None:
         """Pack the parameters into the flat buffer and create the owned slice and master.
 
-        master None: the master lives on the bucket's device, the owned slice itself when the model is
-        fp32; else `master` (an fp32 host tensor of shard_numel, offload.py's arena) receives it.
+        master_device None: the master aliases the owned slice when the model is fp32.
         keep_full False (stage 3): the owned slice gets its own storage, the full buffer is freed.
         """
         flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
@@ -119,12 +118,11 @@ class Bucket:
         self.flat = flat
         self.attach()
         self.local = self.owned(flat) if keep_full else self.owned(flat).clone()
-        if master is not None:
-            data = master.copy_(self.local.detach())
-        elif self.dtype == torch.float32:
-            data = self.local
-        else:
-            data = self.local.detach().to(torch.float32, copy=True)
+        alias = master_device is None and self.dtype == torch.float32
+        data = self.local if alias else self.local.detach().to(master_device or self.device, torch.float32,
+                                                               copy=True)
+        if master_device is not None and master_device.type == "cpu" and self.device.type == "cuda":
+            data = data.pin_memory()  # offload: host<->device copies can run asynchronously
         self.master = nn.Parameter(data)
         if not keep_full:
             self.release()

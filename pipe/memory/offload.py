@@ -7,78 +7,36 @@ is left on the device. Here they move to pinned host memory as the forward makes
 2022 count what is kept). The copies run on a side stream: the D2H copy overlaps the next layer's
 forward; in backward, when a run's recompute unpacks its inputs, the H2D copy of the run before it
 starts, so it overlaps this run's recompute and backward, and the compute stream waits only on an
-event. On CPU there is no stream: both copies are plain copies, and the same code runs.
+event. On CPU there is no stream: the "host copy" is a copy, and the same code runs.
 
 What moves: the tensors that torch.utils.checkpoint keeps as a run's inputs (its saved inputs pass
 through saved_tensors_hooks set around the checkpoint call, while everything saved inside the run
 goes to the checkpoint's own hooks), and of those only the ones that require a gradient (the hidden
 states); masks, positions and token ids are shared by the layers or tiny, and stay where they are.
-
-Where they wait: host buffers of their exact size (comm/host_arena.py, pinned on a GPU), kept in a
-pool per device and reused step after step (torch's pinned allocator would round each up to a power
-of two bytes: a 300K-token row of TinyLlama, 1.23 GB, would take 2 GiB). A buffer goes back to the
-pool when its input is dropped; its next D2H copy is queued on the same side stream as every copy
-that touched it before, so it cannot start before they have finished, and the host never reads it.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
-from pipezero.comm import host_arena
-
-__all__ = ["HostOffload", "HostPool"]
-
-
-class HostPool:
-    """Host buffers of exact sizes for one device's copies, reused: `take` one for a tensor, and it comes
-    back when the returned view's owner is dropped (`give_back`)."""
-
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self.free: list[torch.Tensor] = []   # uint8 buffers no input holds now
-        self.made = 0                        # buffers ever made (tests read it: reuse makes none)
-        self._lock = threading.Lock()        # backward may drop an input on autograd's thread
-
-    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a buffer of at least like's bytes, a view of it shaped and typed like `like`): the smallest
-        free one that holds it; when none does, the free ones it outgrew are let go and one of its
-        size made (so a run whose sizes change keeps at most its own peak)."""
-        need = like.numel() * like.element_size()
-        with self._lock:
-            fits = [i for i, b in enumerate(self.free) if b.numel() >= need]
-            if fits:
-                buffer = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
-            else:
-                self.free.clear()   # all smaller than need
-                buffer = None
-        if buffer is None:
-            buffer = host_arena([(need, torch.uint8)], self.pin)[0]
-            self.made += 1
-        return buffer, buffer[:need].view(like.dtype).view(like.shape)
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            self.free.append(buffer)
+__all__ = ["HostOffload"]
 
 
 class _Stashed:
     """One tensor's host copy; its device copy once prefetched (dropped after each unpack)."""
 
-    def __init__(self, t: torch.Tensor, stream: "torch.cuda.Stream | None", pool: HostPool):
+    def __init__(self, t: torch.Tensor, stream: "torch.cuda.Stream | None"):
         self.device, self.stream = t.device, stream
         self.on_device: torch.Tensor | None = None
         self.ready: "torch.cuda.Event | None" = None
-        buffer, self.host = pool.take(t)
-        weakref.finalize(self, pool.give_back, buffer)   # this input dropped: the buffer is free again
         if stream is None:  # CPU (or a tensor on the host already): a plain copy, same code path
-            self.host.copy_(t.detach())
+            self.host = t.detach().clone()
             return
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written by the compute stream
         with torch.cuda.stream(stream):
             self.host.copy_(t, non_blocking=True)
@@ -86,10 +44,7 @@ class _Stashed:
 
     def prefetch(self) -> None:
         """Start the H2D copy on the side stream (allocated on the compute stream, which uses it)."""
-        if self.on_device is not None:
-            return
-        if self.stream is None:
-            self.on_device = self.host.to(self.device, copy=True)   # the pooled buffer is never handed out
+        if self.stream is None or self.on_device is not None:
             return
         compute = torch.cuda.current_stream(self.device)
         self.on_device = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
@@ -101,9 +56,10 @@ class _Stashed:
 
     def fetch(self) -> torch.Tensor:
         """The tensor back where it was made; the compute stream waits for its copy only."""
+        if self.stream is None:
+            return self.host
         self.prefetch()
-        if self.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
+        torch.cuda.current_stream(self.device).wait_event(self.ready)
         out, self.on_device, self.ready = self.on_device, None, None  # a second recompute copies again
         return out
 
@@ -126,7 +82,6 @@ class HostOffload:
     def __init__(self) -> None:
         self._last: weakref.ref[_Run] | None = None  # weak: the graph keeps a forward's runs, not this
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.pools: dict[torch.device, HostPool] = {}  # a device's buffers, copied on its one side stream
         self.offloaded_bytes = 0  # what went to the host since construction (tests and logs read it)
 
     def begin(self) -> None:
@@ -144,9 +99,7 @@ class HostOffload:
     def _pack(self, run: _Run, t: torch.Tensor) -> object:
         if not t.requires_grad:  # a mask, cos/sin, token ids: shared or small, left in place
             return t
-        stream = self._stream(t.device)
-        pool = self.pools.setdefault(t.device, HostPool(pin=stream is not None))
-        stashed = _Stashed(t, stream, pool)
+        stashed = _Stashed(t, self._stream(t.device))
         run.stashed.append(stashed)
         self.offloaded_bytes += t.numel() * t.element_size()
         return (run, stashed)

@@ -44,20 +44,17 @@ Host memory per rank (HostBreakdown), what the offloads allocate there:
 * the offloaded optimizer, per parameter of the rank's shard (zero/offload.py, zero/partition.py): the
   fp32 master (pinned) and Adam's two fp32 moments (the optimizer makes them beside the master), 12
   bytes, and where the reduced gradients land: at stages 0-1 one pinned fp32 buffer (4), at stages 2-3
-  a pinned copy in the model's dtype, folded into a pinned fp32 sum (e + 4): OFFLOAD_BYTES. The pinned
-  buffers of one kind (masters, landing copies, sums) are the buckets' shards in one arena of their
-  exact bytes, each shard from a page boundary (comm/host_arena.py: arena_bytes, one page more to
-  start on one), so the buckets are cut
-  as zero/partition.py cuts them (optimizer_shards; tests/test_plan_kit.py checks them against
-  plan_groups). CUDA's pinned allocator would round each shard up to a power of two bytes: TinyLlama's
-  4.4 GB of fp32 shards took 5.8 GB pinned, the 8B's 32.1 took 35.4 (bench/pinned_host.py).
+  a pinned copy in the model's dtype, folded into a pinned fp32 sum (e + 4): OFFLOAD_BYTES. Each pinned
+  buffer is one bucket's shard, which CUDA's pinned allocator rounds up to a power of two bytes, so the
+  buckets are cut as zero/partition.py cuts them (optimizer_shards; tests/test_plan_kit.py checks them
+  against plan_groups): TinyLlama's 4.4 GB of fp32 shards take 5.8 GB pinned, the 8B's 32.1 take 35.4.
   The routed experts' param group is counted at its bytes;
 * checkpointed inputs in pinned host memory (pipe/memory/offload.py): every checkpointed run's input
   that requires a gradient (the hidden states; a run that starts at the embedding has token ids) of
   every micro-batch in flight, at the peak all of them; the fused head's run copies its input and drops
-  it at once (LayerProfile.keeps_input), one copy more while it lives. Each waits in a host buffer of
-  its bytes (an arena of one, whole pages) from a pool the offload reuses step after step (a dropped
-  input's buffer takes the next one);
+  it at once (LayerProfile.keeps_input), one copy more while it lives. Each is a tensor of its own, and
+  CUDA's pinned allocator rounds every block up to a power of two bytes (torch's CachingHostAllocator)
+  and keeps freed blocks for the next copy;
 * the process itself (Hardware.host_reserved_gb).
 A node's ranks share its memory: the planner checks the fullest node's mean (planner.node_host).
 """
@@ -69,14 +66,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
-from pipezero.comm import arena_bytes
 from pipezero.train.plan.hardware import Hardware
 from pipezero.train.plan.layout import Layout
 from pipezero.pipe.tiled_mlp import NORM_TILE_FROM_ROWS, NORM_TILE_ROWS, TILE_FROM_ROWS, TILE_ROWS
 from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_experts, held_params, tied_head
 
 __all__ = ["HostBreakdown", "MemoryBreakdown", "OFFLOAD_BYTES", "STATE_BYTES", "activation_bytes", "backward_peak",
-           "host_bytes", "model_state_bytes", "norms_tiled", "optimizer_shards", "rank_memory",
+           "host_bytes", "model_state_bytes", "norms_tiled", "optimizer_shards", "pinned", "rank_memory",
            "rank_tokens", "step_bytes", "tiled"]
 
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
@@ -254,6 +250,11 @@ def _grad_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], layout: 
             g * held_params(profile, [i], layout.tensor, layout.expert) for i in layers]
 
 
+def pinned(nbytes: float) -> float:
+    """Bytes CUDA's caching host allocator takes for a pinned tensor of `nbytes`: the next power of two."""
+    return 2.0 ** math.ceil(math.log2(nbytes)) if nbytes > 0 else 0.0
+
+
 def optimizer_shards(profile: Sequence[LayerProfile], layers: Sequence[int], layout: Layout,
                      d_model: int) -> tuple[int, ...]:
     """The elements of this rank's slice of each ZeRO bucket of the rank's dense parameters (zero/partition.py's
@@ -289,17 +290,16 @@ _MEMO: dict[tuple, tuple[Sequence[LayerProfile], float]] = {}  # _offloaded_opti
 
 def _offloaded_optimizer(profile: Sequence[LayerProfile], layers: Sequence[int], layout: Layout, precision: str,
                          d_model: int) -> float:
-    """Host bytes of the rank's offloaded dense buckets: the shards' fp32 masters and their gradients'
-    landing (stages 0-1 fp32; 2-3 the model's dtype beside an fp32 sum), each kind one pinned arena, and
-    Adam's moments (not pinned). Memoised: the planner asks for the same rank under many schedules and
-    micro-batch counts."""
+    """Host bytes of the rank's offloaded dense buckets: each shard's fp32 master and its gradient's landing
+    (stages 0-1 fp32; 2-3 the model's dtype beside an fp32 sum), each a pinned block, and Adam's moments (not
+    pinned). Memoised: the planner asks for the same rank under many schedules and micro-batch counts."""
     key = (id(profile), tuple(layers), layout.tensor, layout.reducing, layout.zero, precision, d_model)
     hit = _MEMO.get(key)
     if hit is not None and hit[0] is profile:
         return hit[1]
     shards = optimizer_shards(profile, layers, layout, d_model)
     landing = (4,) if layout.zero <= 1 else (bytes_per_element(precision), 4)
-    total = float(sum(arena_bytes([b * s for s in shards]) for b in (4, *landing))) + 8.0 * sum(shards)
+    total = sum(pinned(4 * s) + sum(pinned(b * s) for b in landing) for s in shards) + 8.0 * sum(shards)
     if len(_MEMO) > 1 << 16:
         _MEMO.clear()
     _MEMO[key] = (profile, total)
@@ -319,7 +319,7 @@ def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: flo
                      + OFFLOAD_BYTES[(layout.zero, precision)] * experts / layout.data)
     inputs = 0.0
     if layout.checkpoint and layout.host_inputs and live > 0:
-        one = arena_bytes([math.ceil(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision))])
+        one = pinned(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision))
         firsts = [profile[run[0]] for run in _runs(list(layers), layout) if profile[run[0]].kind != "Embedding"]
         kept = sum(p.keeps_input for p in firsts)
         inputs = (live * kept + (kept < len(firsts))) * one  # a run that keeps none: one copy, briefly
