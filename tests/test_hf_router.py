@@ -4,12 +4,13 @@ transformers' MoE forward adds router_aux_loss_coef x a loss over every layer's 
 at once (not a per-layer sum); pipe/hf/router.py carries the layers' sums with the activations.
 The truth is transformers' own `model(ids, attention_mask=mask, labels=labels).loss` and its
 backward, per microbatch (as gradient accumulation computes it), for tiny Qwen3-MoE, Mixtral,
-OLMoE and Qwen2-MoE (whose coefficient is raised so the term weighs), and DeepSeek-V3, which
+OLMoE, Qwen2-MoE and gpt-oss (whose coefficient is raised so the term weighs), and DeepSeek-V3, which
 adds no term. pipe 1 (one microbatch, with and without a padding mask) and pipe 2 under 1F1B
 (Qwen3-MoE and Mixtral, two microbatches, masked, two MoE layers per stage), and the same at sequence 2
 (each rank one slice of every row, the gradients' mean over the two): loss and every gradient by Hugging
 Face name, fp32, 1e-5. Each fails with the term left out of the loss; the sequence case with the sums
-left per slice, or added over the slices without the backward's sum.
+left per slice, or added over the slices without the backward's sum. And the fused head with its loss
+compiled (aot_eager), the term added by WithRouterLoss (finetune's way), against the same truth.
 """
 
 import pytest
@@ -151,6 +152,30 @@ def test_router_loss_over_a_sequence_split_equals_transformers():
     """Sequence 2: each rank routes its slice of every row, and the term is transformers' over all the rows'
     tokens (the layers' sums added over the sequence group before the product: per slice it is not)."""
     _check(run(_pipeline, 2, PIPE2, True, 2, None, 0, 2, timeout=240), True, 2)
+
+
+def _compiled_loss(family: str) -> dict:
+    """The routed model through PipelineModule with the fused head and its loss compiled (aot_eager: traced as
+    inductor would trace it on a GPU, where compiling is the default), the term added by WithRouterLoss."""
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.compile import CompileConfig
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.hf.router import WithRouterLoss
+    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.topology import Grid
+
+    module = PipelineModule(hf_layer_specs(_model(family), fused_loss=True), grid=Grid(pipe=1),
+                            loss_fn=WithRouterLoss(causal_lm_loss), compile=CompileConfig(backend="aot_eager"))
+    ids, _, labels = _batch(False)
+    loss = module.loss(module(ids), _targets(labels))
+    loss.backward()
+    grads = {n: p.grad.clone() for layer in module.modules() if isinstance(layer, _HFLayer)
+             for n, p in layer.hf_parameters() if p.grad is not None}
+    return {family: (loss.detach(), grads)}
+
+
+def test_a_compiled_loss_adds_the_router_term_as_transformers():
+    _check(run(_compiled_loss, 1, "qwen3_moe", timeout=240), False, 1)
 
 
 def test_unchecked_router_loss_is_named():
