@@ -16,25 +16,15 @@ are printed so a faster kernel is also checked for the same answer.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from long_context import packed_positions  # bench/, beside this file
+from timing import median_seconds
 
 from pipezero.pipe import document_attention as docatt
 
 HEADS, KV_HEADS, DIM = 32, 4, 64
-
-
-def _positions(length: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(0)
-    pieces, filled = [], 0
-    while filled < length:
-        n = min(int(torch.randint(256, 4097, (), generator=gen)), length - filled)
-        pieces.append(torch.arange(n))
-        filled += n
-    return torch.cat(pieces)[None]
 
 
 def _loop(q, k, v, docs):
@@ -77,22 +67,9 @@ def _masked(positions: torch.Tensor):
     return attend
 
 
-def _time(fn, device, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(run: str, length: int, device, dtype, rounds: int) -> tuple[float, float, float]:
     """(seconds per forward + backward, peak GiB, max |out - loop's out|) of one run at one length."""
-    positions = _positions(length)
+    positions = packed_positions(length)
     docs = docatt.documents_from_positions(positions.to(device))
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, h, length, DIM, device=device, dtype=dtype, generator=gen, requires_grad=True)
@@ -111,7 +88,7 @@ def measure(run: str, length: int, device, dtype, rounds: int) -> tuple[float, f
     step()  # warm-up (and flex's compilation)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    seconds = _time(step, device, rounds)
+    seconds = median_seconds(step, device, rounds)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return seconds, peak, diff
 

@@ -15,10 +15,9 @@ Prints ms per micro-batch for the block's Linears and, for the whole model, the 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import median_seconds  # bench/, beside this file
 
 SHAPES = {  # name: (layers, micro-batches a step, tokens a micro-batch, [(out, in) of each Linear of a block])
     "gpt-1.34B": (24, 8, 8192, [(6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]),
@@ -40,21 +39,6 @@ def _variants(device: torch.device) -> dict:
     return out
 
 
-def _time(fn, device: torch.device, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -71,7 +55,7 @@ def main() -> None:
             work = [(torch.zeros(o, i, dtype=bucket_dtype, device=device),
                      torch.randn(tokens, o, dtype=dtype, device=device),
                      torch.randn(tokens, i, dtype=dtype, device=device)) for o, i in linears]
-            ms = _time(lambda: [fn(*w) for w in work], device, args.repeats)
+            ms = median_seconds(lambda: [fn(*w) for w in work], device, args.repeats, warmup=3) * 1e3
             print(f"| {name} | {variant} | {ms:.3f} | {ms * layers * micro:.1f} |")
 
 

@@ -117,16 +117,23 @@ def _config(shape: str, length: int, layers: int | None = None):
                        pad_token_id=None)
 
 
-def _row(length: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, positions) [1, length]: documents of 256..4,096 tokens packed end to end."""
-    gen = torch.Generator().manual_seed(0)
+def packed_positions(length: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Position ids [1, length] of documents of 256..4,096 tokens packed end to end (restarting at each)."""
+    gen = gen or torch.Generator().manual_seed(0)
     positions, filled = [], 0
     while filled < length:
         n = min(int(torch.randint(256, 4097, (), generator=gen)), length - filled)
         positions.append(torch.arange(n))
         filled += n
+    return torch.cat(positions)[None]
+
+
+def _row(length: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, positions) [1, length]: packed_positions' documents, random ids."""
+    gen = torch.Generator().manual_seed(0)
+    positions = packed_positions(length, gen)
     ids = torch.randint(0, vocab, (1, length), generator=gen)
-    return ids.to(device), torch.cat(positions)[None].to(device)
+    return ids.to(device), positions.to(device)
 
 
 RUNS = ("pipezero", "pipezero-full", "pipezero-offload", "torch", "torch-ckpt", "alst")
