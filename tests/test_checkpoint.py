@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from harness import run
 from pipezero.train.checkpoint import files as ck
-from pipezero.train.checkpoint import CheckpointError, export_consolidated, load_checkpoint, save_checkpoint
+from pipezero.train.checkpoint import (CheckpointError, export_consolidated, load_checkpoint, rng_state, save_checkpoint,
+                                       set_rng_state)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -225,11 +226,11 @@ def test_export_consolidated_loads_with_plain_safetensors(tmp_path):
 def test_rng_state_round_trip(tmp_path):
     import random
 
-    tensors, state = ck.rng_state()
+    tensors, state = rng_state()
     save_checkpoint(tmp_path, 0, tensors, state)
     expect = (torch.rand(3), random.random())
     got = load_checkpoint(tmp_path)
-    ck.set_rng_state(got.tensors, got.meta)
+    set_rng_state(got.tensors, got.meta)
     assert torch.equal(torch.rand(3), expect[0]) and random.random() == expect[1]
 
 
@@ -273,7 +274,7 @@ def _train(steps, directory=None, save_at=None, resume=False):
         opt.load_state_dict(unflatten_state(got.tensors, got.meta["optim"]))
         sched.load_state_dict(got.meta["sched"])
         data.load_state_dict(got.meta["data"])
-        ck.set_rng_state(got.tensors, got.meta["rng"])
+        set_rng_state(got.tensors, got.meta["rng"])
         start = got.step
     for step in range(start, steps):
         x, y = data.next_batch()
@@ -285,7 +286,7 @@ def _train(steps, directory=None, save_at=None, resume=False):
         losses.append(loss.item())
         if step + 1 == save_at:
             opt_t, opt_j = flatten_state(opt.state_dict(), "optim")
-            rng_t, rng_j = ck.rng_state()
+            rng_t, rng_j = rng_state()
             model_t = {f"model/{k}": v for k, v in model.state_dict().items()}
             meta = {"optim": opt_j, "sched": sched.state_dict(), "data": data.state_dict(), "rng": rng_j}
             save_checkpoint(directory, step + 1, {**model_t, **opt_t, **rng_t}, meta)
