@@ -168,8 +168,8 @@ def test_a_moe_config_gives_experts_and_expert_layouts():
     assert block.expert_params == 8 * 3 * 512 * 256
     layouts = list(enumerate_layouts(8, 8, 16, 6, shape.heads, seq_len=shape.seq_len, experts=shape.experts))
     assert {lay.expert for lay in layouts} == {1, 2, 4, 8}
-    assert all(lay.expert == 1 for lay in layouts if lay.tensor > 1)  # build() refuses experts beside tensor
-    assert all(lay.expert * lay.sequence <= 8 for lay in layouts)  # the expert group inside the node
+    assert any(lay.expert > 1 and lay.tensor > 1 for lay in layouts)  # experts beside a tensor split
+    assert all(lay.expert * lay.sequence * lay.tensor <= 8 for lay in layouts)  # the expert group inside the node
     for lay in layouts:
         assert lay.world == 8 and lay.replicas * lay.microbatches * lay.microbatch_size == 16, lay
         assert lay.reducing == lay.data * lay.expert * lay.sequence
@@ -187,6 +187,26 @@ def test_experts_memory_divides_by_the_expert_degree():
     assert one.params - four.params == pytest.approx(2 * experts * 3 / 4)
     assert (one.grads - four.grads) == pytest.approx(2 * experts * 3 / 4)
     assert one.optimizer == pytest.approx(four.optimizer)  # ZeRO-1: every expert's state over 8 ranks in both
+
+
+def test_experts_beside_a_tensor_split_stay_whole_on_each_tensor_rank():
+    """A MoE block beside a tensor split runs on each tensor rank's share of the tokens with whole experts
+    (pipe/tensor_tokens.py): they were counted split t ways, their state sharded over data x sequence only,
+    and each tensor rank dispatching every token."""
+    from pipezero.train.plan.model import held_experts
+    from pipezero.train.plan.step_time import expert_all_to_all_seconds
+
+    shape, hw = moe_shape(), h200(1, 8)
+    profile = flops_profile(shape, 1e15)
+    experts = shape.layers * flops_profile(shape, 1.0)[1].expert_params
+    flat, split = Layout(1, 2, 1, "1f1b", 1, 2, 1, 1, expert=4), Layout(1, 1, 2, "1f1b", 1, 2, 1, 1, expert=4)
+    assert held_experts(profile, range(len(profile)), 2, 4) == pytest.approx(experts / 4)
+    assert (flat.expert_holders, split.expert_holders) == (2, 2)  # data 2; data 1 x tensor 2
+    whole = rank_memory(profile, range(len(profile)), 1.0, split, hw, "bf16", shape.d_model, shape.seq_len)
+    assert whole.params > 2 * experts / 4  # bf16 experts, a quarter of them, whole beside the halved dense part
+    a2a = [expert_all_to_all_seconds(lay, hw, "bf16", shape.d_model, shape.seq_len, shape.top_k) for lay in
+           (flat, split)]
+    assert a2a[1] < a2a[0]  # each tensor rank dispatches half the tokens
 
 
 def test_expert_all_to_all_bytes_and_time_in_the_step():
