@@ -5,7 +5,8 @@
 `ZeroOptimizer(stage, LossScaler(..., Adam))`, the LR scheduler, the schedule and the
 PipelineRunner, and returns them in a small dataclass. With an expert axis (ds_config
 "expert_parallel") the MoE layers' experts are split over it and reduce over their own group
-(pipe/expert/: expert_param_groups). Nothing is hidden: the loop talks to
+(pipe/expert/: expert_param_groups), beside a tensor split too (each tensor rank routes its share of the
+tokens: pipe/tensor_tokens.py). Nothing is hidden: the loop talks to
 the parts directly. With `model=` (a plain nn.Module, e.g. the seed's MLP) there is no
 pipeline: the parts are the grid, the model and the optimizer chain (ZeRO stages 0-3).
 
