@@ -8,8 +8,11 @@ one row a microbatch, fp32: at tensor 2 (world 2) Qwen3-MoE on rows of 7 tokens 
 Qwen2-MoE (a shared expert, its Linears' gradients summed too), at expert 2 x tensor 2 (world 4:
 each expert group two ranks of one tensor index, the experts reduced over data x sequence x tensor)
 Qwen3-MoE under ZeRO-1 and ZeRO-3 (rows of 7), at pipe 2 x tensor 2 Qwen2-MoE under ZB-V (the shared
-expert's weight gradients in the ordinary backward, not in W), and build() from a ds_config with
-expert_parallel 2 and tensor 2. The truth is transformers' model on the whole batch, its gradients
+expert's weight gradients in the ordinary backward, not in W), at sequence 2 x tensor 2 Qwen3-MoE (each
+rank a slice of 3 tokens of every row, Ulysses attention over its tensor rank's heads, the routers' sums
+added over the tensor group in each layer and over the sequence group at the final norm), and build()
+from a ds_config with expert_parallel 2 and tensor 2; expert_param_groups refuses experts split beside a
+tensor plan that leaves their blocks on every token. The truth is transformers' model on the whole batch, its gradients
 clipped by torch's clip_grad_norm_ to half their norm; through one SGD step of rate 1 (Adam with a
 dwarfing eps for build()), every parameter's update by Hugging Face name, made whole. Each case fails
 with the block left on every token (the plan refused it before), with the gather's backward
@@ -27,9 +30,10 @@ from harness import run  # noqa: E402
 from test_hf_router import VOCAB, _model, _targets  # noqa: E402
 
 # family, pipe, expert, tensor, ZeRO stage, schedule, microbatches a rank (one row each), tokens a row
+# [, sequence: each row split in that many slices, one a rank]
 TWO = [("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 7), ("qwen2_moe", 1, 1, 2, 0, "1f1b", 2, 8)]
 FOUR = [("qwen3_moe", 1, 2, 2, 1, "1f1b", 2, 7), ("qwen3_moe", 1, 2, 2, 3, "1f1b", 2, 7),
-        ("qwen2_moe", 2, 1, 2, 1, "zbv", 2, 8)]
+        ("qwen2_moe", 2, 1, 2, 1, "zbv", 2, 8), ("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 6, 2)]
 BUILT = dict(family="qwen3_moe", lr=1e3, eps=1e3, clip=1.0, tokens=8)  # Adam steps each parameter by ~g
 
 
@@ -67,8 +71,8 @@ def _clipped(family: str, rows: int, tokens: int) -> tuple[torch.Tensor, dict, f
 
 
 def _rows(case: tuple, world: int) -> int:
-    family, pipe, expert, tensor, stage, schedule, microbatches, tokens = case
-    return world // (pipe * tensor) * microbatches
+    family, pipe, expert, tensor, stage, schedule, microbatches, tokens, *sequence = case
+    return world // (pipe * tensor * (sequence[0] if sequence else 1)) * microbatches
 
 
 def _by_name(module, opt) -> dict:
@@ -81,18 +85,19 @@ def _by_name(module, opt) -> dict:
 
 
 def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, stage: int, schedule: str,
-          microbatches: int, tokens: int) -> tuple:
+          microbatches: int, tokens: int, sequence: int = 1) -> tuple:
     """One step of the case: the loss and each parameter's update (SGD, rate 1) by Hugging Face name."""
     import torch.distributed as dist
 
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
     from pipezero.pipe.expert import expert_param_groups, shard_experts
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_tensor_plan
+    from pipezero.pipe.sequence import shard_batch, whole_positions
     from pipezero.precision import LossScaler
     from pipezero.topology import Grid
     from pipezero.zero import ZeroOptimizer
 
-    grid = Grid(pipe=pipe, expert=expert, tensor=tensor)
+    grid = Grid(pipe=pipe, expert=expert, tensor=tensor, sequence=sequence)
     assert dist.get_process_group_ranks(grid.expert_data_group) == grid.group_ranks("expert_data" if expert > 1
                                                                                     else "data_sequence")
     v = schedule == "zbv"
@@ -108,7 +113,10 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
     runner = PipelineRunner(module, (ZeroBubbleV if v else OneFOneB)(num_microbatches=microbatches), optimizer=opt)
     ids, mask, labels = _batch(grid.data_expert_size * microbatches, tokens)
     rows = slice(grid.data_expert_rank * microbatches, (grid.data_expert_rank + 1) * microbatches)
-    loss = runner.train_step((ids[rows], mask[rows]), _targets(labels)[rows])
+    batch = (ids[rows], mask[rows]), _targets(labels)[rows]
+    if sequence > 1:  # the whole rows' positions, then this rank's slice of each row
+        batch = shard_batch((*batch[0], whole_positions(ids[rows])), batch[1], grid)
+    loss = runner.train_step(*batch)
     assert opt.step() is not False
     after = _by_name(module, opt)
     return loss, {n: before[n] - after[n] for n in after}
@@ -152,7 +160,28 @@ def _two(norms: list[float]) -> list:
 
 
 def _four(norms: list[float]) -> list:
-    return [_step(norm, *case) for case, norm in zip(FOUR, norms)] + [_built()]
+    return [_step(norm, *case) for case, norm in zip(FOUR, norms)] + [_built(), _refused()]
+
+
+def _refused() -> str:
+    """Experts split over an expert axis in MoE blocks left on every token: their sum over the tensor ranks would
+    count each token twice, so expert_param_groups refuses them (on every rank, before any collective of it)."""
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.expert import expert_param_groups, shard_experts
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_tensor_plan
+    from pipezero.pipe.tensor_tokens import SplitTokens
+    from pipezero.topology import Grid
+
+    heads_only = hf_tensor_plan()
+    grid = Grid(expert=2, tensor=2)
+    module = PipelineModule(hf_layer_specs(_model("qwen3_moe")), grid=grid, loss_fn=causal_lm_loss,
+                            tensor_plan=lambda layer: {k: v for k, v in (heads_only(layer) or {}).items()
+                                                       if not isinstance(v, SplitTokens)})
+    shard_experts(module, grid.expert_group)
+    with pytest.raises(ValueError, match=r"needs each MoE block run on its tensor rank's share of the tokens, but "
+                                         r"\['Qwen3MoeSparseMoeBlock'"):
+        expert_param_groups(module, grid)
+    return "refused"
 
 
 def _check(results: list, i: int, want_loss: torch.Tensor, want: dict, what: str) -> None:
@@ -174,6 +203,7 @@ def test_experts_beside_a_tensor_split_equal_transformers():
             truths[key] = truths.get(key) or _clipped(*key)
     two = run(_two, 2, [truths[(c[0], _rows(c, 2), c[7])][2] for c in TWO], timeout=300)
     four = run(_four, 4, [truths[(c[0], _rows(c, 4), c[7])][2] for c in FOUR], timeout=300)
+    assert all(rank[-1] == "refused" for rank in four)
     for world, cases, results in ((2, TWO, two), (4, FOUR, four)):
         for i, case in enumerate(cases):
             loss, want, _ = truths[(case[0], _rows(case, world), case[7])]
