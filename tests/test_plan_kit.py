@@ -194,7 +194,7 @@ def test_experts_beside_a_tensor_split_stay_whole_on_each_tensor_rank():
     (pipe/tensor_tokens.py): they were counted split t ways, their state sharded over data x sequence only,
     and each tensor rank dispatching every token."""
     from pipezero.train.plan.model import held_experts
-    from pipezero.train.plan.step_time import expert_all_to_all_seconds
+    from pipezero.train.plan.step_time import data_parallel_seconds, expert_all_to_all_seconds, ring_seconds
 
     shape, hw = moe_shape(), h200(1, 8)
     profile = flops_profile(shape, 1e15)
@@ -207,6 +207,11 @@ def test_experts_beside_a_tensor_split_stay_whole_on_each_tensor_rank():
     a2a = [expert_all_to_all_seconds(lay, hw, "bf16", shape.d_model, shape.seq_len, shape.top_k) for lay in
            (flat, split)]
     assert a2a[1] < a2a[0]  # each tensor rank dispatches half the tokens
+    # without an expert axis the whole experts' gradients are summed over the tensor group every micro-batch
+    whole_experts = Layout(1, 4, 2, "1f1b", 1, 2, 1, 1)
+    steps = [data_parallel_seconds(1e9, replace(whole_experts, microbatches=m), hw, "bf16", 0.0, 0.0, 1, experts)[0]
+             for m in (2, 4)]
+    assert steps[1] - steps[0] == pytest.approx(2 * ring_seconds(2 * experts, 2, *hw.link(2), 2.0))
 
 
 def test_expert_all_to_all_bytes_and_time_in_the_step():

@@ -33,7 +33,8 @@
   (DualPipeV's overlap of them is not built); beside a tensor split each tensor rank dispatches
   its share of the tokens (pipe/tensor_tokens.py: the block's gather back counted as the MLP's
   all-reduce); the experts' gradients are all-reduced over the ranks that hold the same experts
-  (data x sequence x tensor), the dense ones over data x expert x sequence;
+  (data x sequence x tensor), the dense ones over data x expert x sequence; without an expert axis
+  the whole experts' gradients are summed over the tensor group in every micro-batch's backward;
 * the memory kit: the MLP in row tiles (from TILE_FROM_ROWS tokens a micro-batch, as the runtime
   does) adds one MLP forward to the backward; a selective recompute re-runs only the elementwise
   ops, whose cost is their bytes read and written once at the device's memory bandwidth
@@ -285,12 +286,16 @@ def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision
                           experts: float = 0.0) -> tuple[float, float]:
     """(all traffic, exposed part) of one rank's data-parallel collectives per step, in `buckets` pieces each:
     the dense parameters over data x expert x sequence, `experts` (of `params`: the rank's routed experts)
-    all-reduced over the ranks holding the same experts (Layout.expert_holders)."""
+    all-reduced over the ranks holding the same experts (Layout.expert_holders); beside a tensor split without
+    an expert axis the whole experts' gradients are also summed over the tensor group in every micro-batch's
+    backward (pipe/tensor_tokens.py: hooks, not overlapped)."""
     n = layout.reducing
     nbytes = (params - experts) * bytes_per_element(precision)
     bw, lat = hw.link(layout.tensor * n)
     own = ring_seconds(experts * bytes_per_element(precision), layout.expert_holders, bw, lat, 2.0, 1) \
         if experts else 0.0
+    hooks = layout.microbatches * ring_seconds(experts * bytes_per_element(precision), layout.tensor,
+                                               *hw.link(layout.tensor), 2.0, 1) if layout.expert == 1 else 0.0
     if layout.zero == 0:
         reduce, gather = ring_seconds(nbytes, n, bw, lat, 2.0, buckets) + own, 0.0
     elif layout.zero < 3:
@@ -298,8 +303,8 @@ def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision
                                                                                               buckets)
     else:
         total = layout.microbatches * 3 * ring_seconds(nbytes, n, bw, lat, 1.0, buckets) + own
-        return total, max(0.0, total - compute)
-    return reduce + gather, max(0.0, reduce - last_backward) + gather
+        return total + hooks, max(0.0, total - compute) + hooks
+    return reduce + gather + hooks, max(0.0, reduce - last_backward) + gather + hooks
 
 
 def buckets(params: float, d_model: int) -> int:
