@@ -13,8 +13,8 @@ data x expert, E consecutive data ranks forming one expert group (`expert_group`
 that split the experts between them, all of one tensor index); the ranks holding the same experts
 are data x sequence x tensor (`expert_data_group`, same expert index in every block; the data axis
 alone without a sequence or tensor split): a tensor split leaves the experts whole and gives each
-tensor rank its share of the tokens (pipe/tensor_tokens.py). Every rank of data x expert still reads its own rows (its sequence ranks one slice of
-each), and the dense parameters reduce over all of them. With expert=1 every name and rank is
+tensor rank its share of the tokens (pipe/tensor_tokens.py). Every rank of data x expert still reads
+its own rows (its sequence ranks one slice of each), and the dense parameters reduce over all of them. With expert=1 every name and rank is
 what it was, and `expert_data_group` is `data_sequence_group` (every rank holds every expert).
 
 Across nodes: torchrun gives each node's agent one contiguous block of global ranks
