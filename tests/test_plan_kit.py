@@ -207,6 +207,13 @@ def test_experts_beside_a_tensor_split_stay_whole_on_each_tensor_rank():
     a2a = [expert_all_to_all_seconds(lay, hw, "bf16", shape.d_model, shape.seq_len, shape.top_k) for lay in
            (flat, split)]
     assert a2a[1] < a2a[0]  # each tensor rank dispatches half the tokens
+    # the winner's finetune line names the tensor degree (it is no ds_config key; the expert degree is)
+    from types import SimpleNamespace
+
+    from pipezero.train.plan.cli import _finetune_line
+
+    line = _finetune_line(SimpleNamespace(hf_config="moe/config.json", seq_len=1024), SimpleNamespace(layout=split), "ds.json")
+    assert line == "pipezero finetune --nproc 8 --model moe --data DATA --seq-len 1024 --config ds.json --tensor 2"
     # without an expert axis the whole experts' gradients are summed over the tensor group every micro-batch
     whole_experts = Layout(1, 4, 2, "1f1b", 1, 2, 1, 1)
     steps = [data_parallel_seconds(1e9, replace(whole_experts, microbatches=m), hw, "bf16", 0.0, 0.0, 1, experts)[0]
