@@ -212,7 +212,8 @@ def test_experts_beside_a_tensor_split_stay_whole_on_each_tensor_rank():
 
     from pipezero.train.plan.cli import _finetune_line
 
-    line = _finetune_line(SimpleNamespace(hf_config="moe/config.json", seq_len=1024), SimpleNamespace(layout=split), "ds.json")
+    args = SimpleNamespace(hf_config="moe/config.json", seq_len=1024)
+    line = _finetune_line(args, SimpleNamespace(layout=split), "ds.json")
     assert line == "pipezero finetune --nproc 8 --model moe --data DATA --seq-len 1024 --config ds.json --tensor 2"
     # without an expert axis the whole experts' gradients are summed over the tensor group every micro-batch
     whole_experts = Layout(1, 4, 2, "1f1b", 1, 2, 1, 1)
