@@ -1,6 +1,7 @@
 """A block run on this tensor rank's share of the tokens: a MoE block beside a tensor split.
 
-Megatron-core's layout for experts beside a tensor axis: attention is split by heads
+Megatron-core's layout for experts beside a tensor axis (attention and the MoE layer parallelised
+apart: Liu et al. 2025, MoE Parallel Folding, arXiv 2504.14960): attention is split by heads
 (pipe/tensor_parallel.py), so after its all-reduce every tensor rank holds the same hidden
 states; the MoE block is not split by weights but by tokens. `SplitTokens`, a ParallelStyle
 for the block, puts two autograd nodes around it:
@@ -15,10 +16,12 @@ for the block, puts two autograd nodes around it:
 
 The block's parameters (router, whole experts, shared experts) stay whole on every rank and see
 this rank's tokens only, so their gradients are summed over the tensor group, as a per-head norm's
-(ReplicateOnShards); the block's plain Linears (a shared expert's) keep their weight gradient in
-the ordinary backward, where that sum runs (EagerLinear: a split schedule's W would skip it). Experts
-split over an expert axis (pipe/expert/) are new parameters made after the plan: they are summed
-over the tensor group by their reduction group instead (pipe/expert/groups.py). The padded rows
+(ReplicateOnShards), in every micro-batch's backward; the block's plain Linears (a shared expert's)
+keep their weight gradient in the ordinary backward, where that sum runs (EagerLinear: a split
+schedule's W would skip it). Experts split over an expert axis (pipe/expert/) are new parameters
+made after the plan: they are summed over the tensor group by their reduction group instead, once
+a step (pipe/expert/groups.py); at expert 1 the hooks sum every expert's gradient every micro-batch.
+The padded rows
 reach the router and the experts but not the output; a routed model's load-balancing sums skip
 them (`TokenShare.row_weights`) and add the ranks' sums up (`sum_over_tensor`, pipe/hf/specs.py).
 Padding rather than refusing: a microbatch of b x s rows need not divide by t.
