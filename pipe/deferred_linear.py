@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DeferringLinear", "EagerLinear", "WeightSink", "collecting", "defer_linear_weights", "has_deferring_linear"]
+__all__ = ["DeferringLinear", "EagerLinear", "WeightSink", "collecting", "defer_linear_weights",
+           "has_deferring_linear"]
 
 _collecting: "WeightSink | None" = None  # a process-global, not thread-local: autograd's device
                                          # threads re-run checkpointed forwards and must see it

@@ -21,9 +21,9 @@ keep their weight gradient in the ordinary backward, where that sum runs (EagerL
 schedule's W would skip it). Experts split over an expert axis (pipe/expert/) are new parameters
 made after the plan: they are summed over the tensor group by their reduction group instead, once
 a step (pipe/expert/groups.py); at expert 1 the hooks sum every expert's gradient every micro-batch.
-The padded rows
-reach the router and the experts but not the output; a routed model's load-balancing sums skip
-them (`TokenShare.row_weights`) and add the ranks' sums up (`sum_over_tensor`, pipe/hf/specs.py).
+The padded rows reach the router and the experts but not the output; a routed model's
+load-balancing sums skip them (`TokenShare.row_weights`) and add the ranks' sums up
+(`sum_over_tensor`, pipe/hf/specs.py).
 Padding rather than refusing: a microbatch of b x s rows need not divide by t.
 """
 
@@ -84,7 +84,7 @@ class SplitTokens(ParallelStyle):
     """A block whole on every tensor rank, run on the rank's share of its input rows (module docstring).
 
     The block takes hidden states [..., d] and returns them (or a tuple whose first element they are,
-    the rest passed on as they come: gpt-oss' router scores, which its layer drops).
+    the rest passed on as they come: Llama 4's router logits, which its layer drops).
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

@@ -14,8 +14,9 @@ that split the experts between them, all of one tensor index); the ranks holding
 are data x sequence x tensor (`expert_data_group`, same expert index in every block; the data axis
 alone without a sequence or tensor split): a tensor split leaves the experts whole and gives each
 tensor rank its share of the tokens (pipe/tensor_tokens.py). Every rank of data x expert still reads
-its own rows (its sequence ranks one slice of each), and the dense parameters reduce over all of them. With expert=1 every name and rank is
-what it was, and `expert_data_group` is `data_sequence_group` (every rank holds every expert).
+its own rows (its sequence ranks one slice of each), and the dense parameters reduce over all of
+them. With expert=1 every name and rank is what it was, and `expert_data_group` is
+`data_sequence_group` (every rank holds every expert).
 
 Across nodes: torchrun gives each node's agent one contiguous block of global ranks
 (node n holds ranks n * nproc_per_node ... (n + 1) * nproc_per_node - 1), so the axes that

@@ -23,14 +23,15 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
     after each (Shoeybi et al. 2019). Norms, embedding and head stay replicated; a norm of each
     head (Qwen3's and Gemma 3's q_norm / k_norm) sees this rank's heads only, so its gradient is
     summed over the tensor group (ReplicateOnShards). A MoE block (a child holding stacked
-    `experts`: Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) is not split by weights but by tokens: each
+    `experts`: Qwen3-MoE, Mixtral, Qwen2-MoE, Llama 4) is not split by weights but by tokens: each
     tensor rank routes and computes its share of the rows, whole experts (or dispatched over an
     expert axis), the outputs gathered back (SplitTokens, pipe/tensor_tokens.py; Megatron-core's
     layout). A family whose projections are not nn.Linear (GPT-2's Conv1D), whose attention holds
-    parameters of its own beside its projections (gpt-oss' per-head sinks), whose last projection is not the output or whose fused
-    projection a split would cut across its parts (Phi-3's qkv_proj and gate_up_proj, Falcon's
-    query_key_value), or whose norms span heads (OLMo 2/3's q_norm over all heads, DeepSeek's
-    latent norms) is a ValueError on every rank, as the split would be wrong.
+    parameters of its own beside its projections (gpt-oss' per-head sinks), whose last projection
+    is not the output or whose fused projection a split would cut across its parts (Phi-3's qkv_proj
+    and gate_up_proj, Falcon's query_key_value), or whose norms span heads (OLMo 2/3's and OLMoE's
+    q_norm over all heads, DeepSeek's latent norms) is a ValueError on every rank, as the split
+    would be wrong.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
