@@ -10,7 +10,8 @@ each expert group two ranks of one tensor index, the experts reduced over data x
 Qwen3-MoE under ZeRO-1 and ZeRO-3 (rows of 7), at pipe 2 x tensor 2 Qwen2-MoE under ZB-V (the shared
 expert's weight gradients in the ordinary backward, not in W), at sequence 2 x tensor 2 Qwen3-MoE (each
 rank a slice of 3 tokens of every row, Ulysses attention over its tensor rank's heads, the routers' sums
-added over the tensor group in each layer and over the sequence group at the final norm), and build()
+added over the tensor group in each layer and over the sequence group at the final norm), Qwen3-MoE at
+expert 2 x sequence 2 x tensor 2 under ZeRO-3 (world 8: the experts reduced over sequence x tensor), and build()
 from a ds_config with expert_parallel 2 and tensor 2; expert_param_groups refuses experts split beside a
 tensor plan that leaves their blocks on every token. The truth is transformers' model on the whole batch, its gradients
 clipped by torch's clip_grad_norm_ to half their norm; through one SGD step of rate 1 (Adam with a
@@ -34,6 +35,7 @@ from test_hf_router import VOCAB, _model, _targets  # noqa: E402
 TWO = [("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 7), ("qwen2_moe", 1, 1, 2, 0, "1f1b", 2, 8)]
 FOUR = [("qwen3_moe", 1, 2, 2, 1, "1f1b", 2, 7), ("qwen3_moe", 1, 2, 2, 3, "1f1b", 2, 7),
         ("qwen2_moe", 2, 1, 2, 1, "zbv", 2, 8), ("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 6, 2)]
+EIGHT = [("qwen3_moe", 1, 2, 2, 3, "1f1b", 1, 6, 2)]  # expert 2 x sequence 2 x tensor 2, one row a rank
 BUILT = dict(family="qwen3_moe", lr=1e3, eps=1e3, clip=1.0, tokens=8)  # Adam steps each parameter by ~g
 
 
@@ -184,6 +186,10 @@ def _refused() -> str:
     return "refused"
 
 
+def _eight(norms: list[float]) -> list:
+    return [_step(norm, *case) for case, norm in zip(EIGHT, norms)]
+
+
 def _check(results: list, i: int, want_loss: torch.Tensor, want: dict, what: str) -> None:
     got = {}
     for rank_results in results:
@@ -197,14 +203,15 @@ def _check(results: list, i: int, want_loss: torch.Tensor, want: dict, what: str
 
 def test_experts_beside_a_tensor_split_equal_transformers():
     truths = {}
-    for world, cases in ((2, TWO), (4, FOUR)):
+    for world, cases in ((2, TWO), (4, FOUR), (8, EIGHT)):
         for case in cases:
             key = (case[0], _rows(case, world), case[7])
             truths[key] = truths.get(key) or _clipped(*key)
     two = run(_two, 2, [truths[(c[0], _rows(c, 2), c[7])][2] for c in TWO], timeout=300)
     four = run(_four, 4, [truths[(c[0], _rows(c, 4), c[7])][2] for c in FOUR], timeout=300)
+    eight = run(_eight, 8, [truths[(c[0], _rows(c, 8), c[7])][2] for c in EIGHT], timeout=300)
     assert all(rank[-1] == "refused" for rank in four)
-    for world, cases, results in ((2, TWO, two), (4, FOUR, four)):
+    for world, cases, results in ((2, TWO, two), (4, FOUR, four), (8, EIGHT, eight)):
         for i, case in enumerate(cases):
             loss, want, _ = truths[(case[0], _rows(case, world), case[7])]
             _check(results, i, loss, want, f"{case}")
