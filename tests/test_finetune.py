@@ -11,8 +11,8 @@ the file and line. 2 steps with --sequence-parallel 2 give the 2-step pipe 2 los
 
 A tiny Qwen3-MoE with output_router_logits=True (its coefficient raised so the term weighs) trains 3
 steps at a constant lr (the default schedule's first two steps are at lr 0, DeepSpeed's) at one
-process, at data 2, expert 2 and pipe 2 (ZB-V), and on four ranks at sequence 2 x data 2 and
-sequence 2 x expert 2: each run's last loss and exported weights equal a plain transformers + torch
+process, at data 2, expert 2 and pipe 2 (ZB-V), and on four ranks at sequence 2 x data 2,
+sequence 2 x expert 2 and tensor 2 x expert 2: each run's last loss and exported weights equal a plain transformers + torch
 AdamW loop's on the same packed rows (transformers' token-mean cross-entropy and its aux_loss, the
 mean over the step's micro-batches; fp32, 1e-5), and the weights moved.
 """
@@ -259,11 +259,13 @@ def test_finetune_splits_experts_beside_a_sequence_split(tmp_path):
     sequence) trains as --sequence-parallel 2 at data 2, and both as the transformers loop: the router term
     counted once (ShardSum multiplies the token mean by the degree, not the term every slice holds whole).
     Fails with the experts reduced over the data axis alone (their mean's divisor is left to test_expert:
-    Adam hides a uniform scale), and with the term inside ShardSum."""
+    Adam hides a uniform scale), and with the term inside ShardSum. And --expert-parallel 2 --tensor 2 (refused
+    before): attention split by heads, each MoE block on its tensor rank's share of the tokens."""
     _model_dir(tmp_path)
     _moe_dir(tmp_path)
     _chats(tmp_path / "chat.jsonl")
     split = ("--sequence-parallel", "2")
-    runs = [("s2-data", split), ("s2-expert", (*split, "--expert-parallel", "2"))]
+    runs = [("s2-data", split), ("s2-expert", (*split, "--expert-parallel", "2")),
+            ("t2-expert", ("--tensor", "2", "--expert-parallel", "2"))]
     losses = run(_moe_runs, 4, str(tmp_path), runs, timeout=300)
-    _check_moe(tmp_path, losses[0], ["s2-data", "s2-expert"])
+    _check_moe(tmp_path, losses[0], ["s2-data", "s2-expert", "t2-expert"])

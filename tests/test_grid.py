@@ -185,6 +185,10 @@ def test_expert_axis_is_pure_arithmetic():
     # the same experts: every data and sequence rank of one expert index (the experts' reduction group)
     assert axis_groups((2, 2, 2, 2, 1), FLATTENED["expert_data"])[:2] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert axis_groups((1, 1, 2, 2, 1), FLATTENED["expert_data"]) == [[0, 1], [2, 3]]
+    # beside a tensor split the experts are whole on every tensor rank: expert 2 x tensor 2, the expert group
+    # one tensor index, the same experts one expert index (pipe/tensor_tokens.py)
+    assert axis_groups((1, 1, 2, 1, 2), ["expert"]) == [[0, 2], [1, 3]]
+    assert axis_groups((1, 1, 2, 1, 2), FLATTENED["expert_data"]) == [[0, 1], [2, 3]]
     assert axis_groups((2, 3, 1, 1, 2), ["data"]) == axis_groups((2, 3, 1, 2), ["data"])  # expert 1: as before
 
 

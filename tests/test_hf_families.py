@@ -223,6 +223,22 @@ def test_tensor_2_with_per_head_norms_equals_transformers():
                 _close(grads[name], want_grads[name], f"{family} gradient of {name}")
 
 
+def test_tensor_2_runs_moe_blocks_on_each_rank_s_tokens_as_transformers():
+    """A MoE block beside a tensor split (pipe/tensor_tokens.py): Llama 4's (a shared expert, a sigmoid router that
+    is an nn.Linear of its own, the block returning its router logits too) and Mixtral's, each tensor rank routing
+    half the tokens, equal transformers' logits, loss and gradients (hf_tensor_plan refused both before)."""
+    families = ["llama4_text", "mixtral"]
+    for rank_out in run(_tensor_grads, 2, families, timeout=180):
+        for family in families:
+            logits, loss, grads = rank_out[family]
+            want_logits, _, want_loss, want_grads, _ = _truth(family)
+            _close(logits, want_logits, f"{family} logits")
+            _close(loss, want_loss, f"{family} loss")
+            assert set(grads) == set(want_grads)
+            for name in want_grads:
+                _close(grads[name], want_grads[name], f"{family} gradient of {name}")
+
+
 @pytest.mark.parametrize("family, pattern", [
     ("olmo3", r"Olmo3DecoderLayer.self_attn.q_norm \(Olmo3RMSNorm, 32 parameters\) normalises across heads "
               r"\(head_dim=8\)"),

@@ -168,8 +168,8 @@ def test_a_moe_config_gives_experts_and_expert_layouts():
     assert block.expert_params == 8 * 3 * 512 * 256
     layouts = list(enumerate_layouts(8, 8, 16, 6, shape.heads, seq_len=shape.seq_len, experts=shape.experts))
     assert {lay.expert for lay in layouts} == {1, 2, 4, 8}
-    assert all(lay.expert == 1 for lay in layouts if lay.tensor > 1)  # build() refuses experts beside tensor
-    assert all(lay.expert * lay.sequence <= 8 for lay in layouts)  # the expert group inside the node
+    assert any(lay.expert > 1 and lay.tensor > 1 for lay in layouts)  # experts beside a tensor split
+    assert all(lay.expert * lay.sequence * lay.tensor <= 8 for lay in layouts)  # the expert group inside the node
     for lay in layouts:
         assert lay.world == 8 and lay.replicas * lay.microbatches * lay.microbatch_size == 16, lay
         assert lay.reducing == lay.data * lay.expert * lay.sequence
@@ -187,6 +187,39 @@ def test_experts_memory_divides_by_the_expert_degree():
     assert one.params - four.params == pytest.approx(2 * experts * 3 / 4)
     assert (one.grads - four.grads) == pytest.approx(2 * experts * 3 / 4)
     assert one.optimizer == pytest.approx(four.optimizer)  # ZeRO-1: every expert's state over 8 ranks in both
+
+
+def test_experts_beside_a_tensor_split_stay_whole_on_each_tensor_rank():
+    """A MoE block beside a tensor split runs on each tensor rank's share of the tokens with whole experts
+    (pipe/tensor_tokens.py): they were counted split t ways, their state sharded over data x sequence only,
+    and each tensor rank dispatching every token."""
+    from pipezero.train.plan.model import held_experts
+    from pipezero.train.plan.step_time import data_parallel_seconds, expert_all_to_all_seconds, ring_seconds
+
+    shape, hw = moe_shape(), h200(1, 8)
+    profile = flops_profile(shape, 1e15)
+    experts = shape.layers * flops_profile(shape, 1.0)[1].expert_params
+    flat, split = Layout(1, 2, 1, "1f1b", 1, 2, 1, 1, expert=4), Layout(1, 1, 2, "1f1b", 1, 2, 1, 1, expert=4)
+    assert held_experts(profile, range(len(profile)), 2, 4) == pytest.approx(experts / 4)
+    assert (flat.expert_holders, split.expert_holders) == (2, 2)  # data 2; data 1 x tensor 2
+    whole = rank_memory(profile, range(len(profile)), 1.0, split, hw, "bf16", shape.d_model, shape.seq_len)
+    assert whole.params > 2 * experts / 4  # bf16 experts, a quarter of them, whole beside the halved dense part
+    a2a = [expert_all_to_all_seconds(lay, hw, "bf16", shape.d_model, shape.seq_len, shape.top_k) for lay in
+           (flat, split)]
+    assert a2a[1] < a2a[0]  # each tensor rank dispatches half the tokens
+    # the winner's finetune line names the tensor degree (it is no ds_config key; the expert degree is)
+    from types import SimpleNamespace
+
+    from pipezero.train.plan.cli import _finetune_line
+
+    args = SimpleNamespace(hf_config="moe/config.json", seq_len=1024)
+    line = _finetune_line(args, SimpleNamespace(layout=split), "ds.json")
+    assert line == "pipezero finetune --nproc 8 --model moe --data DATA --seq-len 1024 --config ds.json --tensor 2"
+    # without an expert axis the whole experts' gradients are summed over the tensor group every micro-batch
+    whole_experts = Layout(1, 4, 2, "1f1b", 1, 2, 1, 1)
+    steps = [data_parallel_seconds(1e9, replace(whole_experts, microbatches=m), hw, "bf16", 0.0, 0.0, 1, experts)[0]
+             for m in (2, 4)]
+    assert steps[1] - steps[0] == pytest.approx(2 * ring_seconds(2 * experts, 2, *hw.link(2), 2.0))
 
 
 def test_expert_all_to_all_bytes_and_time_in_the_step():

@@ -5,7 +5,8 @@
 `ZeroOptimizer(stage, LossScaler(..., Adam))`, the LR scheduler, the schedule and the
 PipelineRunner, and returns them in a small dataclass. With an expert axis (ds_config
 "expert_parallel") the MoE layers' experts are split over it and reduce over their own group
-(pipe/expert/: expert_param_groups). Nothing is hidden: the loop talks to
+(pipe/expert/: expert_param_groups), beside a tensor split too (each tensor rank routes its share of the
+tokens: pipe/tensor_tokens.py). Nothing is hidden: the loop talks to
 the parts directly. With `model=` (a plain nn.Module, e.g. the seed's MLP) there is no
 pipeline: the parts are the grid, the model and the optimizer chain (ZeRO stages 0-3).
 
@@ -123,9 +124,6 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     if tensor > 1 and specs is None:
         raise ValueError(f"build(tensor={tensor}) shards pipeline layers by tensor_plan: pass specs= (and "
                          "tensor_plan=, e.g. gpt_tensor_plan()), or tensor=1 with model=")
-    if cfg.expert > 1 and tensor > 1:
-        raise ValueError(f'ds_config "expert_parallel" autoep_size = {cfg.expert} with build(tensor={tensor}): '
-                         "experts beside a tensor split are not supported yet; use tensor=1 with an expert axis")
     dev = torch.device(device) if device is not None else process_device()  # the process group's device
     dtype = resolve_precision(cfg.compute_dtype, dev)
     fp8 = Float8Config.of(float8)  # checked where it converts (PipelineModule, to_float8), on every rank

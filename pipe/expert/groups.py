@@ -3,8 +3,10 @@
 A dense parameter is a replica on every rank of data x expert x sequence, so it is averaged over
 that whole group (the optimizer's, grid.data_sequence_group). An expert's gradient already sums
 what every rank of its expert group sent it; the ranks holding the same experts
-(grid.expert_data_group: data x sequence, each sequence rank routing its own slice of the rows)
-sum it and divide by data x expert x sequence, which is the mean the dense parameters get. The
+(grid.expert_data_group: data x sequence x tensor, each sequence rank routing its own slice of the
+rows and each tensor rank its own share of those, pipe/tensor_tokens.py) sum it and divide by data x
+expert x sequence, which is the mean the dense parameters get (the tensor ranks' shares are one
+replica's rows: summed, not averaged). The
 expert group says so with two keys ZeroOptimizer reads (zero/reduction.py: "zero_group",
 "zero_mean_over"), which also make ZeRO shard the experts over their own group, and let the loss
 scaler's inf/nan check and the global gradient norm see them with everything else (each expert
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipezero.pipe.expert.block import ExpertParallel
+from pipezero.pipe.tensor_tokens import token_share
 from pipezero.topology import Grid
 
 __all__ = ["expert_param_groups"]
@@ -37,6 +40,12 @@ def _check(module: nn.Module, grid: Grid) -> None:
         raise ValueError(f"expert_param_groups: the experts are split over groups of {degrees} ranks, the grid's "
                          f"expert axis has {grid.expert_size}; shard them with shard_experts(module, "
                          "grid.expert_group)")
+    whole = [type(m).__name__ for m in module.modules() if any(isinstance(c, ExpertParallel) for c in m.children())
+             and token_share(m) is None]
+    if grid.tensor_size > 1 and whole:
+        raise ValueError(f"expert_param_groups: on {grid!r} the experts' gradients are summed over the tensor ranks, "
+                         f"which needs each MoE block run on its tensor rank's share of the tokens, but {whole} run "
+                         "on every token; give them SplitTokens in the tensor plan (hf_tensor_plan does)")
 
 
 def expert_param_groups(module: nn.Module, grid: Grid, **options: Any) -> list[dict[str, Any]]:

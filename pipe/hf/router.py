@@ -24,6 +24,12 @@ the trained tokens, n_r x degree / N: shares that add up to the degree, so the m
 losses holds the term once and the backward's sum hands each rank's routers degree x d aux / d P,
 whose mean over the sequence ranks (ZeRO's) is one process's gradient.
 
+Beside a tensor split (hf_tensor_plan: pipe/tensor_tokens.py) each tensor rank routes its share of a
+MoE layer's rows: the layer adds its share's (T, P) over the tensor group, the padded rows weighed 0,
+so every tensor rank carries the whole rows' sums. That sum's backward is the identity: the tensor ranks
+compute one loss (not shares of it, as the sequence ranks do), and the routers' gradients are summed
+over the tensor group with the rest of the block's.
+
 A loss of its own (finetune's token mean, train/data's token_mean_loss under ShardSum) takes the
 term through `WithRouterLoss(loss_fn)`: loss_fn on the logits, plus coef x aux once, outside
 loss_fn's sequence weighing (ShardSum multiplies its loss by the degree; the term, whole on every

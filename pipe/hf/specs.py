@@ -48,6 +48,7 @@ from pipezero.pipe.sequence.comms import gather_sequence, sum_over_sequence
 from pipezero.pipe.sequence.hf_attention import (check_hf_sequence, register_ulysses, ulysses_around,
                                                  whole_mask_inputs)
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
+from pipezero.pipe.tensor_tokens import sum_over_tensor, token_share
 from pipezero.pipe.tiled_mlp import tile_mlp, tile_norm
 
 __all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
@@ -397,9 +398,22 @@ class HFDecoderLayer(_HFLayer):
             return (out[0] if isinstance(out, tuple) else out, positions, *rest)
         with self.tap.catching() as caught:
             out = self.inner(hidden, attention_mask=mask, position_ids=positions, **extra)
+        return (out[0] if isinstance(out, tuple) else out, positions, *rest,
+                self._add_routers(stats, caught, padding, hidden.shape[:-1].numel()))
+
+    def _add_routers(self, stats: torch.Tensor, caught: list[torch.Tensor], padding: torch.Tensor | None,
+                     rows: int) -> torch.Tensor:
+        """stats + this layer's routers' sums. A MoE block on this tensor rank's share of the rows (hf_tensor_plan,
+        pipe/tensor_tokens.py) routed those only: their sums, padded rows left out, added over the tensor group."""
+        share = next((s for s in map(token_share, self.inner.children()) if s is not None), None)
+        if share is None:
+            for logits in caught:
+                stats = self.model.router.add_layer(stats, logits, padding)
+            return stats
+        mine = self.model.router.zeros(stats.device)
         for logits in caught:
-            stats = self.model.router.add_layer(stats, logits, padding)
-        return (out[0] if isinstance(out, tuple) else out, positions, *rest, stats)
+            mine = self.model.router.add_layer(mine, logits, share.row_weights(padding, rows, logits.device))
+        return stats + sum_over_tensor(mine, share)
 
     def _documents(self, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any) -> Documents | None:
         """The micro-batch's documents where the mask-free path serves this layer; None: transformers' mask

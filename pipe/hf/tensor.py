@@ -10,6 +10,7 @@ from typing import Any, Callable
 from torch import nn
 
 from pipezero.pipe.tensor_parallel import ColwiseHeads, TensorPlan
+from pipezero.pipe.tensor_tokens import SplitTokens
 
 __all__ = ["hf_tensor_plan"]
 
@@ -21,11 +22,16 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
     column-wise, whole heads per tensor rank, and the last (o, down) row-wise: one all-reduce
     after each (Shoeybi et al. 2019). Norms, embedding and head stay replicated; a norm of each
     head (Qwen3's and Gemma 3's q_norm / k_norm) sees this rank's heads only, so its gradient is
-    summed over the tensor group (ReplicateOnShards). A family whose projections are not
-    nn.Linear (GPT-2's Conv1D), whose last projection is not the output or whose fused
-    projection a split would cut across its parts (Phi-3's qkv_proj and gate_up_proj, Falcon's
-    query_key_value), or whose norms span heads (OLMo 2/3's q_norm over all heads, DeepSeek's
-    latent norms) is a ValueError on every rank, as the split would be wrong.
+    summed over the tensor group (ReplicateOnShards). A MoE block (a child holding stacked
+    `experts`: Qwen3-MoE, Mixtral, Qwen2-MoE, Llama 4) is not split by weights but by tokens: each
+    tensor rank routes and computes its share of the rows, whole experts (or dispatched over an
+    expert axis), the outputs gathered back (SplitTokens, pipe/tensor_tokens.py; Megatron-core's
+    layout). A family whose projections are not nn.Linear (GPT-2's Conv1D), whose attention holds
+    parameters of its own beside its projections (gpt-oss' per-head sinks), whose last projection
+    is not the output or whose fused projection a split would cut across its parts (Phi-3's qkv_proj
+    and gate_up_proj, Falcon's query_key_value), or whose norms span heads (OLMo 2/3's and OLMoE's
+    q_norm over all heads, DeepSeek's latent norms) is a ValueError on every rank, as the split
+    would be wrong.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -36,6 +42,9 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
             return None
         out: dict[str, Any] = {}
         for name, child in layer.inner.named_children():
+            if _is_moe(child):
+                out[f"inner.{name}"] = SplitTokens()
+                continue
             projections = [(n, m) for n, m in child.named_children()
                            if "Norm" not in type(m).__name__ and any(True for _ in m.parameters())]
             if not projections:
@@ -53,6 +62,13 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
             out.update(_checked_norms(layer, name, child, head_dim))
         return out
     return plan
+
+
+def _is_moe(child: nn.Module) -> bool:
+    """A MoE block: an `experts` child whose parameters are stacked, one slice per expert (as
+    shard_experts finds them, pipe/expert/block.py)."""
+    experts = dict(child.named_children()).get("experts")
+    return experts is not None and any(p.dim() == 3 for p in experts.parameters(recurse=False))
 
 
 # fused projections laid out head by head and read back with the local head count: a split keeps whole heads
@@ -84,6 +100,11 @@ def _checked_norms(layer: nn.Module, name: str, child: nn.Module, head_dim: int 
                          f"in_features={row.in_features} ({[m.out_features for _, m in columns]}): a fused "
                          "projection, whose contiguous split would cut across its parts, so train this family "
                          "with tensor=1")
+    own = [n for n, _ in child.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(f"{where} holds parameters of its own beside its projections ({own}: gpt-oss' "
+                         "attention sinks, one per head) that a split of its heads would leave whole, so train "
+                         f"{type(layer.model.meta).__name__} with tensor=1")
     out = {}
     for n, m in child.named_children():
         sizes = [p.numel() for p in m.parameters()]

@@ -4,7 +4,9 @@ ZeRO, offload, recompute.
 Enumeration rules (each one a fact of the runtime, not a taste):
 * pipe x data x expert x sequence x tensor = the world; tensor stays inside a node and divides the heads;
 * expert (pipe/expert/, Grid(expert=E)) splits what would be the data axis: E divides the
-  model's experts, stays inside a node, and each of the data x expert ranks takes its own rows;
+  model's experts, stays inside a node with the tensor and sequence axes (its group's ranks lie
+  tensor x sequence apart), and each of the data x expert ranks takes its own rows; beside a tensor
+  split each tensor rank routes its share of them (pipe/tensor_tokens.py);
 * sequence (Ulysses, pipe/sequence/) stays inside a node with the tensor axis (tensor x sequence
   ranks in one), divides each tensor rank's heads (heads / tensor: each sequence rank attends
   with heads / (tensor x sequence) of them over the whole sequence) and the sequence length
@@ -66,6 +68,12 @@ class Layout:
     def reducing(self) -> int:
         """Ranks that reduce the dense gradients and over which ZeRO partitions: data x expert x sequence."""
         return self.data * self.expert * self.sequence
+
+    @property
+    def expert_holders(self) -> int:
+        """Ranks that hold the same experts, their reduction and ZeRO group: data x sequence x tensor beside an
+        expert axis (Grid's expert_data_group: whole experts on every tensor rank), else the dense group's."""
+        return self.data * self.sequence * self.tensor if self.expert > 1 else self.reducing
 
     @property
     def replicas(self) -> int:
@@ -135,7 +143,7 @@ def enumerate_layouts(world: int, gpus_per_node: int, global_batch: int, layers:
                 if pipe > layers or global_batch % replicas:
                     continue
                 per_rank = global_batch // replicas
-                for expert in _expert_degrees(replicas, gpus_per_node, experts, sequence * tensor, tensor):
+                for expert in _expert_degrees(replicas, gpus_per_node, experts, sequence * tensor):
                     for size in (b for b in microbatch_sizes if per_rank % b == 0):
                         m = per_rank // size
                         for name, chunks in _schedules(pipe, m, layers):
@@ -143,11 +151,11 @@ def enumerate_layouts(world: int, gpus_per_node: int, global_batch: int, layers:
                                                  checkpoints, offload, sequence, expert)
 
 
-def _expert_degrees(replicas: int, gpus_per_node: int, experts: int, stride: int, tensor: int) -> list[int]:
+def _expert_degrees(replicas: int, gpus_per_node: int, experts: int, stride: int) -> list[int]:
     """Degrees of the expert axis: 1, and what divides the data ranks and the experts, the group within a
-    node (its ranks lie `stride` = sequence x tensor apart, Grid's order); none beside a tensor split,
-    which build() refuses."""
-    if not experts or tensor > 1:
+    node (its ranks lie `stride` = sequence x tensor apart, Grid's order: expert x sequence x tensor
+    consecutive ranks)."""
+    if not experts:
         return [1]
     return [e for e in divisors(replicas) if e * stride <= gpus_per_node and experts % e == 0]
 

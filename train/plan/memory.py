@@ -314,9 +314,9 @@ def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: flo
     optimizer = 0.0
     if layout.offload:
         experts = held_experts(profile, layers, layout.tensor, layout.expert)
-        # the experts' own param group (split over the data ranks holding the same experts): their bytes
+        # the experts' own param group (split over the ranks holding the same experts): their bytes
         optimizer = (_offloaded_optimizer(profile, layers, layout, precision, d_model)
-                     + OFFLOAD_BYTES[(layout.zero, precision)] * experts / layout.data)
+                     + OFFLOAD_BYTES[(layout.zero, precision)] * experts / layout.expert_holders)
     inputs = 0.0
     if layout.checkpoint and layout.host_inputs and live > 0:
         one = pinned(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision))
@@ -338,8 +338,8 @@ def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: fl
     params = held_params(profile, layers, layout.tensor, layout.expert)
     experts = held_experts(profile, layers, layout.tensor, layout.expert)
     p, g, s = model_state_bytes(params - experts, layout.zero, layout.reducing, precision, layout.offload)
-    # the experts' param group reduces and shards over the ranks holding the same experts (data of them)
-    pe, ge, se = model_state_bytes(experts, layout.zero, layout.data, precision, layout.offload)
+    # the experts' param group reduces and shards over the ranks holding the same experts
+    pe, ge, se = model_state_bytes(experts, layout.zero, layout.expert_holders, precision, layout.offload)
     p, g, s = p + pe, g + ge, s + se
     if layout.zero >= 2 and layout.microbatches > 1 and layout.reducing > 1:
         g += STATE_BYTES[precision][1] * (params - experts)  # whole .grad until the last micro-batch

@@ -376,16 +376,18 @@ def tied_head(profile: Sequence[LayerProfile]) -> bool:
 
 
 def held_params(profile: Sequence[LayerProfile], layers: Sequence[int], tensor: int = 1, expert: int = 1) -> float:
-    """Parameters one rank holds for `layers`, per tensor rank (tied layers whole), its experts / `expert`.
+    """Parameters one rank holds for `layers`, per tensor rank (tied layers whole), its experts / `expert`
+    (whole on every tensor rank: a MoE block is split by tokens, not weights, pipe/tensor_tokens.py).
 
     A tied head's weight is the embedding's: a rank holding both holds it once (a rank with only
     one of them keeps its own copy, which the tied-gradient all-reduce keeps equal).
     """
     both = {profile[i].kind for i in layers} >= {"Embedding", "Head"} and tied_head(profile)
-    return sum((profile[i].params - profile[i].expert_params * (1 - 1 / expert)) / (1 if profile[i].tied else tensor)
-               for i in layers if not (both and profile[i].kind == "Head"))
+    return sum((profile[i].params - profile[i].expert_params) / (1 if profile[i].tied else tensor)
+               + profile[i].expert_params / expert for i in layers if not (both and profile[i].kind == "Head"))
 
 
 def held_experts(profile: Sequence[LayerProfile], layers: Sequence[int], tensor: int = 1, expert: int = 1) -> float:
-    """Of held_params, the routed experts' parameters one rank holds: each layer's experts / `expert`."""
-    return sum(profile[i].expert_params / expert / tensor for i in layers)
+    """Of held_params, the routed experts' parameters one rank holds: each layer's experts / `expert` (whole on
+    every tensor rank)."""
+    return sum(profile[i].expert_params / expert for i in layers)

@@ -30,8 +30,11 @@
   token's hidden state to its top-k experts' ranks and back, dispatch and combine, each
   tokens x d x top-k x bytes per element of which (E-1)/E leave the rank, plus E-1 latencies: 2
   all-to-alls forward, 2 backward (2 more recomputed under checkpointing), not overlapped
-  (DualPipeV's overlap of them is not built); the experts' gradients are all-reduced over the
-  ranks that hold the same experts (data x sequence), the dense ones over data x expert x sequence;
+  (DualPipeV's overlap of them is not built); beside a tensor split each tensor rank dispatches
+  its share of the tokens (pipe/tensor_tokens.py: the block's gather back counted as the MLP's
+  all-reduce); the experts' gradients are all-reduced over the ranks that hold the same experts
+  (data x sequence x tensor), the dense ones over data x expert x sequence; without an expert axis
+  the whole experts' gradients are summed over the tensor group in every micro-batch's backward;
 * the memory kit: the MLP in row tiles (from TILE_FROM_ROWS tokens a micro-batch, as the runtime
   does) adds one MLP forward to the backward; a selective recompute re-runs only the elementwise
   ops, whose cost is their bytes read and written once at the device's memory bandwidth
@@ -137,11 +140,13 @@ def all_to_all_seconds(layout: Layout, hw: Hardware, precision: str, d_model: in
 
 def expert_all_to_all_seconds(layout: Layout, hw: Hardware, precision: str, d_model: int, seq_len: int,
                               top_k: int) -> float:
-    """One dispatch (or combine) of a MoE block: the rank's tokens x d x top-k elements, (E-1)/E of them sent,
-    over the expert group's link (E consecutive ranks inside the data axis: tensor x sequence x E apart)."""
+    """One dispatch (or combine) of a MoE block: the rank's share of the tokens (1 / tensor of them) x d x top-k
+    elements, (E-1)/E of them sent, over the expert group's link (E ranks inside the data axis, tensor x
+    sequence apart)."""
     e = layout.expert
     bw, lat = hw.link(layout.tensor * layout.sequence * e)
-    return ring_seconds(rank_tokens(layout, seq_len) * d_model * top_k * bytes_per_element(precision), e, bw, lat)
+    share = rank_tokens(layout, seq_len) / layout.tensor
+    return ring_seconds(share * d_model * top_k * bytes_per_element(precision), e, bw, lat)
 
 
 def kit_seconds(p: LayerProfile, layout: Layout, hw: Hardware, precision: str, d_model: int, seq_len: int,
@@ -281,12 +286,16 @@ def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision
                           experts: float = 0.0) -> tuple[float, float]:
     """(all traffic, exposed part) of one rank's data-parallel collectives per step, in `buckets` pieces each:
     the dense parameters over data x expert x sequence, `experts` (of `params`: the rank's routed experts)
-    all-reduced over data x sequence, the ranks holding the same experts."""
+    all-reduced over the ranks holding the same experts (Layout.expert_holders); beside a tensor split without
+    an expert axis the whole experts' gradients are also summed over the tensor group in every micro-batch's
+    backward (pipe/tensor_tokens.py: hooks, not overlapped)."""
     n = layout.reducing
     nbytes = (params - experts) * bytes_per_element(precision)
     bw, lat = hw.link(layout.tensor * n)
-    own = ring_seconds(experts * bytes_per_element(precision), layout.data * layout.sequence, bw, lat, 2.0, 1) \
+    own = ring_seconds(experts * bytes_per_element(precision), layout.expert_holders, bw, lat, 2.0, 1) \
         if experts else 0.0
+    hooks = layout.microbatches * ring_seconds(experts * bytes_per_element(precision), layout.tensor,
+                                               *hw.link(layout.tensor), 2.0, 1) if layout.expert == 1 else 0.0
     if layout.zero == 0:
         reduce, gather = ring_seconds(nbytes, n, bw, lat, 2.0, buckets) + own, 0.0
     elif layout.zero < 3:
@@ -294,8 +303,8 @@ def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision
                                                                                               buckets)
     else:
         total = layout.microbatches * 3 * ring_seconds(nbytes, n, bw, lat, 1.0, buckets) + own
-        return total, max(0.0, total - compute)
-    return reduce + gather, max(0.0, reduce - last_backward) + gather
+        return total + hooks, max(0.0, total - compute) + hooks
+    return reduce + gather + hooks, max(0.0, reduce - last_backward) + gather + hooks
 
 
 def buckets(params: float, d_model: int) -> int:
