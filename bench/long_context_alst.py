@@ -1,4 +1,5 @@
-"""DeepSpeed ALST at sequence degree 1: bench/long_context.py's `alst` runner.
+"""DeepSpeed ALST: bench/long_context.py's `alst` runner at sequence degree 1, and
+bench/sequence_scaling.py's at degree 2 / 4 / 8 (alst_sp_step).
 
 Arctic Long Sequence Training (Bekman et al. 2025, arXiv 2506.13996; DeepSpeed 0.19.8's
 runtime/sequence_parallel/ulysses_sp.py) as ArcticTraining's one-GPU recipe sets it
@@ -18,6 +19,14 @@ compute stream, as ALST's are. Attention: the model's
 (transformers' document mask from the packed position ids: ALST's kernels do not include one), so each
 document is attended on its own, as pipezero does.
 
+At degree > 1 (alst_sp_step) the recipe's multi-GPU form: DeepSpeed's
+`UlyssesSPAttentionHF.register_with_transformers` puts its Ulysses all-to-alls around the model's kernel
+and returns its mpu (sequence groups of consecutive ranks, data parallel over the rest), which
+deepspeed.initialize takes; each rank trains its slice of the row (the slices
+`UlyssesSPDataLoaderAdapter` would hand it: ids, position ids and the labels shifted on the whole row),
+its loss the slice's sum over the row's trained tokens, which DeepSpeed's gradient averaging over the
+data ranks (the sequence ranks' gradients summed) turns into the row's mean.
+
 DeepSpeed needs an accelerator: on CPU `unavailable()` says so and the bench prints it as the row.
 """
 
@@ -31,7 +40,7 @@ import types
 
 import torch
 
-__all__ = ["alst_loss", "alst_model", "alst_step", "attention", "unavailable"]
+__all__ = ["alst_loss", "alst_model", "alst_sp_step", "alst_step", "attention", "unavailable"]
 
 
 def unavailable() -> str | None:
@@ -75,9 +84,9 @@ def _tiled_mlp(mlp: torch.nn.Module) -> None:
     mlp.forward = types.MethodType(forward, mlp)
 
 
-def _ds_config(offload_optimizer: bool) -> dict:
+def _ds_config(offload_optimizer: bool, accumulation: int = 1) -> dict:
     zero: dict = {"stage": 3}
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
               "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 1 << 30,
               "wall_clock_breakdown": False}
     if offload_optimizer:  # the sp1 recipe: optimizer and parameters on the host, DeepSpeed's CPU Adam
@@ -109,18 +118,21 @@ def alst_model(config, device: torch.device, dtype: torch.dtype = torch.bfloat16
     return model.train()
 
 
-def alst_loss(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def alst_loss(model, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
+              count: int | None = None) -> torch.Tensor:
     """The mean next-token loss with ALST's tiled logits + loss: no [seq, vocab] tensor is ever whole.
 
     TiledFusedLogitsLoss makes the head's gradient in its forward, shard by shard, with an incoming
     gradient of 1 ("sum"); a division of its result afterwards reaches the hidden states' gradient but
     not the head's (it came out count times too large). So each shard divides its own sum by the
     whole row's count of trained tokens, and the shards add up to the mean.
+    `labels` / `count`: a sequence rank's slice of the labels shifted on the whole row and the whole
+    row's trained tokens (its slice's loss is then its part of the row's mean); default: ids' own.
     """
     import torch.nn.functional as F
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
-    count = ids.shape[1] - 1
+    count = ids.shape[1] - 1 if count is None else count
 
     def logits_loss(self, x, y):
         logits = self.lm_head(x).float()  # x: a shard of the flattened [batch * seq, hidden] rows
@@ -128,7 +140,7 @@ def alst_loss(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
                                reduction="sum") / count
 
     hidden = model.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100) if labels is None else labels
     shards = _loss_shards(ids.shape[1], model.config.vocab_size)
     head = [model.lm_head.weight]
     return TiledFusedLogitsLoss.apply(logits_loss, model, hidden, labels, None, shards, head, "sum")
@@ -147,4 +159,31 @@ def alst_step(config, device: torch.device, offload_optimizer: bool):
     def step(ids, positions):
         engine.backward(alst_loss(engine.module, ids, positions))
         engine.step()
+    return step
+
+
+def alst_sp_step(config, device: torch.device, degree: int, accumulation: int, offload_optimizer: bool):
+    """A training step of ALST's multi-GPU recipe: Ulysses over `degree` consecutive ranks of the running
+    process group (data parallel over the rest), ZeRO-3, `accumulation` rows per data rank a step.
+
+    Returns step(rows) for rows = [(ids, positions)] of whole rows [1, T], this data rank's."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False, verbose=False)
+    model = alst_model(config, device)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, attention(), degree, micro_batch_size=1)
+    client = None if offload_optimizer else torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=client, mpu=mpu, model_parameters=model.parameters(),
+                                      config=_ds_config(offload_optimizer, accumulation))
+    rank = dist.get_rank(mpu.get_sequence_parallel_group())
+
+    def step(rows):
+        for ids, positions in rows:  # DeepSpeed steps the optimizer at the last row's engine.step()
+            labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+            part = ids.shape[1] // degree
+            mine = [t[:, rank * part:(rank + 1) * part] for t in (ids, positions, labels)]
+            engine.backward(alst_loss(engine.module, *mine, count=ids.shape[1] - 1))
+            engine.step()
     return step
