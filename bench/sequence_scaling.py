@@ -43,7 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -175,25 +175,30 @@ def _layout(case: Case, world: int) -> str:
     return f"{' x '.join(axes)}, {runtime}, m{case.microbatches(world)}"
 
 
-def table(cases: list[Case], results: dict, preds: dict, world: int) -> str:
-    """The Markdown table of the cases that ran or said why not."""
-    lines = ["| case | layout | tokens/s/GPU | step s | planner s | peak GB | planner GB | stage MB/mb | vs data "
-             "| vs alst |", "|---|---|---|---|---|---|---|---|---|---|"]
-    data = results.get("data", {}).get("tokens_per_s_gpu")
-    for case in cases:
-        r, p = results.get(case.name, {}), preds.get(case.name)
-        if "error" in r:
-            lines.append(f"| {case.name} | {_layout(case, world)} | {r['error']} |  |  |  |  |  |  |  |")
-            continue
-        rate = r.get("tokens_per_s_gpu")
-        alst = results.get(f"alst-{case.sequence}", {}).get("tokens_per_s_gpu")
-        cells = [f"{rate:,.0f}" if rate else "-", _num(r.get("seconds"), 2), _num(p and p.time.total, 2),
-                 _num(r.get("peak_gb"), 2), _num(p and p.memory.total / 1e9, 2),
-                 _num(r["stage_bytes_mb"] / 2**20 if r.get("stage_bytes_mb") else None, 2),
-                 _ratio(rate, data) if case.name.startswith("ulysses") else "",
-                 _ratio(rate, alst) if case.name.startswith("ulysses") else ""]
-        lines.append(f"| {case.name} | {_layout(case, world)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+HEADER = ("| case | layout | tokens/s/GPU | step s | planner s | peak GB | planner GB | stage MB/mb | vs base "
+          "| vs alst |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def base_of(case: Case) -> str | None:
+    """The case a row is compared with: data parallel for Ulysses, pipe 2 alone for pipe 2 x sequence 2."""
+    if case.name.startswith("ulysses"):
+        return "data"
+    return f"pipe2-{case.schedule}" if case.pipe > 1 and case.sequence > 1 else None
+
+
+def row(case: Case, results: dict, pred, world: int) -> str:
+    """A case's table row: its numbers, the planner's, and its ratios to the rows in `results`."""
+    r, head = results.get(case.name, {}), f"| {case.name} | {_layout(case, world)} | "
+    if "error" in r:
+        return head + f"{r['error']} |  |  |  |  |  |  |  |"
+    rate, base = r.get("tokens_per_s_gpu"), base_of(case)
+    alst = results.get(f"alst-{case.sequence}", {}).get("tokens_per_s_gpu") if case.name.startswith("ulysses") else None
+    cells = [f"{rate:,.0f}" if rate else "-", _num(r.get("seconds"), 2), _num(pred and pred.time.total, 2),
+             _num(r.get("peak_gb"), 2), _num(pred and pred.memory.total / 1e9, 2),
+             _num(r["stage_bytes_mb"] / 2**20 if r.get("stage_bytes_mb") else None, 2),
+             _ratio(rate, results.get(base, {}).get("tokens_per_s_gpu")) if base else "",
+             _ratio(rate, alst) if case.name.startswith("ulysses") else ""]
+    return head + " | ".join(cells) + " |"
 
 
 def _num(x, digits: int) -> str:
@@ -215,29 +220,98 @@ def _host_refusal(pred, world: int) -> str | None:
     return f"refused: the planner puts {need:.0f} GiB on the host, {available:.0f} GiB available"
 
 
-def run_group(cases: list[Case], options: Options, args, world: int, preds: dict, walk: bool = False) -> dict:
-    """Each case in a fresh launch (all in one with --tiny); a walk stops at the first that does not train."""
+@dataclass
+class Group:
+    """One --cases group as planned: its cases, the kit, the options they run with, the planner's predictions."""
+
+    name: str
+    cases: list[Case]
+    options: Options
+    preds: dict
+    ran: list[str] = field(default_factory=list)  # the cases with a row from this invocation, in order
+
+    @property
+    def walk(self) -> bool:
+        return self.name == "longest"
+
+
+def _refusals(group: Group, world: int, known: dict) -> list[Case]:
+    """Record why a case cannot run here (ALST off CUDA, the host too small); the cases that can, in order
+    (a walk: those before its first refusal)."""
     from long_context_alst import unavailable
 
-    results: dict = {}
     ready = []
-    for case in cases:
-        reason = (unavailable() if case.alst else None) or _host_refusal(preds.get(case.name), world)
+    for case in group.cases:
+        reason = (unavailable() if case.alst else None) or _host_refusal(group.preds.get(case.name), world)
         if reason:
-            results[case.name] = {"case": case.name, "error": reason}
-            if walk:
-                return results
+            _record(group, {"case": case.name, "error": reason}, known, world)
+            if group.walk:
+                break
         else:
             ready.append(case)
-    groups = [ready] if args.tiny and not walk else [[c] for c in ready]
+    return ready
+
+
+def _launches(groups: list[Group], args, world: int, known: dict) -> list[tuple[list[Case], list[Group]]]:
+    """(cases, the group of each) per launch: a case each, or with --tiny one for every group but the walk
+    (the interpreters' starts are most of a tiny run)."""
+    launches: list[tuple[list[Case], list[Group]]] = []
     for group in groups:
-        for r in launch(group, options, world, args.timeout):
-            results[r["case"]] = r
-            print(f"  {r['case']}: {r.get('error') or format(r['tokens_per_s_gpu'], ',.0f') + ' tokens/s/GPU'}",
-                  flush=True)
-        if walk and "error" in results[group[-1].name]:
-            break
-    return results
+        ready = _refusals(group, world, known)
+        if group.walk or not args.tiny:
+            launches += [([case], [group]) for case in ready]
+        elif launches and not launches[-1][1][0].walk and launches[-1][1][0].options == group.options:
+            launches[-1][0].extend(ready)
+            launches[-1][1].extend([group] * len(ready))
+        elif ready:
+            launches.append((list(ready), [group] * len(ready)))
+    return launches
+
+
+def run_groups(groups: list[Group], args, world: int, known: dict) -> None:
+    """Launch every case (a walk stops at the first length that does not train), a row as each ends."""
+    stopped: set[str] = set()
+    for cases, owners in _launches(groups, args, world, known):
+        if owners[0].name in stopped:
+            continue
+        for result, owner in zip(launch(cases, owners[0].options, world, args.timeout), owners):
+            _record(owner, result, known, world)
+            if owner.walk and "error" in result:
+                stopped.add(owner.name)
+        if args.save:
+            save(args.save, args.key, known)
+
+
+def _record(group: Group, result: dict, known: dict, world: int) -> None:
+    """Keep a result and print its row (the group's header before its first): a run cut short keeps them."""
+    if not group.ran:
+        print(f"\n{group.name}:\n{HEADER}")
+    name = result["case"]
+    known[name] = result
+    group.ran.append(name)
+    case = next(c for c in group.cases if c.name == name)
+    print(row(case, known, group.preds.get(name), world), flush=True)
+
+
+def load(path: str, key: str) -> dict:
+    """The results a --save file holds for this setup (shape, depth, length, world), {} if none."""
+    try:
+        with open(path) as f:
+            return json.load(f).get(key, {})
+    except (OSError, ValueError):
+        return {}
+
+
+def save(path: str, key: str, known: dict) -> None:
+    """Keep this setup's results in the --save file beside other setups' (later runs compare with them)."""
+    try:
+        with open(path) as f:
+            everything = json.load(f)
+    except (OSError, ValueError):
+        everything = {}
+    everything[key] = known
+    with open(path, "w") as f:
+        json.dump(everything, f, indent=1)
 
 
 def planner_longest(options: Options, kit: Kit, world: int, heads: int, hw, precision: str, start: int) -> int:
@@ -264,6 +338,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up (0: time the warm-up)")
     p.add_argument("--kit", default="auto", choices=["auto", *KITS])
     p.add_argument("--timeout", type=float, default=400.0, help="seconds a launch may take before it is killed")
+    p.add_argument("--save", default=None, help="a JSON file that keeps the results: ratios to rows of earlier runs "
+                   "of the same shape, depth, length and processes (ALST in a call of its own)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -280,32 +356,44 @@ def main(argv=None) -> None:
     heads = hf_config(options, options.length).num_attention_heads
     lengths = args.lengths or ([options.length * k for k in (1, 2, 4)] if args.tiny
                                else [131072, 262144, 524288, 1048576])
-    groups = {"sequence": sequence_cases(world, heads), "pipe": pipe_cases(world),
-              "longest": longest_cases(world, heads, lengths)}
     precision = "bf16" if cuda else "fp32"
     hw = hardware(world, cuda)
     device = torch.cuda.get_device_name() if cuda else "CPU (fp32, gloo)"
     depth = f", {args.layers} layers" if args.layers else ""
     print(f"{options.shape} Llama{depth} on {world} x {device}; the planner's hardware: {hw.name}")
+    args.key = f"{options.shape} {args.layers or 'all'} layers, {options.length} tokens, {world} processes"
+    groups = plan_groups(args, options, world, heads, lengths, hw, precision)
+    known = load(args.save, args.key) if args.save else {}
+    run_groups(groups, args, world, known)
+    print("\nthe tables again, every ratio from the rows known now" + (f" (and {args.save}'s)" if args.save else ""))
+    for group in groups:
+        print(f"\n{group.name}:\n{HEADER}")
+        print("\n".join(row(c, known, group.preds.get(c.name), world) for c in group.cases if c.name in group.ran))
+        if group.walk:
+            most = planner_longest(options, group.options.kit, world, heads, hw, precision, lengths[0])
+            print(f"the planner's longest row that fits {hw.name}: {most:,} tokens (doubling from {lengths[0]:,})")
+
+
+def plan_groups(args, options: Options, world: int, heads: int, lengths: list[int], hw, precision: str) -> list[Group]:
+    """Each --cases group's cases (--only's), its kit and the planner's prediction of every case."""
+    everything = {"sequence": sequence_cases(world, heads), "pipe": pipe_cases(world),
+                  "longest": longest_cases(world, heads, lengths)}
+    groups = []
     for name in args.cases:
-        cases = [c for c in groups[name] if not args.only or c.name in args.only]
+        cases = [c for c in everything[name] if not args.only or c.name in args.only]
         if not cases:
-            print(f"\n{name}: no case for {world} processes" + (" (pipe 2 x sequence 2 needs 4)" if name == "pipe"
-                                                                 else ""))
+            print(f"{name}: no case for {world} processes" + (" (pipe 2 x sequence 2 needs 4)" if name == "pipe"
+                                                               else ""))
             continue
         walk = name == "longest"
         kit_name = "host+optimizer" if walk and args.kit == "auto" and hw.host_offload else args.kit
         kit = choose_kit(kit_name, cases, options, world, hw, precision)
         run_options = replace(options, kit=kit, steps=0 if walk and args.steps == 1 else args.steps)
         preds = {c.name: predict_case(c, run_options, kit, world, hw, precision) for c in cases}
-        print(f"\n{name}: {cases[0].rows if not walk else 1} row(s) of "
-              f"{'--lengths' if walk else options.length} tokens a step; pipezero's kit: {kit.label}", flush=True)
-        results = run_group(cases, run_options, args, world, preds, walk)
-        print(table([c for c in cases if c.name in results], results, preds, world))
-        if walk:
-            most = planner_longest(options, kit, world, heads, hw, precision, lengths[0])
-            print(f"the planner's longest row that fits {world} x {hw.name.split(' ', 1)[-1]}: "
-                  f"{most:,} tokens (doubling from {lengths[0]:,})")
+        groups.append(Group(name, cases, run_options, preds))
+        rows = "one row of each --lengths" if walk else f"{cases[0].rows} rows of {options.length:,} tokens"
+        print(f"{name}: {rows} a step; pipezero's kit: {kit.label}", flush=True)
+    return groups
 
 
 if __name__ == "__main__":
