@@ -8,13 +8,15 @@ at the same sequence degree (bench/long_context_alst.alst_sp_step). `run_cases` 
 the other in the running process group and returns rank 0's measurements: tokens/s per GPU, peak
 memory (CUDA: max allocated; CPU: the process's max RSS so far), the step's seconds (the median of
 the timed steps, the slowest rank) and the bytes a rank sends to the other stage per micro-batch:
-comm's TRAFFIC `p2p_send` payload (numel x element size of every tensor the runner hands to P2P,
-activations forward and their gradients backward) over the timed steps, divided by the steps and the
-micro-batches, the most of any rank.
+comm's TRAFFIC `p2p_send` payload (numel x element size of every tensor the runner hands to P2P: a
+Llama's hidden states [1, T / sequence, hidden] and position ids [1, T / sequence] forward, the hidden
+states' gradient backward) over the timed steps, divided by the steps and the micro-batches, the most
+of any rank.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import statistics
@@ -210,5 +212,8 @@ def run_cases(cases: list[Case], options: Options, emit=None) -> list[dict]:
         results.append(measure(case, options))
         if emit and dist.get_rank() == 0:
             emit(results[-1])
+        gc.collect()  # the case's model, optimizer and runner, before the next one's peak
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return results
 

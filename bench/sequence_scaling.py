@@ -29,8 +29,9 @@ Columns: tokens/s/GPU (the step's tokens / the median step's seconds, the slowes
 planner s / planner GB: pipezero.train.plan.predict for the same layout (Layout with pipe, data,
 sequence, schedule, micro-batches, ZeRO-3 and the kit) on an H100 / H200 node of N (modelled from the
 FLOPs) or, on CPU, this machine as N processes (hardware.local_cpu); ALST rows have none (the planner
-models pipezero); stage MB/mb: the bytes one rank sends the other stage per micro-batch (activations
-forward, their gradients backward), counted by comm's TRAFFIC from the tensors the runner hands to P2P;
+models pipezero); stage MiB/mb: the MiB one rank sends the other stage per micro-batch (the hidden states
+and position ids forward, the hidden states' gradient backward), counted by comm's TRAFFIC from the
+tensors the runner hands to P2P (numel x element size);
 vs data / vs alst: tokens/s/GPU over the data-parallel row's and over ALST's at the same degree.
 """
 
@@ -59,10 +60,10 @@ TINY = dict(shape="tiny", length=512)
 
 
 def sequence_cases(world: int, heads: int) -> list[Case]:
-    """Ulysses at each degree the world and the heads allow, data parallel, ALST at the same degrees."""
+    """Data parallel, Ulysses at each degree the world and the heads allow, ALST at the same degrees."""
     degrees = [d for d in DEGREES if d <= world and world % d == 0 and heads % d == 0]
     ulysses = [Case(f"ulysses-{d}", sequence=d, rows=world) for d in degrees]
-    return ulysses + [Case("data", rows=world)] + [Case(f"alst-{d}", sequence=d, rows=world, alst=True)
+    return [Case("data", rows=world)] + ulysses + [Case(f"alst-{d}", sequence=d, rows=world, alst=True)
                                                    for d in degrees]
 
 
@@ -88,12 +89,14 @@ def _shape(options: Options, length: int):
 
 
 def hardware(world: int, cuda: bool):
-    """The planner's hardware: an H100 / H200 node of `world` (modelled), or this CPU as `world` processes."""
+    """The planner's hardware: an H100 / H200 node of `world` (modelled) with this host's available memory
+    over its processes (the presets assume a DGX's 256 GB a GPU), or this CPU as `world` processes."""
     from pipezero.train.plan.hardware import h100, h200, local_cpu
 
     if not cuda:
         return local_cpu(world)
-    return (h200 if "H200" in torch.cuda.get_device_name() else h100)(1, world)
+    node = (h200 if "H200" in torch.cuda.get_device_name() else h100)(1, world)
+    return replace(node, host_memory_gb=host_available_gib() * 2**30 / 1e9 / world)
 
 
 def predict_case(case: Case, options: Options, kit: Kit, world: int, hw, precision: str):
@@ -125,12 +128,14 @@ def choose_kit(name: str, cases: list[Case], options: Options, world: int, hw, p
 
 # -- launching: one torchrun group per case (or per invocation with --tiny) ---------------------------
 def launch(cases: list[Case], options: Options, nproc: int, timeout: float) -> list[dict]:
-    """Run cases in a fresh torchrun group of nproc; a result per case (its error if it did not end)."""
+    """Run cases in a fresh torchrun group of nproc, killed after `timeout` s; a result per case (its error if
+    it did not end)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"cases": [asdict(c) for c in cases], "options": asdict(options)}, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.abspath(__file__), "--worker", f.name]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _RUNNING[:] = [proc]
     try:
         out, err = proc.communicate(timeout=timeout)
         why = None
@@ -140,9 +145,25 @@ def launch(cases: list[Case], options: Options, nproc: int, timeout: float) -> l
         why = f"timed out after {timeout:.0f} s"
     finally:
         os.unlink(f.name)
+        _RUNNING.clear()
     done = {r["case"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
-    why = why or _failure(err, proc.returncode)
-    return [done.get(c.name) or {"case": c.name, "error": why} for c in cases]
+    results, why = [], why or _failure(err, proc.returncode)
+    for case in cases:  # the first case without a line ended the launch; the rest never started
+        results.append(done.get(case.name) or {"case": case.name, "error": why})
+        if case.name not in done:
+            why = f"not run: {case.name} ended its launch"
+    return results
+
+
+_RUNNING: list[subprocess.Popen] = []  # the launch under way
+
+
+def _stop(signum, frame) -> None:
+    """SIGTERM (gpu.sh's timeout): end the launch under way too (its own session would outlive us)."""
+    for proc in _RUNNING:
+        os.killpg(proc.pid, signal.SIGKILL)
+    print(f"stopped by signal {signum}: the rows above are what ran", flush=True)
+    raise SystemExit(128 + signum)
 
 
 def _failure(stderr: str, code: int) -> str:
@@ -175,7 +196,7 @@ def _layout(case: Case, world: int) -> str:
     return f"{' x '.join(axes)}, {runtime}, m{case.microbatches(world)}"
 
 
-HEADER = ("| case | layout | tokens/s/GPU | step s | planner s | peak GB | planner GB | stage MB/mb | vs base "
+HEADER = ("| case | layout | tokens/s/GPU | step s | planner s | peak GB | planner GB | stage MiB/mb | vs base "
           "| vs alst |\n|---|---|---|---|---|---|---|---|---|---|")
 
 
@@ -253,19 +274,22 @@ def _refusals(group: Group, world: int, known: dict) -> list[Case]:
 
 
 def _launches(groups: list[Group], args, world: int, known: dict) -> list[tuple[list[Case], list[Group]]]:
-    """(cases, the group of each) per launch: a case each, or with --tiny one for every group but the walk
-    (the interpreters' starts are most of a tiny run)."""
-    launches: list[tuple[list[Case], list[Group]]] = []
+    """(cases, the group of each) per launch: a case each, or with --one-launch (--tiny's) one for the
+    pipezero cases of every group but the walk (ALST registers its attention in transformers for the
+    process: a launch each)."""
+    shared: list[tuple[list[Case], list[Group]]] = []  # one launch per set of options
+    single: list[tuple[list[Case], list[Group]]] = []
     for group in groups:
         ready = _refusals(group, world, known)
-        if group.walk or not args.tiny:
-            launches += [([case], [group]) for case in ready]
-        elif launches and not launches[-1][1][0].walk and launches[-1][1][0].options == group.options:
-            launches[-1][0].extend(ready)
-            launches[-1][1].extend([group] * len(ready))
-        elif ready:
-            launches.append((list(ready), [group] * len(ready)))
-    return launches
+        together = [] if group.walk or not args.one_launch else [c for c in ready if not c.alst]
+        same = next((other for other in shared if other[1][0].options == group.options), None)
+        if together and same:
+            same[0].extend(together)
+            same[1].extend([group] * len(together))
+        elif together:
+            shared.append((together, [group] * len(together)))
+        single += [([case], [group]) for case in ready if case not in together]
+    return shared + single
 
 
 def run_groups(groups: list[Group], args, world: int, known: dict) -> None:
@@ -274,7 +298,7 @@ def run_groups(groups: list[Group], args, world: int, known: dict) -> None:
     for cases, owners in _launches(groups, args, world, known):
         if owners[0].name in stopped:
             continue
-        for result, owner in zip(launch(cases, owners[0].options, world, args.timeout), owners):
+        for result, owner in zip(launch(cases, owners[0].options, world, args.timeout * len(cases)), owners):
             _record(owner, result, known, world)
             if owner.walk and "error" in result:
                 stopped.add(owner.name)
@@ -337,7 +361,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="the longest walk's lengths, ascending")
     p.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up (0: time the warm-up)")
     p.add_argument("--kit", default="auto", choices=["auto", *KITS])
-    p.add_argument("--timeout", type=float, default=400.0, help="seconds a launch may take before it is killed")
+    p.add_argument("--timeout", type=float, default=400.0, help="seconds a case may take before its launch is killed "
+                   "(a launch of k cases: k times)")
+    p.add_argument("--one-launch", action="store_true", help="the pipezero cases in one launch (fewer starts; peak "
+                   "memory reset between them; an out of memory ends the rest): --tiny's")
     p.add_argument("--save", default=None, help="a JSON file that keeps the results: ratios to rows of earlier runs "
                    "of the same shape, depth, length and processes (ALST in a call of its own)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -348,6 +375,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         return worker(args.worker)
+    args.one_launch = args.one_launch or args.tiny
+    signal.signal(signal.SIGTERM, _stop)
     cuda = torch.cuda.is_available() and not args.tiny
     world = args.nproc or (torch.cuda.device_count() if cuda else 2)
     base = TINY if args.tiny or not cuda else GPU
