@@ -40,7 +40,7 @@ import types
 
 import torch
 
-__all__ = ["alst_loss", "alst_model", "alst_sp_step", "alst_step", "attention", "unavailable"]
+__all__ = ["alst_loss", "alst_model", "alst_slice", "alst_sp_step", "alst_step", "attention", "unavailable"]
 
 
 def unavailable() -> str | None:
@@ -181,9 +181,15 @@ def alst_sp_step(config, device: torch.device, degree: int, accumulation: int, o
 
     def step(rows):
         for ids, positions in rows:  # DeepSpeed steps the optimizer at the last row's engine.step()
-            labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
-            part = ids.shape[1] // degree
-            mine = [t[:, rank * part:(rank + 1) * part] for t in (ids, positions, labels)]
-            engine.backward(alst_loss(engine.module, *mine, count=ids.shape[1] - 1))
+            mine, count = alst_slice(ids, positions, rank, degree)
+            engine.backward(alst_loss(engine.module, *mine, count=count))
             engine.step()
     return step
+
+
+def alst_slice(ids: torch.Tensor, positions: torch.Tensor, rank: int, degree: int) -> tuple[list, int]:
+    """Sequence rank `rank`'s slice of a whole row [1, T] as UlyssesSPDataLoaderAdapter cuts it: [ids,
+    positions, the labels shifted on the whole row], and the whole row's count of trained tokens."""
+    labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+    part = ids.shape[1] // degree
+    return [t[:, rank * part:(rank + 1) * part] for t in (ids, positions, labels)], ids.shape[1] - 1
