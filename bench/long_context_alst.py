@@ -27,7 +27,8 @@ deepspeed.initialize takes; each rank trains its slice of the row (the slices
 its loss the slice's sum over the row's trained tokens, which DeepSpeed's gradient averaging over the
 data ranks (the sequence ranks' gradients summed) turns into the row's mean.
 
-DeepSpeed needs an accelerator: on CPU `unavailable()` says so and the bench prints it as the row.
+bench/long_context.py needs an accelerator for it: on CPU `unavailable()` says so and the bench prints it
+as the row; bench/sequence_scaling.py --tiny runs it on DeepSpeed's CPU accelerator over gloo.
 """
 
 from __future__ import annotations
@@ -43,17 +44,21 @@ import torch
 __all__ = ["alst_loss", "alst_model", "alst_slice", "alst_sp_step", "alst_step", "attention", "unavailable"]
 
 
-def unavailable() -> str | None:
-    """Why the ALST runner cannot run here, or None."""
-    if not torch.cuda.is_available():
+def unavailable(need_cuda: bool = True) -> str | None:
+    """Why the ALST runner cannot run here, or None (need_cuda=False: DeepSpeed's CPU accelerator will do,
+    as for bench/sequence_scaling.py --tiny, whose ALST keeps its checkpointed inputs on the device)."""
+    if need_cuda and not torch.cuda.is_available():
         return "not run: DeepSpeed ALST needs a CUDA device"
     if importlib.util.find_spec("deepspeed") is None:
         return "not run: deepspeed is not installed (the README's Long sequences section: the install line)"
     return None
 
 
-def attention() -> str:
-    """The attention ALST runs with here: the recipe's flash_attention_2 if present, else flex_attention."""
+def attention(device: torch.device | None = None) -> str:
+    """The attention ALST runs with here: the recipe's flash_attention_2 if present, else flex_attention;
+    off CUDA (the CPU tests) sdpa."""
+    if device is not None and device.type != "cuda":
+        return "sdpa"
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention"
 
 
@@ -84,10 +89,10 @@ def _tiled_mlp(mlp: torch.nn.Module) -> None:
     mlp.forward = types.MethodType(forward, mlp)
 
 
-def _ds_config(offload_optimizer: bool, accumulation: int = 1) -> dict:
+def _ds_config(offload_optimizer: bool, accumulation: int = 1, bf16: bool = True) -> dict:
     zero: dict = {"stage": 3}
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
-              "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 1 << 30,
+              "bf16": {"enabled": bf16}, "zero_optimization": zero, "steps_per_print": 1 << 30,
               "wall_clock_breakdown": False}
     if offload_optimizer:  # the sp1 recipe: optimizer and parameters on the host, DeepSpeed's CPU Adam
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -106,9 +111,8 @@ def alst_model(config, device: torch.device, dtype: torch.dtype = torch.bfloat16
     checkpointed, its input on the host (on a CUDA device: pinned host memory needs one)."""
     from transformers import AutoModelForCausalLM
 
-    implementation = attention() if device.type == "cuda" else "sdpa"
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention(device), dtype=dtype)
     model.config.use_cache = False
     for layer in model.model.layers:
         _tiled_mlp(layer.mlp)
@@ -171,12 +175,14 @@ def alst_sp_step(config, device: torch.device, degree: int, accumulation: int, o
     import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False, verbose=False)
-    model = alst_model(config, device)
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, attention(), degree, micro_batch_size=1)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # the running group's (gloo: the CPU test)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # fp32 on CPU, as pipezero's cases
+    model = alst_model(config, device, dtype)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, attention(device), degree, micro_batch_size=1)
     client = None if offload_optimizer else torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=client, mpu=mpu, model_parameters=model.parameters(),
-                                      config=_ds_config(offload_optimizer, accumulation))
+                                      config=_ds_config(offload_optimizer, accumulation, dtype == torch.bfloat16))
     rank = dist.get_rank(mpu.get_sequence_parallel_group())
 
     def step(rows):

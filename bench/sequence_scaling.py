@@ -257,13 +257,14 @@ class Group:
 
 
 def _refusals(group: Group, world: int, known: dict) -> list[Case]:
-    """Record why a case cannot run here (ALST off CUDA, the host too small); the cases that can, in order
+    """Record why a case cannot run here (ALST without deepspeed, the host too small); the cases that can, in order
     (a walk: those before its first refusal)."""
     from long_context_alst import unavailable
 
     ready = []
     for case in group.cases:
-        reason = (unavailable() if case.alst else None) or _host_refusal(group.preds.get(case.name), world)
+        reason = (unavailable(need_cuda=False) if case.alst else None) or _host_refusal(group.preds.get(case.name),
+                                                                                        world)
         if reason:
             _record(group, {"case": case.name, "error": reason}, known, world)
             if group.walk:
@@ -306,10 +307,15 @@ def run_groups(groups: list[Group], args, world: int, known: dict) -> None:
             save(args.save, args.key, known)
 
 
+_PRINTED: list[str] = []  # the group whose rows were printed last
+
+
 def _record(group: Group, result: dict, known: dict, world: int) -> None:
-    """Keep a result and print its row (the group's header before its first): a run cut short keeps them."""
-    if not group.ran:
+    """Keep a result and print its row (a header before it when another group's row came last): a run cut
+    short keeps the rows it printed."""
+    if _PRINTED[-1:] != [group.name]:
         print(f"\n{group.name}:\n{HEADER}")
+        _PRINTED.append(group.name)
     name = result["case"]
     known[name] = result
     group.ran.append(name)
