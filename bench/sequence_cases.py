@@ -184,11 +184,11 @@ def measure(case: Case, options: Options) -> dict:
     config = hf_config(options, case.length or options.length)
     case.check(world, config.num_attention_heads)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     step, data_rank = (_alst(case, options, config, device, world) if case.alst
                        else _pipezero(case, options, config, device, dtype))
     rows = _rows(case, options, world, data_rank, config.vocab_size, device)
+    if device.type == "cuda":  # the training's peak, not the build's (pipezero builds in fp32, then casts)
+        torch.cuda.reset_peak_memory_stats(device)
     warm = _timed(step, rows, device)
     TRAFFIC.reset()
     times = [_timed(step, rows, device) for _ in range(options.steps)] or [warm]

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,11 +168,16 @@ def _stop(signum, frame) -> None:
 
 
 def _failure(stderr: str, code: int) -> str:
-    """What stopped a launch, from its stderr: out of memory, or its last error line."""
-    if "OutOfMemoryError" in stderr or "out of memory" in stderr or code in (-9, 137):
+    """What stopped a launch, from its stderr: out of memory, a worker killed (the host's OOM killer, most
+    likely), or the first exception a worker raised (the root cause; torchrun's own comes after)."""
+    if "OutOfMemoryError" in stderr or "out of memory" in stderr:
         return "out of memory"
-    lines = [line.strip() for line in stderr.splitlines() if "Error" in line or "error" in line]
-    return (lines or [f"failed (exit {code})"])[-1][:200]
+    if "SIGKILL" in stderr or "exitcode  : -9" in stderr or code in (-9, 137):
+        return "a worker was killed (SIGKILL: the host out of memory?)"
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip()) for line in stderr.splitlines()]
+    raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*: ", line)
+              and "ChildFailedError" not in line]
+    return (raised or [f"failed (exit {code})"])[0][:300]
 
 
 def worker(path: str) -> None:

@@ -48,3 +48,28 @@ def test_the_planner_predicts_every_pipezero_layout_the_bench_builds():
             if pred is not None:
                 assert pred.layout.world == world and pred.layout.sequence == case.sequence, case
                 assert pred.tokens_per_step == case.rows * 65536 and pred.time.total > 0, case
+
+
+def test_one_launch_keeps_alst_and_the_walk_apart_and_a_failed_launch_names_its_cause():
+    """No process: --one-launch puts the pipezero cases of every group in one launch, each ALST case and each
+    length of the walk in their own (ALST's Ulysses replaces transformers' attention for the process); a
+    launch's failure is the first exception a worker raised, an out of memory, or a kill."""
+    from argparse import Namespace
+
+    pytest.importorskip("deepspeed")  # else the ALST cases are refused before any launch
+    from bench.sequence_scaling import Group, _failure, _launches, longest_cases
+
+    options = Options(shape="tiny", length=LENGTH)
+    groups = [Group(name, cases, options, {}) for name, cases in
+              (("sequence", sequence_cases(4, 4)), ("pipe", pipe_cases(4)),
+               ("longest", longest_cases(4, 4, [256, 512])))]
+    known: dict = {}
+    launches = _launches(groups, Namespace(one_launch=True), 4, known)
+    names = [[c.name for c in cases] for cases, _ in launches]
+    assert names[0] == ["data", "ulysses-2", "ulysses-4", "pipe2-zbv", "pipe2-dualpipev", "pipe2-seq2-zbv",
+                        "pipe2-seq2-dualpipev"], names
+    assert names[1:] == [["alst-2"], ["alst-4"], ["longest-256"], ["longest-512"]], names
+    assert _failure("Traceback\n[rank1]: ValueError: case x: pipe 2\ntorch.distributed.elastic.multiprocessing."
+                    "errors.ChildFailedError: \n", 1) == "ValueError: case x: pipe 2"
+    assert _failure("torch.OutOfMemoryError: CUDA out of memory. Tried", 1) == "out of memory"
+    assert "killed" in _failure("exitcode  : -9 (pid: 12)\nSignal 9 (SIGKILL) received", 1)
