@@ -189,8 +189,10 @@ def measure(case: Case, options: Options) -> dict:
     rows = _rows(case, options, world, data_rank, config.vocab_size, device)
     if device.type == "cuda":  # the training's peak, not the build's (pipezero builds in fp32, then casts)
         torch.cuda.reset_peak_memory_stats(device)
-    warm = _timed(step, rows, device)
     TRAFFIC.reset()
+    warm = _timed(step, rows, device)
+    if options.steps:  # the timed steps' traffic (--steps 0: the warm-up step's)
+        TRAFFIC.reset()
     times = [_timed(step, rows, device) for _ in range(options.steps)] or [warm]
     sent = TRAFFIC.snapshot().get("p2p_send", {}).get("bytes", 0) / max(options.steps, 1)
     seconds, peak, sent = _most([statistics.median(times), _peak_bytes(device), sent], device)
