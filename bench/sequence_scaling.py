@@ -148,6 +148,11 @@ def launch(cases: list[Case], options: Options, nproc: int, timeout: float) -> l
         os.unlink(f.name)
         _RUNNING.clear()
     done = {r["case"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
+    if len(done) < len(cases):  # the first worker's traceback, for the log (gpu.sh keeps stderr)
+        lines = err.splitlines()
+        first = next((i for i, line in enumerate(lines) if "Traceback" in line), max(0, len(lines) - 40))
+        print(f"--- the launch of {', '.join(c.name for c in cases)}, its stderr:", *lines[first:first + 60], "---",
+              sep="\n", file=sys.stderr, flush=True)
     results, why = [], why or _failure(err, proc.returncode)
     for case in cases:  # the first case without a line ended the launch; the rest never started
         results.append(done.get(case.name) or {"case": case.name, "error": why})
