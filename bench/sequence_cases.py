@@ -63,9 +63,10 @@ class Case:
     def check(self, world: int, heads: int) -> None:
         """Refuse a case the world or the heads cannot hold (on every rank, before any collective)."""
         if world % (self.pipe * self.sequence) or self.rows % self.data(world) or heads % self.sequence:
-            raise ValueError(f"case {self.name}: pipe {self.pipe} x sequence {self.sequence} over {world} processes "
-                             f"and {self.rows} rows of {heads} heads: pipe x sequence must divide the world, the data "
-                             "ranks the rows and the degree the heads; give --nproc a multiple of pipe x sequence")
+            raise ValueError(f"case {self.name}: pipe {self.pipe} x sequence {self.sequence} over {world} "
+                             f"processes and {self.rows} rows of {heads} heads: pipe x sequence must divide the "
+                             "world, the data ranks the rows and the degree the heads; give --nproc a multiple of "
+                             "pipe x sequence")
 
 
 @dataclass(frozen=True)

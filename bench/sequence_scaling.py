@@ -151,8 +151,9 @@ def launch(cases: list[Case], options: Options, nproc: int, timeout: float) -> l
     if len(done) < len(cases):  # the first worker's traceback, for the log (gpu.sh keeps stderr)
         lines = err.splitlines()
         first = next((i for i, line in enumerate(lines) if "Traceback" in line), max(0, len(lines) - 40))
-        print(f"--- the launch of {', '.join(c.name for c in cases)}, its stderr:", *lines[first:first + 60], "---",
-              sep="\n", file=sys.stderr, flush=True)
+        names = ", ".join(c.name for c in cases)
+        print(f"--- the launch of {names}, its stderr:", *lines[first:first + 60], "---", sep="\n",
+              file=sys.stderr, flush=True)
     results, why = [], why or _failure(err, proc.returncode)
     for case in cases:  # the first case without a line ended the launch; the rest never started
         results.append(done.get(case.name) or {"case": case.name, "error": why})
@@ -224,12 +225,12 @@ def row(case: Case, results: dict, pred, world: int) -> str:
     if "error" in r:
         return head + f"{r['error']} |  |  |  |  |  |  |  |"
     rate, base = r.get("tokens_per_s_gpu"), base_of(case)
-    alst = results.get(f"alst-{case.sequence}", {}).get("tokens_per_s_gpu") if case.name.startswith("ulysses") else None
     cells = [f"{rate:,.0f}" if rate else "-", _num(r.get("seconds"), 2), _num(pred and pred.time.total, 2),
              _num(r.get("peak_gb"), 2), _num(pred and pred.memory.total / 1e9, 2),
              _num(r["stage_bytes_mb"] / 2**20 if r.get("stage_bytes_mb") else None, 2),
              _ratio(rate, results.get(base, {}).get("tokens_per_s_gpu")) if base else "",
-             _ratio(rate, alst) if case.name.startswith("ulysses") else ""]
+             _ratio(rate, results.get(f"alst-{case.sequence}", {}).get("tokens_per_s_gpu"))
+             if case.name.startswith("ulysses") else ""]
     return head + " | ".join(cells) + " |"
 
 
@@ -378,12 +379,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="the longest walk's lengths, ascending")
     p.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up (0: time the warm-up)")
     p.add_argument("--kit", default="auto", choices=["auto", *KITS])
-    p.add_argument("--timeout", type=float, default=400.0, help="seconds a case may take before its launch is killed "
-                   "(a launch of k cases: k times)")
-    p.add_argument("--one-launch", action="store_true", help="the pipezero cases in one launch (fewer starts; peak "
-                   "memory reset between them; an out of memory ends the rest): --tiny's")
-    p.add_argument("--save", default=None, help="a JSON file that keeps the results: ratios to rows of earlier runs "
-                   "of the same shape, depth, length and processes (ALST in a call of its own)")
+    p.add_argument("--timeout", type=float, default=400.0,
+                   help="seconds a case may take before its launch is killed (a launch of k cases: k times)")
+    p.add_argument("--one-launch", action="store_true",
+                   help="the pipezero cases in one launch (fewer starts; peak memory reset between them; an out of "
+                   "memory ends the rest): --tiny's")
+    p.add_argument("--save", default=None,
+                   help="a JSON file that keeps the results: ratios to rows of earlier runs of the same shape, depth, "
+                   "length and processes (ALST in a call of its own)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -411,7 +414,8 @@ def main(argv=None) -> None:
     groups = plan_groups(args, options, world, heads, lengths, hw, precision)
     known = load(args.save, args.key) if args.save else {}
     run_groups(groups, args, world, known)
-    print("\nthe tables again, every ratio from the rows known now" + (f" (and {args.save}'s)" if args.save else ""))
+    saved = f" (and {args.save}'s)" if args.save else ""
+    print(f"\nthe tables again, every ratio from the rows known now{saved}")
     for group in groups:
         print(f"\n{group.name}:\n{HEADER}")
         print("\n".join(row(c, known, group.preds.get(c.name), world) for c in group.cases if c.name in group.ran))
@@ -420,7 +424,8 @@ def main(argv=None) -> None:
             print(f"the planner's longest row that fits {hw.name}: {most:,} tokens (doubling from {lengths[0]:,})")
 
 
-def plan_groups(args, options: Options, world: int, heads: int, lengths: list[int], hw, precision: str) -> list[Group]:
+def plan_groups(args, options: Options, world: int, heads: int, lengths: list[int], hw,
+                precision: str) -> list[Group]:
     """Each --cases group's cases (--only's), its kit and the planner's prediction of every case."""
     everything = {"sequence": sequence_cases(world, heads), "pipe": pipe_cases(world),
                   "longest": longest_cases(world, heads, lengths)}
