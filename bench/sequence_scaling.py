@@ -6,6 +6,7 @@ sequence 2 under ZB-V and DualPipeV, the longest sequence, each beside the plann
     python bench/sequence_scaling.py                         # a process per GPU: Llama-3-8B's shape, 64K, bf16
     python bench/sequence_scaling.py --cases pipe --layers 8
     python bench/sequence_scaling.py --cases longest --lengths 131072 262144 524288
+    python bench/sequence_scaling.py --plan-only h100 --nproc 8 --layers 8   # no GPU: the planner's columns
 
 Cases (--cases; every one on all N processes, ZeRO-3 over data x sequence, AdamW with fp32 masters):
   sequence  ulysses-D   Grid(sequence=D, data=N/D) for D = 2 / 4 / 8 (those N and the heads allow): Ulysses
@@ -89,11 +90,14 @@ def _shape(options: Options, length: int):
     return ModelShape.from_hf_config(hf_config(options, length), length, name=options.shape)
 
 
-def hardware(world: int, cuda: bool):
+def hardware(world: int, cuda: bool, preset: str | None = None):
     """The planner's hardware: an H100 / H200 node of `world` (modelled) with this host's available memory
-    over its processes (the presets assume a DGX's 256 GB a GPU), or this CPU as `world` processes."""
+    over its processes (the presets assume a DGX's 256 GB a GPU), or this CPU as `world` processes;
+    `preset` (--plan-only): that node as the preset has it."""
     from pipezero.train.plan.hardware import h100, h200, local_cpu
 
+    if preset:
+        return (h200 if preset == "h200" else h100)(1, world)
     if not cuda:
         return local_cpu(world)
     node = (h200 if "H200" in torch.cuda.get_device_name() else h100)(1, world)
@@ -361,8 +365,7 @@ def planner_longest(options: Options, kit: Kit, world: int, heads: int, hw, prec
     longest, length = 0, start
     while length <= 1 << 26:
         case = longest_cases(world, heads, [length])[0]
-        pred = predict_case(case, options, kit, world, hw, precision)
-        if not pred.fits or _host_refusal(pred, world):
+        if not predict_case(case, options, kit, world, hw, precision).fits:  # the hardware's host memory too
             break
         longest, length = length, 2 * length
     return longest
@@ -387,6 +390,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", default=None,
                    help="a JSON file that keeps the results: ratios to rows of earlier runs of the same shape, depth, "
                    "length and processes (ALST in a call of its own)")
+    p.add_argument("--plan-only", default=None, choices=["h100", "h200"],
+                   help="run nothing: the planner's prediction of every case on a node of --nproc (default 8) "
+                   "such GPUs, the GPU defaults (to size a device call beforehand)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -397,8 +403,8 @@ def main(argv=None) -> None:
         return worker(args.worker)
     args.one_launch = args.one_launch or args.tiny
     signal.signal(signal.SIGTERM, _stop)
-    cuda = torch.cuda.is_available() and not args.tiny
-    world = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    cuda = (torch.cuda.is_available() and not args.tiny) or bool(args.plan_only)
+    world = args.nproc or (8 if args.plan_only else torch.cuda.device_count() if cuda else 2)
     base = TINY if args.tiny or not cuda else GPU
     options = Options(shape=base["shape"], layers=args.layers, length=args.length or base["length"],
                       steps=args.steps)
@@ -406,12 +412,14 @@ def main(argv=None) -> None:
     lengths = args.lengths or ([options.length * k for k in (1, 2, 4)] if args.tiny
                                else [131072, 262144, 524288, 1048576])
     precision = "bf16" if cuda else "fp32"
-    hw = hardware(world, cuda)
-    device = torch.cuda.get_device_name() if cuda else "CPU (fp32, gloo)"
+    hw = hardware(world, cuda, args.plan_only)
+    device = args.plan_only or (torch.cuda.get_device_name() if cuda else "CPU (fp32, gloo)")
     depth = f", {args.layers} layers" if args.layers else ""
     print(f"{options.shape} Llama{depth} on {world} x {device}; the planner's hardware: {hw.name}")
     args.key = f"{options.shape} {args.layers or 'all'} layers, {options.length} tokens, {world} processes"
     groups = plan_groups(args, options, world, heads, lengths, hw, precision)
+    if args.plan_only:
+        return _print_plan(groups, options, world, heads, lengths, hw, precision)
     known = load(args.save, args.key) if args.save else {}
     run_groups(groups, args, world, known)
     saved = f" (and {args.save}'s)" if args.save else ""
@@ -419,6 +427,17 @@ def main(argv=None) -> None:
     for group in groups:
         print(f"\n{group.name}:\n{HEADER}")
         print("\n".join(row(c, known, group.preds.get(c.name), world) for c in group.cases if c.name in group.ran))
+        if group.walk:
+            most = planner_longest(options, group.options.kit, world, heads, hw, precision, lengths[0])
+            print(f"the planner's longest row that fits {hw.name}: {most:,} tokens (doubling from {lengths[0]:,})")
+
+
+def _print_plan(groups: list[Group], options: Options, world: int, heads: int, lengths: list[int], hw,
+                precision: str) -> None:
+    """--plan-only: each group's rows with the planner's columns alone."""
+    for group in groups:
+        print(f"\n{group.name}:\n{HEADER}")
+        print("\n".join(row(c, {}, group.preds.get(c.name), world) for c in group.cases))
         if group.walk:
             most = planner_longest(options, group.options.kit, world, heads, hw, precision, lengths[0])
             print(f"the planner's longest row that fits {hw.name}: {most:,} tokens (doubling from {lengths[0]:,})")
