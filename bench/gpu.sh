@@ -4,7 +4,8 @@
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
-#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core ...]
+#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core|
+#                      seq-multi|seq-multi-alst|seq-multi-pipe|seq-multi-longest ...]
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
 #   speed: issue 31 on 1 GPU: HF Llama (TinyLlama's shape) and the 1.34B GPT, plain PyTorch eager / compiled
@@ -13,6 +14,11 @@
 #   alst-8b / alst-tiny: bench/long_context.py beside DeepSpeed ALST (Llama-3-8B's width at 8 layers, 512K
 #   tokens, optimizer on the host, DeepSpeed's CPU Adam JIT-built in the first alst run's set-up; TinyLlama's
 #   shape at 128K and 512K); needs transformers and deepspeed in .whl.
+#   seq-multi*: issue 48 on every GPU of the machine (2, 4 or 8), bench/sequence_scaling.py, one 600-s call each:
+#   seq-multi: Ulysses 2/4/8 beside data parallel (Llama-3-8B's width at 8 layers, 64K tokens a row, ZeRO-3) and
+#   DeepSpeed ALST at each degree; seq-multi-alst: ALST's rows alone (if seq-multi's time ran out before them);
+#   seq-multi-pipe: pipe 2 (x sequence 2 on 4 and 8) under ZB-V and DualPipeV; seq-multi-longest: the whole 8B,
+#   one row of 128K / 256K / 512K tokens until one does not train; deepspeed and transformers in .whl.
 #   (default: main-job smoke zero pipe comm precision; profile/trace: kernel tables and chrome traces under $OUT)
 #   main-job: the README's main job on 1 GPU and on 2 when present, failing unless every parameter and
 #   activation is on CUDA (--expect-device cuda); nsys: 2 steps of it under Nsight Systems with NVTX ranges.
@@ -112,6 +118,14 @@ for w in $what; do
                --lengths 1048576 ;;  # one step of 1M tokens, its time the first step's
     long-512k) run long-512k 300 env DS_SKIP_CUDA_CHECK=1 python3 bench/long_context.py --shape tinyllama --steps 1 \
                  --runs pipezero-offload alst --lengths 524288 ;;  # beside DeepSpeed ALST (deepspeed in .whl)
+    seq-multi) run seq-multi 570 env DS_SKIP_CUDA_CHECK=1 python3 bench/sequence_scaling.py --cases sequence \
+                 --layers 8 --one-launch --timeout 150 --save "$out/seq-multi.json" ;;  # issue 48
+    seq-multi-alst) run seq-multi-alst 570 env DS_SKIP_CUDA_CHECK=1 python3 bench/sequence_scaling.py --cases sequence \
+                      --layers 8 --only alst-2 alst-4 alst-8 --timeout 180 ;;
+    seq-multi-pipe) run seq-multi-pipe 570 python3 bench/sequence_scaling.py --cases pipe --layers 8 --one-launch \
+                      --timeout 130 ;;
+    seq-multi-longest) run seq-multi-longest 570 python3 bench/sequence_scaling.py --cases longest \
+                         --lengths 131072 262144 524288 --timeout 260 ;;  # one step each, the whole 8B
     alst-tiny) run alst-tiny 560 python3 bench/long_context.py --shape tinyllama --steps 1 --runs alst \
                  --lengths 131072 524288 ;;
     data) run data 600 python3 bench/data.py --device cuda --hf-layers 22 --hidden 2048 --seq-len 2048 --batch 8 \

@@ -1,4 +1,5 @@
-"""DeepSpeed ALST at sequence degree 1: bench/long_context.py's `alst` runner.
+"""DeepSpeed ALST: bench/long_context.py's `alst` runner at sequence degree 1, and
+bench/sequence_scaling.py's at degree 2 / 4 / 8 (alst_sp_step).
 
 Arctic Long Sequence Training (Bekman et al. 2025, arXiv 2506.13996; DeepSpeed 0.19.8's
 runtime/sequence_parallel/ulysses_sp.py) as ArcticTraining's one-GPU recipe sets it
@@ -18,7 +19,16 @@ compute stream, as ALST's are. Attention: the model's
 (transformers' document mask from the packed position ids: ALST's kernels do not include one), so each
 document is attended on its own, as pipezero does.
 
-DeepSpeed needs an accelerator: on CPU `unavailable()` says so and the bench prints it as the row.
+At degree > 1 (alst_sp_step) the recipe's multi-GPU form: DeepSpeed's
+`UlyssesSPAttentionHF.register_with_transformers` puts its Ulysses all-to-alls around the model's kernel
+and returns its mpu (sequence groups of consecutive ranks, data parallel over the rest), which
+deepspeed.initialize takes; each rank trains its slice of the row (the slices
+`UlyssesSPDataLoaderAdapter` would hand it: ids, position ids and the labels shifted on the whole row),
+its loss the slice's sum over the row's trained tokens, which DeepSpeed's gradient averaging over the
+data ranks (the sequence ranks' gradients summed) turns into the row's mean.
+
+bench/long_context.py needs an accelerator for it: on CPU `unavailable()` says so and the bench prints it
+as the row; bench/sequence_scaling.py --tiny runs it on DeepSpeed's CPU accelerator over gloo.
 """
 
 from __future__ import annotations
@@ -27,24 +37,29 @@ import importlib.util
 import math
 import os
 import socket
+import sys
 import types
 
 import torch
 
-__all__ = ["alst_loss", "alst_model", "alst_step", "attention", "unavailable"]
+__all__ = ["alst_loss", "alst_model", "alst_slice", "alst_sp_step", "alst_step", "attention", "unavailable"]
 
 
-def unavailable() -> str | None:
-    """Why the ALST runner cannot run here, or None."""
-    if not torch.cuda.is_available():
+def unavailable(need_cuda: bool = True) -> str | None:
+    """Why the ALST runner cannot run here, or None (need_cuda=False: DeepSpeed's CPU accelerator will do,
+    as for bench/sequence_scaling.py --tiny, whose ALST keeps its checkpointed inputs on the device)."""
+    if need_cuda and not torch.cuda.is_available():
         return "not run: DeepSpeed ALST needs a CUDA device"
     if importlib.util.find_spec("deepspeed") is None:
         return "not run: deepspeed is not installed (the README's Long sequences section: the install line)"
     return None
 
 
-def attention() -> str:
-    """The attention ALST runs with here: the recipe's flash_attention_2 if present, else flex_attention."""
+def attention(device: torch.device | None = None) -> str:
+    """The attention ALST runs with here: the recipe's flash_attention_2 if present, else flex_attention;
+    off CUDA (the CPU tests) sdpa."""
+    if device is not None and device.type != "cuda":
+        return "sdpa"
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention"
 
 
@@ -75,10 +90,10 @@ def _tiled_mlp(mlp: torch.nn.Module) -> None:
     mlp.forward = types.MethodType(forward, mlp)
 
 
-def _ds_config(offload_optimizer: bool) -> dict:
+def _ds_config(offload_optimizer: bool, accumulation: int = 1, bf16: bool = True) -> dict:
     zero: dict = {"stage": 3}
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 1 << 30,
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+              "bf16": {"enabled": bf16}, "zero_optimization": zero, "steps_per_print": 1 << 30,
               "wall_clock_breakdown": False}
     if offload_optimizer:  # the sp1 recipe: optimizer and parameters on the host, DeepSpeed's CPU Adam
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -97,9 +112,8 @@ def alst_model(config, device: torch.device, dtype: torch.dtype = torch.bfloat16
     checkpointed, its input on the host (on a CUDA device: pinned host memory needs one)."""
     from transformers import AutoModelForCausalLM
 
-    implementation = attention() if device.type == "cuda" else "sdpa"
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention(device), dtype=dtype)
     model.config.use_cache = False
     for layer in model.model.layers:
         _tiled_mlp(layer.mlp)
@@ -109,18 +123,21 @@ def alst_model(config, device: torch.device, dtype: torch.dtype = torch.bfloat16
     return model.train()
 
 
-def alst_loss(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def alst_loss(model, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor | None = None,
+              count: int | None = None) -> torch.Tensor:
     """The mean next-token loss with ALST's tiled logits + loss: no [seq, vocab] tensor is ever whole.
 
     TiledFusedLogitsLoss makes the head's gradient in its forward, shard by shard, with an incoming
     gradient of 1 ("sum"); a division of its result afterwards reaches the hidden states' gradient but
     not the head's (it came out count times too large). So each shard divides its own sum by the
     whole row's count of trained tokens, and the shards add up to the mean.
+    `labels` / `count`: a sequence rank's slice of the labels shifted on the whole row and the whole
+    row's trained tokens (its slice's loss is then its part of the row's mean); default: ids' own.
     """
     import torch.nn.functional as F
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
-    count = ids.shape[1] - 1
+    count = ids.shape[1] - 1 if count is None else count
 
     def logits_loss(self, x, y):
         logits = self.lm_head(x).float()  # x: a shard of the flattened [batch * seq, hidden] rows
@@ -128,7 +145,7 @@ def alst_loss(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
                                reduction="sum") / count
 
     hidden = model.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100) if labels is None else labels
     shards = _loss_shards(ids.shape[1], model.config.vocab_size)
     head = [model.lm_head.weight]
     return TiledFusedLogitsLoss.apply(logits_loss, model, hidden, labels, None, shards, head, "sum")
@@ -148,3 +165,40 @@ def alst_step(config, device: torch.device, offload_optimizer: bool):
         engine.backward(alst_loss(engine.module, ids, positions))
         engine.step()
     return step
+
+
+def alst_sp_step(config, device: torch.device, degree: int, accumulation: int, offload_optimizer: bool):
+    """A training step of ALST's multi-GPU recipe: Ulysses over `degree` consecutive ranks of the running
+    process group (data parallel over the rest), ZeRO-3, `accumulation` rows per data rank a step.
+
+    Returns step(rows) for rows = [(ids, positions)] of whole rows [1, T], this data rank's."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    backend = "nccl" if device.type == "cuda" else "gloo"  # the running group's (gloo: the CPU test)
+    if backend == "gloo":  # no shared-memory kernel to compile (~2 min), as the tests skip it
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # fp32 on CPU, as pipezero's cases
+    model = alst_model(config, device, dtype)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, attention(device), degree, micro_batch_size=1)
+    client = None if offload_optimizer else torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=client, mpu=mpu, model_parameters=model.parameters(),
+                                      config=_ds_config(offload_optimizer, accumulation, dtype == torch.bfloat16))
+    rank = dist.get_rank(mpu.get_sequence_parallel_group())
+
+    def step(rows):
+        for ids, positions in rows:  # DeepSpeed steps the optimizer at the last row's engine.step()
+            mine, count = alst_slice(ids, positions, rank, degree)
+            engine.backward(alst_loss(engine.module, *mine, count=count))
+            engine.step()
+    return step
+
+
+def alst_slice(ids: torch.Tensor, positions: torch.Tensor, rank: int, degree: int) -> tuple[list, int]:
+    """Sequence rank `rank`'s slice of a whole row [1, T] as UlyssesSPDataLoaderAdapter cuts it: [ids,
+    positions, the labels shifted on the whole row], and the whole row's count of trained tokens."""
+    labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+    part = ids.shape[1] // degree
+    return [t[:, rank * part:(rank + 1) * part] for t in (ids, positions, labels)], ids.shape[1] - 1

@@ -3,11 +3,14 @@
 The ALST runner needs a GPU to run whole (DeepSpeed's engine); what CI can check is that its model
 (DeepSpeed's TiledMLP in every layer, every layer checkpointed) and its loss (DeepSpeed's
 TiledFusedLogitsLoss) give transformers' own loss and gradients on the same packed row, so the bench
-compares like with like; and that the 8B runs are refused, with the numbers, where the host could not
+compares like with like, also at sequence degree 2 (bench/sequence_scaling.py's ALST rows: DeepSpeed's
+Ulysses on 2 gloo ranks); and that the 8B runs are refused, with the numbers, where the host could not
 hold them.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -61,3 +64,49 @@ def test_alst_model_and_loss_equal_transformers(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(model.named_parameters(), truth.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _alst_sequence_2(state, ids):
+    """On 2 gloo ranks: DeepSpeed's Ulysses registered around the ALST model's SDPA, each rank its
+    alst_slice of the row; (the loss, every gradient) summed over the ranks."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    from bench import long_context_alst as alst
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo: no shm kernel to compile (~2 min)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    model = alst.alst_model(lc._config("tiny", ids.shape[1]), torch.device("cpu"), torch.float32)
+    model.load_state_dict(state)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, micro_batch_size=1)
+    positions = torch.arange(ids.shape[1])[None]
+    mine, count = alst.alst_slice(ids, positions, dist.get_rank(mpu.get_sequence_parallel_group()), 2)
+    loss = alst.alst_loss(model, *mine, count=count)
+    loss.backward()
+    sums = [loss.detach()] + [p.grad for p in model.parameters()]
+    for t in sums:
+        dist.all_reduce(t)
+    return sums[0], {n: g for (n, _), g in zip(model.named_parameters(), sums[1:])}
+
+
+def test_alst_at_sequence_2_equals_transformers():
+    """bench/sequence_scaling.py's ALST rows (alst_sp_step): DeepSpeed's own Ulysses (register_with_transformers)
+    around the model, each rank the slice alst_slice cuts, its loss alst_loss over the row's count: the ranks'
+    losses and gradients add up to transformers' on the whole row (one document: DeepSpeed's SDPA path drops
+    the mask for plain causal attention; on a GPU flash / flex attend the packed documents)."""
+    from harness import run
+    from transformers import AutoModelForCausalLM
+
+    config = lc._config("tiny", 256)
+    ids = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    truth = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
+    want = F.cross_entropy(truth(input_ids=ids, use_cache=False).logits[0, :-1], ids[0, 1:])
+    want.backward()
+    state = {k: v.clone() for k, v in truth.state_dict().items()}
+    # discard: DeepSpeed's Ulysses replaced transformers' "sdpa" function and set its groups in these workers
+    (loss, grads), _ = run(_alst_sequence_2, 2, state, ids, timeout=240, discard=True)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in truth.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
