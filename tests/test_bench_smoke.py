@@ -4,13 +4,20 @@ bench/moe.py --tiny: every runner on a tiny Qwen3-MoE (fp32) in one process. pip
 transformers runners start from the same weights and train the same tokens, so their first
 losses (the cross-entropy plus the load-balancing term) agree; a runner that cannot run on CPU
 (the Hub-kernel experts, torchtitan without its package or a CPU attention backward) names why.
+bench/moe.py --nproc's runs (issue 49's multi-GPU benchmark, bench/moe_multi.py), measured on the
+harness's two gloo ranks as --tiny measures them: expert parallel 2 and pipe 2 under DualPipeV (the
+final norm's load-balancing term crossing a stage in a split backward) train the same batch from the
+same weights, so their first losses agree; the expert run's all-to-all is found in its profiled step,
+and the pipeline's measured bubble stands beside the planner's.
 """
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -41,3 +48,27 @@ def test_moe_bench_tiny_runs_every_runner_on_the_same_work():
         assert loss == pytest.approx(first["hf-grouped_mm"], abs=1e-4), (run, first)
     for run in ("hf-sonicmoe", "hf-deepgemm", "torchtitan"):  # a reason, not a number, on CPU
         assert rows[run][0] and not rows[run][0][0].isdigit(), (run, rows[run])
+
+
+
+def _layouts(runs: list[str]) -> dict:
+    """bench/moe_multi.py's measure() of each run on this rank of the harness's gloo world (--tiny's args)."""
+    sys.path.insert(0, str(ROOT / "bench"))  # the bench scripts import each other by name
+    import moe_multi
+
+    args = argparse.Namespace(tiny=True, shape="tiny", layers=None, seq=32, microbatches=2, warmup=1, steps=1,
+                              backend="aot_eager", timeout=60)
+    config = moe_multi.qwen3_moe_config(args)
+    return {run: moe_multi.measure(run, config, args, torch.device("cpu")) for run in runs}
+
+
+def test_moe_bench_nproc_runs_expert_parallel_and_dualpipev_on_the_same_batch():
+    from harness import run
+
+    rows = run(_layouts, 2, ["expert", "dualpipev"], timeout=200)[0]
+    expert, dualpipev = rows["expert"], rows["dualpipev"]
+    assert expert["layout"].startswith("p1 d1 e2") and dualpipev["layout"].startswith("p2 d1 t1 dualpipev"), rows
+    assert expert["ms"] > 0 and dualpipev["ms"] > 0 and expert["tokens"] == dualpipev["tokens"] == 2 * 2 * 32
+    assert expert["loss"] == pytest.approx(dualpipev["loss"], abs=1e-5), rows  # same weights, same batch
+    assert expert["a2a_ms"] > 0 and dualpipev["a2a_ms"] == 0, rows  # found in the profile (no expert axis at pipe 2)
+    assert 0 <= dualpipev["bubble"] < 1 and 0 < dualpipev["plan_bubble"] < 1 and dualpipev["plan_ms"] > 0, rows
