@@ -311,6 +311,8 @@ def main() -> None:
                    "parallel N beside data parallel, torchtitan and pipe 2 (bench/moe_multi.py)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="with --nproc: one-row microbatches a rank at pipe 1 (default 4; --tiny 2)")
+    p.add_argument("--checkpoint", choices=["auto", "none", "full"], default="auto", help="with --nproc: "
+                   "activation checkpointing of pipezero's layers (auto: where the planner says it does not fit)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --tiny 2)")
     p.add_argument("--batch", type=int, default=None, help="rows per step (default 4; --tiny 2)")
     p.add_argument("--seq", type=int, default=None, help="tokens per row (default 2048; --tiny 32)")

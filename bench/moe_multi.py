@@ -5,8 +5,11 @@
     python bench/moe.py --nproc 8 --runs dualpipev 1f1b   # pipe 2 x expert 4: the all-to-all hidden or not
 
 The model: Qwen3-30B-A3B's layer shape (bench/moe.py's), random weights, sized to the machine:
-6 x N decoder layers by default (N = 8: the whole 48-layer model, 30.5B parameters, 3.3B active), bf16
-weights, gradients and AdamW state (no fp32 masters), ZeRO-3, the load-balancing loss on. A step
+6 x N decoder layers by default (N = 8: the whole 48-layer model, 30.5B parameters, 3.04B active), bf16
+weights and gradients, ZeRO-3 (pipezero's keeps fp32 masters and Adam state: the planner counts them),
+every layer's activations recomputed only where the planner says the layout does not fit without
+(--checkpoint auto; "ck1" in the layout column; on 8 x H100 at 4096 tokens a row it predicts 93 GiB a GPU
+for expert 8 without, 67 with), the load-balancing loss on. A step
 trains the same tokens in every run: N x --microbatches rows of --seq tokens (one row a
 microbatch), each data x expert replica its own rows of one seeded batch, so the pipezero runs'
 first losses agree (their weights are the same: PipelineModule seeds each layer). Runs, each in
@@ -85,8 +88,8 @@ LR = 1e-4
 
 
 # -- the layouts -------------------------------------------------------------------------------
-def _layout(run: str, world: int, args) -> Any:
-    """The planner's Layout of a pipezero run (ZeRO-3, no checkpointing)."""
+def _layout(run: str, world: int, args, checkpoint: bool = False) -> Any:
+    """The planner's Layout of a pipezero run (ZeRO-3; checkpoint: every layer's activations recomputed)."""
     from pipezero.train.plan.layout import Layout
 
     name = run.removesuffix("-compiled")
@@ -95,10 +98,11 @@ def _layout(run: str, world: int, args) -> Any:
     microbatches = args.microbatches * pipe  # the same rows a step: half the replicas at pipe 2
     return Layout(pipe=pipe, data=world // (pipe * expert), tensor=1, schedule=name if pipe > 1 else "1f1b",
                   chunks=2 if name == "dualpipev" else 1, microbatches=microbatches, microbatch_size=1, zero=3,
-                  expert=expert)
+                  expert=expert, checkpoint=int(checkpoint))
 
 
 def _prediction(run: str, config, world: int, args, cuda: bool) -> Any:
+    """The planner's step for the run's layout; with --checkpoint auto, checkpointed when it does not fit without."""
     from pipezero.train.plan import predict
     from pipezero.train.plan.hardware import h100, h200
     from pipezero.train.plan.model import ModelShape, flops_profile
@@ -107,7 +111,11 @@ def _prediction(run: str, config, world: int, args, cuda: bool) -> Any:
     hw = preset(nodes=1, gpus_per_node=world)
     shape = ModelShape.from_hf_config(config, args.seq, name="qwen3-moe")
     profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
-    return predict(profile, _layout(run, world, args), hw, shape, "bf16" if cuda else "fp32")
+    precision = "bf16" if cuda else "fp32"
+    pred = predict(profile, _layout(run, world, args, args.checkpoint == "full"), hw, shape, precision)
+    if args.checkpoint == "auto" and not pred.fits:
+        pred = predict(profile, _layout(run, world, args, True), hw, shape, precision)
+    return pred
 
 
 @contextlib.contextmanager

@@ -57,7 +57,7 @@ def _layouts(runs: list[str]) -> dict:
     import moe_multi
 
     args = argparse.Namespace(tiny=True, shape="tiny", layers=None, seq=32, microbatches=2, warmup=1, steps=1,
-                              backend="aot_eager", timeout=60)
+                              backend="aot_eager", timeout=60, checkpoint="auto")
     config = moe_multi.qwen3_moe_config(args)
     return {run: moe_multi.measure(run, config, args, torch.device("cpu")) for run in runs}
 
