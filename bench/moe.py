@@ -369,9 +369,11 @@ def _multi(p: argparse.ArgumentParser, args) -> None:
         sys.exit(f"bench/moe.py --nproc {args.nproc}: {torch.cuda.device_count()} CUDA GPUs here; on CPU run "
                  f"`python bench/moe.py --nproc {args.nproc} --tiny`")
     args.shape = "tiny" if args.tiny else "qwen3-30b-a3b"
-    args.layers = args.layers or (None if args.tiny else 6 * args.nproc)  # 48 on 8 GPUs: the whole model
     args.seq = args.seq or (32 if args.tiny else 4096)
     args.microbatches = args.microbatches or (2 if args.tiny else 4)
+    if not args.tiny and not args.layers:  # sized to the machine: 48 on 8 GPUs, the whole model
+        args.layers = moe_multi.fitting_layers(args, args.nproc)
+        sys.argv += ["--layers", str(args.layers)]  # the runs' processes take the same
     args.steps = args.steps or (1 if args.tiny else 3)
     args.warmup = 1 if args.tiny else max(1, args.warmup)
     args.backend = args.backend or ("aot_eager" if args.tiny else "inductor")

@@ -5,7 +5,8 @@
     python bench/moe.py --nproc 8 --runs dualpipev 1f1b   # pipe 2 x expert 4: the all-to-all hidden or not
 
 The model: Qwen3-30B-A3B's layer shape (bench/moe.py's), random weights, sized to the machine:
-6 x N decoder layers by default (N = 8: the whole 48-layer model, 30.5B parameters, 3.04B active), bf16
+the most decoder layers up to 6 x N with which the planner fits the expert run on these GPUs (N = 8:
+the whole 48-layer model, 30.5B parameters, 3.04B active; 2 x H100: 10 layers), bf16
 weights and gradients, ZeRO-3 (pipezero's keeps fp32 masters and Adam state: the planner counts them),
 every layer's activations recomputed only where the planner says the layout does not fit without
 (--checkpoint auto; "ck1" in the layout column; on 8 x H100 at 4096 tokens a row it predicts 93 GiB a GPU
@@ -108,7 +109,7 @@ def _prediction(run: str, config, world: int, args, cuda: bool) -> Any:
     from pipezero.train.plan.model import ModelShape, flops_profile
 
     preset = h200 if cuda and "H200" in torch.cuda.get_device_name() else h100
-    hw = preset(nodes=1, gpus_per_node=world)
+    hw = preset(nodes=1, gpus_per_node=world)  # on CPU the H100's: the path is checked, not the numbers
     shape = ModelShape.from_hf_config(config, args.seq, name="qwen3-moe")
     profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
     precision = "bf16" if cuda else "fp32"
@@ -116,6 +117,16 @@ def _prediction(run: str, config, world: int, args, cuda: bool) -> Any:
     if args.checkpoint == "auto" and not pred.fits:
         pred = predict(profile, _layout(run, world, args, True), hw, shape, precision)
     return pred
+
+
+def fitting_layers(args, world: int) -> int:
+    """The most decoder layers, up to 6 x world (Qwen3-30B-A3B's 48 on 8 GPUs), even, with which the planner
+    fits the expert run's layout on these GPUs (checkpointed if need be); 4 when none does."""
+    for layers in range(6 * world, 4, -2):
+        args.layers = layers
+        if _prediction("expert", qwen3_moe_config(args), world, args, cuda=True).fits:
+            return layers
+    return 4
 
 
 @contextlib.contextmanager
