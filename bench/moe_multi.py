@@ -102,7 +102,7 @@ def _layout(run: str, world: int, args, checkpoint: bool = False) -> Any:
                   expert=expert, checkpoint=int(checkpoint))
 
 
-def _prediction(run: str, config, world: int, args, cuda: bool) -> Any:
+def _prediction(run: str, config, world: int, args, cuda: bool, precision: str = "bf16") -> Any:
     """The planner's step for the run's layout; with --checkpoint auto, checkpointed when it does not fit without."""
     from pipezero.train.plan import predict
     from pipezero.train.plan.hardware import h100, h200
@@ -112,7 +112,6 @@ def _prediction(run: str, config, world: int, args, cuda: bool) -> Any:
     hw = preset(nodes=1, gpus_per_node=world)  # on CPU the H100's: the path is checked, not the numbers
     shape = ModelShape.from_hf_config(config, args.seq, name="qwen3-moe")
     profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
-    precision = "bf16" if cuda else "fp32"
     pred = predict(profile, _layout(run, world, args, args.checkpoint == "full"), hw, shape, precision)
     if args.checkpoint == "auto" and not pred.fits:
         pred = predict(profile, _layout(run, world, args, True), hw, shape, precision)
@@ -148,7 +147,7 @@ def _pipezero(run: str, config, args, device: torch.device, dtype: torch.dtype) 
     from pipezero.train.plan import ds_config
 
     world, cuda = dist.get_world_size(), device.type == "cuda"
-    pred = _prediction(run, config, world, args, cuda)
+    pred = _prediction(run, config, world, args, cuda, "bf16" if dtype == torch.bfloat16 else "fp32")
     cfg = dict(ds_config(pred), optimizer={"type": "AdamW", "params": {"lr": LR}})
     compiled = CompileConfig(backend=args.backend) if run.endswith("-compiled") else False
     with _default_dtype(dtype):
