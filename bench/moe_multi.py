@@ -24,12 +24,15 @@ fresh processes (one spawn of N ranks, a time limit each; --tiny: all of them in
   torchtitan  torchtitan 0.3.0's Qwen3 MoE (bench/moe.py's builder) with its expert parallel N and FSDP2
               over N, applied in these processes as its trainer applies them (ParallelDims(dp_shard=N,
               ep=N), its sharding config, parallelize_qwen3), flex attention, its all-to-all token
-              dispatcher, AdamW. Its "partial_dtensor" backend (DTensor on the expert axis, FSDP2 on
-              plain parameters): under its default "spmd_types" fully_shard refused the parameters
-              (torch 2.13, CPU). It cannot run on CPU: it imports Triton (its async-EP kernels), builds
-              its mesh on "cuda" when there is no accelerator, flex attention has no CPU backward, and
-              FSDP2 reduces its experts' gradients with ReduceOp.PREMUL_SUM, which gloo lacks; with
-              local stand-ins for the first three its forward and backward ran on CPU up to that
+              dispatcher, bf16 parameters and AdamW state (as bench/moe.py builds it; no fp32 copy,
+              so it holds less than pipezero's runs), no activation checkpointing. Its
+              "partial_dtensor" backend (DTensor on the expert axis, FSDP2 on plain parameters):
+              under its default "spmd_types" fully_shard refused the parameters (torch 2.13, CPU;
+              they are no DTensors there; the backend is set globally first, as its trainer does).
+              It cannot run on CPU: it imports Triton (its async-EP kernels), builds its mesh on
+              "cuda" when there is no accelerator, flex attention has no CPU backward, and FSDP2
+              reduces its experts' gradients with ReduceOp.PREMUL_SUM, which gloo lacks; with local
+              stand-ins for the first three its forward and backward ran on CPU up to that
               reduce-scatter. Without torchtitan (or Triton) its row says why
   -compiled   (any run) its decoder layers torch.compile'd: PipelineModule(compile=...), torchtitan's
               apply_compile. Not dualpipev / zbv: compiled Hugging Face layers under a split backward
@@ -103,7 +106,7 @@ def _layout(run: str, world: int, args, checkpoint: bool = False) -> Any:
 
 
 def _prediction(run: str, config, world: int, args, cuda: bool, precision: str = "bf16") -> Any:
-    """The planner's step for the run's layout; with --checkpoint auto, checkpointed when it does not fit without."""
+    """The planner's step for the run's layout (--checkpoint auto: checkpointed if it does not fit without)."""
     from pipezero.train.plan import predict
     from pipezero.train.plan.hardware import h100, h200
     from pipezero.train.plan.model import ModelShape, flops_profile
@@ -139,7 +142,7 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-# -- the runners: each returns (step() -> loss, replica index, replicas, extras) ------------------
+# -- the runners: (step(ids, targets) -> loss, this replica, replicas, the row's extras, bubble() or None) --
 def _pipezero(run: str, config, args, device: torch.device, dtype: torch.dtype) -> tuple:
     from pipezero.pipe.compile import CompileConfig
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
@@ -277,7 +280,8 @@ def measure(run: str, config, args, device: torch.device) -> dict:
         out["bubble"] = bubble()
     if device.type == "cuda":
         out["peak_gib"] = _reduced(torch.cuda.max_memory_allocated(device), dist.ReduceOp.MAX, device) / 2**30
-    out["a2a_ms"], out["hidden"] = (x * f for x, f in zip(_profiled(step, batch, device), (1e3, 1)))
+    a2a, out["hidden"] = _profiled(step, batch, device)
+    out["a2a_ms"] = a2a * 1e3
     out["tokens"] = dist.get_world_size() * args.microbatches * args.seq
     return out
 
