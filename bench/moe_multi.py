@@ -31,9 +31,11 @@ fresh processes (one spawn of N ranks, a time limit each; --tiny: all of them in
               they are no DTensors there; the backend is set globally first, as its trainer does).
               It cannot run on CPU: it imports Triton (its async-EP kernels), builds its mesh on
               "cuda" when there is no accelerator, flex attention has no CPU backward, and FSDP2
-              reduces its experts' gradients with ReduceOp.PREMUL_SUM, which gloo lacks; with local
-              stand-ins for the first three its forward and backward ran on CPU up to that
-              reduce-scatter. Without torchtitan (or Triton) its row says why
+              reduces its gradients with ReduceOp.PREMUL_SUM (its division turned off), which gloo
+              lacks; with local stand-ins for those four (outside the repo) torchtitan and
+              torchtitan-compiled each trained a step on two gloo ranks. Its loss is its trainer's:
+              FSDP2 sums the gradients, the loss is over the global tokens. Without torchtitan (or
+              Triton) its row says why
   -compiled   (any run) its decoder layers torch.compile'd: PipelineModule(compile=...), torchtitan's
               apply_compile. Not dualpipev / zbv: compiled Hugging Face layers under a split backward
               fail (torch's donated buffers need retain_graph=False; seen on CPU with aot_eager)
@@ -203,11 +205,12 @@ def _torchtitan(run: str, config, args, device: torch.device, dtype: torch.dtype
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         masks = model.get_attention_masks(positions=positions)
         logits = model(ids, positions=positions, attention_masks=masks)
-        loss = cross_entropy_loss(logits, targets) / (targets != -100).sum()
+        # its trainer's scaling: FSDP2 sums the gradients (its division off), the loss is over the global tokens
+        loss = cross_entropy_loss(logits, targets) / ((targets != -100).sum() * world)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach() * world  # the mean over this rank's tokens, as the other rows show it
     return step, dist.get_rank(), world, {"layout": f"fsdp {world} x ep {world}"}, None
 
 
