@@ -305,7 +305,14 @@ def table(results: dict, args, config) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU, a tiny model, every runner in one process")
-    p.add_argument("--runs", nargs="+", default=None, choices=RUNS)
+    p.add_argument("--runs", nargs="+", default=None, help=f"one GPU: {' '.join(RUNS)}; with --nproc: "
+                   "expert, dense, dualpipev, 1f1b, torchtitan, each also -compiled (bench/moe_multi.py)")
+    p.add_argument("--nproc", type=int, default=None, help="N processes, one a GPU (--tiny: gloo on CPU): expert "
+                   "parallel N beside data parallel, torchtitan and pipe 2 (bench/moe_multi.py)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="with --nproc: one-row microbatches a rank at pipe 1 (default 4; --tiny 2)")
+    p.add_argument("--checkpoint", choices=["auto", "none", "full"], default="auto", help="with --nproc: "
+                   "activation checkpointing of pipezero's layers (auto: where the planner says it does not fit)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --tiny 2)")
     p.add_argument("--batch", type=int, default=None, help="rows per step (default 4; --tiny 2)")
     p.add_argument("--seq", type=int, default=None, help="tokens per row (default 2048; --tiny 32)")
@@ -316,6 +323,12 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300, help="seconds a runner's process may take")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.nproc:
+        _multi(p, args)
+        return
+    if args.runs and set(args.runs) - set(RUNS):
+        p.error(f"--runs {' '.join(sorted(set(args.runs) - set(RUNS)))}: not a one-GPU run ({', '.join(RUNS)}); "
+                "the expert-parallel runs need --nproc N")
     args.shape = "tiny" if args.tiny else "qwen3-30b-a3b"
     args.batch, args.seq = args.batch or (2 if args.tiny else 4), args.seq or (32 if args.tiny else 2048)
     args.steps = args.steps or (1 if args.tiny else 5)
@@ -339,6 +352,32 @@ def main() -> None:
             results.update(_in_subprocess(run, argv, args.timeout))
             print(f"{run}: {results[run]}", flush=True)
     print("\n".join(table(results, args, qwen3_moe_config(args))), flush=True)
+
+
+def _multi(p: argparse.ArgumentParser, args) -> None:
+    """--nproc N: bench/moe_multi.py's runs, with its defaults sized to the machine."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # a script's folder, for the ranks too
+    import moe_multi
+
+    if args.nproc < 2 or args.batch:
+        p.error(f"--nproc {args.nproc}{' --batch' if args.batch else ''}: the expert-parallel runs take 2 or more "
+                "processes, and one row a microbatch (give --microbatches, not --batch)")
+    if args.runs and set(args.runs) - set(moe_multi.MULTI_RUNS):
+        p.error(f"--runs {' '.join(sorted(set(args.runs) - set(moe_multi.MULTI_RUNS)))} with --nproc: expected "
+                f"some of {', '.join(moe_multi.MULTI_RUNS)}")
+    if not args.tiny and not args.worker and torch.cuda.device_count() < args.nproc:
+        sys.exit(f"bench/moe.py --nproc {args.nproc}: {torch.cuda.device_count()} CUDA GPUs here; on CPU run "
+                 f"`python bench/moe.py --nproc {args.nproc} --tiny`")
+    args.shape = "tiny" if args.tiny else "qwen3-30b-a3b"
+    args.seq = args.seq or (32 if args.tiny else 4096)
+    args.microbatches = args.microbatches or (2 if args.tiny else 4)
+    if not args.tiny and not args.layers:  # sized to the machine: 48 on 8 GPUs, the whole model
+        args.layers = moe_multi.fitting_layers(args, args.nproc)
+        sys.argv += ["--layers", str(args.layers)]  # the runs' processes take the same
+    args.steps = args.steps or (1 if args.tiny else 3)
+    args.warmup = 1 if args.tiny else max(1, args.warmup)
+    args.backend = args.backend or ("aot_eager" if args.tiny else "inductor")
+    moe_multi.main(args, sys.argv[1:])
 
 
 if __name__ == "__main__":

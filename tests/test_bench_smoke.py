@@ -4,13 +4,22 @@ bench/moe.py --tiny: every runner on a tiny Qwen3-MoE (fp32) in one process. pip
 transformers runners start from the same weights and train the same tokens, so their first
 losses (the cross-entropy plus the load-balancing term) agree; a runner that cannot run on CPU
 (the Hub-kernel experts, torchtitan without its package or a CPU attention backward) names why.
+bench/moe.py --nproc's runs (issue 49's multi-GPU benchmark, bench/moe_multi.py), measured on the
+harness's two gloo ranks as --tiny measures them: expert parallel 2 and pipe 2 under DualPipeV (the
+final norm's load-balancing term crossing a stage in a split backward) train the same batch from the
+same weights, so their first losses agree; the expert run's all-to-all is found in its profiled step,
+and the pipeline's measured bubble stands beside the planner's. bench/overlap.py, on stand-in profiler
+events: only the NCCL kernels launched from inside an all-to-all count, and only their time under other
+kernels is hidden.
 """
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -41,3 +50,76 @@ def test_moe_bench_tiny_runs_every_runner_on_the_same_work():
         assert loss == pytest.approx(first["hf-grouped_mm"], abs=1e-4), (run, first)
     for run in ("hf-sonicmoe", "hf-deepgemm", "torchtitan"):  # a reason, not a number, on CPU
         assert rows[run][0] and not rows[run][0][0].isdigit(), (run, rows[run])
+
+
+
+def _layouts(runs: list[str]) -> dict:
+    """bench/moe_multi.py's measure() of each run on this rank of the harness's gloo world (--tiny's args)."""
+    sys.path.insert(0, str(ROOT / "bench"))  # the bench scripts import each other by name
+    import moe_multi
+
+    args = argparse.Namespace(tiny=True, shape="tiny", layers=None, seq=32, microbatches=2, warmup=1, steps=1,
+                              backend="aot_eager", timeout=60, checkpoint="auto")
+    config = moe_multi.qwen3_moe_config(args)
+    return {run: moe_multi.measure(run, config, args, torch.device("cpu")) for run in runs}
+
+
+def test_moe_bench_nproc_runs_expert_parallel_and_dualpipev_on_the_same_batch():
+    from harness import run
+
+    rows = run(_layouts, 2, ["expert", "dualpipev"], timeout=200)[0]
+    expert, dualpipev = rows["expert"], rows["dualpipev"]
+    assert expert["layout"].startswith("p1 d1 e2") and dualpipev["layout"].startswith("p2 d1 t1 dualpipev"), rows
+    assert expert["ms"] > 0 and dualpipev["ms"] > 0 and expert["tokens"] == dualpipev["tokens"] == 2 * 2 * 32
+    assert expert["loss"] == pytest.approx(dualpipev["loss"], abs=1e-5), rows  # same weights, same batch
+    assert expert["a2a_ms"] > 0 and dualpipev["a2a_ms"] == 0, rows  # found in the profile (no expert axis at pipe 2)
+    assert 0 <= dualpipev["bubble"] < 1 and 0 < dualpipev["plan_bubble"] < 1 and dualpipev["plan_ms"] > 0, rows
+
+
+class _Event:
+    """A stand-in for a kineto event: what bench/overlap.py reads of one (times in ns)."""
+
+    def __init__(self, name, cuda, start, end, thread=1, corr=0, linked=0):
+        from torch.autograd import DeviceType
+
+        self._v = (name, DeviceType.CUDA if cuda else DeviceType.CPU, start, end - start, thread, corr, linked)
+
+    def name(self):
+        return self._v[0]
+
+    def device_type(self):
+        return self._v[1]
+
+    def start_ns(self):
+        return self._v[2]
+
+    def duration_ns(self):
+        return self._v[3]
+
+    def start_thread_id(self):
+        return self._v[4]
+
+    def correlation_id(self):
+        return self._v[5]
+
+    def linked_correlation_id(self):
+        return self._v[6]
+
+
+def test_overlap_counts_the_all_to_all_kernels_that_ran_beside_compute():
+    """On CUDA an NCCL kernel is the all-to-all's when the op that launched it started inside a c10d all-to-all
+    op; other NCCL kernels (a pipeline send, ZeRO's gathers), copies and the ops themselves are neither."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from overlap import all_to_all_overlap
+
+    events = [_Event("c10d::alltoall_base_", False, 0, 10, corr=1), _Event("record_param_comms", False, 2, 8, corr=2),
+              _Event("c10d::send", False, 20, 22, corr=3), _Event("aten::mm", False, 30, 31, corr=4),
+              _Event("ncclDevKernel_SendRecv", True, 100, 200, linked=2),  # the all-to-all: 100 ns
+              _Event("ncclDevKernel_SendRecv", True, 150, 400, linked=3),  # a pipeline send: not counted
+              _Event("Memcpy DtoD", True, 100, 200, linked=4),
+              _Event("sm90_gemm", True, 170, 190, linked=4), _Event("sm90_gemm", True, 180, 240, linked=4)]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    a2a, hidden = all_to_all_overlap(prof)
+    assert a2a == pytest.approx(100e-9) and hidden == pytest.approx(30e-9)  # the GEMMs cover 170..200

@@ -484,7 +484,7 @@ class HFFinalNorm(_HFLayer):
             return hidden
         if self.sequence_group is not None:
             stats = sum_over_sequence(stats, self.sequence_group)
-        return Routed(hidden, (self.model.router.coef * self.model.router.balance(stats)).reshape(1))
+        return Routed(hidden, torch.stack([self.model.router.coef * self.model.router.balance(stats)]))  # no view
 
 
 class HFHead(_HFLayer):
