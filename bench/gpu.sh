@@ -113,7 +113,7 @@ for w in $what; do
     moe-multi|moe-multi-titan|moe-multi-pipe)  # issue 49: two runs a case, 270 s each (bench/moe_multi.py)
       [ "$ngpu" -ge 2 ] || { echo "=== $w: needs 2+ GPUs, $ngpu here"; continue; }
       case $w in moe-multi) runs="expert-compiled dense-compiled" ;; moe-multi-titan) runs="torchtitan-compiled expert" ;;
-                 moe-multi-pipe) runs="dualpipev 1f1b" ;; esac
+                 moe-multi-pipe) runs="dualpipev-compiled 1f1b-compiled" ;; esac
       run "$w" 570 python3 bench/moe.py --nproc "$ngpu" --timeout 270 --runs $runs ;;
     alst-8b) run alst-8b 570 env DS_SKIP_CUDA_CHECK=1 python3 bench/long_context.py --shape llama3-8b --layers 8 --steps 1 \
                --runs alst pipezero-offload --lengths 524288 ;;  # issue 45 beside ALST (deepspeed in .whl)

@@ -37,9 +37,8 @@ fresh processes (one spawn of N ranks, a time limit each; --tiny: all of them in
               FSDP2 sums the gradients, the loss is over the global tokens. Without torchtitan (or
               Triton) its row says why
   -compiled   (any run) its decoder layers torch.compile'd: PipelineModule(compile=...), torchtitan's
-              apply_compile. Not dualpipev / zbv: compiled Hugging Face layers under a split backward
-              fail (torch's donated buffers need retain_graph=False; seen on CPU with aot_eager)
-Default runs: expert-compiled dense-compiled torchtitan-compiled dualpipev 1f1b.
+              apply_compile (dualpipev-compiled checked on CPU with aot_eager and inductor)
+Default runs: expert-compiled dense-compiled torchtitan-compiled dualpipev-compiled 1f1b-compiled.
 pipezero's runs are built as `pipezero finetune` builds them: the planner's ds_config for the layout
 (pipezero.train.plan: predict -> ds_config, AdamW added) through pipezero.train.build over
 hf_layer_specs(config, fused_loss=True, experts="grouped_mm"). Columns, per run:
@@ -88,7 +87,8 @@ from moe import PEAK_FLOPS, _failure, _torchtitan_model, active_parameters, qwen
 
 MULTI_RUNS = tuple(f"{run}{c}" for run in ("expert", "dense", "dualpipev", "1f1b", "torchtitan")
                    for c in ("", "-compiled"))
-DEFAULT_MULTI_RUNS = ("expert-compiled", "dense-compiled", "torchtitan-compiled", "dualpipev", "1f1b")
+DEFAULT_MULTI_RUNS = ("expert-compiled", "dense-compiled", "torchtitan-compiled", "dualpipev-compiled",
+                      "1f1b-compiled")
 PIPE_RUNS = ("dualpipev", "1f1b")
 LR = 1e-4
 
