@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from pipezero.pipe.expert.block import ExpertParallel
+from pipezero.pipe.expert.block import ExpertParallel, expert_parameters
 from pipezero.pipe.tensor_tokens import token_share
 from pipezero.topology import Grid
 
@@ -56,8 +56,7 @@ def expert_param_groups(module: nn.Module, grid: Grid, **options: Any) -> list[d
     group's keys are ZeroOptimizer's; a plain torch optimizer would ignore them (and reduce nothing).
     """
     _check(module, grid)
-    experts = [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters()
-               if p.requires_grad]
+    experts = [p for p in expert_parameters(module) if p.requires_grad]  # a replica among them stays dense
     ids = {id(p) for p in experts}
     dense = [p for p in module.parameters() if p.requires_grad and id(p) not in ids]
     groups = [{"params": dense, **options}]
