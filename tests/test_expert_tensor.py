@@ -13,7 +13,8 @@ rank a slice of 3 tokens of every row, Ulysses attention over its tensor rank's 
 added over the tensor group in each layer and over the sequence group at the final norm), Qwen3-MoE at
 expert 2 x sequence 2 x tensor 2 under ZeRO-3 (world 8: the experts reduced over sequence x tensor), and build()
 from a ds_config with expert_parallel 2 and tensor 2; expert_param_groups refuses experts split beside a
-tensor plan that leaves their blocks on every token. The truth is transformers' model on the whole batch, its gradients
+tensor plan that leaves their blocks on every token, on every rank (at pipe 2 x tensor 2 the ranks of a first
+stage of dense layers too). The truth is transformers' model on the whole batch, its gradients
 clipped by torch's clip_grad_norm_ to half their norm; through one SGD step of rate 1 (Adam with a
 dwarfing eps for build()), every parameter's update by Hugging Face name, made whole. Each case fails
 with the block left on every token (the plan refused it before), with the gather's backward
@@ -162,7 +163,7 @@ def _two(norms: list[float]) -> list:
 
 
 def _four(norms: list[float]) -> list:
-    return [_step(norm, *case) for case, norm in zip(FOUR, norms)] + [_built(), _refused()]
+    return [_step(norm, *case) for case, norm in zip(FOUR, norms)] + [_built(), _refused(), _refused_on_every_stage()]
 
 
 def _refused() -> str:
@@ -182,6 +183,27 @@ def _refused() -> str:
     shard_experts(module, grid.expert_group)
     with pytest.raises(ValueError, match=r"needs each MoE block run on its tensor rank's share of the tokens, but "
                                          r"\['Qwen3MoeSparseMoeBlock'"):
+        expert_param_groups(module, grid)
+    return "refused"
+
+
+def _refused_on_every_stage() -> str:
+    """The same at pipe 2 x tensor 2 with a first stage of dense layers only: the ranks of that stage see no MoE
+    block and refuse too (they went on alone before, into a collective the others never reached)."""
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.expert import ExpertParallel, expert_param_groups, shard_experts
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.topology import Grid
+
+    config = _model("qwen3_moe").config
+    config.mlp_only_layers = [0, 1, 2]  # dense MLPs: the first stage holds no MoE block
+    grid = Grid(pipe=2, tensor=2)
+    module = PipelineModule(hf_layer_specs(config), grid=grid, loss_fn=causal_lm_loss, partition_method="uniform")
+    shard_experts(module, grid.expert_group)  # the expert axis' group of one rank
+    holds = any(isinstance(m, ExpertParallel) for m in module.modules())
+    assert holds == (grid.pipe_rank == 1), (grid.pipe_rank, holds)
+    with pytest.raises(ValueError, match=r"needs each MoE block run on its tensor rank's share of the tokens, but "
+                                         + (r"\['Qwen3MoeSparseMoeBlock'" if holds else r"MoE blocks on another rank")):
         expert_param_groups(module, grid)
     return "refused"
 
@@ -210,7 +232,7 @@ def test_experts_beside_a_tensor_split_equal_transformers():
     two = run(_two, 2, [truths[(c[0], _rows(c, 2), c[7])][2] for c in TWO], timeout=300)
     four = run(_four, 4, [truths[(c[0], _rows(c, 4), c[7])][2] for c in FOUR], timeout=300)
     eight = run(_eight, 8, [truths[(c[0], _rows(c, 8), c[7])][2] for c in EIGHT], timeout=300)
-    assert all(rank[-1] == "refused" for rank in four)
+    assert all(rank[-2:] == ["refused", "refused"] for rank in four)
     for world, cases, results in ((2, TWO, two), (4, FOUR, four), (8, EIGHT, eight)):
         for i, case in enumerate(cases):
             loss, want, _ = truths[(case[0], _rows(case, world), case[7])]
