@@ -27,7 +27,8 @@ every expert whole. An inf in one expert's gradient on one rank skips the step o
 build() from a ds_config with expert_parallel trains the same (Adam). A param group's own reduction group
 keeps its mean over two backwards before a step, at ZeRO 0-3 (a plain two-layer model). A parameter of an
 experts module with no slice per expert (no shipped family has one: a tiny block here) stays whole and is
-reduced with the dense parameters (over the expert group's data ranks only before, short by the expert degree).
+reduced with the dense parameters (over the expert group's data ranks only before, short by the expert degree);
+written at expert 2, a checkpoint loads it and the experts at expert 4 as they were.
 """
 
 import contextlib
@@ -268,10 +269,28 @@ def _replicated_rows() -> torch.Tensor:
     return torch.randn(WORLD * 5, 6, generator=torch.Generator().manual_seed(3))
 
 
-def _replicated_in_experts() -> dict[str, torch.Tensor]:
-    """Grid(expert=2) (data 2): each parameter's SGD(lr=1) update, the experts gathered whole."""
+def _replicated_job(expert: int) -> tuple:
+    """The model with its experts split over Grid(expert=N), ZeroOptimizer(SGD) over expert_param_groups."""
+    from pipezero.pipe.expert import expert_param_groups, shard_experts
+    from pipezero.topology import Grid
+    from pipezero.train.checkpoint.state_parts import HandParts
+    from pipezero.zero import ZeroOptimizer
+
+    grid = Grid(expert=expert)
+    model = _replicated_model()
+    assert shard_experts(model, grid.expert_group) == 1
+    opt = ZeroOptimizer(torch.optim.SGD(expert_param_groups(model, grid), lr=1.0), stage=1,
+                        group=grid.data_sequence_group)
+    return HandParts(model, opt, grid=grid)
+
+
+def _replicated_in_experts(root: str) -> dict[str, torch.Tensor]:
+    """Grid(expert=2) (data 2): each parameter's SGD(lr=1) update, the experts gathered whole; saved, then
+    loaded at expert 4: the same whole parameters."""
     from pipezero.pipe.expert import expert_param_groups, expert_parameters, shard_experts, whole_experts
     from pipezero.topology import Grid
+    from pipezero.train.checkpoint.state import load_state, save_state
+    from pipezero.train.checkpoint.state_parts import HandParts
     from pipezero.zero import ZeroOptimizer
 
     grid = Grid(expert=2)
@@ -288,7 +307,14 @@ def _replicated_in_experts() -> dict[str, torch.Tensor]:
     model(rows).square().mean().backward()
     opt.step()
     whole = whole_experts(model)
-    return {n: before[n] - whole.get(id(p), p.detach()) for n, p in model.named_parameters()}
+    after = {n: whole.get(id(p), p.detach()) for n, p in model.named_parameters()}
+    save_state(HandParts(model, opt, grid=grid), f"{root}/replicated", 1)
+    wider = _replicated_job(4)
+    load_state(wider, f"{root}/replicated")
+    loaded = whole_experts(wider.module)
+    for name, p in wider.module.named_parameters():
+        torch.testing.assert_close(loaded.get(id(p), p.detach()), after[name], rtol=0, atol=0, msg=name)
+    return {n: before[n] - after[n] for n in after}
 
 
 def _replicated_truth() -> dict[str, torch.Tensor]:
@@ -299,23 +325,23 @@ def _replicated_truth() -> dict[str, torch.Tensor]:
     return {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
 
-def _cases(max_norms: list[float]) -> list:
+def _cases(max_norms: list[float], root: str) -> list:
     return ([_expert_step(max_norm, *case) for case, max_norm in zip(CASES, max_norms)] +
             [_built_step(sequence) for sequence in BUILT_SEQUENCE] +
-            [_accumulated(*case) for case in ACCUMULATED] + [_replicated_in_experts()])
+            [_accumulated(*case) for case in ACCUMULATED] + [_replicated_in_experts(root)])
 
 
 def _wide(max_norms: list[float]) -> list:
     return [_expert_step(max_norm, *case) for case, max_norm in zip(WIDE, max_norms)]
 
 
-def test_expert_parallel_equals_one_process():
+def test_expert_parallel_equals_one_process(tmp_path):
     """Each fails with the expert gradients divided by the ranks holding the same experts only, or left
     out of the clipping norm."""
     keys = [(case[0], _rows(case, WORLD)) for case in CASES] + [(case[0], _rows(case, 8)) for case in WIDE]
     truths = {key: _clipped(*key) for key in sorted(set(keys))}
     norms = [truths[key][2] for key in keys]
-    results = run(_cases, WORLD, norms[:len(CASES)], timeout=300)
+    results = run(_cases, WORLD, norms[:len(CASES)], str(tmp_path), timeout=300)
     wide = run(_wide, 8, norms[len(CASES):], timeout=300)
     wanted = [(key[0], *truths[key][:2]) for key in keys[:len(CASES)]]
     wanted += [(BUILT["family"], *_built_truth())] * len(BUILT_SEQUENCE)
