@@ -14,12 +14,17 @@ whole costs little; what the split saves is the base.
 These wrapped styles are not the plain ColwiseParallel / RowwiseParallel that
 pipe/tensor_linear.py splits on local tensors, so an adapted Linear stays on DTensor (its
 per-operator dispatch cost included); the layer's other Linears are split on local tensors.
+In a compiled layer (PipelineModule(compile=...)) an adapted Linear runs eager, a break in the
+layer's graph: torch.compile cannot trace a DTensor parameter once ZeroOptimizer has put its
+local tensor in a flat buffer (torch 2.13: "Attempted to set the storage of a tensor on device
+cpu to a storage on different device meta").
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
@@ -45,7 +50,16 @@ class _BaseOnly:
             adapter.weight = nn.Parameter(distribute_tensor(w.detach(), device_mesh, [Replicate()]),
                                           requires_grad=w.requires_grad)
             adapter.weight.register_hook(_whole_grad)
+        module.__class__ = _EagerLoraLinear
         return out
+
+
+class _EagerLoraLinear(LoraLinear):
+    """A LoraLinear on DTensors, run eager inside a compiled layer (module docstring)."""
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
 
 
 def _whole_grad(grad: DTensor) -> DTensor:

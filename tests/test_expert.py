@@ -25,7 +25,10 @@ clip_grad_norm_ to half their norm: the loss and, through one SGD step of rate 1
 gradient by Hugging Face name (an expert's on the rank holding it), fp32; hf_state_dict gathers
 every expert whole. An inf in one expert's gradient on one rank skips the step on every rank.
 build() from a ds_config with expert_parallel trains the same (Adam). A param group's own reduction group
-keeps its mean over two backwards before a step, at ZeRO 0-3 (a plain two-layer model).
+keeps its mean over two backwards before a step, at ZeRO 0-3 (a plain two-layer model). A parameter of an
+experts module with no slice per expert (no shipped family has one: a tiny block here) stays whole and is
+reduced with the dense parameters (over the expert group's data ranks only before, short by the expert degree);
+written at expert 2, a checkpoint loads it and the experts at expert 4 as they were.
 """
 
 import contextlib
@@ -229,23 +232,116 @@ def _accumulated(stage: int, expert: int) -> list[torch.Tensor]:
         return [b - p.detach() for b, p in zip(before, model.parameters())]
 
 
-def _cases(max_norms: list[float]) -> list:
+# an experts module with a parameter that has no slice per expert (one scale for every expert): no shipped
+# family holds one; it is a replica on every rank of the expert group, reduced with the dense parameters
+class _Experts(torch.nn.Module):
+    """Stacked experts as transformers 5 calls them (hidden, top-k indices, top-k weights), and one shared scale."""
+
+    def __init__(self, num_experts: int, d: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.weight = torch.nn.Parameter(torch.randn(num_experts, d, d) * 0.5)
+        self.scale = torch.nn.Parameter(1 + 0.2 * torch.randn(num_experts // 2 + 1))  # dim 0 is not the experts'
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = sum(top_k_weights[:, k, None] * torch.einsum("nd,nde->ne", hidden, self.weight[top_k_index[:, k]])
+                  for k in range(top_k_index.shape[1]))
+        return out * self.scale.sum()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, num_experts: int = 4, d: int = 6):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, num_experts, bias=False)
+        self.experts = _Experts(num_experts, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, index = self.gate(x).softmax(-1).topk(2, dim=-1)
+        return x + self.experts(x, index, weights)
+
+
+def _replicated_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), _Block())
+
+
+def _replicated_rows() -> torch.Tensor:
+    return torch.randn(WORLD * 5, 6, generator=torch.Generator().manual_seed(3))
+
+
+def _replicated_job(expert: int) -> tuple:
+    """The model with its experts split over Grid(expert=N), ZeroOptimizer(SGD) over expert_param_groups."""
+    from pipezero.pipe.expert import expert_param_groups, shard_experts
+    from pipezero.topology import Grid
+    from pipezero.train.checkpoint.state_parts import HandParts
+    from pipezero.zero import ZeroOptimizer
+
+    grid = Grid(expert=expert)
+    model = _replicated_model()
+    assert shard_experts(model, grid.expert_group) == 1
+    opt = ZeroOptimizer(torch.optim.SGD(expert_param_groups(model, grid), lr=1.0), stage=1,
+                        group=grid.data_sequence_group)
+    return HandParts(model, opt, grid=grid)
+
+
+def _replicated_in_experts(root: str) -> dict[str, torch.Tensor]:
+    """Grid(expert=2) (data 2): each parameter's SGD(lr=1) update, the experts gathered whole; saved, then
+    loaded at expert 4: the same whole parameters."""
+    from pipezero.pipe.expert import expert_param_groups, expert_parameters, shard_experts, whole_experts
+    from pipezero.topology import Grid
+    from pipezero.train.checkpoint.state import load_state, save_state
+    from pipezero.train.checkpoint.state_parts import HandParts
+    from pipezero.zero import ZeroOptimizer
+
+    grid = Grid(expert=2)
+    model = _replicated_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert shard_experts(model, grid.expert_group) == 1
+    scale = model[2].experts.scale
+    assert [tuple(p.shape) for p in expert_parameters(model)] == [(2, 6, 6)]  # the scale is no expert parameter
+    assert torch.equal(whole_experts(model).get(id(scale), scale), scale.detach())
+    groups = expert_param_groups(model, grid)
+    assert any(p is scale for p in groups[0]["params"])  # reduced over data x expert, as a dense parameter
+    opt = ZeroOptimizer(torch.optim.SGD(groups, lr=1.0), stage=1, group=grid.data_sequence_group)
+    rows = _replicated_rows().chunk(WORLD)[grid.data_expert_rank]
+    model(rows).square().mean().backward()
+    opt.step()
+    whole = whole_experts(model)
+    after = {n: whole.get(id(p), p.detach()) for n, p in model.named_parameters()}
+    save_state(HandParts(model, opt, grid=grid), f"{root}/replicated", 1)
+    wider = _replicated_job(4)
+    load_state(wider, f"{root}/replicated")
+    loaded = whole_experts(wider.module)
+    for name, p in wider.module.named_parameters():
+        torch.testing.assert_close(loaded.get(id(p), p.detach()), after[name], rtol=0, atol=0, msg=name)
+    return {n: before[n] - after[n] for n in after}
+
+
+def _replicated_truth() -> dict[str, torch.Tensor]:
+    model = _replicated_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(_replicated_rows()).square().mean().backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters()}
+
+
+def _cases(max_norms: list[float], root: str) -> list:
     return ([_expert_step(max_norm, *case) for case, max_norm in zip(CASES, max_norms)] +
             [_built_step(sequence) for sequence in BUILT_SEQUENCE] +
-            [_accumulated(*case) for case in ACCUMULATED])
+            [_accumulated(*case) for case in ACCUMULATED] + [_replicated_in_experts(root)])
 
 
 def _wide(max_norms: list[float]) -> list:
     return [_expert_step(max_norm, *case) for case, max_norm in zip(WIDE, max_norms)]
 
 
-def test_expert_parallel_equals_one_process():
+def test_expert_parallel_equals_one_process(tmp_path):
     """Each fails with the expert gradients divided by the ranks holding the same experts only, or left
     out of the clipping norm."""
     keys = [(case[0], _rows(case, WORLD)) for case in CASES] + [(case[0], _rows(case, 8)) for case in WIDE]
     truths = {key: _clipped(*key) for key in sorted(set(keys))}
     norms = [truths[key][2] for key in keys]
-    results = run(_cases, WORLD, norms[:len(CASES)], timeout=300)
+    results = run(_cases, WORLD, norms[:len(CASES)], str(tmp_path), timeout=300)
     wide = run(_wide, 8, norms[len(CASES):], timeout=300)
     wanted = [(key[0], *truths[key][:2]) for key in keys[:len(CASES)]]
     wanted += [(BUILT["family"], *_built_truth())] * len(BUILT_SEQUENCE)
@@ -274,3 +370,9 @@ def test_expert_parallel_equals_one_process():
                 [sum(local[r][k] for r in same) / WORLD for k in range(2, 4)]
             for k, (got, w) in enumerate(zip(updates[i], want)):
                 torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{stage, expert, k}: {m}")
+    truth = _replicated_truth()  # a parameter of the experts with no slice per expert: reduced as a dense one
+    for rank, updates in enumerate(results):
+        assert set(updates[-1]) == set(truth)
+        for name, want in truth.items():
+            torch.testing.assert_close(updates[-1][name], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")

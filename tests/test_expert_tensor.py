@@ -5,19 +5,24 @@ tokens (the rows padded to a multiple of the degree), the outputs gathered back;
 parameters sum their gradients over the tensor group and the routers' load-balancing sums are
 added over it. Tiny MoEs with output_router_logits=True (the load-balancing term in the loss),
 one row a microbatch, fp32: at tensor 2 (world 2) Qwen3-MoE on rows of 7 tokens (a padded row) and
-Qwen2-MoE (a shared expert, its Linears' gradients summed too), at expert 2 x tensor 2 (world 4:
-each expert group two ranks of one tensor index, the experts reduced over data x sequence x tensor)
+Qwen2-MoE (a shared expert, its Linears' gradients summed too; its layers compiled, aot_eager), at
+expert 2 x tensor 2 (world 4: each expert group two ranks of one tensor index, the experts reduced
+over data x sequence x tensor)
 Qwen3-MoE under ZeRO-1 and ZeRO-3 (rows of 7), at pipe 2 x tensor 2 Qwen2-MoE under ZB-V (the shared
 expert's weight gradients in the ordinary backward, not in W), at sequence 2 x tensor 2 Qwen3-MoE (each
 rank a slice of 3 tokens of every row, Ulysses attention over its tensor rank's heads, the routers' sums
 added over the tensor group in each layer and over the sequence group at the final norm), Qwen3-MoE at
 expert 2 x sequence 2 x tensor 2 under ZeRO-3 (world 8: the experts reduced over sequence x tensor), and build()
 from a ds_config with expert_parallel 2 and tensor 2; expert_param_groups refuses experts split beside a
-tensor plan that leaves their blocks on every token. The truth is transformers' model on the whole batch, its gradients
+tensor plan that leaves their blocks on every token, on every rank (at pipe 2 x tensor 2 the ranks of a first
+stage of dense layers too). The truth is transformers' model on the whole batch, its gradients
 clipped by torch's clip_grad_norm_ to half their norm; through one SGD step of rate 1 (Adam with a
 dwarfing eps for build()), every parameter's update by Hugging Face name, made whole. Each case fails
 with the block left on every token (the plan refused it before), with the gather's backward
 reduce-scattering, with the parameters' tensor sum left out, or with the routers' sums per share.
+LoRA (lora_tensor_plan) on the attention and the shared expert inside the token-split block of that
+Qwen2-MoE at tensor 2, compiled, two AdamW steps under ZeRO-1, equals peft + transformers in one
+process (losses and adapters); it failed in the compiled layer's trace of a DTensor adapter before.
 """
 
 import contextlib
@@ -32,7 +37,7 @@ from test_hf_router import VOCAB, _model, _targets  # noqa: E402
 
 # family, pipe, expert, tensor, ZeRO stage, schedule, microbatches a rank (one row each), tokens a row
 # [, sequence: each row split in that many slices, one a rank]
-TWO = [("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 7), ("qwen2_moe", 1, 1, 2, 0, "1f1b", 2, 8)]
+TWO = [("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 7), ("qwen2_moe", 1, 1, 2, 0, "1f1b", 2, 8, 1, True)]  # [, compiled]
 FOUR = [("qwen3_moe", 1, 2, 2, 1, "1f1b", 2, 7), ("qwen3_moe", 1, 2, 2, 3, "1f1b", 2, 7),
         ("qwen2_moe", 2, 1, 2, 1, "zbv", 2, 8), ("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 6, 2)]
 EIGHT = [("qwen3_moe", 1, 2, 2, 3, "1f1b", 1, 6, 2)]  # expert 2 x sequence 2 x tensor 2, one row a rank
@@ -87,11 +92,13 @@ def _by_name(module, opt) -> dict:
 
 
 def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, stage: int, schedule: str,
-          microbatches: int, tokens: int, sequence: int = 1) -> tuple:
-    """One step of the case: the loss and each parameter's update (SGD, rate 1) by Hugging Face name."""
+          microbatches: int, tokens: int, sequence: int = 1, compiled: bool = False) -> tuple:
+    """One step of the case: the loss and each parameter's update (SGD, rate 1) by Hugging Face name;
+    compiled: each decoder layer traced by torch.compile (aot_eager)."""
     import torch.distributed as dist
 
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
+    from pipezero.pipe.compile import CompileConfig
     from pipezero.pipe.expert import expert_param_groups, shard_experts
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_tensor_plan
     from pipezero.pipe.sequence import shard_batch, whole_positions
@@ -105,7 +112,8 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
     v = schedule == "zbv"
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
                             partition_method="uniform", num_chunks=2 if v else 1, placement="v" if v else "looped",
-                            tensor_plan=hf_tensor_plan())
+                            tensor_plan=hf_tensor_plan(),
+                            compile=CompileConfig(backend="aot_eager") if compiled else False)
     if expert > 1:
         shard_experts(module, grid.expert_group)
     groups = expert_param_groups(module, grid) if expert > 1 else list(module.parameters())
@@ -157,12 +165,66 @@ def _built_truth() -> tuple[torch.Tensor, dict]:
     return loss, {n: before[n] - p.detach() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _two(norms: list[float]) -> list:
-    return [_step(norm, *case) for case, norm in zip(TWO, norms)]
+# LoRA on the attention and the shared expert (inside the token-split block) of a Qwen2-MoE at tensor 2, its
+# layers compiled: by a pattern, since peft maps the names gate_proj / down_proj onto the fused experts too
+LORA = dict(targets=r".*\.(q_proj|o_proj|shared_expert\.down_proj)", steps=2, lr=1e-2)
+
+
+def _lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA["targets"])
+
+
+def _lora_rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(50 + step)
+    return torch.randint(3, VOCAB, (4, 7), generator=gen), torch.randint(3, VOCAB, (4, 7), generator=gen)
+
+
+def _lora_truth(root: str) -> tuple[list[float], dict]:
+    """peft + transformers in one process (AdamW): the losses and the adapters after; the base and the
+    starting adapters on disk under root."""
+    from peft_start import peft_start, peft_train
+
+    base = _model("qwen2_moe")
+    base.config.output_router_logits = False  # peft_train's loss: the cross-entropy alone
+    return peft_train(peft_start(base, _lora_config(), root), (_lora_rows(s) for s in range(LORA["steps"])),
+                      lr=LORA["lr"])
+
+
+def _lora_compiled(root: str) -> tuple[list[float], dict]:
+    """The same through PipelineModule at tensor 2 (lora_tensor_plan, compiled layers, ZeroOptimizer)."""
+    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.pipe.compile import CompileConfig
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_tensor_plan
+    from pipezero.pipe.lora import adapter_state_dict, lora_specs, trainable_parameters
+    from pipezero.pipe.lora_tensor import lora_tensor_plan
+    from pipezero.topology import Grid
+    from pipezero.train.checkpoint.lora_export import load_peft_adapter
+    from pipezero.zero import ZeroOptimizer
+
+    grid = Grid(tensor=2)
+    module = PipelineModule(lora_specs(hf_layer_specs(f"{root}/base"), _lora_config()), grid=grid,
+                            loss_fn=causal_lm_loss, tensor_plan=lora_tensor_plan(hf_tensor_plan()),
+                            compile=CompileConfig(backend="aot_eager"))
+    assert load_peft_adapter(module, f"{root}/start")
+    opt = ZeroOptimizer(torch.optim.AdamW(trainable_parameters(module), lr=LORA["lr"]), stage=1,
+                        group=grid.data_sequence_group)
+    runner = PipelineRunner(module, OneFOneB(num_microbatches=2), optimizer=opt)
+    losses = []
+    for step in range(LORA["steps"]):
+        losses.append(runner.train_step(*_lora_rows(step)).item())
+        assert opt.step() is not False
+        opt.zero_grad()
+    return losses, {n: t.clone() for n, t in adapter_state_dict(module).items()}
+
+
+def _two(norms: list[float], root: str) -> list:
+    return [_step(norm, *case) for case, norm in zip(TWO, norms)] + [_lora_compiled(root)]
 
 
 def _four(norms: list[float]) -> list:
-    return [_step(norm, *case) for case, norm in zip(FOUR, norms)] + [_built(), _refused()]
+    return [_step(norm, *case) for case, norm in zip(FOUR, norms)] + [_built(), _refused(), _refused_on_every_stage()]
 
 
 def _refused() -> str:
@@ -186,6 +248,27 @@ def _refused() -> str:
     return "refused"
 
 
+def _refused_on_every_stage() -> str:
+    """The same at pipe 2 x tensor 2 with a first stage of dense layers only: the ranks of that stage see no MoE
+    block and refuse too (they went on alone before, into a collective the others never reached)."""
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.expert import ExpertParallel, expert_param_groups, shard_experts
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.topology import Grid
+
+    config = _model("qwen3_moe").config
+    config.mlp_only_layers = [0, 1, 2]  # dense MLPs: the first stage holds no MoE block
+    grid = Grid(pipe=2, tensor=2)
+    module = PipelineModule(hf_layer_specs(config), grid=grid, loss_fn=causal_lm_loss, partition_method="uniform")
+    shard_experts(module, grid.expert_group)  # the expert axis' group of one rank
+    holds = any(isinstance(m, ExpertParallel) for m in module.modules())
+    assert holds == (grid.pipe_rank == 1), (grid.pipe_rank, holds)
+    with pytest.raises(ValueError, match=r"needs each MoE block run on its tensor rank's share of the tokens, but "
+                                         + (r"\['Qwen3MoeSparseMoeBlock'" if holds else r"MoE blocks on another rank")):
+        expert_param_groups(module, grid)
+    return "refused"
+
+
 def _eight(norms: list[float]) -> list:
     return [_step(norm, *case) for case, norm in zip(EIGHT, norms)]
 
@@ -201,21 +284,29 @@ def _check(results: list, i: int, want_loss: torch.Tensor, want: dict, what: str
     assert set(got) == set(want), (what, set(got) ^ set(want))
 
 
-def test_experts_beside_a_tensor_split_equal_transformers():
+def test_experts_beside_a_tensor_split_equal_transformers(tmp_path):
     truths = {}
     for world, cases in ((2, TWO), (4, FOUR), (8, EIGHT)):
         for case in cases:
             key = (case[0], _rows(case, world), case[7])
             truths[key] = truths.get(key) or _clipped(*key)
-    two = run(_two, 2, [truths[(c[0], _rows(c, 2), c[7])][2] for c in TWO], timeout=300)
+    lora = _lora_truth(str(tmp_path))
+    # discard: compiled workers keep fake tensors that later tests' scans of live tensors would meet
+    two = run(_two, 2, [truths[(c[0], _rows(c, 2), c[7])][2] for c in TWO], str(tmp_path), timeout=300,
+              discard=True)
     four = run(_four, 4, [truths[(c[0], _rows(c, 4), c[7])][2] for c in FOUR], timeout=300)
     eight = run(_eight, 8, [truths[(c[0], _rows(c, 8), c[7])][2] for c in EIGHT], timeout=300)
-    assert all(rank[-1] == "refused" for rank in four)
+    assert all(rank[-2:] == ["refused", "refused"] for rank in four)
     for world, cases, results in ((2, TWO, two), (4, FOUR, four), (8, EIGHT, eight)):
         for i, case in enumerate(cases):
             loss, want, _ = truths[(case[0], _rows(case, world), case[7])]
             _check(results, i, loss, want, f"{case}")
     _check(four, len(FOUR), *_built_truth(), "build()")
+    for losses, adapters in (rank[len(TWO)] for rank in two):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(lora[0]), rtol=0, atol=1e-5)
+        assert set(adapters) == set(lora[1])
+        for name, want in lora[1].items():
+            torch.testing.assert_close(adapters[name], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"LoRA {name}: {m}")
 
 
 @pytest.mark.parametrize("family, pattern", [

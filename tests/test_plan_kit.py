@@ -222,6 +222,21 @@ def test_experts_beside_a_tensor_split_stay_whole_on_each_tensor_rank():
     assert steps[1] - steps[0] == pytest.approx(2 * ring_seconds(2 * experts, 2, *hw.link(2), 2.0))
 
 
+def test_adam_steps_the_experts_shard_of_their_own_zero_group():
+    """Under ZeRO 1-3 the experts' state is sharded over the ranks holding the same experts (expert_param_groups'
+    zero_group), as rank_memory counts it; the optimizer's time counted them whole on every rank."""
+    from pipezero.train.plan.step_time import optimizer_seconds
+
+    hw, params, experts = h200(1, 8), 1e9, 6e8
+    lay = Layout(1, 2, 2, "1f1b", 1, 2, 1, 1, expert=2)  # dense over data x expert 4, experts over data x tensor 4
+    assert (lay.reducing, lay.expert_holders) == (4, 4)
+    want = ((params - experts) / 4 + experts / 4) * hw.optimizer_ns_per_param * 1e-9
+    assert optimizer_seconds(params, lay, hw, "bf16", experts) == pytest.approx(want)
+    unsharded = replace(lay, zero=0)
+    assert optimizer_seconds(params, unsharded, hw, "bf16", experts) == pytest.approx(params * hw.optimizer_ns_per_param
+                                                                                      * 1e-9)
+
+
 def test_expert_all_to_all_bytes_and_time_in_the_step():
     """Dispatch and combine per MoE block: tokens x hidden x top-k x bytes, (E-1)/E of it sent, E-1 latencies;
     2 forward and 2 backward per micro-batch."""

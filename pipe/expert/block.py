@@ -14,7 +14,9 @@ Each split parameter is marked with a comm.TensorShard (dim 0, the expert group)
 tensor-parallel slice, a checkpoint saves it whole under its global name and cuts this rank's
 experts out again on load, so a checkpoint moves across expert degrees (train/checkpoint/).
 
-Gradients: a dense parameter is reduced over the whole data x expert group, as before. An
+Gradients: a dense parameter is reduced over the whole data x expert group, as before; so is a
+parameter of the experts module that has no slice per expert (its dim 0 is not the number of
+experts: it stays whole, the same on every rank, and is no expert parameter). An
 expert's gradient already sums what every rank's tokens sent it; it is summed over the ranks
 holding the same experts (the expert's own data group) and divided by the size of the whole
 data x expert group: expert_param_groups (pipe/expert/groups.py) gives ZeroOptimizer that group.
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipezero.comm import TensorShard, mark_tensor_shard
+from pipezero.comm import TensorShard, mark_tensor_shard, tensor_shard
 from pipezero.pipe.expert.dispatch import combine, dispatch
 
 __all__ = ["ExpertParallel", "expert_parameters", "shard_experts", "whole_experts"]
@@ -60,9 +62,13 @@ class ExpertParallel(nn.Module):
         local.num_experts = per_rank
         self._local = [local]  # not a child: its parameters are this module's, under their names
 
+    def split_parameters(self) -> list[nn.Parameter]:
+        """The parameters split over the expert group (one slice per expert); the others are replicas."""
+        return [p for p in self.parameters() if tensor_shard(p) is not None]
+
     def whole(self, p: torch.Tensor) -> torch.Tensor:
         """Every expert's slice of parameter p, gathered over the expert group (a collective)."""
-        if p.shape[0] * dist.get_world_size(self.group) != self.num_experts:
+        if tensor_shard(p) is None:
             return p.detach()  # not split (a parameter without one slice per expert)
         out = p.new_empty((self.num_experts, *p.shape[1:]))
         dist.all_gather_into_tensor(out, p.detach().contiguous(), group=self.group)
@@ -94,9 +100,11 @@ def shard_experts(module: nn.Module, group: Any) -> int:
 def whole_experts(module: nn.Module) -> dict[int, torch.Tensor]:
     """id(parameter) -> its whole value, for every expert parameter of `module` (a collective over each
     layer's expert group): what an export under the Hugging Face names needs."""
-    return {id(p): m.whole(p) for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
+    return {id(p): m.whole(p) for m in module.modules() if isinstance(m, ExpertParallel)
+            for p in m.split_parameters()}
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters of every ExpertParallel in `module`: what is reduced over the expert's data group."""
-    return [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters()]
+    """The split parameters of every ExpertParallel in `module`: what is reduced over the expert's data group
+    (one without a slice per expert is a replica, reduced with the dense parameters)."""
+    return [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.split_parameters()]

@@ -19,45 +19,55 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipezero.pipe.expert.block import ExpertParallel
+from pipezero.comm import all_reduce
+from pipezero.pipe.expert.block import ExpertParallel, expert_parameters
 from pipezero.pipe.tensor_tokens import token_share
-from pipezero.topology import Grid
+from pipezero.topology import Grid, process_device
 
 __all__ = ["expert_param_groups"]
 
 
 def _check(module: nn.Module, grid: Grid) -> None:
-    """The experts were split over the grid's expert axis."""
-    # A stage with no sharded experts (a pipeline stage of dense layers only, or experts left whole) is
-    # not refused here: that is this rank's view alone (build() checks every stage, on every rank), and
-    # experts left whole train as dense layers, correctly, only without the expert split.
+    """The experts were split over the grid's expert axis, their blocks on a token share beside a tensor split.
+
+    Decided on every rank together (one all-reduce of two counts over the world): a pipeline stage with no
+    MoE layer sees nothing wrong on its own and would otherwise go on into a collective the others never
+    reach. Experts left whole train as dense layers, correctly, only without the expert split.
+    """
     layers = [m for m in module.modules() if isinstance(m, ExpertParallel)]
     degrees = sorted({dist.get_world_size(m.group) for m in layers})
-    if any(d != grid.expert_size for d in degrees):
-        raise ValueError(f"expert_param_groups: the experts are split over groups of {degrees} ranks, the grid's "
-                         f"expert axis has {grid.expert_size}; shard them with shard_experts(module, "
-                         "grid.expert_group)")
+    wrong = [d for d in degrees if d != grid.expert_size]
     whole = [type(m).__name__ for m in module.modules() if any(isinstance(c, ExpertParallel) for c in m.children())
-             and token_share(m) is None]
-    if grid.tensor_size > 1 and whole:
+             and token_share(m) is None] if grid.tensor_size > 1 else []
+    counts = torch.tensor([len(wrong), len(whole)], dtype=torch.int64, device=process_device())
+    all_reduce(counts)  # every rank refuses what any rank sees, before any later collective can hang
+    wrong_anywhere, whole_anywhere = counts.tolist()
+    here = " on another rank (a pipeline stage this rank does not hold)"
+    if wrong_anywhere:
+        raise ValueError(f"expert_param_groups: the experts are split over groups of {wrong or 'other'} ranks"
+                         f"{'' if wrong else here}, the grid's expert axis has {grid.expert_size}; shard them "
+                         "with shard_experts(module, grid.expert_group)")
+    if whole_anywhere:
         raise ValueError(f"expert_param_groups: on {grid!r} the experts' gradients are summed over the tensor ranks, "
-                         f"which needs each MoE block run on its tensor rank's share of the tokens, but {whole} run "
-                         "on every token; give them SplitTokens in the tensor plan (hf_tensor_plan does)")
+                         "which needs each MoE block run on its tensor rank's share of the tokens, but "
+                         f"{whole or 'MoE blocks' + here} run on every token; give them SplitTokens in the tensor "
+                         "plan (hf_tensor_plan does)")
 
 
 def expert_param_groups(module: nn.Module, grid: Grid, **options: Any) -> list[dict[str, Any]]:
     """[dense parameters, expert parameters (when this rank holds any)] for one ZeroOptimizer over
     grid.data_sequence_group; `options` (lr, weight_decay, ...) go into both groups.
 
-    Call it after shard_experts(module, grid.expert_group). Trainable parameters only. The expert
+    Call it after shard_experts(module, grid.expert_group), on every rank (a collective: the checks agree
+    over the world, so a refusal is raised on all ranks). Trainable parameters only. The expert
     group's keys are ZeroOptimizer's; a plain torch optimizer would ignore them (and reduce nothing).
     """
     _check(module, grid)
-    experts = [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters()
-               if p.requires_grad]
+    experts = [p for p in expert_parameters(module) if p.requires_grad]  # a replica among them stays dense
     ids = {id(p) for p in experts}
     dense = [p for p in module.parameters() if p.requires_grad and id(p) not in ids]
     groups = [{"params": dense, **options}]

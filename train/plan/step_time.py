@@ -314,8 +314,12 @@ def buckets(params: float, d_model: int) -> int:
 
 
 def optimizer_seconds(params: float, layout: Layout, hw: Hardware, precision: str, experts: float = 0.0) -> float:
-    """Adam over this rank's shard (its experts whole: they have no ZeRO group), on the device or offloaded."""
-    shard = (params - experts) / (layout.reducing if layout.zero >= 1 else 1) + experts
+    """Adam over this rank's shard, on the device or offloaded: under ZeRO 1-3 the dense parameters are
+    sharded over data x expert x sequence and `experts` (of `params`) over their own ZeRO group, the ranks
+    holding the same experts (Layout.expert_holders; expert_param_groups' zero_group)."""
+    sharded = layout.zero >= 1
+    shard = (params - experts) / (layout.reducing if sharded else 1) + experts / (layout.expert_holders
+                                                                                 if sharded else 1)
     if not layout.offload:
         return shard * hw.optimizer_ns_per_param * 1e-9
     round_trip = 2 * shard * bytes_per_element(precision) / (hw.pcie_gbps * 1e9)
