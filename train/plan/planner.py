@@ -24,6 +24,7 @@ from pipezero.train.plan.layout import Layout, enumerate_layouts
 from pipezero.train.plan.memory import HostBreakdown, MemoryBreakdown, rank_memory
 from pipezero.train.plan.model import LayerProfile, ModelShape
 from pipezero.train.plan.step_time import TimeBreakdown, chunk_layers, step_time, step_time_floor
+from pipezero.train.plan.zero3 import layout_gathers
 
 __all__ = ["Prediction", "ds_config", "explain", "format_table", "kit_table", "node_host", "plan", "predict",
            "torchrun_command"]
@@ -69,7 +70,8 @@ def predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape
     worst, hosts = None, []
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in sorted(held.items()) if r == rank for i in rng]
-        mem = rank_memory(profile, layers, live[rank], layout, hw, precision, shape.d_model, shape.seq_len)
+        mem = rank_memory(profile, layers, live[rank], layout, hw, precision, shape.d_model, shape.seq_len,
+                          _gathered(profile, layout, held, rank))
         worst = mem if worst is None or mem.total > worst.total else worst
         hosts.append(mem.host)
     worst = replace(worst, host=node_host(hosts, layout, hw))  # the device's fullest rank, the host's fullest node
@@ -210,10 +212,17 @@ def _memory_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware,
     worst, hosts = None, []
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
-        mem = rank_memory(profile, layers, 0.0, layout, hw, precision, shape.d_model, shape.seq_len)
+        mem = rank_memory(profile, layers, 0.0, layout, hw, precision, shape.d_model, shape.seq_len,
+                          _gathered(profile, layout, held, rank))
         worst = mem if worst is None or mem.total > worst.total else worst
         hosts.append(mem.host)
     return replace(worst, host=node_host(hosts, layout, hw))
+
+
+def _gathered(profile: Sequence[LayerProfile], layout: Layout, held: dict, rank: int) -> float | None:
+    """ZeRO-3: the parameters the rank's schedule holds whole at once (zero3.py); None below stage 3."""
+    gathers = layout_gathers(profile, layout, held, rank)
+    return gathers.peak if gathers is not None else None
 
 
 def format_table(preds: Sequence[Prediction]) -> str:
@@ -310,6 +319,7 @@ def ds_config(p: Prediction) -> dict[str, Any]:
         "fp16": {"enabled": p.precision == "fp16"},
         "zero_optimization": zero,
         "pipeline": {"stages": lay.pipe, "schedule": lay.schedule, "chunks": lay.chunks,
+                     "reshard_after_forward": lay.reshard,
                      "activation_checkpoint_interval": lay.checkpoint, "activation_checkpointing": lay.recompute,
                      "partition_method": list(p.partition_costs)},
         "sequence_parallel_size": lay.sequence,

@@ -1,0 +1,137 @@
+"""ZeRO-3 as the runtime runs it inside a pipeline: which chunk is whole when, read off the schedule.
+
+What pipezero does (pipe/gathering.py, zero/stage3.py, zero/optimizer.py; counted on CPU with comm's
+TRAFFIC, tests/test_zero3_pipe.py):
+* every model runs through PipelineRunner, one stage included (the planner's "1f1b" at pipe 1), so
+  ZeRO-3 is always driven by the schedule, never by per-layer module hooks: the hooks stand down and
+  DeepSpeed's stage3_prefetch_bucket_size / stage3_max_live_parameters do not apply;
+* the unit of a gather is a layer (zero/partition.py: one partitioned bucket per block of the
+  PipelineModule, its small parameters below stage3_param_persistence_threshold, "auto" 10 x
+  hidden, stay whole); a chunk is needed whole while any of its actions runs, so all its layers
+  are gathered before its first action of a run, one all-gather each;
+* before each action the runner also starts the gathers of the next *other* chunk in the rank's
+  action list (the prefetch), so it is whole while the current chunk computes;
+* `reshard_after_forward` False (build()'s and the ds_config "pipeline" section's default): a chunk
+  stays whole from its first to its last action of the step, one gather per layer and step; True:
+  it is freed whenever the next action runs another chunk, so every run of consecutive actions on
+  one chunk gathers it again (interleaved 1F1B's and the V schedules' runs alternate chunks, a
+  few actions each: 2 to 7 times the gathers at pipe 2 x 4 micro-batches). With one or two chunks a
+  rank both settings hold every chunk at the peak (the running one and the prefetched other);
+* a layer two chunks of one rank share (a tied embedding and head both on rank 0 under the V
+  placement) is freed with whichever chunk ends first and gathered again by the other;
+  weights tied across pipeline ranks are gathered once at the step's start and stay whole;
+* gradients: one reduce-scatter per layer and step, once its last micro-batch's backward is done
+  (held whole until then, reduce_every_microbatch off as the planner's ds_config leaves it);
+* after the optimizer step nothing is gathered (the next step's first action gathers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Hashable, Mapping, Sequence
+
+from pipezero.pipe.gathering import plan_gathers
+from pipezero.pipe.schedule.registry import make_schedule, schedule_entry
+from pipezero.train.plan.layout import Layout
+from pipezero.train.plan.model import LayerProfile, held_params, tied_head
+
+__all__ = ["Gathers", "layout_gathers", "pipeline_gathers", "rank_gathers"]
+
+_TIED = "tied"  # the key of a tied embedding / head pair, one bucket wherever it sits
+
+
+@dataclass(frozen=True, slots=True)
+class Gathers:
+    """One rank's ZeRO-3 parameter traffic and residency in one step, in elements."""
+
+    calls: int            # all-gathers (one per layer gathered)
+    elements: float       # elements they make whole
+    first: float          # of them, the step's first action's (nothing computes before it: exposed)
+    peak: float           # elements whole at once at most (tied weights included)
+    reduce_calls: int     # reduce-scatters (one per layer)
+    reduce_elements: float
+
+
+@lru_cache(maxsize=1024)
+def _walk(chunks: tuple[int, ...], keys: tuple[tuple[Hashable, ...], ...], reshard: bool,
+          tied: tuple[Hashable, ...]) -> tuple[dict, frozenset, frozenset]:
+    """(gathers per key, keys gathered for the first action, every set of keys whole at once): the
+    runtime's plan walked over layer keys, sizes left out so that one walk serves every layout."""
+    plan = plan_gathers(chunks, reshard)
+    whole, counts, first, sets = set(tied), dict.fromkeys(tied, 1), frozenset(), set()
+    for i, chunk in enumerate(plan.chunks):
+        for c in (chunk,) if plan.prefetch[i] is None else (chunk, plan.prefetch[i]):
+            for key in keys[c]:
+                if key not in whole:
+                    whole.add(key)
+                    counts[key] = counts.get(key, 0) + 1
+        if i == 0:
+            first = frozenset(counts)
+        sets.add(frozenset(whole))
+        for done in plan.release[i]:
+            whole.difference_update(k for k in keys[done] if k not in tied)
+    return counts, first, frozenset(sets)
+
+
+def pipeline_gathers(chunks: Sequence[int], layers: Mapping[int, Mapping[Hashable, float]],
+                     reshard_after_forward: bool, tied: Mapping[Hashable, float] | None = None) -> Gathers:
+    """What one rank's action list gathers, as the runtime plans it (pipe/gathering.py's plan_gathers).
+
+    `chunks`: the chunk of each action in order; `layers`: chunk -> {layer: its elements}, a layer two
+    chunks share under the same key; `tied`: layers tied to another pipeline rank (whole all step).
+    """
+    tied = dict(tied or {})
+    size = {k: n for ls in layers.values() for k, n in ls.items()} | tied
+    keys = tuple(tuple(layers.get(c, {})) for c in range(max(chunks) + 1))
+    counts, first, sets = _walk(tuple(chunks), keys, reshard_after_forward, tuple(tied))
+    used = {k for c in set(chunks) for k in keys[c]} | set(tied)
+    return Gathers(sum(counts.values()), sum(n * size[k] for k, n in counts.items()),
+                   sum(size[k] for k in first), max(sum(size[k] for k in s) for s in sets),
+                   len(used), sum(size[k] for k in used))
+
+
+@lru_cache(maxsize=256)
+def _actions(schedule: str, microbatches: int, chunks: int | None, pipe: int) -> dict[int, tuple[int, ...]]:
+    table = make_schedule(schedule, microbatches, chunks).actions(pipe)
+    return {r: tuple(a.chunk for a in acts) for r, acts in table.items()}
+
+
+def rank_gathers(profile: Sequence[LayerProfile], chunk_layers: Mapping[int, Sequence[int]], rank: int,
+                 schedule: str, pipe: int, microbatches: int, chunks: int, tensor: int = 1, expert: int = 1,
+                 reshard_after_forward: bool = False) -> Gathers:
+    """pipeline_gathers of one planner rank: its chunks' layers (chunk -> layer indices), each layer one
+    bucket of held_params elements; a tied embedding / head is one bucket on a rank holding both, and
+    gathered once for the whole step on a rank holding one of them beside another pipeline rank."""
+    layers = {c: list(ls) for c, ls in chunk_layers.items()}
+    mine = [i for ls in layers.values() for i in ls]
+    pair = tied_head(profile) and {profile[i].kind for i in mine} >= {"Embedding", "Head"}
+    tied_here = tied_head(profile) and pipe > 1 and not pair
+    embedding = [i for i in mine if profile[i].kind == "Embedding"]
+    shared = held_params(profile, embedding[:1], tensor, expert)  # the pair's bucket: the embedding's parameters
+    tied: dict[Hashable, float] = {}
+    keyed: dict[int, dict[Hashable, float]] = {}
+    for c, ls in layers.items():
+        keyed[c] = {}
+        for i in ls:
+            n = held_params(profile, [i], tensor, expert)
+            if profile[i].kind in ("Embedding", "Head") and profile[i].tied and tied_here:
+                tied[_TIED] = n
+            elif profile[i].kind in ("Embedding", "Head") and profile[i].tied and pair:
+                keyed[c][_TIED] = shared
+            elif n:
+                keyed[c][i] = n
+    variable = schedule_entry(schedule).variable_chunks
+    order = _actions(schedule, microbatches, chunks if variable else None, pipe)[rank] if pipe > 1 else \
+        (0,) * (2 * microbatches)  # one stage: plain accumulation, one chunk
+    return pipeline_gathers(order, keyed, reshard_after_forward, tied)
+
+
+def layout_gathers(profile: Sequence[LayerProfile], layout: Layout, held: Mapping[tuple[int, int], Sequence[int]],
+                   rank: int) -> Gathers | None:
+    """rank_gathers of one rank of a planner layout (`held`: step_time.chunk_layers'), None below ZeRO 3."""
+    if layout.zero != 3:
+        return None
+    mine = {c: layers for (r, c), layers in held.items() if r == rank}
+    return rank_gathers(profile, mine, rank, layout.schedule, layout.pipe, layout.microbatches, layout.chunks,
+                        layout.tensor, layout.expert, layout.reshard)
