@@ -528,3 +528,14 @@ def test_a_long_sequence_is_timed_short_and_scaled_by_the_flops(monkeypatch):
         if got.kind == "Block":
             assert got.recompute_seconds == pytest.approx(want.flops / 3)
     assert profile[1].seconds > 10 * flops_profile(replace(LONG, seq_len=4096), 1.0)[1].seconds  # attention grew
+
+
+def test_zero3_in_a_pipeline_holds_and_gathers_what_the_schedule_says():
+    """Interleaved 1F1B, four chunks a rank: resharding after each run of a chunk holds less (the running
+    chunk and the prefetched next, not every chunk) and gathers more (train/plan/zero3.py; the counts
+    are checked against real runs in tests/test_zero3_pipe.py)."""
+    whole = Layout(2, 4, 1, "interleaved_1f1b", 4, 8, 1, 3)
+    whole_p, resharded = (predict(PROFILE, lay, HW, SMALL, "bf16") for lay in (whole, replace(whole, reshard=True)))
+    assert resharded.memory.buffers < whole_p.memory.buffers
+    assert resharded.time.data_comm > whole_p.time.data_comm
+    assert ds_config(resharded)["pipeline"]["reshard_after_forward"] is True
