@@ -27,7 +27,7 @@ TRAFFIC, tests/test_zero3_pipe.py):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Hashable, Mapping, Sequence
 
@@ -57,7 +57,8 @@ class Gathers:
 def _walk(chunks: tuple[int, ...], keys: tuple[tuple[Hashable, ...], ...], reshard: bool,
           tied: tuple[Hashable, ...]) -> tuple[dict, frozenset, frozenset]:
     """(gathers per key, keys gathered for the first action, every set of keys whole at once): the
-    runtime's plan walked over layer keys, sizes left out so that one walk serves every layout."""
+    runtime's plan walked over keys (a chunk's own layers, each shared layer), sizes left out so that
+    one walk serves every layout of the same schedule."""
     plan = plan_gathers(chunks, reshard)
     whole, counts, first, sets = set(tied), dict.fromkeys(tied, 1), frozenset(), set()
     for i, chunk in enumerate(plan.chunks):
@@ -82,13 +83,26 @@ def pipeline_gathers(chunks: Sequence[int], layers: Mapping[int, Mapping[Hashabl
     chunks share under the same key; `tied`: layers tied to another pipeline rank (whole all step).
     """
     tied = dict(tied or {})
-    size = {k: n for ls in layers.values() for k, n in ls.items()} | tied
-    keys = tuple(tuple(layers.get(c, {})) for c in range(max(chunks) + 1))
-    counts, first, sets = _walk(tuple(chunks), keys, reshard_after_forward, tuple(tied))
+    seen: dict[Hashable, int] = {}
+    for ls in layers.values():
+        for k in ls:
+            seen[k] = seen.get(k, 0) + 1
+    shared = {k for k, n in seen.items() if n > 1} | set(tied)
+    size: dict[Hashable, float] = dict(tied)
+    count: dict[Hashable, int] = dict.fromkeys(tied, 1)
+    keys = []
+    for c in range(max(chunks) + 1):  # a chunk's own layers move together: one key for all of them
+        own = {k: n for k, n in layers.get(c, {}).items() if k not in shared}
+        group = ((("chunk", c),) if own else ()) + tuple(k for k in layers.get(c, {}) if k in shared)
+        size |= {k: n for k, n in layers.get(c, {}).items() if k in shared} | ({("chunk", c): sum(own.values())}
+                                                                             if own else {})
+        count |= dict.fromkeys((k for k in group if k in shared), 1) | ({("chunk", c): len(own)} if own else {})
+        keys.append(group)
+    counts, first, sets = _walk(tuple(chunks), tuple(keys), reshard_after_forward, tuple(tied))
     used = {k for c in set(chunks) for k in keys[c]} | set(tied)
-    return Gathers(sum(counts.values()), sum(n * size[k] for k, n in counts.items()),
+    return Gathers(sum(n * count[k] for k, n in counts.items()), sum(n * size[k] for k, n in counts.items()),
                    sum(size[k] for k in first), max(sum(size[k] for k in s) for s in sets),
-                   len(used), sum(size[k] for k in used))
+                   sum(count[k] for k in used), sum(size[k] for k in used))
 
 
 @lru_cache(maxsize=256)
@@ -122,9 +136,19 @@ def rank_gathers(profile: Sequence[LayerProfile], chunk_layers: Mapping[int, Seq
             elif n:
                 keyed[c][i] = n
     variable = schedule_entry(schedule).variable_chunks
-    order = _actions(schedule, microbatches, chunks if variable else None, pipe)[rank] if pipe > 1 else \
-        (0,) * (2 * microbatches)  # one stage: plain accumulation, one chunk
-    return pipeline_gathers(order, keyed, reshard_after_forward, tied)
+
+    def at(m: int) -> Gathers:
+        order = _actions(schedule, m, chunks if variable else None, pipe)[rank] if pipe > 1 else \
+            (0,) * (2 * m)  # one stage: plain accumulation, one chunk
+        return pipeline_gathers(order, keyed, reshard_after_forward, tied)
+    m1, m2 = 2 * pipe, 3 * pipe
+    if microbatches <= m2:
+        return at(microbatches)
+    # past a few times the stages every schedule repeats one period per micro-batch (as step_time's
+    # _extrapolated): the gathers grow linearly, what is whole at once does not change
+    a, b = at(m1), at(m2)
+    x = (microbatches - m1) / (m2 - m1)
+    return replace(b, calls=round(a.calls + (b.calls - a.calls) * x), elements=a.elements + (b.elements - a.elements) * x)
 
 
 def layout_gathers(profile: Sequence[LayerProfile], layout: Layout, held: Mapping[tuple[int, int], Sequence[int]],
@@ -133,5 +157,18 @@ def layout_gathers(profile: Sequence[LayerProfile], layout: Layout, held: Mappin
     if layout.zero != 3:
         return None
     mine = {c: layers for (r, c), layers in held.items() if r == rank}
-    return rank_gathers(profile, mine, rank, layout.schedule, layout.pipe, layout.microbatches, layout.chunks,
-                        layout.tensor, layout.expert, layout.reshard)
+    key = (id(profile), rank, tuple(sorted((c, tuple(ls)) for c, ls in mine.items())), layout.schedule, layout.pipe,
+           layout.microbatches, layout.chunks, layout.tensor, layout.expert, layout.reshard)
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    out = rank_gathers(profile, mine, rank, layout.schedule, layout.pipe, layout.microbatches, layout.chunks,
+                       layout.tensor, layout.expert, layout.reshard)
+    if len(_MEMO) > 1 << 16:
+        _MEMO.clear()
+    _MEMO[key] = (profile, out)
+    return out
+
+
+# layout_gathers' answers by profile and rank: the planner asks for the same rank under every ZeRO-3 variant
+_MEMO: dict[tuple, tuple[Sequence[LayerProfile], Gathers]] = {}
