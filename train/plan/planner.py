@@ -274,8 +274,17 @@ def explain(p: Prediction) -> str:
         + ([f"  host memory {m.host.total / gb:.3g} GB of {p.hardware.host_memory_gb:g}: {_host_words(m.host)}"]
            if p.hardware.host_offload else [])
         + [f"  activation checkpointing: {_kit_words(p.layout)}"]
+        + ([f"  ZeRO-3: {_zero3_words(p.layout)}"] if p.layout.zero == 3 else [])
         + ([f"  expert axis {p.layout.expert}: ds_config's expert_parallel autoep_size {p.layout.expert} "
             "(pipezero finetune --expert-parallel; README, Mixture-of-experts)"] if p.layout.expert > 1 else []))
+
+
+def _zero3_words(lay: Layout) -> str:
+    how = ("freed whenever another chunk runs and gathered again for each run of its actions "
+           "(pipeline reshard_after_forward on)" if lay.reshard else
+           "whole from its first to its last action, one all-gather per layer a step (reshard_after_forward off)")
+    return (f"each chunk's parameters {how}, the next chunk's gathers started early; the buffers hold the "
+            "parameters whole at once (train/plan/zero3.py)")
 
 
 def _kit_words(lay: Layout) -> str:
