@@ -27,6 +27,7 @@ from pipezero.train.config import parse_config
 from pipezero.train.plan import ds_config, plan, predict
 from pipezero.train.plan.hardware import h200
 from pipezero.train.plan.layout import Layout, enumerate_layouts
+from pipezero.train.plan.zero3 import partitioned
 from pipezero.train.plan.memory import model_state_bytes
 from pipezero.train.plan.model import ModelShape, flops_profile
 
@@ -94,8 +95,10 @@ def test_zero_stages_trade_memory_for_traffic():
     mems = [predict(PROFILE, Layout(1, 8, 1, "1f1b", 1, 1, 4, z), HW, SMALL, "bf16").memory for z in range(4)]
     totals = [m.total for m in mems]
     assert totals[:3] == sorted(totals[:3], reverse=True) and totals[3] < totals[0]
-    # ZeRO-3 under the runner with one chunk a rank holds every parameter whole through the step (zero3.py)
-    assert mems[3].buffers - mems[0].buffers == pytest.approx(mems[0].params)
+    # ZeRO-3 under the runner with one chunk a rank holds every partitioned parameter whole through the step
+    # (zero3.py; the tied head is the embedding's weight), 2 bytes each in bf16
+    whole = sum(partitioned(p) for p in PROFILE if not (p.kind == "Head" and p.tied))
+    assert mems[3].buffers - mems[0].buffers == pytest.approx(2 * whole)
 
 
 def test_stage_2_holds_whole_gradients_while_micro_batches_accumulate():

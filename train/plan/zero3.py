@@ -6,8 +6,9 @@ TRAFFIC, tests/test_zero3_pipe.py):
   ZeRO-3 is always driven by the schedule, never by per-layer module hooks: the hooks stand down and
   DeepSpeed's stage3_prefetch_bucket_size / stage3_max_live_parameters do not apply;
 * the unit of a gather is a layer (zero/partition.py: one partitioned bucket per block of the
-  PipelineModule, its small parameters below stage3_param_persistence_threshold, "auto" 10 x
-  hidden, stay whole); a chunk is needed whole while any of its actions runs, so all its layers
+  PipelineModule); its tensors below stage3_param_persistence_threshold stay whole (the planner's
+  ds_config leaves DeepSpeed's default, 1e5 elements: PERSISTENCE; norms and biases), never
+  gathered (memory.py still counts them at ZeRO-3's 1/N: a large model's are < 0.1% of it); a chunk is needed whole while any of its actions runs, so all its layers
   are gathered before its first action of a run, one all-gather each;
 * before each action the runner also starts the gathers of the next *other* chunk in the rank's
   action list (the prefetch), so it is whole while the current chunk computes;
@@ -36,11 +37,12 @@ from typing import Hashable, Mapping, Sequence
 from pipezero.pipe.gathering import plan_gathers
 from pipezero.pipe.schedule.registry import make_schedule, schedule_entry
 from pipezero.train.plan.layout import Layout
-from pipezero.train.plan.model import LayerProfile, held_params, tied_head
+from pipezero.train.plan.model import LayerProfile, tied_head
 
-__all__ = ["Gathers", "layout_gathers", "pipeline_gathers", "rank_gathers"]
+__all__ = ["PERSISTENCE", "Gathers", "layout_gathers", "partitioned", "pipeline_gathers", "rank_gathers"]
 
 _TIED = "tied"  # the key of a tied embedding / head pair, one bucket wherever it sits
+PERSISTENCE = 100_000  # stage3_param_persistence_threshold when a ds_config names none (zero/config.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,24 +115,32 @@ def _actions(schedule: str, microbatches: int, chunks: int | None, pipe: int) ->
     return {r: tuple(a.chunk for a in acts) for r, acts in table.items()}
 
 
+def partitioned(p: LayerProfile, tensor: int = 1, expert: int = 1, threshold: int = PERSISTENCE) -> float:
+    """Elements of one layer that ZeRO-3 partitions on a rank: its tensors (each tensor rank's part) of at
+    least `threshold` elements, and its routed experts."""
+    split = 1 if p.tied else tensor
+    dense = p.tensors or (p.params - p.expert_params,)
+    return sum(t / split for t in dense if t / split >= threshold) + p.expert_params / expert
+
+
 def rank_gathers(profile: Sequence[LayerProfile], chunk_layers: Mapping[int, Sequence[int]], rank: int,
                  schedule: str, pipe: int, microbatches: int, chunks: int, tensor: int = 1, expert: int = 1,
                  reshard_after_forward: bool = False) -> Gathers:
     """pipeline_gathers of one planner rank: its chunks' layers (chunk -> layer indices), each layer one
-    bucket of held_params elements; a tied embedding / head is one bucket on a rank holding both, and
+    bucket of its partitioned elements; a tied embedding / head is one bucket on a rank holding both, and
     gathered once for the whole step on a rank holding one of them beside another pipeline rank."""
     layers = {c: list(ls) for c, ls in chunk_layers.items()}
     mine = [i for ls in layers.values() for i in ls]
     pair = tied_head(profile) and {profile[i].kind for i in mine} >= {"Embedding", "Head"}
     tied_here = tied_head(profile) and pipe > 1 and not pair
     embedding = [i for i in mine if profile[i].kind == "Embedding"]
-    shared = held_params(profile, embedding[:1], tensor, expert)  # the pair's bucket: the embedding's parameters
+    shared = sum(partitioned(profile[i], tensor, expert) for i in embedding[:1])  # the pair's: the embedding's
     tied: dict[Hashable, float] = {}
     keyed: dict[int, dict[Hashable, float]] = {}
     for c, ls in layers.items():
         keyed[c] = {}
         for i in ls:
-            n = held_params(profile, [i], tensor, expert)
+            n = partitioned(profile[i], tensor, expert)
             if profile[i].kind in ("Embedding", "Head") and profile[i].tied and tied_here:
                 tied[_TIED] = n
             elif profile[i].kind in ("Embedding", "Head") and profile[i].tied and pair:
