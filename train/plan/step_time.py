@@ -409,6 +409,7 @@ def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
     for rank in range(layout.pipe):
         params, experts = _held(profile, [i for (r, _), rng in held.items() if r == rank for i in rng], layout)
         _, unhidden = data_parallel_seconds(params, layout, hw, precision, float("inf"), float("inf"),
-                                            buckets(params, d_model), experts, layout_gathers(profile, layout, held, rank))
+                                            buckets(params, d_model), experts,
+                                            layout_gathers(profile, layout, held, rank))
         tail = max(tail, unhidden + optimizer_seconds(params, layout, hw, precision, experts))
     return max(busy.values()) + tail

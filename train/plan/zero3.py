@@ -8,8 +8,9 @@ TRAFFIC, tests/test_zero3_pipe.py):
 * the unit of a gather is a layer (zero/partition.py: one partitioned bucket per block of the
   PipelineModule); its tensors below stage3_param_persistence_threshold stay whole (the planner's
   ds_config leaves DeepSpeed's default, 1e5 elements: PERSISTENCE; norms and biases), never
-  gathered (memory.py still counts them at ZeRO-3's 1/N: a large model's are < 0.1% of it); a chunk is needed whole while any of its actions runs, so all its layers
-  are gathered before its first action of a run, one all-gather each;
+  gathered (memory.py still counts them at ZeRO-3's 1/N: a large model's are < 0.1% of it); a
+  chunk is needed whole while any of its actions runs, so all its layers are gathered before its
+  first action of a run, one all-gather each;
 * before each action the runner also starts the gathers of the next *other* chunk in the rank's
   action list (the prefetch), so it is whole while the current chunk computes;
 * `reshard_after_forward` False (build()'s and the ds_config "pipeline" section's default): a chunk
@@ -160,7 +161,8 @@ def rank_gathers(profile: Sequence[LayerProfile], chunk_layers: Mapping[int, Seq
     # _extrapolated): the gathers grow linearly, what is whole at once does not change
     a, b = at(m1), at(m2)
     x = (microbatches - m1) / (m2 - m1)
-    return replace(b, calls=round(a.calls + (b.calls - a.calls) * x), elements=a.elements + (b.elements - a.elements) * x)
+    return replace(b, calls=round(a.calls + (b.calls - a.calls) * x),
+                   elements=a.elements + (b.elements - a.elements) * x)
 
 
 def layout_gathers(profile: Sequence[LayerProfile], layout: Layout, held: Mapping[tuple[int, int], Sequence[int]],
