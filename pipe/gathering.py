@@ -37,9 +37,11 @@ class GatherPlan:
 def plan_gathers(chunks: Sequence[int], reshard_after_forward: bool) -> GatherPlan:
     """The gather/release plan of one rank's ordered chunk sequence (a pure function)."""
     last = {c: i for i, c in enumerate(chunks)}
-    prefetch, release = [], []
+    prefetch: list[int | None] = [None] * len(chunks)
+    for i in range(len(chunks) - 2, -1, -1):  # the first other chunk after i, in one pass from the end
+        prefetch[i] = chunks[i + 1] if chunks[i + 1] != chunks[i] else prefetch[i + 1]
+    release = []
     for i, c in enumerate(chunks):
-        prefetch.append(next((d for d in chunks[i + 1:] if d != c), None))
         switch = i + 1 < len(chunks) and chunks[i + 1] != c
         release.append((c,) if last[c] == i or (reshard_after_forward and switch) else ())
     return GatherPlan(tuple(chunks), tuple(prefetch), tuple(release))

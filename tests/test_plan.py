@@ -27,6 +27,7 @@ from pipezero.train.config import parse_config
 from pipezero.train.plan import ds_config, plan, predict
 from pipezero.train.plan.hardware import h200
 from pipezero.train.plan.layout import Layout, enumerate_layouts
+from pipezero.train.plan.zero3 import partitioned
 from pipezero.train.plan.memory import model_state_bytes
 from pipezero.train.plan.model import ModelShape, flops_profile
 
@@ -45,9 +46,11 @@ def test_every_layout_fills_the_world_and_its_schedule_is_valid():
     for lay in layouts:
         assert lay.pipe * lay.data * lay.tensor == 8, lay
         assert lay.data * lay.microbatches * lay.microbatch_size == 32, lay
-        assert lay.zero < 3 or lay.pipe == 1, lay
+        assert not lay.reshard or (lay.zero == 3 and lay.chunks >= 3), lay  # where resharding can save memory
         chunks = lay.chunks if lay.schedule == "interleaved_1f1b" else None
         make_schedule(lay.schedule, lay.microbatches, chunks).actions(lay.pipe)  # raises if invalid
+    assert {lay.schedule for lay in layouts if lay.zero == 3 and lay.pipe > 1} >= {"1f1b", "interleaved_1f1b",
+                                                                                   "zbv", "dualpipev"}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -89,8 +92,13 @@ def test_more_microbatches_shrink_the_bubble():
 
 
 def test_zero_stages_trade_memory_for_traffic():
-    mems = [predict(PROFILE, Layout(1, 8, 1, "1f1b", 1, 1, 4, z), HW, SMALL, "bf16").memory.total for z in range(4)]
-    assert mems == sorted(mems, reverse=True) and mems[3] < mems[0]
+    mems = [predict(PROFILE, Layout(1, 8, 1, "1f1b", 1, 1, 4, z), HW, SMALL, "bf16").memory for z in range(4)]
+    totals = [m.total for m in mems]
+    assert totals[:3] == sorted(totals[:3], reverse=True) and totals[3] < totals[0]
+    # ZeRO-3 under the runner with one chunk a rank holds every partitioned parameter whole through the step
+    # (zero3.py; the tied head is the embedding's weight), 2 bytes each in bf16
+    whole = sum(partitioned(p) for p in PROFILE if not (p.kind == "Head" and p.tied))
+    assert mems[3].buffers - mems[0].buffers == pytest.approx(2 * whole)
 
 
 def test_stage_2_holds_whole_gradients_while_micro_batches_accumulate():
@@ -523,3 +531,14 @@ def test_a_long_sequence_is_timed_short_and_scaled_by_the_flops(monkeypatch):
         if got.kind == "Block":
             assert got.recompute_seconds == pytest.approx(want.flops / 3)
     assert profile[1].seconds > 10 * flops_profile(replace(LONG, seq_len=4096), 1.0)[1].seconds  # attention grew
+
+
+def test_zero3_in_a_pipeline_holds_and_gathers_what_the_schedule_says():
+    """Interleaved 1F1B, four chunks a rank: resharding after each run of a chunk holds less (the running
+    chunk and the prefetched next, not every chunk) and gathers more (train/plan/zero3.py; the counts
+    are checked against real runs in tests/test_zero3_pipe.py)."""
+    whole = Layout(2, 4, 1, "interleaved_1f1b", 4, 8, 1, 3)
+    whole_p, resharded = (predict(PROFILE, lay, HW, SMALL, "bf16") for lay in (whole, replace(whole, reshard=True)))
+    assert resharded.memory.buffers < whole_p.memory.buffers
+    assert resharded.time.data_comm > whole_p.time.data_comm
+    assert ds_config(resharded)["pipeline"]["reshard_after_forward"] is True

@@ -339,6 +339,11 @@ class ZeroOptimizer(ChainWrapper):
         self._sync.wait()
 
     # -- stage 3 ---------------------------------------------------------------------------
+    def gathered_numel(self) -> int:
+        """Stage 3: elements of partitioned parameters whole on the device now (gathered, or their
+        all-gathers on the way); 0 at stages 0-2. What the planner's ZeRO-3 memory counts."""
+        return self._gatherer.resident_numel() if self._gatherer is not None else 0
+
     @contextmanager
     def gathered_parameters(self) -> Iterator[None]:
         """Every model parameter whole inside the block (stage 3); a no-op for stages 0-2."""

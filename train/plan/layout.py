@@ -16,8 +16,10 @@ Enumeration rules (each one a fact of the runtime, not a taste):
   chunks; a schedule that rejects (stages, micro-batches) is skipped; one stage runs plain
   gradient accumulation ("1f1b" with one stage);
 * the model's layers cover every virtual stage (pipe x chunks <= layers);
-* ZeRO 0-2 everywhere, 3 only without a pipeline (pipezero runs ZeRO-3 inside a pipeline
-  only once that issue lands); optimizer offload only with ZeRO >= 1;
+* ZeRO 0-3 everywhere, under every schedule (pipezero runs ZeRO-3 inside the pipeline, the schedule
+  saying when each chunk is gathered: zero3.py); reshard_after_forward both ways only where a rank runs
+  3 or more chunks (with one or two the prefetched next chunk keeps every chunk whole anyway, so
+  resharding only adds gathers: zero3.py); optimizer offload only with ZeRO >= 1;
 * activation checkpointing off (0) or every layer (1), full or selective (the matmuls' outputs kept),
   its inputs on the device or in pinned host memory (where the hardware has a host to offload to);
   the MLP in row tiles and the fused head + loss are not choices: the runtime tiles from
@@ -58,6 +60,7 @@ class Layout:
     selective: bool = False     # checkpointed runs keep the matmuls' outputs (pipe/memory/recompute.py)
     host_inputs: bool = False   # checkpointed runs' inputs in pinned host memory (cpu_checkpointing)
     expert: int = 1        # the expert axis' degree: data x expert ranks share the dense reduction
+    reshard: bool = False  # ZeRO-3: a chunk freed whenever another runs (the pipeline's reshard_after_forward)
 
     @property
     def world(self) -> int:
@@ -88,9 +91,10 @@ class Layout:
     @property
     def label(self) -> str:
         """Short form for tables: p2 d2 t1 1f1b v1 m4x2 z2 (e2 and s4 after d when the experts or the sequence
-        are split; ck1 checkpointed, ck1s selectively, +h its inputs on the host)."""
+        are split; rs ZeRO-3 chunks freed whenever another runs; ck1 checkpointed, ck1s selectively, +h its
+        inputs on the host)."""
         kit = f" ck{self.checkpoint}" + ("s" if self.selective else "") + ("+h" if self.host_inputs else "")
-        extra = (" off" if self.offload else "") + (kit if self.checkpoint else "")
+        extra = (" rs" if self.reshard else "") + (" off" if self.offload else "") + (kit if self.checkpoint else "")
         seq = (f" e{self.expert}" if self.expert > 1 else "") + (f" s{self.sequence}" if self.sequence > 1 else "")
         return (f"p{self.pipe} d{self.data}{seq} t{self.tensor} {self.schedule} v{self.chunks} "
                 f"m{self.microbatches}x{self.microbatch_size} z{self.zero}{extra}")
@@ -171,12 +175,12 @@ def _sequence_degrees(rest: int, gpus_per_node: int, heads: int, seq_len: int | 
 
 def _variants(pipe: int, data: int, tensor: int, name: str, chunks: int, m: int, size: int,
               checkpoints: tuple[int, ...], offload: bool, sequence: int = 1, expert: int = 1) -> Iterator[Layout]:
-    stages = (0, 1, 2, 3) if pipe == 1 else (0, 1, 2)
-    for zero in stages:
+    for zero in (0, 1, 2, 3):
         for off in ((False, True) if offload and zero else (False,)):
             if zero and data * expert * sequence == 1 and not off:
                 continue  # sharding over one rank is stage 0 with extra steps
-            for ck in checkpoints:
-                for selective, host in (_KITS_HOST if ck and offload else _KITS if ck else ((False, False),)):
-                    yield Layout(pipe, data, tensor, name, chunks, m, size, zero, off, ck, sequence, selective,
-                                 host, expert)
+            for reshard in ((False, True) if zero == 3 and chunks >= 3 else (False,)):
+                for ck in checkpoints:
+                    for selective, host in (_KITS_HOST if ck and offload else _KITS if ck else ((False, False),)):
+                        yield Layout(pipe, data, tensor, name, chunks, m, size, zero, off, ck, sequence, selective,
+                                     host, expert, reshard)

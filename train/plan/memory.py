@@ -37,8 +37,10 @@
   MLP keeps none of its intermediates and the norms no fp32 copy, and their backward holds one tile's
   (layers.py's terms).
 * buffers: the p2p send/receive buffers (the slice that crosses stages: divided by the sequence
-  degree too), two reduce buckets in flight (ZeRO 0-2) or two
-  gathered layers (ZeRO 3), the runtime's reserve.
+  degree too), two reduce buckets in flight (ZeRO 0-2) or, at ZeRO 3, the parameters the schedule
+  holds whole at once (zero3.py: the running chunk and the next other one, prefetched; with
+  reshard_after_forward off every chunk from its first to its last action: at one or two chunks a
+  rank, all of its parameters), the runtime's reserve.
 
 Host memory per rank (HostBreakdown), what the offloads allocate there:
 * the offloaded optimizer, per parameter of the rank's shard (zero/offload.py, zero/partition.py): the
@@ -327,8 +329,12 @@ def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: flo
 
 
 def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: float, layout: Layout,
-                hw: Hardware, precision: str, d_model: int, seq_len: int) -> MemoryBreakdown:
+                hw: Hardware, precision: str, d_model: int, seq_len: int,
+                gathered: float | None = None) -> MemoryBreakdown:
     """Memory of a pipeline rank holding `layers` with `live` whole-stage micro-batches at its peak.
+
+    `gathered` (ZeRO-3): the parameters whole at once at most, as the schedule gathers them
+    (zero3.rank_gathers(...).peak); None: all of the rank's (one chunk, whole through the step).
 
     With one micro-batch a step and ZeRO 0-2, the gradients appear as the backward makes them (set to
     None after each step), so the peak is the largest of activations + gradients made so far along the
@@ -348,9 +354,9 @@ def rank_memory(profile: Sequence[LayerProfile], layers: Sequence[int], live: fl
     made_per_layer = [b / shard for b in _grad_bytes(profile, layers, layout, precision)] if growing else None
     act, made = backward_peak(profile, layers, live, layout, precision, d_model, seq_len, made_per_layer)
     p2p = 4 * tokens * d_model * e * layout.chunks if layout.pipe > 1 else 0.0
-    if layout.zero == 3:
-        largest = max(profile[i].params / (1 if profile[i].tied else layout.tensor) for i in layers)
-        working = 2 * largest * STATE_BYTES[precision][0]
+    if layout.zero == 3:  # the chunks whole at once (zero3.py); without the schedule's: every layer, one chunk
+        whole = params if gathered is None else gathered
+        working = whole * STATE_BYTES[precision][0]
     else:
         working = 2 * d_model * d_model * STATE_BYTES[precision][1] if layout.zero >= 2 else 0.0
     return MemoryBreakdown(p, g, s, act, p2p + working + hw.reserved_gb * 1e9,

@@ -24,6 +24,7 @@ from pipezero.train.plan.layout import Layout, enumerate_layouts
 from pipezero.train.plan.memory import HostBreakdown, MemoryBreakdown, rank_memory
 from pipezero.train.plan.model import LayerProfile, ModelShape
 from pipezero.train.plan.step_time import TimeBreakdown, chunk_layers, step_time, step_time_floor
+from pipezero.train.plan.zero3 import layout_gathers
 
 __all__ = ["Prediction", "ds_config", "explain", "format_table", "kit_table", "node_host", "plan", "predict",
            "torchrun_command"]
@@ -69,7 +70,8 @@ def predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape
     worst, hosts = None, []
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in sorted(held.items()) if r == rank for i in rng]
-        mem = rank_memory(profile, layers, live[rank], layout, hw, precision, shape.d_model, shape.seq_len)
+        mem = rank_memory(profile, layers, live[rank], layout, hw, precision, shape.d_model, shape.seq_len,
+                          _gathered(profile, layout, held, rank))
         worst = mem if worst is None or mem.total > worst.total else worst
         hosts.append(mem.host)
     worst = replace(worst, host=node_host(hosts, layout, hw))  # the device's fullest rank, the host's fullest node
@@ -210,10 +212,17 @@ def _memory_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware,
     worst, hosts = None, []
     for rank in range(layout.pipe):
         layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
-        mem = rank_memory(profile, layers, 0.0, layout, hw, precision, shape.d_model, shape.seq_len)
+        mem = rank_memory(profile, layers, 0.0, layout, hw, precision, shape.d_model, shape.seq_len,
+                          _gathered(profile, layout, held, rank))
         worst = mem if worst is None or mem.total > worst.total else worst
         hosts.append(mem.host)
     return replace(worst, host=node_host(hosts, layout, hw))
+
+
+def _gathered(profile: Sequence[LayerProfile], layout: Layout, held: dict, rank: int) -> float | None:
+    """ZeRO-3: the parameters the rank's schedule holds whole at once (zero3.py); None below stage 3."""
+    gathers = layout_gathers(profile, layout, held, rank)
+    return gathers.peak if gathers is not None else None
 
 
 def format_table(preds: Sequence[Prediction]) -> str:
@@ -265,8 +274,17 @@ def explain(p: Prediction) -> str:
         + ([f"  host memory {m.host.total / gb:.3g} GB of {p.hardware.host_memory_gb:g}: {_host_words(m.host)}"]
            if p.hardware.host_offload else [])
         + [f"  activation checkpointing: {_kit_words(p.layout)}"]
+        + ([f"  ZeRO-3: {_zero3_words(p.layout)}"] if p.layout.zero == 3 else [])
         + ([f"  expert axis {p.layout.expert}: ds_config's expert_parallel autoep_size {p.layout.expert} "
             "(pipezero finetune --expert-parallel; README, Mixture-of-experts)"] if p.layout.expert > 1 else []))
+
+
+def _zero3_words(lay: Layout) -> str:
+    how = ("freed whenever another chunk runs and gathered again for each run of its actions "
+           "(pipeline reshard_after_forward on)" if lay.reshard else
+           "whole from its first to its last action, one all-gather per layer a step (reshard_after_forward off)")
+    return (f"each chunk's parameters {how}, the next chunk's gathers started early; the buffers hold the "
+            "parameters whole at once (train/plan/zero3.py)")
 
 
 def _kit_words(lay: Layout) -> str:
@@ -310,6 +328,7 @@ def ds_config(p: Prediction) -> dict[str, Any]:
         "fp16": {"enabled": p.precision == "fp16"},
         "zero_optimization": zero,
         "pipeline": {"stages": lay.pipe, "schedule": lay.schedule, "chunks": lay.chunks,
+                     "reshard_after_forward": lay.reshard,
                      "activation_checkpoint_interval": lay.checkpoint, "activation_checkpointing": lay.recompute,
                      "partition_method": list(p.partition_costs)},
         "sequence_parallel_size": lay.sequence,

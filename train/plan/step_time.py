@@ -47,11 +47,14 @@
   peak live micro-batches;
 * data parallel (per pipeline rank, its own parameters, over data x sequence: the sequence ranks
   hold gradients of different slices of the same batch): ZeRO 0 all-reduces the gradients,
-  1-2 reduce-scatter them and all-gather the updated parameters, 3 gathers parameters twice
-  and reduce-scatters gradients every micro-batch. Gradient reduction overlaps the rank's
-  last micro-batch backward (overlap_comm); ZeRO-3's gathers overlap all compute
-  (prefetch); the parameter all-gather after the step is exposed; every collective runs in
-  buckets of d_model^2 elements (reduce_bucket_size "auto"), each paying the ring's latency;
+  1-2 reduce-scatter them and all-gather the updated parameters, 3 gathers each layer as often as
+  the schedule's action list makes its chunk whole again (zero3.py: once a step with
+  reshard_after_forward off, once per run of a chunk's actions with it on) and reduce-scatters
+  each layer's gradient once a step. Gradient reduction overlaps the rank's last micro-batch
+  backward (overlap_comm); ZeRO-3's gathers overlap the compute (the next chunk is prefetched)
+  except the step's first chunk's; the parameter all-gather after the step (ZeRO 1-2) is exposed;
+  ZeRO 0-2's collectives run in buckets of d_model^2 elements (reduce_bucket_size "auto"),
+  ZeRO-3's one per layer, each paying the ring's latency;
 * optimizer: Adam over the rank's shard on the device, or on the host plus the PCIe
   round trip when offloaded. On a GPU the step is memory-bound: per parameter in bf16 the
   fp32 copy of the reduced gradient (read 2, write 4 bytes), the clipping norm (4) and scale
@@ -77,6 +80,7 @@ from pipezero.train.plan.hardware import Hardware
 from pipezero.train.plan.layout import Layout
 from pipezero.train.plan.memory import rank_tokens, tiled
 from pipezero.train.plan.model import LayerProfile, bytes_per_element, held_experts, held_params
+from pipezero.train.plan.zero3 import Gathers, layout_gathers
 
 __all__ = ["TimeBreakdown", "all_to_all_seconds", "buckets", "chunk_layers", "data_parallel_seconds",
            "expert_all_to_all_seconds", "kit_seconds", "optimizer_seconds", "ring_seconds",
@@ -261,7 +265,7 @@ def simulate_layout(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
     `memo` (a dict the caller keeps for one model and hardware) shares the simulation between
     layouts that differ only in ZeRO stage or offload, which do not change the schedule.
     """
-    key = replace(layout, zero=0, offload=False)
+    key = replace(layout, zero=0, offload=False, reshard=False)
     if memo is not None and key in memo:
         return memo[key]
     placement = schedule_entry(layout.schedule).placement
@@ -283,12 +287,15 @@ def simulate_layout(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
 
 def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision: str,
                           last_backward: float, compute: float, buckets: int = 1,
-                          experts: float = 0.0) -> tuple[float, float]:
+                          experts: float = 0.0, gathers: Gathers | None = None) -> tuple[float, float]:
     """(all traffic, exposed part) of one rank's data-parallel collectives per step, in `buckets` pieces each:
     the dense parameters over data x expert x sequence, `experts` (of `params`: the rank's routed experts)
     all-reduced over the ranks holding the same experts (Layout.expert_holders); beside a tensor split without
     an expert axis the whole experts' gradients are also summed over the tensor group in every micro-batch's
-    backward (pipe/tensor_tokens.py: hooks, not overlapped)."""
+    backward (pipe/tensor_tokens.py: hooks, not overlapped). ZeRO-3 moves what `gathers` (zero3.py) counts:
+    the schedule's all-gathers, one per layer gathered (the first action's exposed, the rest behind the
+    rank's compute), and one reduce-scatter per layer after its last backward (behind the last micro-batch's
+    backward); without `gathers`, every parameter gathered once and reduced once."""
     n = layout.reducing
     nbytes = (params - experts) * bytes_per_element(precision)
     bw, lat = hw.link(layout.tensor * n)
@@ -302,8 +309,13 @@ def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision
         reduce, gather = ring_seconds(nbytes, n, bw, lat, 1.0, buckets) + own, ring_seconds(nbytes, n, bw, lat, 1.0,
                                                                                               buckets)
     else:
-        total = layout.microbatches * 3 * ring_seconds(nbytes, n, bw, lat, 1.0, buckets) + own
-        return total + hooks, max(0.0, total - compute) + hooks
+        e = bytes_per_element(precision)
+        calls = (gathers.calls, gathers.elements * e, gathers.first * e) if gathers else (buckets, nbytes, nbytes)
+        whole = ring_seconds(calls[1], n, bw, lat, 1.0, calls[0])
+        first = whole * calls[2] / calls[1] if calls[1] else 0.0
+        reduce = ring_seconds(nbytes, n, bw, lat, 1.0, gathers.reduce_calls if gathers else buckets) + own
+        exposed = first + max(0.0, whole - first - compute) + max(0.0, reduce - last_backward)
+        return whole + reduce + hooks, exposed + hooks
     return reduce + gather + hooks, max(0.0, reduce - last_backward) + gather + hooks
 
 
@@ -337,7 +349,8 @@ def step_time(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, pre
         params, experts = _held(profile, layers, layout)
         last = result.last_backward[rank]
         comm, hidden_not = data_parallel_seconds(params, layout, hw, precision, last, result.busy[rank],
-                                                 buckets(params, d_model), experts)
+                                                 buckets(params, d_model), experts,
+                                                 layout_gathers(profile, layout, held, rank))
         step = optimizer_seconds(params, layout, hw, precision, experts)
         if hidden_not + step > exposed + opt:
             data_comm, exposed, opt = comm, hidden_not, step
@@ -389,7 +402,7 @@ def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
     their floors and stops once a floor exceeds the step time of the table's last row.
     """
     held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
-    key = replace(layout, zero=0, offload=False)  # `memo`: the busy part, the same for every ZeRO stage
+    key = replace(layout, zero=0, offload=False, reshard=False)  # `memo`: the busy part, the same for every ZeRO stage
     busy: dict[int, float] = {} if memo is None or key not in memo else memo[key]
     for (rank, _), layers in held.items() if not busy else ():
         c, _ = _chunk_costs(profile, layers, layout, hw, precision, d_model, seq_len, 0.0)
@@ -400,6 +413,7 @@ def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
     for rank in range(layout.pipe):
         params, experts = _held(profile, [i for (r, _), rng in held.items() if r == rank for i in rng], layout)
         _, unhidden = data_parallel_seconds(params, layout, hw, precision, float("inf"), float("inf"),
-                                            buckets(params, d_model), experts)
+                                            buckets(params, d_model), experts,
+                                            layout_gathers(profile, layout, held, rank))
         tail = max(tail, unhidden + optimizer_seconds(params, layout, hw, precision, experts))
     return max(busy.values()) + tail
