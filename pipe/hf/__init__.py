@@ -1,4 +1,6 @@
-"""The Hugging Face adapter: causal LMs as layer specs (specs.py), where their weights come from
+"""The Hugging Face adapter: causal LMs as layer specs (specs.py: hf_layer_specs and the loss), over
+the structure read from a meta copy of the model (model.py) and the pipeline layers (layers.py); a
+built module read back under Hugging Face's names (export.py), where their weights come from
 (weights.py) and whether a checkpoint fits its config (match.py), their tensor-parallel plan
 (tensor.py), generation from the training weights (generate.py). transformers is an optional extra.
 

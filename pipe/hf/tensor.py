@@ -1,6 +1,6 @@
 """hf_tensor_plan: Megatron-LM's tensor-parallel split of a Hugging Face decoder layer.
 
-Split from pipe/hf/specs.py, which re-exports it (so it imports the layer class when called).
+Split from pipe/hf/specs.py, which re-exports it; it reads the layer class of pipe/hf/layers.py.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from pipezero.pipe.hf.layers import HFDecoderLayer
 from pipezero.pipe.tensor_parallel import ColwiseHeads, TensorPlan
 from pipezero.pipe.tensor_tokens import SplitTokens
 
@@ -34,8 +35,6 @@ def hf_tensor_plan() -> Callable[[nn.Module], TensorPlan | None]:
     would be wrong.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from pipezero.pipe.hf import HFDecoderLayer  # here: pipe/hf/specs.py re-exports this module's function
 
     def plan(layer: nn.Module) -> TensorPlan | None:
         if not isinstance(layer, HFDecoderLayer):
