@@ -23,7 +23,7 @@ made after the plan: they are summed over the tensor group by their reduction gr
 a step (pipe/expert/groups.py); at expert 1 the hooks sum every expert's gradient every micro-batch.
 The padded rows reach the router and the experts but not the output; a routed model's
 load-balancing sums skip them (`TokenShare.row_weights`) and add the ranks' sums up
-(`sum_over_tensor`, pipe/hf/specs.py).
+(`sum_over_tensor`, pipe/hf/layers.py).
 Padding rather than refusing: a microbatch of b x s rows need not divide by t.
 """
 

@@ -165,7 +165,7 @@ def _hf_truth() -> list[float]:
 
 
 def _hf_packed(path: str) -> list[float]:
-    """The same packed rows through pipe/hf/specs.py's layers (transformers builds the block-diagonal
+    """The same packed rows through pipe/hf/layers.py's layers (transformers builds the block-diagonal
     mask from position ids that restart), pipe 2 x data 2, 1F1B, ZeRO-1."""
     from pipezero.pipe.hf import hf_layer_specs
     grid = Grid(pipe=2)

@@ -130,7 +130,7 @@ def in_selective_run() -> bool:
 
     torch replays the kept matmul outputs by their order of calls, so the recompute must run exactly
     the forward's ops: what layers share per microbatch from a cache (a Hugging Face stage's mask and
-    rotary cos/sin, pipe/hf/specs.py) is then made by each layer, as a cache hit in the forward and a
+    rotary cos/sin, pipe/hf/layers.py) is then made by each layer, as a cache hit in the forward and a
     miss in the recompute (another microbatch ran between them) would run different ops.
     """
     return getattr(_selective, "on", False)

@@ -9,7 +9,7 @@ its heads, and exchanges the output back (pipe/sequence/attention.py); the mask 
 kernel's own mask function under the same name, and the model is switched to that name with its
 public set_attn_implementation.
 The mask itself is built for the whole sequence (the decoder layer gathers the position ids and
-padding of the slices: pipe/hf/specs.py), so packed documents and sliding windows hold across
+padding of the slices: pipe/hf/layers.py), so packed documents and sliding windows hold across
 shard boundaries. `ulysses_around` wraps any registered function the same way: the decoder
 layers of packed rows wrap pipe/hf/document_attention.py's, which attends each document of the
 whole sequence (found from the gathered position ids) with no mask. transformers is imported on

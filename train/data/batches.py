@@ -8,7 +8,7 @@ would have seen next. D counts every rank that reads its own rows: with an exper
 expert ranks (`grid.data_expert_rank` of `grid.data_expert_size`, as the jobs pass them).
 
 Batch: the first stage's inputs are (ids, position ids, segment ids) [B, T] (the Hugging
-Face layers of pipe/hf/specs.py take (ids, None, position ids): transformers builds the
+Face layers of pipe/hf/layers.py take (ids, None, position ids): transformers builds the
 block-diagonal mask from positions that restart); the last stage's targets are (labels,
 scale) where scale [B] holds m * D / N, N the global batch's trained tokens. With
 `token_mean_loss` each micro-batch's loss is its summed cross-entropy times that scale; the
