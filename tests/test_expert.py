@@ -55,7 +55,7 @@ def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stag
     from pipezero.pipe.expert import expert_param_groups, expert_parameters, shard_experts
     from pipezero.precision import LossScaler
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict
-    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.hf.layers import _HFLayer
     from pipezero.pipe.sequence import shard_batch, whole_positions
     from pipezero.topology import Grid
     from pipezero.zero import ZeroOptimizer, gathered
@@ -153,7 +153,7 @@ def _built_step(sequence: int) -> tuple:
     from pipezero.pipe.sequence import shard_batch, whole_positions
     from pipezero.pipe.expert import expert_parameters
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
-    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.hf.layers import _HFLayer
     from pipezero.train import build
 
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": sequence,

@@ -164,7 +164,7 @@ def _fed_by_the_loaders() -> list[tuple]:
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
     from pipezero.pipe.expert import expert_param_groups, shard_experts
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
-    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.hf.layers import _HFLayer
     from pipezero.topology import Grid
     from pipezero.train.data import MemoryCorpus
     from pipezero.train.finetune import batches

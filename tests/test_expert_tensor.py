@@ -84,7 +84,7 @@ def _rows(case: tuple, world: int) -> int:
 
 def _by_name(module, opt) -> dict:
     """Every parameter this rank holds, whole (over the tensor and expert groups), by Hugging Face name."""
-    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.hf.layers import _HFLayer
     from pipezero.pipe.tensor_parallel import whole_tensor
 
     names = {id(p): n for layer in module.modules() if isinstance(layer, _HFLayer) for n, p in layer.hf_parameters()}

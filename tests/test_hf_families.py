@@ -86,7 +86,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _pipeline(family: str, root: str):
     """Logits (plain, masked), loss, gradients and stepped parameters by Hugging Face name; exported logits."""
     from pipezero.pipe import PipelineModule
-    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.hf.layers import _HFLayer
     from pipezero.topology import Grid
     from pipezero.train.checkpoint.hf_export import export_hf
 
@@ -190,7 +190,7 @@ def _tensor_grads(families: list[str]) -> dict:
     """Each family at pipe 1 x tensor 2: logits, loss and the whole gradients by Hugging Face name."""
     from pipezero.pipe import PipelineModule
     from pipezero.pipe.hf import hf_tensor_plan
-    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.hf.layers import _HFLayer
     from pipezero.pipe.tensor_parallel import whole_tensor
     from pipezero.topology import Grid
 

@@ -90,7 +90,7 @@ def _pipeline(families: list[str], masked: bool, microbatches: int, experts: str
 
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
     from pipezero.pipe.hf import causal_lm_loss, hf_config, hf_layer_specs
-    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.hf.layers import _HFLayer
     from pipezero.pipe.sequence import shard_batch, whole_positions
     from pipezero.topology import Grid
 
@@ -161,7 +161,7 @@ def _compiled_loss(family: str) -> dict:
     from pipezero.pipe.compile import CompileConfig
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
     from pipezero.pipe.hf.router import WithRouterLoss
-    from pipezero.pipe.hf.specs import _HFLayer
+    from pipezero.pipe.hf.layers import _HFLayer
     from pipezero.topology import Grid
 
     module = PipelineModule(hf_layer_specs(_model(family), fused_loss=True), grid=Grid(pipe=1),

@@ -199,7 +199,7 @@ def _hf_pipeline(family: str, pipe: int = 1, recompute: str | None = None):
 def _hf_pipeline_tiled(family: str, pipe: int, recompute: str | None):
     from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
-    from pipezero.pipe.hf.specs import HFDecoderLayer, _HFLayer
+    from pipezero.pipe.hf.layers import HFDecoderLayer, _HFLayer
     from pipezero.pipe.memory.recompute import RecomputeConfig
     from pipezero.topology import Grid
 

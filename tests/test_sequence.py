@@ -27,7 +27,7 @@ from harness import run  # noqa: E402
 from pipezero.pipe import Interleaved1F1B, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV  # noqa: E402
 from pipezero.pipe.compile import CompileConfig  # noqa: E402
 from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_tensor_plan  # noqa: E402
-from pipezero.pipe.hf.specs import _HFLayer  # noqa: E402
+from pipezero.pipe.hf.layers import _HFLayer  # noqa: E402
 from pipezero.pipe.sequence import check_heads, next_token_labels, shard_batch, whole_positions  # noqa: E402
 from pipezero.comm import tensor_shard  # noqa: E402
 from pipezero.pipe.tensor_parallel import whole_tensor  # noqa: E402
