@@ -25,9 +25,9 @@ from pipezero.pipe.hf.router import Routed
 from pipezero.pipe.hf.tensor import hf_tensor_plan  # noqa: F401
 from pipezero.pipe.spec import LayerSpec, TiedLayerSpec
 
-__all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding", "TIED_KEY",
-           "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_parameter_names", "hf_shapes", "hf_state_dict",
-           "hf_tensor_plan"]
+__all__ = ["HFDecoderLayer", "HFFinalNorm", "HFHead", "HFHeadBias", "HFPositions", "HFTokenEmbedding",
+           "TIED_KEY", "causal_lm_loss", "hf_config", "hf_layer_specs", "hf_parameter_names", "hf_shapes",
+           "hf_state_dict", "hf_tensor_plan"]
 
 TIED_KEY = "embed"  # TiedLayerSpec key of a tied embedding and LM head
 
