@@ -207,28 +207,15 @@ def _tensor_grads(families: list[str]) -> dict:
     return out
 
 
-def test_tensor_2_with_per_head_norms_equals_transformers():
+def test_tensor_2_equals_transformers_with_per_head_norms_and_moe_blocks():
     """Qwen3's and Gemma 3's q_norm / k_norm weigh every head with one replicated weight: each tensor rank
     saw its own heads only, so their gradients were partial (0.01 off) and differed between the ranks. GPT-NeoX's
-    fused query_key_value is split by whole heads (its q, k and v together)."""
-    families = ["qwen3", "gemma3_text", "gpt_neox"]
-    for rank_out in run(_tensor_grads, 2, families, timeout=180):
-        for family in families:
-            logits, loss, grads = rank_out[family]
-            want_logits, _, want_loss, want_grads, _ = _truth(family)
-            _close(logits, want_logits, f"{family} logits")
-            _close(loss, want_loss, f"{family} loss")
-            assert set(grads) == set(want_grads)
-            for name in want_grads:
-                _close(grads[name], want_grads[name], f"{family} gradient of {name}")
-
-
-def test_tensor_2_runs_moe_blocks_on_each_rank_s_tokens_as_transformers():
-    """A MoE block beside a tensor split (pipe/tensor_tokens.py): Llama 4's (a shared expert, a sigmoid router that
-    is an nn.Linear of its own, the block returning its router logits too) and Mixtral's, each tensor rank routing
-    half the tokens, equal transformers' logits, loss and gradients (hf_tensor_plan refused both before)."""
-    families = ["llama4_text", "mixtral"]
-    for rank_out in run(_tensor_grads, 2, families, timeout=180):
+    fused query_key_value is split by whole heads (its q, k and v together). A MoE block beside a tensor split
+    (pipe/tensor_tokens.py): Llama 4's (a shared expert, a sigmoid router that is an nn.Linear of its own, the
+    block returning its router logits too) and Mixtral's, each tensor rank routing half the tokens
+    (hf_tensor_plan refused both before). Each equals transformers' logits, loss and gradients; one launch."""
+    families = ["qwen3", "gemma3_text", "gpt_neox", "llama4_text", "mixtral"]
+    for rank_out in run(_tensor_grads, 2, families, timeout=240):
         for family in families:
             logits, loss, grads = rank_out[family]
             want_logits, _, want_loss, want_grads, _ = _truth(family)
