@@ -39,7 +39,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from harness import run  # noqa: E402
-from test_hf_router import _batch, _targets, _truth, _model  # noqa: E402
+from test_hf_router import _adam_updates, _batch, _clipped_to_half, _model, _targets, _truth  # noqa: E402
 
 WORLD = 4
 
@@ -132,13 +132,7 @@ def _clipped(family: str, rows: int) -> tuple[torch.Tensor, dict, float]:
     """transformers' loss and gradients (one microbatch per row), the gradients clipped by
     torch.nn.utils.clip_grad_norm_ to half their global norm, and that max norm."""
     loss, grads = _truth(family, True, rows, rows)
-    model = _model(family)
-    for name, p in model.named_parameters():
-        p.grad = grads.get(name)
-    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    max_norm = float(norm) / 2
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, max_norm
+    return (loss, *_clipped_to_half(family, grads))
 
 
 # build() from a ds_config with DeepSpeed's expert_parallel section: Adam whose eps (1e3) dwarfs every
@@ -184,13 +178,7 @@ def _built_step(sequence: int) -> tuple:
 def _built_truth() -> tuple[torch.Tensor, dict]:
     """transformers' loss, and each parameter's update by torch's own clip_grad_norm_ and Adam."""
     loss, grads = _truth(BUILT["family"], True, WORLD)
-    model = _model(BUILT["family"])
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for name, p in model.named_parameters():
-        p.grad = grads.get(name)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), BUILT["clip"])
-    torch.optim.Adam(model.parameters(), lr=BUILT["lr"], eps=BUILT["eps"]).step()
-    return loss, {n: before[n] - p.detach() for n, p in model.named_parameters() if p.grad is not None}
+    return loss, _adam_updates(BUILT["family"], grads, BUILT["clip"], BUILT["lr"], BUILT["eps"])
 
 
 # a param group's own reduction group over two backwards before a step (each reduces; the second adds to the

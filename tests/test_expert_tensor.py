@@ -33,7 +33,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from harness import run  # noqa: E402
-from test_hf_router import VOCAB, _model, _targets  # noqa: E402
+from test_hf_router import VOCAB, _adam_updates, _clipped_to_half, _model, _targets  # noqa: E402
 
 # family, pipe, expert, tensor, ZeRO stage, schedule, microbatches a rank (one row each), tokens a row
 # [, sequence: each row split in that many slices, one a rank]
@@ -69,12 +69,7 @@ def _truth(family: str, rows: int, tokens: int) -> tuple[torch.Tensor, dict]:
 def _clipped(family: str, rows: int, tokens: int) -> tuple[torch.Tensor, dict, float]:
     """The truth's gradients clipped by torch.nn.utils.clip_grad_norm_ to half their norm, and that norm."""
     loss, grads = _truth(family, rows, tokens)
-    norm = float(torch.nn.utils.get_total_norm(list(grads.values())))
-    model = _model(family)
-    for name, p in model.named_parameters():
-        p.grad = grads.get(name)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), norm / 2)
-    return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, norm / 2
+    return (loss, *_clipped_to_half(family, grads))
 
 
 def _rows(case: tuple, world: int) -> int:
@@ -156,13 +151,7 @@ def _built() -> tuple:
 
 def _built_truth() -> tuple[torch.Tensor, dict]:
     loss, grads = _truth(BUILT["family"], 4, BUILT["tokens"])
-    model = _model(BUILT["family"])
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for name, p in model.named_parameters():
-        p.grad = grads.get(name)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), BUILT["clip"])
-    torch.optim.Adam(model.parameters(), lr=BUILT["lr"], eps=BUILT["eps"]).step()
-    return loss, {n: before[n] - p.detach() for n, p in model.named_parameters() if p.grad is not None}
+    return loss, _adam_updates(BUILT["family"], grads, BUILT["clip"], BUILT["lr"], BUILT["eps"])
 
 
 # LoRA on the attention and the shared expert (inside the token-split block) of a Qwen2-MoE at tensor 2, its

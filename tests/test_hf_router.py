@@ -81,6 +81,31 @@ def _truth(family: str, masked: bool, microbatches: int, rows: int = BATCH) -> t
     return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _holding(family: str, grads: dict) -> torch.nn.Module:
+    """A fresh transformers model of `family` whose parameters hold `grads` (by name) as their .grad."""
+    model = _model(family)
+    for name, p in model.named_parameters():
+        p.grad = grads.get(name)
+    return model
+
+
+def _clipped_to_half(family: str, grads: dict) -> tuple[dict, float]:
+    """`grads` clipped by torch.nn.utils.clip_grad_norm_ to half their global norm, and that max norm."""
+    model = _holding(family, grads)
+    max_norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])) / 2
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, max_norm
+
+
+def _adam_updates(family: str, grads: dict, clip: float, lr: float, eps: float) -> dict:
+    """Each parameter's update (before - after) by torch's own clip_grad_norm_ and one Adam step on `grads`."""
+    model = _holding(family, grads)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    torch.optim.Adam(model.parameters(), lr=lr, eps=eps).step()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _pipeline(families: list[str], masked: bool, microbatches: int, experts: str | None = None,
               recompute: int = 0, sequence: int = 1) -> dict:
     """Each family's loss and gradients (by Hugging Face name) through PipelineRunner on grid pipe=world, or
