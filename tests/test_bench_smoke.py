@@ -17,6 +17,7 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -76,34 +77,13 @@ def test_moe_bench_nproc_runs_expert_parallel_and_dualpipev_on_the_same_batch():
     assert 0 <= dualpipev["bubble"] < 1 and 0 < dualpipev["plan_bubble"] < 1 and dualpipev["plan_ms"] > 0, rows
 
 
-class _Event:
-    """A stand-in for a kineto event: what bench/overlap.py reads of one (times in ns)."""
+def _event(name, cuda, start, end, thread=1, corr=0, linked=0) -> SimpleNamespace:
+    """A stand-in for a kineto event: what bench/overlap.py reads of one (times in ns), each a method."""
+    from torch.autograd import DeviceType
 
-    def __init__(self, name, cuda, start, end, thread=1, corr=0, linked=0):
-        from torch.autograd import DeviceType
-
-        self._v = (name, DeviceType.CUDA if cuda else DeviceType.CPU, start, end - start, thread, corr, linked)
-
-    def name(self):
-        return self._v[0]
-
-    def device_type(self):
-        return self._v[1]
-
-    def start_ns(self):
-        return self._v[2]
-
-    def duration_ns(self):
-        return self._v[3]
-
-    def start_thread_id(self):
-        return self._v[4]
-
-    def correlation_id(self):
-        return self._v[5]
-
-    def linked_correlation_id(self):
-        return self._v[6]
+    read = dict(name=name, device_type=DeviceType.CUDA if cuda else DeviceType.CPU, start_ns=start,
+                duration_ns=end - start, start_thread_id=thread, correlation_id=corr, linked_correlation_id=linked)
+    return SimpleNamespace(**{method: (lambda v=value: v) for method, value in read.items()})
 
 
 def test_overlap_counts_the_all_to_all_kernels_that_ran_beside_compute():
@@ -114,12 +94,12 @@ def test_overlap_counts_the_all_to_all_kernels_that_ran_beside_compute():
     sys.path.insert(0, str(ROOT / "bench"))
     from overlap import all_to_all_overlap
 
-    events = [_Event("c10d::alltoall_base_", False, 0, 10, corr=1), _Event("record_param_comms", False, 2, 8, corr=2),
-              _Event("c10d::send", False, 20, 22, corr=3), _Event("aten::mm", False, 30, 31, corr=4),
-              _Event("ncclDevKernel_SendRecv", True, 100, 200, linked=2),  # the all-to-all: 100 ns
-              _Event("ncclDevKernel_SendRecv", True, 150, 400, linked=3),  # a pipeline send: not counted
-              _Event("Memcpy DtoD", True, 100, 200, linked=4),
-              _Event("sm90_gemm", True, 170, 190, linked=4), _Event("sm90_gemm", True, 180, 240, linked=4)]
+    events = [_event("c10d::alltoall_base_", False, 0, 10, corr=1), _event("record_param_comms", False, 2, 8, corr=2),
+              _event("c10d::send", False, 20, 22, corr=3), _event("aten::mm", False, 30, 31, corr=4),
+              _event("ncclDevKernel_SendRecv", True, 100, 200, linked=2),  # the all-to-all: 100 ns
+              _event("ncclDevKernel_SendRecv", True, 150, 400, linked=3),  # a pipeline send: not counted
+              _event("Memcpy DtoD", True, 100, 200, linked=4),
+              _event("sm90_gemm", True, 170, 190, linked=4), _event("sm90_gemm", True, 180, 240, linked=4)]
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
     a2a, hidden = all_to_all_overlap(prof)
     assert a2a == pytest.approx(100e-9) and hidden == pytest.approx(30e-9)  # the GEMMs cover 170..200
