@@ -38,6 +38,16 @@ over compiled decoder layers); on CPU, where compiling costs more than it gives 
 stays off. With tensor parallelism it works (tests/test_tensor_3d.py: the column/row hooks'
 all-reduces trace into the block's one graph) but is off by default until measured on two GPUs.
 `compile=False` turns it off, `compile=True` or a CompileConfig on anywhere.
+
+Donated buffers are off, for the process, once pipezero compiles (torch._functorch.config.
+donated_buffer = False). torch compiles a graph's backward at its first use: after a whole
+backward (no retain_graph) it may write over the saved activations, and a later split backward
+of the same graph (ZB-V's or DualPipeV's I on a chunk without deferring Linears, which keeps
+the graph for W) is refused ("compiled with non-empty donated buffers"); the switch is read
+again when each backward runs, so it cannot be scoped to pipezero's calls. One pipeline runs
+both kinds of backward, and models of one layer class share graphs, so a ZB-V model after a 1F1B
+one in the same process failed at its first I (tests/test_compile.py). The cost: inductor
+cannot reuse a saved activation's memory inside the backward that frees it.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 
 __all__ = ["CompileConfig", "compile_by_default", "compile_layers", "compile_loss", "compiled_part", "model_blocks",
@@ -162,6 +173,7 @@ def compiled_part(layer: nn.Module) -> nn.Module:
 
 
 def _compiled(fn: Callable, config: CompileConfig) -> Callable:
+    functorch_config.donated_buffer = False  # for the process: the module docstring says why
     return torch.compile(fn, backend=config.backend, mode=config.mode, fullgraph=config.fullgraph,
                          dynamic=config.dynamic, options=config.options or None)
 

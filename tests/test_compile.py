@@ -131,6 +131,30 @@ def test_inductor_compiled_gpt_trains_as_eager():
     torch.testing.assert_close(c_losses, losses, rtol=1e-4, atol=1e-5)  # inductor fuses: other rounding
 
 
+def _loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_a_graph_backpropagated_whole_then_split():
+    """A pipeline backpropagates one compiled graph whole (1F1B's B, DualPipeV's steady state) and
+    split (ZB-V's I, which keeps the graph for W); torch compiles the backward at its first use,
+    and after a whole one a split one was refused ("compiled with non-empty donated buffers"):
+    a ZB-V model after a 1F1B one in the same process failed at its first I (they share graphs)."""
+    from pipezero.pipe.compile import compile_loss
+    from pipezero.pipe.split_backward import backward_input
+
+    torch._dynamo.reset()
+    try:
+        loss = compile_loss(_loss, CompileConfig(backend="aot_eager"))
+        targets, x = torch.randint(0, 8, (2, 4)), torch.randn(2, 4, 8, requires_grad=True)
+        loss(x * 2, targets).backward()  # whole
+        y = x.detach().requires_grad_()
+        (grad,), _ = backward_input([loss(y * 2, targets)], [None], [y], [])  # split
+        torch.testing.assert_close(grad, x.grad)
+    finally:
+        _forget_compiled()
+
+
 def test_which_layers_are_compiled():
     from gpt import Block, FinalNorm, GPTConfig, gpt_specs
 
