@@ -305,7 +305,7 @@ def _rank(rank: int, world: int, runs: list[str], args, port: int) -> None:
         except Exception as err:  # noqa: BLE001 - a run that cannot run says why; the others still run
             results[run] = {"error": _failure(err)}
             traceback.print_exc()  # now: a peer of this rank may wait for it until the group's timeout
-        torch._dynamo.reset()  # the next run compiles its own layers: none of this run's graphs or guards
+        torch._dynamo.reset()  # the next run compiles its own layers (its warm-up, not this run, pays for it)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
