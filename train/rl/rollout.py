@@ -98,6 +98,29 @@ def rollout(module: Any, opt: Any, prompt_ids: torch.Tensor, prompt_mask: torch.
     rollout; without it the ratio is taken against the training forward's own detached
     log-probs, exact for one step per rollout (TRL's num_iterations=1) and one forward cheaper.
     """
+    _check(module, config, reference, sampling, max_new_tokens)
+    ids = prompt_ids.repeat_interleave(group_size, 0)
+    mask = prompt_mask.repeat_interleave(group_size, 0)
+    timings: dict[str, float] = {}
+    inputs, completion, old = _sample(module, opt, ids, mask, timings, max_new_tokens=max_new_tokens,
+                                      sampling=sampling, stop_tokens=stop_tokens, pad_token_id=pad_token_id,
+                                      gather_dtype=gather_dtype, generator=generator,
+                                      temperature=config.temperature if score_old else None)
+    t4 = time.perf_counter()
+    done = completion_mask(completion, stop_tokens)
+    rewards, mean_tokens = _agreed_rewards(reward_fn, (ids, mask, completion, done), group_size,
+                                           module.grid.data_group)
+    advantages = batch_baseline(rewards) if config.reinforce else group_advantages(rewards, group_size)
+    ref = (reference.completion_logprobs(inputs, completion, config.temperature) if reference is not None
+           else torch.zeros(completion.shape, device=completion.device))
+    timings["reward_s"] = time.perf_counter() - t4
+    target = RolloutTarget(completion, done, advantages, old, ref.float(), mean_tokens)
+    return Rollout(inputs, target, rewards, timings)
+
+
+def _check(module: Any, config: GRPOConfig, reference: Reference | None, sampling: Sampling,
+           max_new_tokens: int) -> None:
+    """rollout's refusals, before any collective."""
     if config.beta > 0 and reference is None:
         raise ValueError(f"rollout: GRPOConfig(beta={config.beta}) penalises the KL to a reference policy; pass "
                          "reference=FrozenCopy(module) (taken before training), or set beta=0")
@@ -111,9 +134,14 @@ def rollout(module: Any, opt: Any, prompt_ids: torch.Tensor, prompt_mask: torch.
     if module.grid.pipe_size != 1:
         raise ValueError(f"rollout: pipe={module.grid.pipe_size}; the RL step scores whole sequences on one stage, "
                          "so use pipe=1 (hf_generate alone runs across a pipeline)")
-    ids = prompt_ids.repeat_interleave(group_size, 0)
-    mask = prompt_mask.repeat_interleave(group_size, 0)
-    timings: dict[str, float] = {}
+
+
+def _sample(module: Any, opt: Any, ids: torch.Tensor, mask: torch.Tensor, timings: dict[str, float], *,
+            max_new_tokens: int, sampling: Sampling, stop_tokens: Sequence[int], pad_token_id: int,
+            gather_dtype: torch.dtype | None, generator: torch.Generator | None,
+            temperature: float | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    """(policy inputs, completion, old log-probs) sampled with the weights gathered once; `temperature`:
+    score the old log-probs at it while they are whole (None: empty, the training forward's own)."""
     with ExitStack() as phase:
         t0 = time.perf_counter()
         phase.enter_context(gathered(opt, dtype=gather_dtype))
@@ -124,29 +152,29 @@ def rollout(module: Any, opt: Any, prompt_ids: torch.Tensor, prompt_mask: torch.
         completion = seqs[:, ids.size(1):]
         inputs = policy_inputs(ids, mask, completion)
         old = completion.new_zeros(completion.size(0), 0, dtype=torch.float32)  # empty: this very policy
-        if score_old:
+        if temperature is not None:
             with torch.no_grad():
-                old = completion_logprobs(module(inputs), completion, config.temperature)  # the weights are whole
+                old = completion_logprobs(module(inputs), completion, temperature)  # the weights are whole
         t3 = time.perf_counter()
     timings.update(gather_s=(t1 - t0) + (time.perf_counter() - t3), generate_s=t2 - t1, score_s=t3 - t2)
-    t4 = time.perf_counter()
-    done = completion_mask(completion, stop_tokens)
-    try:  # a failure on one data rank is raised on every rank, not left to hang the next collective
-        rewards, error = _rewards(reward_fn, (ids, mask, completion, done), group_size), None
+    return inputs, completion, old
+
+
+def _agreed_rewards(reward_fn: RewardFn | Sequence[RewardFn], args: tuple[torch.Tensor, ...], group_size: int,
+                    data_group: Any | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards, mean_completion_tokens); a reward function failing on one data rank raises on every one,
+    not left to hang the next collective."""
+    try:
+        rewards, error = _rewards(reward_fn, args, group_size), None
     except Exception as e:  # noqa: BLE001 (the user's function: any error, re-raised below)
         rewards, error = None, e
-    mean_tokens, failures = _agree(done, int(error is not None), module.grid.data_group)
+    mean_tokens, failures = _agree(args[3], int(error is not None), data_group)
     if error is not None:
         raise error
     if failures:
         raise RuntimeError(f"rollout: the reward function failed on {failures} other data rank(s); their error "
                            "is on those ranks")
-    advantages = batch_baseline(rewards) if config.reinforce else group_advantages(rewards, group_size)
-    ref = (reference.completion_logprobs(inputs, completion, config.temperature) if reference is not None
-           else torch.zeros(completion.shape, device=completion.device))
-    timings["reward_s"] = time.perf_counter() - t4
-    target = RolloutTarget(completion, done, advantages, old, ref.float(), mean_tokens)
-    return Rollout(inputs, target, rewards, timings)
+    return rewards, mean_tokens
 
 
 def _rewards(reward_fn: RewardFn | Sequence[RewardFn], args: tuple[torch.Tensor, ...],
