@@ -34,8 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DeferringLinear", "EagerLinear", "WeightSink", "collecting", "defer_linear_weights",
-           "has_deferring_linear"]
+__all__ = ["DeferringLinear", "WeightSink", "collecting", "defer_linear_weights", "has_deferring_linear"]
 
 _collecting: "WeightSink | None" = None  # a process-global, not thread-local: autograd's device
                                          # threads re-run checkpointed forwards and must see it
@@ -123,12 +122,6 @@ class DeferringLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         sink.deferring += 1
         return _LinearKeepingWeightGrad.apply(x, self, sink)
-
-
-class EagerLinear(nn.Linear):
-    """nn.Linear left out of defer_linear_weights: its weight gradient stays in the ordinary backward, where
-    the hooks on its parameters run (a block on a tensor rank's share of the tokens sums them over the
-    tensor group there: pipe/tensor_tokens.py)."""
 
 
 def defer_linear_weights(module: nn.Module) -> int:

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from pipezero.comm import P2P, CommTimeout, PeerLost, nvtx_range
+from pipezero.comm import P2P, CommTimeout, PeerLost, nvtx_range, partial_grad_group
 from pipezero.pipe.schedule.actions import Op
 from pipezero.pipe.batch_check import check_batch, split_batch, step_word
 from pipezero.pipe.dealloc import free, freeable, saved_storages
@@ -75,6 +75,22 @@ def _check_reduces_over_data(optimizer: Any, grid: Any) -> None:
                          "group=grid.data_sequence_group)")
 
 
+def _check_sums_partial_grads(optimizer: Any, model: PipelineModule) -> None:
+    """Refuse an optimizer that reduces nothing beside parameters whose gradient on each rank is its share of a
+    sum (a MoE block on each tensor rank's share of the tokens, pipe/tensor_tokens.py): they would step on
+    partial gradients, as data replicas would on their own. Pure, alike on every rank of the stage."""
+    if optimizer is None or isinstance(optimizer, StepListener):
+        return
+    partial = [p for p in model.parameters() if p.requires_grad and partial_grad_group(p) is not None]
+    if partial:
+        raise ValueError(f"PipelineRunner(optimizer={type(optimizer).__name__}) on {model.grid!r}: {len(partial)} "
+                         "parameters of MoE blocks run on each tensor rank's share of the tokens hold that share "
+                         "of their gradients, which the optimizer's reduction sums over the tensor ranks once a "
+                         "step, and it reduces nothing; wrap it, ZeroOptimizer(torch.optim.SGD(expert_param_groups("
+                         "module, grid)), stage=0, group=grid.data_sequence_group), or pass optimizer=None and sum "
+                         "them over comm.partial_grad_group(p) yourself before stepping")
+
+
 def _joined(grid: Any) -> str:
     """"data x expert x sequence" with the axes above 1 of those after data."""
     return " x ".join(["data"] + ["expert"] * (grid.expert_size > 1) + ["sequence"] * (grid.sequence_size > 1))
@@ -99,6 +115,7 @@ class PipelineRunner:
                  timeout_s: float = 300.0, variable_shapes: bool = False, reshard_after_forward: bool = False):
         plan = plan_steps(schedule, model)  # checks and validates it: the same error on every rank
         _check_reduces_over_data(optimizer, model.grid)
+        _check_sums_partial_grads(optimizer, model)
         self.model, self.schedule, self.optimizer = model, schedule, optimizer
         self._listener = step_listener(optimizer)
         self._scale = loss_scaling(optimizer)

@@ -18,13 +18,12 @@ from __future__ import annotations
 from typing import Callable, Mapping, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from pipezero.comm import mark_replica, tensor_shard, whole_of_shard
+from pipezero.comm import all_reduce, mark_replica, tensor_shard, whole_of_shard
 from pipezero.pipe.tensor_linear import SharedInput, shard_columns, shard_rows
 
 TensorPlan = Mapping[str, ParallelStyle]  # submodule path (relative to the layer) -> style
@@ -67,7 +66,7 @@ class ReplicateOnShards(ParallelStyle):
 
 def _summed(grad: torch.Tensor, group) -> torch.Tensor:
     grad = grad.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(grad, group=group)
+    all_reduce(grad, group=group)  # comm's: counted in TRAFFIC with the tensor group's other collectives
     return grad
 
 

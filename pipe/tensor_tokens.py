@@ -14,13 +14,24 @@ for the block, puts two autograd nodes around it:
   rank's rows of the whole gradient, which is the same on every rank: no reduce-scatter, which
   would count it `degree` times).
 
-The block's parameters (router, whole experts, shared experts) stay whole on every rank and see
-this rank's tokens only, so their gradients are summed over the tensor group, as a per-head norm's
-(ReplicateOnShards), in every micro-batch's backward; the block's plain Linears (a shared expert's)
-keep their weight gradient in the ordinary backward, where that sum runs (EagerLinear: a split
-schedule's W would skip it). Experts split over an expert axis (pipe/expert/) are new parameters
-made after the plan: they are summed over the tensor group by their reduction group instead, once
-a step (pipe/expert/groups.py); at expert 1 the hooks sum every expert's gradient every micro-batch.
+The block's parameters (router, whole experts, shared experts, LoRA adapters inside) stay whole on
+every rank and see this rank's tokens only: each rank's gradient is its share, the model's is the sum
+over the tensor group. No hook sums it in the backward; the optimizer's reduction does, once a step,
+over a group holding the tensor ranks, as it reduces split experts (comm.mark_partial_grad marks them;
+ZeroOptimizer refuses a param group reducing them over fewer ranks). Where each kind goes
+(pipe/expert/groups.py, `expert_param_groups`), each divided by data x expert x sequence:
+* expert 1: router, experts and shared experts in one group over data x sequence x tensor
+  (grid.expert_data_group, every rank holding the same, whole, experts);
+* expert > 1: the split experts over data x sequence x tensor as before (the ranks holding the same
+  experts), the router and shared experts, dense parameters, over data x expert x sequence x tensor
+  (grid.stage_group: every rank of the pipe stage).
+Before, a hook all-reduced each such gradient over the tensor group in every micro-batch's backward (at
+expert 1 every expert's, M times a step); now ZeRO sums it with the data reduction it runs anyway, once,
+and at stages 1-3 shards it over that group too. The block's Linears defer their weight GEMMs to a split
+schedule's W like any other (the runner hands those gradients to the optimizer: collect_grad_sync).
+The global gradient norm counts each once (its shards are each rank's own: zero/reduction.py's
+counted_elsewhere); checkpoints keep them whole by name, as before. A plain torch optimizer beside such
+blocks is refused by the runner, as one beside a data axis is.
 The padded rows reach the router and the experts but not the output; a routed model's
 load-balancing sums skip them (`TokenShare.row_weights`) and add the ranks' sums up
 (`sum_over_tensor`, pipe/hf/layers.py).
@@ -38,11 +49,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from pipezero.comm import all_gather, all_reduce
-from pipezero.pipe.deferred_linear import EagerLinear
-from pipezero.pipe.tensor_parallel import ReplicateOnShards
+from pipezero.comm import all_gather, all_reduce, mark_partial_grad
 
-__all__ = ["SplitTokens", "TokenShare", "sum_over_tensor", "token_share"]
+__all__ = ["SplitTokens", "TokenShare", "sum_over_tensor", "token_share", "token_split_parameters"]
 
 _SHARES: "weakref.WeakKeyDictionary[nn.Module, TokenShare]" = weakref.WeakKeyDictionary()
 
@@ -80,6 +89,13 @@ def token_share(module: nn.Module) -> TokenShare | None:
     return _SHARES.get(module)
 
 
+def token_split_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters of every block inside `module` run on a token share (SplitTokens), in order:
+    what the optimizer sums over the tensor group (module docstring)."""
+    blocks = [m for m in module.modules() if token_share(m) is not None]
+    return [p for b in blocks for p in b.parameters() if p.requires_grad]
+
+
 class SplitTokens(ParallelStyle):
     """A block whole on every tensor rank, run on the rank's share of its input rows (module docstring).
 
@@ -91,10 +107,8 @@ class SplitTokens(ParallelStyle):
         share = TokenShare(device_mesh.get_group(), device_mesh.size(), device_mesh.get_local_rank())
         if share.degree == 1:
             return module
-        for m in module.modules():
-            if type(m) is nn.Linear:  # its weight gradient in the ordinary backward, where the sum hooks run
-                m.__class__ = EagerLinear
-        ReplicateOnShards()._apply(module, device_mesh)
+        for p in module.parameters():  # each rank's gradient its tokens' share: summed by the optimizer
+            mark_partial_grad(p, share.group)
         shapes: list[torch.Size] = []  # the input's shape, from the pre-hook to the hook of the same call
         module.register_forward_pre_hook(lambda m, args: _share_input(share, shapes, args))
         module.register_forward_hook(lambda m, args, out: _gather_output(share, shapes.pop(), out))

@@ -7,7 +7,8 @@ by global name; written at expert 2 the run resumes at expert 4, written at expe
 ZeroOptimizer) and at expert 4 it resumes at expert 2 (the dense parameters under ZeRO-3 then); written
 at expert 2 it resumes at expert 2 x sequence 2 (each rank one slice of every row) and at expert 2 x
 tensor 2 (attention split by heads, the MoE block on each tensor rank's share of the tokens), and written
-at each of those at expert 4: the losses (at expert 2 x sequence 2 from the start too) and after the resume equal the
+at each of those at expert 4; written at expert 2 it resumes at expert 1 x tensor 2 under ZeRO-3 (each MoE
+block's parameters reduced and sharded over data x tensor), written there at expert 4: the losses (at expert 2 x sequence 2 from the start too) and after the resume equal the
 uninterrupted expert-2 run's within 1e-5, and a checkpoint of the last step (every weight and Adam
 moment, whole, by name) equals the uninterrupted run's.
 Loaders: under Grid(pipe=2, expert=2) (data 1) and Grid(expert=2) (data 2) the GPT job's token
@@ -110,13 +111,14 @@ def _resumes(root: str) -> dict[str, list[float]]:
     save_state(parts, f"{root}/at2", SAVED_AT)
     out["ref"] = out["2"] + _train(parts, runner, SAVED_AT, STEPS)
     save_state(parts, f"{root}/ref", STEPS)
-    # some resumed under ZeRO-3 (a stage may differ); "2s": expert 2 x sequence 2 (data 1), "2t": x tensor 2
-    for saved, resumed in ((2, 4), (1, 2), (4, 2), (2, "2s"), ("2s", 4), (2, "2t"), ("2t", 4)):
+    # some resumed under ZeRO-3 (a stage may differ); "2s": expert 2 x sequence 2 (data 1), "2t": x tensor 2,
+    # "1t": expert 1 x tensor 2 (data 2: each MoE block's parameters sharded over data x tensor)
+    for saved, resumed in ((2, 4), (1, 2), (4, 2), (2, "2s"), ("2s", 4), (2, "2t"), ("2t", 4), (2, "1t"), ("1t", 4)):
         if saved != 2:
             parts, runner = _job(saved)
             out[str(saved)] = _train(parts, runner, 0, SAVED_AT)
             save_state(parts, f"{root}/at{saved}", SAVED_AT)
-        parts, runner = _job(resumed, stage=3 if saved in (4, "2s", "2t") else 1)
+        parts, runner = _job(resumed, stage=3 if saved in (4, "2s", "2t", "1t") or resumed == "1t" else 1)
         assert load_state(parts, f"{root}/at{saved}")["step"] == SAVED_AT
         out[f"{saved}->{resumed}"] = _train(parts, runner, SAVED_AT, STEPS)
         save_state(parts, f"{root}/{saved}-{resumed}", STEPS)
@@ -130,7 +132,7 @@ def _job(layout: int | str, stage: int = 1):
     return _adam_job(int(str(layout).rstrip("st")), stage, 2 if split == "s" else 1, 2 if split == "t" else 1)
 
 
-PAIRS = ("2-4", "1-2", "4-2", "2-2s", "2s-4", "2-2t", "2t-4")  # saved at, resumed at
+PAIRS = ("2-4", "1-2", "4-2", "2-2s", "2s-4", "2-2t", "2t-4", "2-1t", "1t-4")  # saved at, resumed at
 
 
 def test_checkpoint_resumes_across_expert_degrees(tmp_path):
@@ -143,7 +145,7 @@ def test_checkpoint_resumes_across_expert_degrees(tmp_path):
     kept = sorted(k for k in ref if k.startswith(("model/", "optim/")))
     assert any(".experts." in k and k.endswith("exp_avg") for k in kept)
     for out in results:
-        for saved in ("1", "4", "2s", "2t"):
+        for saved in ("1", "4", "2s", "2t", "1t"):
             np.testing.assert_allclose(out[saved], out["ref"][:SAVED_AT], rtol=0, atol=1e-5, err_msg=saved)
         for pair in PAIRS:
             np.testing.assert_allclose(out[pair.replace("-", "->")], out["ref"][SAVED_AT:], rtol=0, atol=1e-5,

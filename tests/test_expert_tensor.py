@@ -20,12 +20,17 @@ clipped by torch's clip_grad_norm_ to half their norm; through one SGD step of r
 dwarfing eps for build()), every parameter's update by Hugging Face name, made whole. Each case fails
 with the block left on every token (the plan refused it before), with the gather's backward
 reduce-scattering, with the parameters' tensor sum left out, or with the routers' sums per share.
+The blocks' parameters are summed over the tensor group by ZeroOptimizer once a step (expert_param_groups at
+expert 1 too): at expert 1 with two micro-batches the step all-reduces or reduce-scatters under two block's
+worth of bytes over the tensor group (a hook all-reduced every block gradient every micro-batch before); a
+param group that would not sum them, or a plain torch optimizer, is refused on every rank.
 LoRA (lora_tensor_plan) on the attention and the shared expert inside the token-split block of that
 Qwen2-MoE at tensor 2, compiled, two AdamW steps under ZeRO-1, equals peft + transformers in one
 process (losses and adapters); it failed in the compiled layer's trace of a DTensor adapter before.
 """
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -92,6 +97,8 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
     compiled: each decoder layer traced by torch.compile (aot_eager)."""
     import torch.distributed as dist
 
+    from pipezero.comm import TRAFFIC
+    from pipezero.comm.traffic import group_name
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
     from pipezero.pipe.compile import CompileConfig
     from pipezero.pipe.expert import expert_param_groups, shard_experts
@@ -102,8 +109,8 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
     from pipezero.zero import ZeroOptimizer
 
     grid = Grid(pipe=pipe, expert=expert, tensor=tensor, sequence=sequence)
-    assert dist.get_process_group_ranks(grid.expert_data_group) == grid.group_ranks("expert_data" if expert > 1
-                                                                                    else "data_sequence")
+    assert dist.get_process_group_ranks(grid.expert_data_group) == grid.group_ranks("expert_data")
+    assert dist.get_process_group_ranks(grid.stage_group) == grid.group_ranks("stage")
     v = schedule == "zbv"
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
                             partition_method="uniform", num_chunks=2 if v else 1, placement="v" if v else "looped",
@@ -111,7 +118,7 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
                             compile=CompileConfig(backend="aot_eager") if compiled else False)
     if expert > 1:
         shard_experts(module, grid.expert_group)
-    groups = expert_param_groups(module, grid) if expert > 1 else list(module.parameters())
+    groups = expert_param_groups(module, grid)  # at expert 1 too: the blocks' parameters summed over tensor
     scaler = LossScaler(torch.optim.SGD(groups, lr=1.0), init_scale=1.0, dynamic=False, clip_grad_norm=max_norm)
     opt = ZeroOptimizer(scaler, stage=stage, group=grid.data_sequence_group, module=module if stage == 3 else None)
     before = _by_name(module, opt)
@@ -121,10 +128,21 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
     batch = (ids[rows], mask[rows]), _targets(labels)[rows]
     if sequence > 1:  # the whole rows' positions, then this rank's slice of each row
         batch = shard_batch((*batch[0], whole_positions(ids[rows])), batch[1], grid)
+    TRAFFIC.reset()
     loss = runner.train_step(*batch)
     assert opt.step() is not False
+    summed = sum(TRAFFIC.by_group().get(f"{kind}@{group_name(grid.tensor_group)}", 0)
+                 for kind in ("all_reduce", "reduce_scatter"))
     after = _by_name(module, opt)
-    return loss, {n: before[n] - after[n] for n in after}
+    return loss, {n: before[n] - after[n] for n in after}, (summed, _block_bytes(module))
+
+
+def _block_bytes(module) -> int:
+    """The bytes of this rank's parameters of the MoE blocks run on a token share (router, experts, shared)."""
+    from pipezero.pipe.tensor_tokens import token_share
+
+    blocks = [m for m in module.modules() if token_share(m) is not None]
+    return sum(p.numel() * p.element_size() for b in blocks for p in b.parameters() if p.requires_grad)
 
 
 def _built() -> tuple:
@@ -185,8 +203,9 @@ def _lora_compiled(root: str) -> tuple[list[float], dict]:
     """The same through PipelineModule at tensor 2 (lora_tensor_plan, compiled layers, ZeroOptimizer)."""
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
     from pipezero.pipe.compile import CompileConfig
+    from pipezero.pipe.expert import expert_param_groups
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_tensor_plan
-    from pipezero.pipe.lora import adapter_state_dict, lora_specs, trainable_parameters
+    from pipezero.pipe.lora import adapter_state_dict, lora_specs
     from pipezero.pipe.lora_tensor import lora_tensor_plan
     from pipezero.topology import Grid
     from pipezero.train.checkpoint.lora_export import load_peft_adapter
@@ -197,7 +216,7 @@ def _lora_compiled(root: str) -> tuple[list[float], dict]:
                             loss_fn=causal_lm_loss, tensor_plan=lora_tensor_plan(hf_tensor_plan()),
                             compile=CompileConfig(backend="aot_eager"))
     assert load_peft_adapter(module, f"{root}/start")
-    opt = ZeroOptimizer(torch.optim.AdamW(trainable_parameters(module), lr=LORA["lr"]), stage=1,
+    opt = ZeroOptimizer(torch.optim.AdamW(expert_param_groups(module, grid), lr=LORA["lr"]), stage=1,
                         group=grid.data_sequence_group)
     runner = PipelineRunner(module, OneFOneB(num_microbatches=2), optimizer=opt)
     losses = []
@@ -213,7 +232,8 @@ def _two(norms: list[float], root: str) -> list:
 
 
 def _four(norms: list[float]) -> list:
-    return [_step(norm, *case) for case, norm in zip(FOUR, norms)] + [_built(), _refused(), _refused_on_every_stage()]
+    return [_step(norm, *case) for case, norm in zip(FOUR, norms)] + [_built(), _refused(), _refused_on_every_stage(),
+                                                                       _partial_refused()]
 
 
 def _refused() -> str:
@@ -258,6 +278,28 @@ def _refused_on_every_stage() -> str:
     return "refused"
 
 
+def _partial_refused() -> str:
+    """At pipe 2 x tensor 2 the blocks' parameters in the dense param group (a ZeroOptimizer over data alone) or
+    under a plain torch optimizer would step on each tensor rank's share of their gradients: both refused, on
+    every rank (each stage holds MoE blocks)."""
+    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_tensor_plan
+    from pipezero.topology import Grid
+    from pipezero.zero import ZeroOptimizer
+
+    grid = Grid(pipe=2, tensor=2)
+    module = PipelineModule(hf_layer_specs(_model("qwen3_moe")), grid=grid, loss_fn=causal_lm_loss,
+                            partition_method="uniform", tensor_plan=hf_tensor_plan())
+    first = grid.rank - grid.tensor_rank  # of this rank's tensor group
+    with pytest.raises(ValueError, match=r"param group 0 holds \d+ parameters whose gradients are each rank's share "
+                                         rf"of a sum over ranks \[{first}, .*expert_param_groups"):
+        ZeroOptimizer(torch.optim.SGD(module.parameters(), lr=1.0), stage=1, group=grid.data_sequence_group)
+    with pytest.raises(ValueError, match=r"optimizer=SGD\) on Grid\(pipe=2, data=1, tensor=2\): \d+ parameters of "
+                                         r"MoE blocks .* it reduces nothing"):
+        PipelineRunner(module, OneFOneB(num_microbatches=2), optimizer=torch.optim.SGD(module.parameters(), lr=1.0))
+    return "refused"
+
+
 def _eight(norms: list[float]) -> list:
     return [_step(norm, *case) for case, norm in zip(EIGHT, norms)]
 
@@ -265,7 +307,7 @@ def _eight(norms: list[float]) -> list:
 def _check(results: list, i: int, want_loss: torch.Tensor, want: dict, what: str) -> None:
     got = {}
     for rank_results in results:
-        loss, updates = rank_results[i]
+        loss, updates, *_ = rank_results[i]
         torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} loss: {m}")
         for name, value in updates.items():
             torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
@@ -285,11 +327,16 @@ def test_experts_beside_a_tensor_split_equal_transformers(tmp_path):
               discard=True)
     four = run(_four, 4, [truths[(c[0], _rows(c, 4), c[7])][2] for c in FOUR], timeout=300)
     eight = run(_eight, 8, [truths[(c[0], _rows(c, 8), c[7])][2] for c in EIGHT], timeout=300)
-    assert all(rank[-2:] == ["refused", "refused"] for rank in four)
+    assert all(rank[-3:] == ["refused"] * 3 for rank in four)
     for world, cases, results in ((2, TWO, two), (4, FOUR, four), (8, EIGHT, eight)):
         for i, case in enumerate(cases):
             loss, want, _ = truths[(case[0], _rows(case, world), case[7])]
             _check(results, i, loss, want, f"{case}")
+    for cases, results in ((TWO, two), (FOUR, four)):  # the blocks' gradients summed over tensor once a step
+        for rank, (i, case) in itertools.product(results, enumerate(cases)):
+            summed, block = rank[i][2]
+            if case[2] == 1:  # expert 1, two micro-batches: under one sum of them a micro-batch
+                assert summed < case[6] * block, (case, summed, block)
     _check(four, len(FOUR), *_built_truth(), "build()")
     for losses, adapters in (rank[len(TWO)] for rank in two):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(lora[0]), rtol=0, atol=1e-5)

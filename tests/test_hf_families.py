@@ -188,6 +188,7 @@ def test_checkpoint_without_the_models_tensors_is_named(tmp_path):
 # -- tensor parallelism ------------------------------------------------------------------------
 def _tensor_grads(families: list[str]) -> dict:
     """Each family at pipe 1 x tensor 2: logits, loss and the whole gradients by Hugging Face name."""
+    from pipezero.comm import all_reduce, partial_grad_group
     from pipezero.pipe import PipelineModule
     from pipezero.pipe.hf import hf_tensor_plan
     from pipezero.pipe.hf.layers import _HFLayer
@@ -202,6 +203,9 @@ def _tensor_grads(families: list[str]) -> dict:
         logits = pipe(ids)
         loss = pipe.loss(logits, targets)
         loss.backward()
+        for p in pipe.parameters():  # a MoE block's, each tensor rank's share (an optimizer's reduction sums them)
+            if partial_grad_group(p) is not None:
+                all_reduce(p.grad, group=partial_grad_group(p))
         named = {n: p for layer in pipe.modules() if isinstance(layer, _HFLayer) for n, p in layer.hf_parameters()}
         out[family] = logits.detach(), loss.detach(), {n: whole_tensor(p, p.grad) for n, p in named.items()}
     return out

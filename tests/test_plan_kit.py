@@ -215,11 +215,15 @@ def test_experts_beside_a_tensor_split_stay_whole_on_each_tensor_rank():
     args = SimpleNamespace(hf_config="moe/config.json", seq_len=1024)
     line = _finetune_line(args, SimpleNamespace(layout=split), "ds.json")
     assert line == "pipezero finetune --nproc 8 --model moe --data DATA --seq-len 1024 --config ds.json --tensor 2"
-    # without an expert axis the whole experts' gradients are summed over the tensor group every micro-batch
+    # without an expert axis the whole experts' gradients are summed over the tensor group with their data
+    # reduction, once a step (they were all-reduced over it in every micro-batch's backward: 2 more at m=4)
     whole_experts = Layout(1, 4, 2, "1f1b", 1, 2, 1, 1)
+    assert whole_experts.expert_holders == 8  # data 4 x tensor 2
     steps = [data_parallel_seconds(1e9, replace(whole_experts, microbatches=m), hw, "bf16", 0.0, 0.0, 1, experts)[0]
              for m in (2, 4)]
-    assert steps[1] - steps[0] == pytest.approx(2 * ring_seconds(2 * experts, 2, *hw.link(2), 2.0))
+    assert steps[1] == pytest.approx(steps[0])
+    dense = ring_seconds(2 * (1e9 - experts), 4, *hw.link(8), 1.0)  # ZeRO-1: reduce-scattered, gathered
+    assert steps[0] == pytest.approx(2 * dense + ring_seconds(2 * experts, 8, *hw.link(8), 2.0))
 
 
 def test_adam_steps_the_experts_shard_of_their_own_zero_group():

@@ -6,7 +6,9 @@ and DeepSpeed): rank = (((pipe * data_deg + data) * expert_deg + expert) * seque
 * tensor_deg + tensor. The grid is a torch DeviceMesh with those dims; `grid.mesh` is that mesh,
 so DTensor and FSDP work on its sub-meshes. FLATTENED names the groups that join several axes:
 "data_sequence", the ranks that reduce dense gradients together (data x expert x sequence), and
-"expert_data", the ranks that hold the same experts (data x sequence x tensor).
+"expert_data", the ranks that hold the same experts (data x sequence x tensor), and "stage", every rank of
+one pipe stage (data x expert x sequence x tensor: what a MoE block beside a tensor split reduces its router
+and shared experts over, pipe/tensor_tokens.py).
 
 Experts (pipe/expert/): `expert=E` splits what a grid without it calls the data axis into
 data x expert, E consecutive data ranks forming one expert group (`expert_group`, the ranks
@@ -15,8 +17,8 @@ are data x sequence x tensor (`expert_data_group`, same expert index in every bl
 alone without a sequence or tensor split): a tensor split leaves the experts whole and gives each
 tensor rank its share of the tokens (pipe/tensor_tokens.py). Every rank of data x expert still reads
 its own rows (its sequence ranks one slice of each), and the dense parameters reduce over all of
-them. With expert=1 every name and rank is what it was, and `expert_data_group` is
-`data_sequence_group` (every rank holds every expert).
+them. With expert=1 every name and rank is what it was, and `expert_data_group` is data x sequence x
+tensor (every rank holds every expert; without a tensor axis, `data_sequence_group` itself).
 
 Across nodes: torchrun gives each node's agent one contiguous block of global ranks
 (node n holds ranks n * nproc_per_node ... (n + 1) * nproc_per_node - 1), so the axes that
@@ -53,9 +55,11 @@ AXES = ("pipe", "data", "expert", "sequence", "tensor")  # slowest first; a rank
 # name -> the axes it joins: "data_sequence" the dense gradient reduction and ZeRO (expert ranks included,
 # its name kept from before the expert axis), "data_expert" the rows' data replicas without sequence,
 # "expert_data" the ranks holding the same experts (the experts' reduction and ZeRO group; the tensor ranks
-# route their own shares of the tokens to them: pipe/tensor_tokens.py)
+# route their own shares of the tokens to them: pipe/tensor_tokens.py), "stage" every rank of one pipe stage (a
+# token-split MoE block's dense parameters beside an expert axis: averaged over data x expert x sequence, summed
+# over the tensor ranks' shares)
 FLATTENED = {"data_sequence": ("data", "expert", "sequence"), "data_expert": ("data", "expert"),
-             "expert_data": ("data", "sequence", "tensor")}
+             "expert_data": ("data", "sequence", "tensor"), "stage": ("data", "expert", "sequence", "tensor")}
 
 
 def _call(sizes: dict[str, int | None]) -> str:
@@ -184,8 +188,8 @@ class Grid:
     only when above 1; each axis has its `<axis>_size`, `<axis>_rank` and `<axis>_group`;
     `data_sequence_group` is the flattened group that reduces dense gradients (data x expert x
     sequence; data_group stays the data axis alone); `expert_data_group` holds the ranks with the
-    same experts (data x sequence x tensor). `data_expert_rank` of `data_expert_size` says whose rows a
-    rank reads.
+    same experts (data x sequence x tensor); `stage_group` every rank of this pipe stage (data x expert x
+    sequence x tensor). `data_expert_rank` of `data_expert_size` says whose rows a rank reads.
     """
 
     def __init__(self, pipe: int = 1, data: int | None = None, tensor: int = 1, sequence: int = 1,
@@ -207,9 +211,12 @@ class Grid:
         self.sequence_group = self.mesh.get_group("sequence")
         self.tensor_group = self.mesh.get_group("tensor")
         self.data_sequence_group = self._flattened_group("data_sequence")
-        # the same experts: data x sequence x tensor (without an expert axis the ranks of data_sequence_group)
-        self.expert_data_group = self._flattened_group("expert_data") if self.expert_size > 1 else (
-            self.data_sequence_group)
+        # the same experts: data x sequence x tensor (without an expert or a tensor axis data_sequence_group's
+        # ranks); every rank of the stage: without a tensor axis data_sequence, without an expert axis expert_data
+        alone = self.expert_size == 1 and self.tensor_size == 1
+        self.expert_data_group = self.data_sequence_group if alone else self._flattened_group("expert_data")
+        self.stage_group = (self.data_sequence_group if self.tensor_size == 1 else self.expert_data_group
+                            if self.expert_size == 1 else self._flattened_group("stage"))
         self.data_expert_size = self.data_size * self.expert_size
         self.data_expert_rank = self.data_rank * self.expert_size + self.expert_rank
         self.data_sequence_size = self.data_expert_size * self.sequence_size

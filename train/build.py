@@ -6,7 +6,8 @@
 PipelineRunner, and returns them in a small dataclass. With an expert axis (ds_config
 "expert_parallel") the MoE layers' experts are split over it and reduce over their own group
 (pipe/expert/: expert_param_groups), beside a tensor split too (each tensor rank routes its share of the
-tokens: pipe/tensor_tokens.py). Nothing is hidden: the loop talks to
+tokens: pipe/tensor_tokens.py; at any expert degree the MoE blocks' parameters then reduce over a group
+holding the tensor ranks, once a step). Nothing is hidden: the loop talks to
 the parts directly. With `model=` (a plain nn.Module, e.g. the seed's MLP) there is no
 pipeline: the parts are the grid, the model and the optimizer chain (ZeRO stages 0-3).
 
@@ -145,8 +146,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     if cfg.recompute.enabled:
         get_logger().info("activation checkpointing: %s", cfg.recompute.describe())
     cast_parameters(module, dtype)  # buffers (HF rotary frequencies) keep their fp32, as from_pretrained's
-    params = _shard_experts(module, grid) if grid.expert_size > 1 else [p for p in module.parameters()
-                                                                        if p.requires_grad]
+    params = _param_groups(module, grid)
     inner = optimizer if optimizer is not None else build_optimizer(cfg.optimizer or OptimizerConfig(), params)
     scaler = _scaler(cfg, inner, dtype)
     zero = ZeroOptimizer(scaler, group=grid.data_sequence_group, module=module if cfg.zero.stage == 3 else None,
@@ -156,6 +156,17 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                             reshard_after_forward=cfg.pipeline.reshard_after_forward) if specs is not None else None
     return Parts(config=cfg, grid=grid, module=module, optimizer=zero, scaler=scaler, inner=inner,
                  scheduler=scheduler, schedule=schedule, runner=runner, dtype=dtype, device=dev)
+
+
+def _param_groups(module: nn.Module, grid: Grid) -> list[Any]:
+    """The optimizer's parameters: with experts split or beside a tensor split (a MoE block on each tensor
+    rank's share of the tokens, summed over the tensor ranks once a step) expert_param_groups', else the
+    trainable parameters, one group."""
+    if grid.expert_size > 1:
+        return _shard_experts(module, grid)
+    if grid.tensor_size > 1:
+        return expert_param_groups(module, grid)
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def _shard_experts(module: nn.Module, grid: Grid) -> list[dict[str, Any]]:

@@ -20,14 +20,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipezero.comm import all_gather, group_size, is_replica, mark_replica, nvtx_range
+from pipezero.comm import all_gather, group_size, mark_replica, nvtx_range
 from pipezero.chain import ChainWrapper, describe, innermost, links
 from pipezero.topology import process_device
 from pipezero.zero.config import ZeroConfig
 from pipezero.zero.grad_strategies import make_grad_sync
 from pipezero.zero.offload import HostOffload, host_copy
 from pipezero.zero.partition import Bucket, plan_groups
-from pipezero.zero.reduction import take_reductions
+from pipezero.zero.reduction import check_partial_grads, counted_elsewhere, take_reductions
 from pipezero.zero.stage3 import ParamGatherer
 from pipezero.zero.unused import UnusedParams
 from pipezero.zero import state as _state
@@ -90,6 +90,7 @@ class ZeroOptimizer(ChainWrapper):
         self.original_params: list[list[torch.Tensor]] = [list(g["params"]) for g in self.param_groups]
         # a param group may reduce over a group of its own (reduction.py: expert parameters)
         self.reductions = take_reductions(self.param_groups, group)
+        check_partial_grads(self.param_groups, self.reductions)  # a token-split MoE block's: over its tensor ranks
         # a group of one has nothing to partition: stage 3 then keeps its parameters whole, unless
         # the parameters are offloaded (they then live on the host between uses)
         thresholds = [config.stage3_param_persistence_threshold if r.size > 1 or config.offload_param
@@ -148,7 +149,8 @@ class ZeroOptimizer(ChainWrapper):
             b.build(offload, keep_full=self.stage < 3 or b.persistent)
             if cfg.offload_param and not b.persistent:
                 b.local = host_copy(b.local)  # uploaded to the compute device when the submodule runs
-            if any(is_replica(p) for p in b.params) or (self.stage == 0 and b.reduction.rank > 0):
+            copies = any(counted_elsewhere(p, b.reduction) for p in b.params)  # reduction.py: a partial one's not
+            if copies or (self.stage == 0 and b.reduction.rank > 0):
                 mark_replica(b.master)
         for g, group in enumerate(self.param_groups):
             group["params"] = [b.master for b in self.buckets if b.group_index == g]

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipezero.comm import is_replica
-from pipezero.zero.reduction import Reduction
+from pipezero.zero.reduction import Reduction, counted_elsewhere
 
 __all__ = ["Bucket", "local_tensor", "plan_groups", "stage3_units"]
 
@@ -227,7 +226,7 @@ def _split_run(run, where, limit, reductions, split, stage3, thresholds) -> list
     for p in run:
         g = where[id(p)]
         persistent = (not stage3) or p.numel() < thresholds[g]
-        key = (g, p.dtype, p.device, is_replica(p), persistent)
+        key = (g, p.dtype, p.device, counted_elsewhere(p, reductions[g]), persistent)
         members = open_.setdefault(key, [])
         if limit is not None and members and sum(local_tensor(q).numel() for q in members) + \
                 local_tensor(p).numel() > limit:

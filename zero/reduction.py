@@ -11,6 +11,10 @@ built:
 Expert parallelism needs both (pipe/expert/, expert_param_groups): an expert's gradient already
 sums what every rank of its expert group sent it, so it is summed over the ranks holding the same
 experts and divided by the whole data x expert x sequence size, the mean the dense parameters get.
+So does a MoE block beside a tensor split (pipe/tensor_tokens.py): its parameters are whole on every
+tensor rank, each rank's gradient its tokens' share (comm.mark_partial_grad), summed over a group that
+holds the tensor ranks, once a step; a param group reducing them over fewer ranks is refused here,
+and their tensor ranks' replica marks do not make their masters copies (`counted_elsewhere`).
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from pipezero.checks import is_int
+from pipezero.comm import is_replica, partial_grad_group
 
-__all__ = ["GROUP_KEY", "KEYS", "MEAN_KEY", "Reduction", "take_reductions"]
+__all__ = ["GROUP_KEY", "KEYS", "MEAN_KEY", "Reduction", "check_partial_grads", "counted_elsewhere",
+           "take_reductions"]
 
 GROUP_KEY = "zero_group"
 MEAN_KEY = "zero_mean_over"
@@ -71,3 +78,40 @@ def take_reductions(param_groups: list[dict], default_group: Any) -> list[Reduct
                              "number the summed gradient is divided by (e.g. grid.data_sequence_size)")
         out.append(Reduction(group, size, rank, mean_over))
     return out
+
+
+def _ranks(group: Any) -> frozenset[int]:
+    """The global ranks of a process group (None: the world)."""
+    return frozenset(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _sums_partial(p: torch.Tensor, reduction: Reduction) -> bool:
+    """Does `reduction` sum p's partial gradients (mark_partial_grad) over every rank holding a share?"""
+    group = partial_grad_group(p)
+    return group is not None and dist.is_initialized() and _ranks(group) <= _ranks(reduction.group)
+
+
+def counted_elsewhere(p: torch.Tensor, reduction: Reduction) -> bool:
+    """Is p's value, reduced by `reduction`, a copy another rank counts (comm.is_replica)? Not when the
+    reduction sums p's partial copies into one: its shards are then this rank's own (stage 0 counts the
+    whole on the group's first rank)."""
+    return is_replica(p) and not _sums_partial(p, reduction)
+
+
+def check_partial_grads(param_groups: list[dict], reductions: list[Reduction]) -> None:
+    """Refuse a param group whose partial gradients (comm.mark_partial_grad) its reduction would not sum.
+
+    Pure (no collective): every rank holding such a parameter (each rank of one pipeline stage, so every
+    rank of any reduction group it shares) raises alike, before ZeroOptimizer's first collective."""
+    if not dist.is_initialized():
+        return
+    for g, (pg, reduction) in enumerate(zip(param_groups, reductions)):
+        short = [p for p in pg["params"] if partial_grad_group(p) is not None and not _sums_partial(p, reduction)]
+        if short:
+            need = sorted(_ranks(partial_grad_group(short[0])))
+            raise ValueError(f"ZeroOptimizer: param group {g} holds {len(short)} parameters whose gradients are each "
+                             f"rank's share of a sum over ranks {need} (MoE blocks run on each tensor rank's share "
+                             f"of the tokens, pipe/tensor_tokens.py), but it reduces over ranks "
+                             f"{sorted(_ranks(reduction.group))}, so they would step on partial gradients; give "
+                             "them a param group reducing over the tensor ranks too: "
+                             "pipezero.pipe.expert.expert_param_groups(module, grid) makes it")

@@ -13,6 +13,13 @@ scaler's inf/nan check and the global gradient norm see them with everything els
 counted once: its slices lie on the ranks of its own group, and every expert group holds other
 experts).
 DeepSpeed-MoE and Megatron-core reduce experts over the same expert-data-parallel group.
+
+Beside a tensor split each MoE block runs on its tensor rank's share of the tokens with whole parameters
+(pipe/tensor_tokens.py), so every parameter of the block is summed over the tensor ranks too, here,
+once a step: at expert 1 the whole block (router, experts, shared experts) in one group over
+data x sequence x tensor (grid.expert_data_group), at expert > 1 the split experts as above and the
+block's dense parameters (router, shared experts) over data x expert x sequence x tensor
+(grid.stage_group); each divided by data x expert x sequence.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from torch import nn
 
 from pipezero.comm import all_reduce
 from pipezero.pipe.expert.block import ExpertParallel, expert_parameters
-from pipezero.pipe.tensor_tokens import token_share
+from pipezero.pipe.tensor_tokens import token_share, token_split_parameters
 from pipezero.topology import Grid, process_device
 
 __all__ = ["expert_param_groups"]
@@ -59,19 +66,25 @@ def _check(module: nn.Module, grid: Grid) -> None:
 
 
 def expert_param_groups(module: nn.Module, grid: Grid, **options: Any) -> list[dict[str, Any]]:
-    """[dense parameters, expert parameters (when this rank holds any)] for one ZeroOptimizer over
-    grid.data_sequence_group; `options` (lr, weight_decay, ...) go into both groups.
+    """[dense parameters, expert parameters, a token-split block's other parameters] (the last two when this
+    rank holds any) for one ZeroOptimizer over grid.data_sequence_group; `options` (lr, weight_decay, ...)
+    go into every group.
 
-    Call it after shard_experts(module, grid.expert_group), on every rank (a collective: the checks agree
-    over the world, so a refusal is raised on all ranks). Trainable parameters only. The expert
-    group's keys are ZeroOptimizer's; a plain torch optimizer would ignore them (and reduce nothing).
+    Call it after shard_experts(module, grid.expert_group) when the grid has an expert axis, on every rank
+    (a collective: the checks agree over the world, so a refusal is raised on all ranks); beside a tensor
+    split at any expert degree too (the module docstring says why). Trainable parameters only. The groups'
+    keys are ZeroOptimizer's; a plain torch optimizer would ignore them (and reduce nothing).
     """
     _check(module, grid)
     experts = [p for p in expert_parameters(module) if p.requires_grad]  # a replica among them stays dense
     ids = {id(p) for p in experts}
+    split = [p for p in token_split_parameters(module) if id(p) not in ids]  # whole on every tensor rank
+    ids.update(id(p) for p in split)
     dense = [p for p in module.parameters() if p.requires_grad and id(p) not in ids]
+    mean = {**options, "zero_mean_over": grid.data_sequence_size}
     groups = [{"params": dense, **options}]
     if experts:
-        groups.append({"params": experts, **options, "zero_group": grid.expert_data_group,
-                       "zero_mean_over": grid.data_sequence_size})
+        groups.append({"params": experts, **mean, "zero_group": grid.expert_data_group})
+    if split:
+        groups.append({"params": split, **mean, "zero_group": grid.stage_group})
     return groups

@@ -74,9 +74,11 @@ class Layout:
 
     @property
     def expert_holders(self) -> int:
-        """Ranks that hold the same experts, their reduction and ZeRO group: data x sequence x tensor beside an
-        expert axis (Grid's expert_data_group: whole experts on every tensor rank), else the dense group's."""
-        return self.data * self.sequence * self.tensor if self.expert > 1 else self.reducing
+        """Ranks that hold the same experts, their reduction and ZeRO group: data x sequence x tensor at any expert
+        degree (Grid's expert_data_group: whole experts on every tensor rank, each routing its share of the
+        tokens, summed once a step: pipe/tensor_tokens.py); without a tensor split and an expert axis, the
+        dense group's ranks."""
+        return self.data * self.sequence * self.tensor
 
     @property
     def replicas(self) -> int:

@@ -33,8 +33,8 @@
   (DualPipeV's overlap of them is not built); beside a tensor split each tensor rank dispatches
   its share of the tokens (pipe/tensor_tokens.py: the block's gather back counted as the MLP's
   all-reduce); the experts' gradients are all-reduced over the ranks that hold the same experts
-  (data x sequence x tensor), the dense ones over data x expert x sequence; without an expert axis
-  the whole experts' gradients are summed over the tensor group in every micro-batch's backward;
+  (data x sequence x tensor, also without an expert axis: the whole experts' tensor sum joins that
+  reduction, once a step), the dense ones over data x expert x sequence;
 * the memory kit: the MLP in row tiles (from TILE_FROM_ROWS tokens a micro-batch, as the runtime
   does) adds one MLP forward to the backward; a selective recompute re-runs only the elementwise
   ops, whose cost is their bytes read and written once at the device's memory bandwidth
@@ -290,9 +290,9 @@ def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision
                           experts: float = 0.0, gathers: Gathers | None = None) -> tuple[float, float]:
     """(all traffic, exposed part) of one rank's data-parallel collectives per step, in `buckets` pieces each:
     the dense parameters over data x expert x sequence, `experts` (of `params`: the rank's routed experts)
-    all-reduced over the ranks holding the same experts (Layout.expert_holders); beside a tensor split without
-    an expert axis the whole experts' gradients are also summed over the tensor group in every micro-batch's
-    backward (pipe/tensor_tokens.py: hooks, not overlapped). ZeRO-3 moves what `gathers` (zero3.py) counts:
+    all-reduced over the ranks holding the same experts (Layout.expert_holders: beside a tensor split at any
+    expert degree their sum over the tensor ranks, once a step, pipe/tensor_tokens.py; the router and shared
+    experts, small, are counted with the dense parameters). ZeRO-3 moves what `gathers` (zero3.py) counts:
     the schedule's all-gathers, one per layer gathered (the first action's exposed, the rest behind the
     rank's compute), and one reduce-scatter per layer after its last backward (behind the last micro-batch's
     backward); without `gathers`, every parameter gathered once and reduced once."""
@@ -301,8 +301,6 @@ def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision
     bw, lat = hw.link(layout.tensor * n)
     own = ring_seconds(experts * bytes_per_element(precision), layout.expert_holders, bw, lat, 2.0, 1) \
         if experts else 0.0
-    hooks = layout.microbatches * ring_seconds(experts * bytes_per_element(precision), layout.tensor,
-                                               *hw.link(layout.tensor), 2.0, 1) if layout.expert == 1 else 0.0
     if layout.zero == 0:
         reduce, gather = ring_seconds(nbytes, n, bw, lat, 2.0, buckets) + own, 0.0
     elif layout.zero < 3:
@@ -315,8 +313,8 @@ def data_parallel_seconds(params: float, layout: Layout, hw: Hardware, precision
         first = whole * calls[2] / calls[1] if calls[1] else 0.0
         reduce = ring_seconds(nbytes, n, bw, lat, 1.0, gathers.reduce_calls if gathers else buckets) + own
         exposed = first + max(0.0, whole - first - compute) + max(0.0, reduce - last_backward)
-        return whole + reduce + hooks, exposed + hooks
-    return reduce + gather + hooks, max(0.0, reduce - last_backward) + gather + hooks
+        return whole + reduce, exposed
+    return reduce + gather, max(0.0, reduce - last_backward) + gather
 
 
 def buckets(params: float, d_model: int) -> int:
