@@ -145,8 +145,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     if cfg.recompute.enabled:
         get_logger().info("activation checkpointing: %s", cfg.recompute.describe())
     cast_parameters(module, dtype)  # buffers (HF rotary frequencies) keep their fp32, as from_pretrained's
-    params = _shard_experts(module, grid) if grid.expert_size > 1 else [p for p in module.parameters()
-                                                                        if p.requires_grad]
+    params = (_shard_experts(module, grid, cfg.expert_overlap) if grid.expert_size > 1
+              else [p for p in module.parameters() if p.requires_grad])
     inner = optimizer if optimizer is not None else build_optimizer(cfg.optimizer or OptimizerConfig(), params)
     scaler = _scaler(cfg, inner, dtype)
     zero = ZeroOptimizer(scaler, group=grid.data_sequence_group, module=module if cfg.zero.stage == 3 else None,
@@ -158,10 +158,12 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                  scheduler=scheduler, schedule=schedule, runner=runner, dtype=dtype, device=dev)
 
 
-def _shard_experts(module: nn.Module, grid: Grid) -> list[dict[str, Any]]:
-    """Split every MoE layer's experts over the grid's expert axis; the param groups that reduce them over
-    their own data group (pipe/expert/groups.py). Refused on every rank when no stage has experts."""
-    split = torch.tensor([shard_experts(module, grid.expert_group)], dtype=torch.int64, device=process_device())
+def _shard_experts(module: nn.Module, grid: Grid, overlap: bool) -> list[dict[str, Any]]:
+    """Split every MoE layer's experts over the grid's expert axis (`overlap`: ds_config's "overlap", pipezero's
+    key); the param groups that reduce them over their own data group (pipe/expert/groups.py). Refused on
+    every rank when no stage has experts."""
+    split = torch.tensor([shard_experts(module, grid.expert_group, overlap)], dtype=torch.int64,
+                         device=process_device())
     all_reduce(split)  # a stage may hold none (a dense first layer): the whole model must hold some
     if int(split.item()) == 0:
         raise ValueError(f'ds_config "expert_parallel" autoep_size = {grid.expert_size}, but the model has no MoE '
