@@ -39,7 +39,9 @@ def sort_rows(top_k_index: torch.Tensor, num_experts: int, ranks: int) -> tuple[
     """top_k_index [N, k] -> (the (token, slot) rows sorted by expert [N k], rows per expert [ranks, E / ranks])."""
     ids = top_k_index.reshape(-1)
     order = torch.sort(ids, stable=True).indices
-    return order, torch.bincount(ids, minlength=num_experts).view(ranks, num_experts // ranks)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.long))  # bincount without its host sync
+    return order, counts.view(ranks, num_experts // ranks)
 
 
 def row_totals(counts: torch.Tensor, arrived: torch.Tensor) -> tuple[list, list]:
