@@ -21,7 +21,9 @@ each half's GEMMs are half as tall. What SGLang calls two-batch overlap, as Deep
 describes it for its inference (DeepSeek-V3 technical report, 2024, 3.4: two micro-batches in flight;
 DeepEP's kernels); Megatron-core overlaps across micro-batches instead.
 Every rank of the group takes this path when overlap is on (a half may be empty: a micro-batch of one
-token sends nothing for A), so the ranks always make the same collectives.
+token sends nothing for A), so the ranks always make the same collectives (a serial path for a tiny
+micro-batch, chosen on each rank by its own token count, would hang a group whose ranks hold different
+counts). Inside a compiled layer (pipe/compile.py) this function runs eagerly, the experts' GEMMs too.
 """
 
 from __future__ import annotations
