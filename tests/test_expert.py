@@ -29,6 +29,14 @@ keeps its mean over two backwards before a step, at ZeRO 0-3 (a plain two-layer 
 experts module with no slice per expert (no shipped family has one: a tiny block here) stays whole and is
 reduced with the dense parameters (over the expert group's data ranks only before, short by the expert degree);
 written at expert 2, a checkpoint loads it and the experts at expert 4 as they were.
+With the overlap on (pipe/expert/overlap.py: each layer's tokens in two halves, each half's all-to-alls in
+flight while the other's experts compute), the same truth: Qwen3-MoE at expert 2 x data 2 under ZeRO-3 and,
+its layers compiled (aot_eager), ZeRO-2; Mixtral at pipe 2 x expert 2 under ZB-V; build() with ds_config's
+"overlap" at expert 2 x sequence 2. On a small block, the overlap's output and gradients equal the serial
+path's (fp32, 1e-6 of each tensor's largest entry) and its events are recorded (dist.all_to_all_single and
+Work.wait wrapped): one counts exchange, both halves' rows launched before the first wait, and an exchange in
+flight whenever experts compute, forward and backward; it fails with a wait right after each launch, or
+after each launch in backward only.
 """
 
 import contextlib
