@@ -306,7 +306,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU, a tiny model, every runner in one process")
     p.add_argument("--runs", nargs="+", default=None, help=f"one GPU: {' '.join(RUNS)}; with --nproc: "
-                   "expert, dense, dualpipev, 1f1b, torchtitan, each also -compiled (bench/moe_multi.py)")
+                   "expert, expert-overlap, dense, dualpipev, 1f1b, torchtitan, each also -compiled "
+                   "(bench/moe_multi.py)")
     p.add_argument("--nproc", type=int, default=None, help="N processes, one a GPU (--tiny: gloo on CPU): expert "
                    "parallel N beside data parallel, torchtitan and pipe 2 (bench/moe_multi.py)")
     p.add_argument("--microbatches", type=int, default=None,

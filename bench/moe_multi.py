@@ -17,6 +17,10 @@ first losses agree (their weights are the same: PipelineModule seeds each layer)
 fresh processes (one spawn of N ranks, a time limit each; --tiny: all of them in one world):
   expert      pipezero at pipe 1 x expert N: each rank holds E/N experts of every layer, the tokens
               go to them by all-to-all (pipe/expert/); the dense parameters ZeRO-3 over the N ranks
+  expert-overlap  the same with ds_config "expert_parallel" "overlap": true: each layer's tokens in two
+              halves, each half's all-to-alls in flight while the other half's experts compute
+              (pipe/expert/overlap.py); its "a2a hidden" beside expert's is the gain to look for (on
+              CPU, gloo's threads move the rows: the tiny rows check the path, not the gain)
   dense       pipezero at pipe 1 x data N (expert 1): every rank all experts, ZeRO-3 over N
   dualpipev   pipezero at pipe 2 x expert N/2 under DualPipeV (the V, 2 chunks a rank), 2 x the
               microbatches per replica (half as many replicas), ZeRO-3 over the N/2 ranks of a stage
@@ -85,8 +89,8 @@ import torch.distributed as dist
 
 from moe import PEAK_FLOPS, _failure, _torchtitan_model, active_parameters, qwen3_moe_config
 
-MULTI_RUNS = tuple(f"{run}{c}" for run in ("expert", "dense", "dualpipev", "1f1b", "torchtitan")
-                   for c in ("", "-compiled"))
+MULTI_RUNS = tuple(f"{run}{c}" for run in ("expert", "expert-overlap", "dense", "dualpipev", "1f1b",
+                                            "torchtitan") for c in ("", "-compiled"))
 DEFAULT_MULTI_RUNS = ("expert-compiled", "dense-compiled", "torchtitan-compiled", "dualpipev-compiled",
                       "1f1b-compiled")
 PIPE_RUNS = ("dualpipev", "1f1b")
@@ -98,7 +102,7 @@ def _layout(run: str, world: int, args, checkpoint: bool = False) -> Any:
     """The planner's Layout of a pipezero run (ZeRO-3; checkpoint: every layer's activations recomputed)."""
     from pipezero.train.plan.layout import Layout
 
-    name = run.removesuffix("-compiled")
+    name = run.removesuffix("-compiled").removesuffix("-overlap")  # the overlap: the expert run's layout
     pipe = 2 if name in PIPE_RUNS else 1
     expert = 1 if name == "dense" else world // pipe
     microbatches = args.microbatches * pipe  # the same rows a step: half the replicas at pipe 2
@@ -154,6 +158,8 @@ def _pipezero(run: str, config, args, device: torch.device, dtype: torch.dtype) 
     world, cuda = dist.get_world_size(), device.type == "cuda"
     pred = _prediction(run, config, world, args, cuda, "bf16" if dtype == torch.bfloat16 else "fp32")
     cfg = dict(ds_config(pred), optimizer={"type": "AdamW", "params": {"lr": LR}})
+    if "-overlap" in run:  # pipezero's own key in DeepSpeed's AutoEP section (train/config/expert.py)
+        cfg["expert_parallel"] = {**cfg["expert_parallel"], "overlap": True}
     compiled = CompileConfig(backend=args.backend) if run.endswith("-compiled") else False
     with _default_dtype(dtype):
         parts = build(cfg, specs=hf_layer_specs(config, fused_loss=True, experts="grouped_mm"),

@@ -68,8 +68,9 @@ def _layouts(runs: list[str]) -> dict:
 def test_moe_bench_nproc_runs_expert_parallel_and_dualpipev_on_the_same_batch():
     from harness import run
 
-    rows = run(_layouts, 2, ["expert", "dualpipev"], timeout=200)[0]
+    rows = run(_layouts, 2, ["expert", "dualpipev", "expert-overlap"], timeout=200)[0]
     expert, dualpipev = rows["expert"], rows["dualpipev"]
+    assert rows["expert-overlap"]["loss"] == pytest.approx(expert["loss"], abs=1e-5), rows  # the halves: same loss
     assert expert["layout"].startswith("p1 d1 e2") and dualpipev["layout"].startswith("p2 d1 t1 dualpipev"), rows
     assert expert["ms"] > 0 and dualpipev["ms"] > 0 and expert["tokens"] == dualpipev["tokens"] == 2 * 2 * 32
     assert expert["loss"] == pytest.approx(dualpipev["loss"], abs=1e-5), rows  # same weights, same batch

@@ -203,7 +203,8 @@ def test_expert_parallel_is_deepspeeds_autoep_section(monkeypatch):
     """DeepSpeed 0.19.8's "expert_parallel" {"enabled", "autoep_size"} sets the grid's expert axis (it was
     refused), read as DeepSpeed's own parser reads it; the rows stay per data x expert rank (the batch is
     DeepSpeed's); routing keys off their defaults, an expert tensor split and a size that does not divide
-    the data degree are refused; the GPT job refuses --expert-parallel (no experts), finetune takes it."""
+    the data degree are refused; the GPT job refuses --expert-parallel (no experts), finetune takes it. pipezero's
+    "overlap" key in the section (pipe/expert/overlap.py) is read, DeepSpeed's own parser takes the file with it."""
     raw = {"train_micro_batch_size_per_gpu": 2, "expert_parallel": {"enabled": True, "autoep_size": 2,
                                                                      "top_k": "auto", "use_grouped_mm": False}}
     ds = _deepspeed(raw, 4)
@@ -211,6 +212,12 @@ def test_expert_parallel_is_deepspeeds_autoep_section(monkeypatch):
     assert cfg.expert == ds.expert_parallel_config.autoep_size == 2
     assert cfg.batch.train_batch_size == ds.train_batch_size == 8
     assert parse_config({**raw, "expert_parallel": {"enabled": False, "autoep_size": 2}}, world_size=4).expert == 1
+    assert not cfg.expert_overlap  # pipezero's own "overlap" key: off by default; DeepSpeed's parser passes over it
+    overlap = {**raw, "expert_parallel": {**raw["expert_parallel"], "overlap": True}}
+    assert _deepspeed(overlap, 4).expert_parallel_config.autoep_size == 2
+    assert parse_config(overlap, world_size=4).expert_overlap
+    with pytest.raises(ConfigError, match="overlap"):
+        parse_config({**raw, "expert_parallel": {**raw["expert_parallel"], "overlap": "sometimes"}}, world_size=4)
     for bad, match in (({"autoep_size": 3}, "autoep_size.. = 3 does not divide the data degree 4"),
                        ({"top_k": 4}, "top_k.. = 4: .* leave it at 'auto'"),
                        ({"expert_tensor_parallel_size": 2}, "set it to 1")):

@@ -29,6 +29,14 @@ keeps its mean over two backwards before a step, at ZeRO 0-3 (a plain two-layer 
 experts module with no slice per expert (no shipped family has one: a tiny block here) stays whole and is
 reduced with the dense parameters (over the expert group's data ranks only before, short by the expert degree);
 written at expert 2, a checkpoint loads it and the experts at expert 4 as they were.
+With the overlap on (pipe/expert/overlap.py: each layer's tokens in two halves, each half's all-to-alls in
+flight while the other's experts compute), the same truth: Qwen3-MoE at expert 2 x data 2 under ZeRO-3 and,
+its layers compiled (aot_eager), ZeRO-2; Mixtral at pipe 2 x expert 2 under ZB-V; build() with ds_config's
+"overlap" at expert 2 x sequence 2. On a small block, the overlap's output and gradients equal the serial
+path's (fp32, 1e-6 of each tensor's largest entry) and its events are recorded (dist.all_to_all_single and
+Work.wait wrapped): one counts exchange, both halves' rows launched before the first wait, and an exchange in
+flight whenever experts compute, forward and backward; it fails with a wait right after each launch, or
+after each launch in backward only.
 """
 
 import contextlib
@@ -45,13 +53,15 @@ WORLD = 4
 
 
 def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stage: int, schedule: str,
-                 microbatches: int, sequence: int = 1) -> tuple:
+                 microbatches: int, sequence: int = 1, overlap: bool = False, compiled: bool = False) -> tuple:
     """One step at pipe x data x expert x sequence = the world, one row per microbatch: the loss, each parameter's
     gradient by Hugging Face name, and which experts this rank holds. The groups are the Grid's; the asserts
-    check them against the layout."""
+    check them against the layout. overlap: the all-to-alls in two halves (pipe/expert/overlap.py); compiled:
+    each decoder layer traced by torch.compile (aot_eager)."""
     import torch.distributed as dist
 
     from pipezero.pipe import DualPipeV, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
+    from pipezero.pipe.compile import CompileConfig
     from pipezero.pipe.expert import expert_param_groups, expert_parameters, shard_experts
     from pipezero.precision import LossScaler
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_state_dict
@@ -75,8 +85,9 @@ def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stag
     assert grid.group_ranks("data_sequence") == list(range(first, first + replicas))
     v = schedule != "1f1b"  # ZB-V and DualPipeV: two chunks per rank in a V
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
-                            partition_method="uniform", num_chunks=2 if v else 1, placement="v" if v else "looped")
-    shard_experts(module, expert_group)  # none on a rank of dense layers only (DeepSeek-V3's first, in a V)
+                            partition_method="uniform", num_chunks=2 if v else 1, placement="v" if v else "looped",
+                            compile=CompileConfig(backend="aot_eager") if compiled else False)
+    shard_experts(module, expert_group, overlap=overlap)  # none on a rank of dense layers only (DeepSeek-V3's first)
     experts = expert_parameters(module)
     assert all(p.shape[0] == 4 // expert for p in experts)  # this rank's experts only
     before = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
@@ -119,6 +130,9 @@ CASES = [("qwen3_moe", 4, 1, 1, "1f1b", 1), ("qwen3_moe", 4, 1, 3, "1f1b", 1), (
          ("gpt_oss", 2, 2, 1, "1f1b", 2)]
 # family, expert, pipe, ZeRO stage (dense and expert parameters), schedule, microbatches per rank (one row each)
 # [, sequence: each row split in that many slices, one a rank]
+OVERLAP = [(("qwen3_moe", 2, 1, 3, "1f1b", 1), False), (("mixtral", 2, 2, 1, "zbv", 2), False),
+           (("qwen3_moe", 2, 1, 2, "1f1b", 1), True)]  # overlap on: (case, compiled)
+STEPS = [(case, {}) for case in CASES] + [(case, dict(overlap=True, compiled=c)) for case, c in OVERLAP]
 WIDE = [("qwen3_moe", 4, 2, 3, "zbv", 2),  # the same at world 8: expert 4 x pipe 2 (data 1)
         ("mixtral", 2, 2, 1, "zbv", 2, 2)]  # pipe 2 x expert 2 x sequence 2 under ZB-V: the sums cross a stage
 
@@ -138,14 +152,15 @@ def _clipped(family: str, rows: int) -> tuple[torch.Tensor, dict, float]:
 # build() from a ds_config with DeepSpeed's expert_parallel section: Adam whose eps (1e3) dwarfs every
 # gradient steps each parameter by lr * g / (|g| + eps), near g at lr = eps: the update shows the gradient
 BUILT = dict(family="qwen3_moe", expert=2, stage=2, lr=1e3, eps=1e3, clip=1.0)
-BUILT_SEQUENCE = (1, 2)  # expert 2 x data 2, and expert 2 x sequence 2 (sequence_parallel_size), two rows a rank
+# expert 2 x data 2, and expert 2 x sequence 2 (sequence_parallel_size, two rows a rank) with "overlap" on
+BUILT_SEQUENCE = ((1, False), (2, True))
 
 
-def _built_step(sequence: int) -> tuple:
+def _built_step(sequence: int, overlap: bool) -> tuple:
     """One step of build()'s parts at expert 2 x data 2 (or x sequence 2): the loss, each parameter's update by
     Hugging Face name, which experts this rank holds (as _expert_step)."""
     from pipezero.pipe.sequence import shard_batch, whole_positions
-    from pipezero.pipe.expert import expert_parameters
+    from pipezero.pipe.expert import ExpertParallel, expert_parameters
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
     from pipezero.pipe.hf.layers import _HFLayer
     from pipezero.train import build
@@ -154,10 +169,11 @@ def _built_step(sequence: int) -> tuple:
               "pipeline": {"stages": 1}, "sequence_parallel_size": sequence,
               "zero_optimization": {"stage": BUILT["stage"]}, "gradient_clipping": BUILT["clip"],
               "optimizer": {"type": "Adam", "params": {"lr": BUILT["lr"], "eps": BUILT["eps"]}},
-              "expert_parallel": {"enabled": True, "autoep_size": BUILT["expert"]}}
+              "expert_parallel": {"enabled": True, "autoep_size": BUILT["expert"], "overlap": overlap}}
     parts = build(config, specs=hf_layer_specs(_model(BUILT["family"])), loss_fn=causal_lm_loss)
     grid, module = parts.grid, parts.module
     assert grid.expert_size == BUILT["expert"] and len(parts.inner.param_groups) == 2
+    assert {m.overlap for m in module.modules() if isinstance(m, ExpertParallel)} == {overlap}
     assert all(p.shape[0] == 4 // BUILT["expert"] for p in expert_parameters(module))
     before = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
               for n, p in layer.hf_parameters()}
@@ -313,28 +329,123 @@ def _replicated_truth() -> dict[str, torch.Tensor]:
     return {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
 
+OVERLAP_TOKENS = (5, 1)  # halves of 2 and 3 tokens; of 0 and 1 (A sends nothing)
+
+
+# the overlap's order of events (pipe/expert/overlap.py): the all-to-alls recorded as they are launched and waited
+class _Recorded:
+    """An async all-to-all's work that writes its wait into the events."""
+
+    def __init__(self, work, n: int, events: list):
+        self.work, self.n, self.events = work, n, events
+
+    def wait(self):
+        self.events.append(("wait", self.n))
+        return self.work.wait()
+
+
+class _RecordingExperts(_Experts):
+    """_Experts that write each call (the first of a forward is half A) and its backward's start and end."""
+
+    events: list = []
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        half = "AB"[sum(e[0] == "experts" for e in self.events) % 2]
+        self.events.append(("experts", half))
+        out = super().forward(hidden, top_k_index, top_k_weights)
+        out.register_hook(lambda g: self.events.append(("experts backward", half)))
+        hidden.register_hook(lambda g: self.events.append(("experts backward done", half)))
+        return out
+
+
+def _overlap_events(tokens: int) -> tuple:
+    """Grid(expert=2): one MoE layer's forward and backward on `tokens` rows a rank, serial and with the overlap
+    on: the largest difference of the output, the input's and every parameter's gradient (relative to the
+    tensor's largest entry: an expert's weight gradient sums its rows in two parts); the overlap's events
+    (forward, backward): ("counts",) a blocking exchange, ("launch", n) / ("wait", n) the n-th async one,
+    ("experts", half), ("experts backward", half), ("experts backward done", half)."""
+    import torch.distributed as dist
+
+    from pipezero.pipe.expert import shard_experts
+    from pipezero.topology import Grid
+
+    grid, events = Grid(expert=2), []
+    real = dist.all_to_all_single
+
+    def recording(out, rows, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        work = real(out, rows, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        if not async_op:
+            events.append(("counts",))
+            return work
+        n = sum(e[0] == "launch" for e in events)
+        events.append(("launch", n))
+        return _Recorded(work, n, events)
+
+    results = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        block = _Block()
+        block.experts.__class__ = _RecordingExperts  # the same weights, recorded
+        block.experts.events = events
+        shard_experts(block, grid.expert_group, overlap=overlap)
+        rows = torch.randn(4 * tokens, 6, generator=torch.Generator().manual_seed(5))
+        rows = rows.chunk(4)[grid.rank].clone().requires_grad_()
+        events.clear()
+        dist.all_to_all_single = recording
+        try:
+            out = block(rows)
+            forward = list(events)
+            out.square().sum().backward()
+        finally:
+            dist.all_to_all_single = real
+        results.append((out.detach(), rows.grad, *(p.grad for p in block.parameters())))
+    largest = max(((a - b).abs().max() / a.abs().max()).item() if a.numel() else 0.0 for a, b in zip(*results))
+    return largest, forward, events[len(forward):]
+
+
 def _cases(max_norms: list[float], root: str) -> list:
-    return ([_expert_step(max_norm, *case) for case, max_norm in zip(CASES, max_norms)] +
-            [_built_step(sequence) for sequence in BUILT_SEQUENCE] +
-            [_accumulated(*case) for case in ACCUMULATED] + [_replicated_in_experts(root)])
+    return ([_expert_step(max_norm, *case, **options) for (case, options), max_norm in zip(STEPS, max_norms)] +
+            [_built_step(*built) for built in BUILT_SEQUENCE] +
+            [_accumulated(*case) for case in ACCUMULATED] + [_overlap_events(n) for n in OVERLAP_TOKENS] +
+            [_replicated_in_experts(root)])
 
 
 def _wide(max_norms: list[float]) -> list:
     return [_expert_step(max_norm, *case) for case, max_norm in zip(WIDE, max_norms)]
 
 
+def _check_overlap(largest: float, forward: list, backward: list) -> None:
+    """The overlap gives the serial path's numbers (fp32, 1e-6); one counts exchange (one host sync), both halves' rows
+    launched before the first wait, and some exchange in flight whenever experts compute, forward and backward
+    (in backward: one half's reverse exchange launched before the other half's expert backward, waited after)."""
+    assert largest <= 1e-6, largest
+    assert forward.count(("counts",)) == 1 and ("counts",) not in backward, (forward, backward)
+    first_wait = next(i for i, e in enumerate(forward) if e[0] == "wait")
+    assert {("launch", 0), ("launch", 1)} <= set(forward[:first_wait]), forward
+    for events in (forward, backward):
+        flying = set()
+        for event in events:
+            if event[0] == "launch":
+                flying.add(event[1])
+            elif event[0] == "wait":
+                flying.discard(event[1])
+            elif event[0].startswith("experts"):
+                assert flying, f"{event} with no all-to-all in flight: {events}"
+    assert sum(e[0] == "experts backward" for e in backward) == 2 and len(flying) == 0, backward
+
+
 def test_expert_parallel_equals_one_process(tmp_path):
     """Each fails with the expert gradients divided by the ranks holding the same experts only, or left
     out of the clipping norm."""
-    keys = [(case[0], _rows(case, WORLD)) for case in CASES] + [(case[0], _rows(case, 8)) for case in WIDE]
+    keys = [(case[0], _rows(case, WORLD)) for case, _ in STEPS] + [(case[0], _rows(case, 8)) for case in WIDE]
     truths = {key: _clipped(*key) for key in sorted(set(keys))}
     norms = [truths[key][2] for key in keys]
-    results = run(_cases, WORLD, norms[:len(CASES)], str(tmp_path), timeout=300)
-    wide = run(_wide, 8, norms[len(CASES):], timeout=300)
-    wanted = [(key[0], *truths[key][:2]) for key in keys[:len(CASES)]]
+    results = run(_cases, WORLD, norms[:len(STEPS)], str(tmp_path), timeout=300)
+    wide = run(_wide, 8, norms[len(STEPS):], timeout=300)
+    wanted = [(key[0], *truths[key][:2]) for key in keys[:len(STEPS)]]
     wanted += [(BUILT["family"], *_built_truth())] * len(BUILT_SEQUENCE)
     checked = [(results, i, want) for i, want in enumerate(wanted)]
-    checked += [(wide, i, (key[0], *truths[key][:2])) for i, key in enumerate(keys[len(CASES):])]
+    checked += [(wide, i, (key[0], *truths[key][:2])) for i, key in enumerate(keys[len(STEPS):])]
     for ranks, i, (family, want_loss, want_grads) in checked:
         grads, wholes = {}, set()
         for rank_results in ranks:
@@ -358,6 +469,9 @@ def test_expert_parallel_equals_one_process(tmp_path):
                 [sum(local[r][k] for r in same) / WORLD for k in range(2, 4)]
             for k, (got, w) in enumerate(zip(updates[i], want)):
                 torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{stage, expert, k}: {m}")
+    for rank_results in results:
+        for largest, forward, backward in rank_results[len(wanted) + len(ACCUMULATED):][:len(OVERLAP_TOKENS)]:
+            _check_overlap(largest, forward, backward)
     truth = _replicated_truth()  # a parameter of the experts with no slice per expert: reduced as a dense one
     for rank, updates in enumerate(results):
         assert set(updates[-1]) == set(truth)

@@ -146,7 +146,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     if cfg.recompute.enabled:
         get_logger().info("activation checkpointing: %s", cfg.recompute.describe())
     cast_parameters(module, dtype)  # buffers (HF rotary frequencies) keep their fp32, as from_pretrained's
-    params = _param_groups(module, grid)
+    params = _param_groups(module, grid, cfg.expert_overlap)
     inner = optimizer if optimizer is not None else build_optimizer(cfg.optimizer or OptimizerConfig(), params)
     scaler = _scaler(cfg, inner, dtype)
     zero = ZeroOptimizer(scaler, group=grid.data_sequence_group, module=module if cfg.zero.stage == 3 else None,
@@ -158,21 +158,23 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                  scheduler=scheduler, schedule=schedule, runner=runner, dtype=dtype, device=dev)
 
 
-def _param_groups(module: nn.Module, grid: Grid) -> list[Any]:
+def _param_groups(module: nn.Module, grid: Grid, overlap: bool) -> list[Any]:
     """The optimizer's parameters: with experts split or beside a tensor split (a MoE block on each tensor
     rank's share of the tokens, summed over the tensor ranks once a step) expert_param_groups', else the
     trainable parameters, one group."""
     if grid.expert_size > 1:
-        return _shard_experts(module, grid)
+        return _shard_experts(module, grid, overlap)
     if grid.tensor_size > 1:
         return expert_param_groups(module, grid)
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def _shard_experts(module: nn.Module, grid: Grid) -> list[dict[str, Any]]:
-    """Split every MoE layer's experts over the grid's expert axis; the param groups that reduce them over
-    their own data group (pipe/expert/groups.py). Refused on every rank when no stage has experts."""
-    split = torch.tensor([shard_experts(module, grid.expert_group)], dtype=torch.int64, device=process_device())
+def _shard_experts(module: nn.Module, grid: Grid, overlap: bool) -> list[dict[str, Any]]:
+    """Split every MoE layer's experts over the grid's expert axis (`overlap`: ds_config's "overlap", pipezero's
+    key); the param groups that reduce them over their own data group (pipe/expert/groups.py). Refused on
+    every rank when no stage has experts."""
+    split = torch.tensor([shard_experts(module, grid.expert_group, overlap)], dtype=torch.int64,
+                         device=process_device())
     all_reduce(split)  # a stage may hold none (a dense first layer): the whole model must hold some
     if int(split.item()) == 0:
         raise ValueError(f'ds_config "expert_parallel" autoep_size = {grid.expert_size}, but the model has no MoE '

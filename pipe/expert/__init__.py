@@ -1,8 +1,9 @@
 """Expert parallelism: a MoE layer's experts split over an expert group, tokens exchanged by all-to-all.
 
 all_to_all.py (the rows' exchange, with autograd), dispatch.py (the dropless dispatch and the
-combine), block.py (ExpertParallel, shard_experts), groups.py (expert_param_groups: one ZeroOptimizer,
-the experts reduced over their own data group).
+combine), in_flight.py (the exchange as a launch and a wait node) and overlap.py (a layer's tokens in
+two halves, each half's exchanges behind the other's experts), block.py (ExpertParallel, shard_experts),
+groups.py (expert_param_groups: one ZeroOptimizer, the experts reduced over their own data group).
 """
 
 from pipezero.pipe.expert.block import ExpertParallel, expert_parameters, shard_experts, whole_experts

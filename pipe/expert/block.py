@@ -20,6 +20,11 @@ experts: it stays whole, the same on every rank, and is no expert parameter). An
 expert's gradient already sums what every rank's tokens sent it; it is summed over the ranks
 holding the same experts (the expert's own data group) and divided by the size of the whole
 data x expert group: expert_param_groups (pipe/expert/groups.py) gives ZeroOptimizer that group.
+Overlap (`shard_experts(module, group, overlap=True)`, ds_config "expert_parallel" "overlap": true, a
+key of pipezero's): the layer's tokens in two halves, each half's all-to-alls in flight while the other
+half's experts compute, forward and backward (pipe/expert/overlap.py); the same outputs and gradients
+(an expert's weight gradient summed in two parts). Off by default until a multi-GPU run measures it
+(bench/moe_multi.py's expert-overlap run). Every rank of a group must take the same setting.
 Lepikhin et al. 2020 (GShard), Fedus et al. 2021 (Switch); the layout is DeepSpeed-MoE's and
 Megatron-core's.
 """
@@ -27,6 +32,7 @@ Megatron-core's.
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,20 +41,22 @@ from torch import nn
 
 from pipezero.comm import TensorShard, mark_tensor_shard, tensor_shard
 from pipezero.pipe.expert.dispatch import combine, dispatch
+from pipezero.pipe.expert.overlap import overlapped
 
 __all__ = ["ExpertParallel", "expert_parameters", "shard_experts", "whole_experts"]
 
 
 class ExpertParallel(nn.Module):
-    """This rank's experts of one MoE layer; called as transformers' experts module is called."""
+    """This rank's experts of one MoE layer; called as transformers' experts module is called. `overlap`: the
+    tokens in two halves, their exchanges hidden behind the other half's experts (pipe/expert/overlap.py)."""
 
-    def __init__(self, experts: nn.Module, num_experts: int, group: Any):
+    def __init__(self, experts: nn.Module, num_experts: int, group: Any, overlap: bool = False):
         super().__init__()
         ranks, rank = dist.get_world_size(group), dist.get_rank(group)
         if num_experts % ranks:
             raise ValueError(f"ExpertParallel: {num_experts} experts do not split evenly over an expert group of "
                              f"{ranks} ranks; expected an expert degree that divides the number of experts")
-        self.num_experts, self.group = num_experts, group
+        self.num_experts, self.group, self.overlap = num_experts, group, overlap
         per_rank = num_experts // ranks
         local = copy.copy(experts)  # the same class, forward, config and implementation switch
         local._parameters = {}  # a shallow copy shares the dict: its own, holding the local slices only
@@ -75,15 +83,23 @@ class ExpertParallel(nn.Module):
         return out
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        compute = partial(self._compute, dtype=top_k_weights.dtype)
+        if self.overlap:
+            return overlapped(compute, hidden, top_k_index, top_k_weights, self.num_experts, self.group)
         rows, plan = dispatch(hidden, top_k_index, self.num_experts, self.group)
-        ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        out = self._local[0](rows, plan.local_ids.unsqueeze(-1), ones)
-        return combine(out, plan, top_k_weights, self.group, hidden.dtype)
+        return combine(compute(rows, plan.local_ids), plan, top_k_weights, self.group, hidden.dtype)
+
+    def _compute(self, rows: torch.Tensor, local_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's experts on the rows that came here, each row its one local expert at weight 1 (`dtype`:
+        the router weights')."""
+        ones = torch.ones(rows.shape[0], 1, dtype=dtype, device=rows.device)
+        return self._local[0](rows, local_ids.unsqueeze(-1), ones)
 
 
-def shard_experts(module: nn.Module, group: Any) -> int:
+def shard_experts(module: nn.Module, group: Any, overlap: bool = False) -> int:
     """Split every MoE layer's experts in `module` over `group`; returns how many layers were split.
-    Call it before building the optimizers (the expert parameters are new tensors)."""
+    Call it before building the optimizers (the expert parameters are new tensors). `overlap`: each layer's
+    all-to-alls hidden behind its experts' compute (ExpertParallel's), the same on every rank."""
     done = 0
     for parent in list(module.modules()):
         experts = dict(parent.named_children()).get("experts")
@@ -92,7 +108,7 @@ def shard_experts(module: nn.Module, group: Any) -> int:
         stacked = [p for p in experts.parameters(recurse=False) if p.dim() == 3]
         if not stacked:
             continue  # a ModuleList of experts (not the stacked layout transformers 5 uses)
-        parent.experts = ExpertParallel(experts, stacked[0].shape[0], group)
+        parent.experts = ExpertParallel(experts, stacked[0].shape[0], group, overlap)
         done += 1
     return done
 

@@ -4,7 +4,10 @@
 the data axis (Grid(expert=N), pipe/expert/); the dense layers stay replicas over data x expert.
 DeepSpeed's other AutoEP keys pick its own routing and expert tensor split, which pipezero
 refuses (it runs the model's own router and transformers' experts implementation), and its
-kernels, which are ignored.
+kernels, which are ignored. One key is pipezero's own, not DeepSpeed's (whose AutoEP parser reads
+the keys it knows and passes over any other): "overlap": true cuts each MoE layer's tokens in two
+halves whose all-to-alls travel while the other half's experts compute (pipe/expert/overlap.py);
+off by default until a multi-GPU run measures it.
 """
 
 from __future__ import annotations
@@ -30,16 +33,17 @@ _RULES = {"expert_tensor_parallel_size": Unsupported("expert weights split over 
           **{key: Ignored(f"AutoEP's kernel switch ({_OWN})", noop=lambda v: True) for key in _KERNELS}}
 
 
-def read_expert(value: Any, data_degree: int) -> int:
-    """The expert degree (1: off) from the section, checked to divide the data degree (world / pipe x tensor x
-    sequence, which the expert axis splits into data x expert)."""
+def read_expert(value: Any, data_degree: int) -> tuple[int, bool]:
+    """(the expert degree (1: off), "overlap") from the section, the degree checked to divide the data degree
+    (world / pipe x tensor x sequence, which the expert axis splits into data x expert)."""
     section = Section(value, ("expert_parallel",))
-    section.check(("enabled", "autoep_size"), _RULES)
+    section.check(("enabled", "autoep_size", "overlap"), _RULES)
+    overlap = section.bool("overlap", False)  # pipezero's key
     if not section.bool("enabled", False):
-        return 1
+        return 1, False
     size = section.int("autoep_size", 1, lo=1)
     if data_degree % size:
         raise ConfigError(f'{section.where("autoep_size")} = {size} does not divide the data degree {data_degree} '
                           "(world / (pipe x tensor x sequence)), which the expert axis splits into data x expert: "
                           "start a multiple of it as data ranks, or pick a divisor")
-    return size
+    return size, overlap and size > 1

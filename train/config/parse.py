@@ -152,6 +152,7 @@ class TrainConfig:
     compile: CompileConfig | bool | None = None   # "compile" (compile.py); None: pipezero's default
     sequence: int = 1                # "sequence_parallel_size" (DeepSpeed's key): the grid's sequence axis
     expert: int = 1                  # "expert_parallel"'s "autoep_size" (expert.py): the grid's expert axis
+    expert_overlap: bool = False     # "expert_parallel"'s "overlap", pipezero's key: all-to-alls behind compute
     recompute: RecomputeConfig = RecomputeConfig()  # activation checkpointing (recompute.py)
     wandb: WandbConfig = WandbConfig()            # "wandb" (monitor.py): W&B beside TensorBoard
     raw: Mapping[str, Any] = field(default_factory=dict)
@@ -182,7 +183,8 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
     sequence = top.int("sequence_parallel_size", 1, lo=1)
     batch = resolve_batch(filled, world_size=world, pipe=pipeline.stages, tensor=tensor,
                           micro_batches=pipeline.micro_batches, sequence=sequence)
-    expert = read_expert(filled.get("expert_parallel"), data_degree(world, pipeline.stages, tensor, sequence))
+    expert, expert_overlap = read_expert(filled.get("expert_parallel"),
+                                         data_degree(world, pipeline.stages, tensor, sequence))
     clip = top.float("gradient_clipping", 1.0, lo=0.0)
     precision = read_precision(filled, clip_grad_norm=clip)
     accum, reduce = read_grad_dtypes(filled, precision.dtype)
@@ -196,7 +198,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         scheduler=SchedulerConfig.parse(top.section("scheduler")) if "scheduler" in filled else None,
         gradient_clipping=clip, steps_per_print=top.int("steps_per_print", None, lo=1),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False), compile=read_compile(filled.get("compile")),
-        sequence=sequence, expert=expert, recompute=recompute,
+        sequence=sequence, expert=expert, expert_overlap=expert_overlap, recompute=recompute,
         wandb=WandbConfig.parse(top.section("wandb", auto_default=True)),
         raw=raw)
 
