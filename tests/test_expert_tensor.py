@@ -8,8 +8,9 @@ one row a microbatch, fp32: at tensor 2 (world 2) Qwen3-MoE on rows of 7 tokens 
 Qwen2-MoE (a shared expert, its Linears' gradients summed too; its layers compiled, aot_eager), at
 expert 2 x tensor 2 (world 4: each expert group two ranks of one tensor index, the experts reduced
 over data x sequence x tensor)
-Qwen3-MoE under ZeRO-1 and ZeRO-3 (rows of 7), at pipe 2 x tensor 2 Qwen2-MoE under ZB-V (the shared
-expert's weight gradients in the ordinary backward, not in W), at sequence 2 x tensor 2 Qwen3-MoE (each
+Qwen3-MoE under ZeRO-1 and ZeRO-3 (rows of 7; at ZeRO-3 the all-to-all overlapped: pipe/expert/overlap.py),
+at pipe 2 x tensor 2 Qwen2-MoE under ZB-V (the shared expert's weight gradients deferred to W, summed by
+the optimizer with the others), at sequence 2 x tensor 2 Qwen3-MoE (each
 rank a slice of 3 tokens of every row, Ulysses attention over its tensor rank's heads, the routers' sums
 added over the tensor group in each layer and over the sequence group at the final norm), Qwen3-MoE at
 expert 2 x sequence 2 x tensor 2 under ZeRO-3 (world 8: the experts reduced over sequence x tensor), and build()
@@ -41,9 +42,9 @@ from harness import run  # noqa: E402
 from test_hf_router import VOCAB, _adam_updates, _clipped_to_half, _model, _targets  # noqa: E402
 
 # family, pipe, expert, tensor, ZeRO stage, schedule, microbatches a rank (one row each), tokens a row
-# [, sequence: each row split in that many slices, one a rank]
+# [, sequence: each row split in that many slices, one a rank[, compiled[, the expert all-to-all overlapped]]]
 TWO = [("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 7), ("qwen2_moe", 1, 1, 2, 0, "1f1b", 2, 8, 1, True)]  # [, compiled]
-FOUR = [("qwen3_moe", 1, 2, 2, 1, "1f1b", 2, 7), ("qwen3_moe", 1, 2, 2, 3, "1f1b", 2, 7),
+FOUR = [("qwen3_moe", 1, 2, 2, 1, "1f1b", 2, 7), ("qwen3_moe", 1, 2, 2, 3, "1f1b", 2, 7, 1, False, True),
         ("qwen2_moe", 2, 1, 2, 1, "zbv", 2, 8), ("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 6, 2)]
 EIGHT = [("qwen3_moe", 1, 2, 2, 3, "1f1b", 1, 6, 2)]  # expert 2 x sequence 2 x tensor 2, one row a rank
 BUILT = dict(family="qwen3_moe", lr=1e3, eps=1e3, clip=1.0, tokens=8)  # Adam steps each parameter by ~g
@@ -92,9 +93,11 @@ def _by_name(module, opt) -> dict:
 
 
 def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, stage: int, schedule: str,
-          microbatches: int, tokens: int, sequence: int = 1, compiled: bool = False) -> tuple:
+          microbatches: int, tokens: int, sequence: int = 1, compiled: bool = False,
+          overlap: bool = False) -> tuple:
     """One step of the case: the loss and each parameter's update (SGD, rate 1) by Hugging Face name;
-    compiled: each decoder layer traced by torch.compile (aot_eager)."""
+    compiled: each decoder layer traced by torch.compile (aot_eager); overlap: each tensor rank's share of
+    the tokens in two halves whose expert all-to-alls overlap (pipe/expert/overlap.py)."""
     import torch.distributed as dist
 
     from pipezero.comm import TRAFFIC
@@ -117,7 +120,7 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
                             tensor_plan=hf_tensor_plan(),
                             compile=CompileConfig(backend="aot_eager") if compiled else False)
     if expert > 1:
-        shard_experts(module, grid.expert_group)
+        shard_experts(module, grid.expert_group, overlap=overlap)
     groups = expert_param_groups(module, grid)  # at expert 1 too: the blocks' parameters summed over tensor
     scaler = LossScaler(torch.optim.SGD(groups, lr=1.0), init_scale=1.0, dynamic=False, clip_grad_norm=max_norm)
     opt = ZeroOptimizer(scaler, stage=stage, group=grid.data_sequence_group, module=module if stage == 3 else None)
