@@ -61,13 +61,17 @@ def _truth(dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def _live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every live tensor in this process."""
+    """Bytes of the distinct storages of every live tensor in this process (a compiled earlier task's
+    fake tensors, kept by torch's compile caches in this pooled worker, have no storage: skipped)."""
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":
             s = obj.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
+            try:
+                storages[s.data_ptr()] = s.nbytes()
+            except RuntimeError:  # "Cannot access data pointer of Tensor (e.g. FakeTensor ...)"
+                continue
     return sum(storages.values())
 
 
