@@ -8,8 +8,9 @@ ZeroOptimizer) and at expert 4 it resumes at expert 2 (the dense parameters unde
 at expert 2 it resumes at expert 2 x sequence 2 (each rank one slice of every row) and at expert 2 x
 tensor 2 (attention split by heads, the MoE block on each tensor rank's share of the tokens), and written
 at each of those at expert 4; written at expert 2 it resumes at expert 1 x tensor 2 under ZeRO-3 (each MoE
-block's parameters reduced and sharded over data x tensor), written there at expert 4: the losses (at expert 2 x sequence 2 from the start too) and after the resume equal the
-uninterrupted expert-2 run's within 1e-5, and a checkpoint of the last step (every weight and Adam
+block's parameters reduced and sharded over data x tensor), written there at expert 4: the losses (at
+expert 2 x sequence 2 from the start too) and after the resume equal the uninterrupted expert-2 run's
+within 1e-5, and a checkpoint of the last step (every weight and Adam
 moment, whole, by name) equals the uninterrupted run's.
 Loaders: under Grid(pipe=2, expert=2) (data 1) and Grid(expert=2) (data 2) the GPT job's token
 batches feed the MoE, whose loss and gradients (one SGD step of rate 1) equal transformers' on the union of the rows; initialize's sampler and the fine-tuning
