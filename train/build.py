@@ -117,14 +117,7 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
     if hidden_size is None and isinstance(model, nn.Module):
         hidden_size = model_width(model)
     cfg = _config(config, hidden_size, tensor, auto_values)
-    _check_build_args(cfg, specs, model, loss_fn, optimizer)
-    if cfg.sequence > 1 and specs is None:
-        raise ValueError(f'ds_config "sequence_parallel_size" = {cfg.sequence} splits every sequence over pipeline '
-                         "layers that exchange slices for heads (pipe/sequence/): pass specs= (hf_layer_specs, "
-                         'gpt_specs), or set "sequence_parallel_size" to 1 with model=')
-    if tensor > 1 and specs is None:
-        raise ValueError(f"build(tensor={tensor}) shards pipeline layers by tensor_plan: pass specs= (and "
-                         "tensor_plan=, e.g. gpt_tensor_plan()), or tensor=1 with model=")
+    _check_build_args(cfg, specs, model, loss_fn, optimizer, tensor)
     dev = torch.device(device) if device is not None else process_device()  # the process group's device
     dtype = resolve_precision(cfg.compute_dtype, dev)
     fp8 = Float8Config.of(float8)  # checked where it converts (PipelineModule, to_float8), on every rank
@@ -210,7 +203,8 @@ def _config(config: Any, hidden_size: int | None, tensor: int = 1,
     return parse_config(config, world_size=world, hidden_size=hidden_size, tensor=tensor, auto_values=auto_values)
 
 
-def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, optimizer: Any) -> None:
+def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, optimizer: Any,
+                      tensor: int) -> None:
     """Every user error, before any process group work."""
     if optimizer is not None and (specs is not None or not isinstance(optimizer, torch.optim.Optimizer)):
         raise TypeError("build(optimizer=...) takes a torch.optim.Optimizer over the parameters of model=; with "
@@ -233,6 +227,13 @@ def _check_build_args(cfg: TrainConfig, specs: Any, model: Any, loss_fn: Any, op
     elif cfg.pipeline.stages > 1:
         raise ValueError(f'ds_config["pipeline"]["stages"] = {cfg.pipeline.stages} needs specs= (a list of '
                          "LayerSpec) to cut the model into stages; pass specs= or set stages to 1")
+    elif cfg.sequence > 1:
+        raise ValueError(f'ds_config "sequence_parallel_size" = {cfg.sequence} splits every sequence over pipeline '
+                         "layers that exchange slices for heads (pipe/sequence/): pass specs= (hf_layer_specs, "
+                         'gpt_specs), or set "sequence_parallel_size" to 1 with model=')
+    elif tensor > 1:
+        raise ValueError(f"build(tensor={tensor}) shards pipeline layers by tensor_plan: pass specs= (and "
+                         "tensor_plan=, e.g. gpt_tensor_plan()), or tensor=1 with model=")
     if cfg.zero.offload_param and not torch.cuda.is_available():
         warn_once("ZeRO-3 parameter offload on a CPU-only machine moves nothing: parameters already live there",
                   logger=get_logger())
