@@ -210,29 +210,28 @@ class Grid:
         self.expert_group = self.mesh.get_group("expert")
         self.sequence_group = self.mesh.get_group("sequence")
         self.tensor_group = self.mesh.get_group("tensor")
+        self._made: dict[tuple[str, ...], Any] = {}  # the axes above 1 -> their group (_flattened_group)
         self.data_sequence_group = self._flattened_group("data_sequence")
-        # the same experts: data x sequence x tensor (without an expert or a tensor axis data_sequence_group's
-        # ranks); every rank of the stage: without a tensor axis data_sequence, without an expert axis expert_data
-        alone = self.expert_size == 1 and self.tensor_size == 1
-        self.expert_data_group = self.data_sequence_group if alone else self._flattened_group("expert_data")
-        self.stage_group = (self.data_sequence_group if self.tensor_size == 1 else self.expert_data_group
-                            if self.expert_size == 1 else self._flattened_group("stage"))
+        self.expert_data_group = self._flattened_group("expert_data")  # without an expert or tensor axis: the same
+        self.stage_group = self._flattened_group("stage")
         self.data_expert_size = self.data_size * self.expert_size
         self.data_expert_rank = self.data_rank * self.expert_size + self.expert_rank
         self.data_sequence_size = self.data_expert_size * self.sequence_size
         self.data_sequence_rank = self.data_expert_rank * self.sequence_size + self.sequence_rank
 
     def _flattened_group(self, name: str) -> Any:
-        """The process group of this rank along FLATTENED[name]: an axis's own when the others are 1, else
-        new groups over axis_groups (dist.new_group is collective: every rank makes all, in order)."""
-        used = [axis for axis in FLATTENED[name] if getattr(self, f"{axis}_size") > 1]
+        """The process group of this rank along FLATTENED[name]: an axis's own when the others are 1, one made
+        already over the same axes above 1 (expert_data is data_sequence without an expert or tensor axis),
+        else new groups over axis_groups (dist.new_group is collective: every rank makes all, in order)."""
+        used = tuple(axis for axis in FLATTENED[name] if getattr(self, f"{axis}_size") > 1)
         if len(used) < 2:
             return self.mesh.get_group(used[0] if used else FLATTENED[name][0])
-        mine = None
-        for ranks in self.axis_groups(name):
-            group = dist.new_group(ranks)
-            mine = group if self.rank in ranks else mine
-        return mine
+        if used not in self._made:
+            for ranks in self.axis_groups(name):
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._made[used] = group
+        return self._made[used]
 
     # -- coordinates --------------------------------------------------------------
     def coords(self, rank: int) -> Coords:
