@@ -9,9 +9,9 @@ Qwen2-MoE (a shared expert, its Linears' gradients summed too; its layers compil
 expert 2 x tensor 2 (world 4: each expert group two ranks of one tensor index, the experts reduced
 over data x sequence x tensor)
 Qwen3-MoE under ZeRO-1 and ZeRO-3 (rows of 7; at ZeRO-3 the all-to-all overlapped: pipe/expert/overlap.py),
-at pipe 2 x tensor 2 Qwen2-MoE under ZB-V (the shared expert's weight gradients deferred to W, summed by
-the optimizer with the others), at sequence 2 x tensor 2 Qwen3-MoE (each
-rank a slice of 3 tokens of every row, Ulysses attention over its tensor rank's heads, the routers' sums
+at pipe 2 x tensor 2 Qwen2-MoE under ZB-V and DualPipeV (four micro-batches of a padded row of 5; the
+shared expert's weight gradients deferred to W, summed by the optimizer with the others), at sequence 2 x
+tensor 2 Qwen3-MoE (each rank a slice of 3 tokens of every row, Ulysses attention over its tensor rank's heads, the routers' sums
 added over the tensor group in each layer and over the sequence group at the final norm), Qwen3-MoE at
 expert 2 x sequence 2 x tensor 2 under ZeRO-3 (world 8: the experts reduced over sequence x tensor), and build()
 from a ds_config with expert_parallel 2 and tensor 2; expert_param_groups refuses experts split beside a
@@ -45,7 +45,8 @@ from test_hf_router import VOCAB, _adam_updates, _clipped_to_half, _model, _targ
 # [, sequence: each row split in that many slices, one a rank[, compiled[, the expert all-to-all overlapped]]]
 TWO = [("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 7), ("qwen2_moe", 1, 1, 2, 0, "1f1b", 2, 8, 1, True)]  # [, compiled]
 FOUR = [("qwen3_moe", 1, 2, 2, 1, "1f1b", 2, 7), ("qwen3_moe", 1, 2, 2, 3, "1f1b", 2, 7, 1, False, True),
-        ("qwen2_moe", 2, 1, 2, 1, "zbv", 2, 8), ("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 6, 2)]
+        ("qwen2_moe", 2, 1, 2, 1, "zbv", 2, 8), ("qwen3_moe", 1, 1, 2, 1, "1f1b", 2, 6, 2),
+        ("qwen2_moe", 2, 1, 2, 1, "dualpipev", 4, 5)]
 EIGHT = [("qwen3_moe", 1, 2, 2, 3, "1f1b", 1, 6, 2)]  # expert 2 x sequence 2 x tensor 2, one row a rank
 BUILT = dict(family="qwen3_moe", lr=1e3, eps=1e3, clip=1.0, tokens=8)  # Adam steps each parameter by ~g
 
@@ -102,7 +103,7 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
 
     from pipezero.comm import TRAFFIC
     from pipezero.comm.traffic import group_name
-    from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
+    from pipezero.pipe import DualPipeV, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
     from pipezero.pipe.compile import CompileConfig
     from pipezero.pipe.expert import expert_param_groups, shard_experts
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_tensor_plan
@@ -114,7 +115,7 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
     grid = Grid(pipe=pipe, expert=expert, tensor=tensor, sequence=sequence)
     assert dist.get_process_group_ranks(grid.expert_data_group) == grid.group_ranks("expert_data")
     assert dist.get_process_group_ranks(grid.stage_group) == grid.group_ranks("stage")
-    v = schedule == "zbv"
+    v = schedule != "1f1b"  # ZB-V and DualPipeV: two chunks a rank in a V
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
                             partition_method="uniform", num_chunks=2 if v else 1, placement="v" if v else "looped",
                             tensor_plan=hf_tensor_plan(),
@@ -125,7 +126,8 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
     scaler = LossScaler(torch.optim.SGD(groups, lr=1.0), init_scale=1.0, dynamic=False, clip_grad_norm=max_norm)
     opt = ZeroOptimizer(scaler, stage=stage, group=grid.data_sequence_group, module=module if stage == 3 else None)
     before = _by_name(module, opt)
-    runner = PipelineRunner(module, (ZeroBubbleV if v else OneFOneB)(num_microbatches=microbatches), optimizer=opt)
+    kind = {"1f1b": OneFOneB, "zbv": ZeroBubbleV, "dualpipev": DualPipeV}[schedule]
+    runner = PipelineRunner(module, kind(num_microbatches=microbatches), optimizer=opt)
     ids, mask, labels = _batch(grid.data_expert_size * microbatches, tokens)
     rows = slice(grid.data_expert_rank * microbatches, (grid.data_expert_rank + 1) * microbatches)
     batch = (ids[rows], mask[rows]), _targets(labels)[rows]
