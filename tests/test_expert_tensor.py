@@ -12,8 +12,8 @@ Qwen3-MoE under ZeRO-1 and ZeRO-3 (rows of 7; at ZeRO-3 the all-to-all overlappe
 at pipe 2 x tensor 2 Qwen2-MoE under ZB-V and DualPipeV (four micro-batches of a padded row of 5; the
 shared expert's weight gradients deferred to W, summed by the optimizer with the others), at sequence 2 x
 tensor 2 Qwen3-MoE (each rank a slice of 3 tokens of every row, Ulysses attention over its tensor rank's
-heads, the routers' sums added over the tensor group in each layer and over the sequence group at the final norm), Qwen3-MoE at
-expert 2 x sequence 2 x tensor 2 under ZeRO-3 (world 8: the experts reduced over sequence x tensor), and build()
+heads, the routers' sums added over the tensor group in each layer and over the sequence group at the final
+norm), Qwen3-MoE at expert 2 x sequence 2 x tensor 2 under ZeRO-3 (world 8: the experts reduced over sequence x tensor), and build()
 from a ds_config with expert_parallel 2 and tensor 2; expert_param_groups refuses experts split beside a
 tensor plan that leaves their blocks on every token, on every rank (at pipe 2 x tensor 2 the ranks of a first
 stage of dense layers too). The truth is transformers' model on the whole batch, its gradients
