@@ -32,9 +32,11 @@ written at expert 2, a checkpoint loads it and the experts at expert 4 as they w
 With the overlap on (pipe/expert/overlap.py: each layer's tokens in two halves, each half's all-to-alls in
 flight while the other's experts compute), the same truth: Qwen3-MoE at expert 2 x data 2 under ZeRO-3 and,
 its layers compiled (aot_eager), ZeRO-2; Mixtral at pipe 2 x expert 2 under ZB-V; build() with ds_config's
-"overlap" at expert 2 x sequence 2. On a small block, the overlap's output and gradients equal the serial
-path's (fp32, 1e-6 of each tensor's largest entry) and its events are recorded (dist.all_to_all_single and
-Work.wait wrapped): one counts exchange, both halves' rows launched before the first wait, and an exchange in
+"overlap" at expert 2 x sequence 2; OLMoE at pipe 2 x expert 2 under DualPipeV with every layer
+checkpointed (its all-to-alls made again in backward: counted), and Qwen3-MoE at ZeRO-3 checkpointed
+without the overlap. On a small block, the overlap's output and gradients equal the serial path's (fp32,
+1e-6 of each tensor's largest entry) and its events are recorded (dist.all_to_all_single and Work.wait
+wrapped): one counts exchange, both halves' rows launched before the first wait, and an exchange in
 flight whenever experts compute, forward and backward; it fails with a wait right after each launch, or
 after each launch in backward only.
 """
@@ -53,11 +55,13 @@ WORLD = 4
 
 
 def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stage: int, schedule: str,
-                 microbatches: int, sequence: int = 1, overlap: bool = False, compiled: bool = False) -> tuple:
+                 microbatches: int, sequence: int = 1, overlap: bool = False, compiled: bool = False,
+                 recompute: str | None = None) -> tuple:
     """One step at pipe x data x expert x sequence = the world, one row per microbatch: the loss, each parameter's
     gradient by Hugging Face name, and which experts this rank holds. The groups are the Grid's; the asserts
     check them against the layout. overlap: the all-to-alls in two halves (pipe/expert/overlap.py); compiled:
-    each decoder layer traced by torch.compile (aot_eager)."""
+    each decoder layer traced by torch.compile (aot_eager); recompute: every layer checkpointed ("full"), its
+    all-to-alls made again in backward."""
     import torch.distributed as dist
 
     from pipezero.pipe import DualPipeV, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
@@ -86,7 +90,7 @@ def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stag
     v = schedule != "1f1b"  # ZB-V and DualPipeV: two chunks per rank in a V
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
                             partition_method="uniform", num_chunks=2 if v else 1, placement="v" if v else "looped",
-                            compile=CompileConfig(backend="aot_eager") if compiled else False)
+                            compile=CompileConfig(backend="aot_eager") if compiled else False, recompute=recompute)
     shard_experts(module, expert_group, overlap=overlap)  # none on a rank of dense layers only (DeepSeek-V3's first)
     experts = expert_parameters(module)
     assert all(p.shape[0] == 4 // expert for p in experts)  # this rank's experts only
@@ -103,7 +107,12 @@ def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stag
     batch = (ids[rows], mask[rows]), _targets(labels)[rows]
     if sequence > 1:  # the whole rows' positions, then this rank's slice of each row
         batch = shard_batch((*batch[0], whole_positions(ids[rows])), batch[1], grid)
-    loss = runner.train_step(*batch)
+    real, made = dist.all_to_all_single, []
+    dist.all_to_all_single = lambda *args, **kwargs: made.append(1) or real(*args, **kwargs)
+    try:
+        loss = runner.train_step(*batch)
+    finally:
+        dist.all_to_all_single = real
     assert opt.step() is not False
     if zero_stage == 1 and pipe == 1:  # an inf in one expert's gradient, on one rank: every rank skips
         hook = experts[0].register_hook(lambda g: g * float("inf")) if grid.rank == world - 1 else None
@@ -119,7 +128,7 @@ def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stag
         after = {n: p.detach().clone() for layer in module.modules() if isinstance(layer, _HFLayer)
                  for n, p in layer.hf_parameters()}
         whole = {n: t for n, t in hf_state_dict(module).items() if ".experts." in n}  # gathered over the group
-    return loss, {n: before[n] - after[n] for n in after}, part, whole
+    return loss, {n: before[n] - after[n] for n in after}, part, whole, len(made)
 
 
 CASES = [("qwen3_moe", 4, 1, 1, "1f1b", 1), ("qwen3_moe", 4, 1, 3, "1f1b", 1), ("qwen3_moe", 2, 1, 2, "1f1b", 1),
@@ -132,7 +141,9 @@ CASES = [("qwen3_moe", 4, 1, 1, "1f1b", 1), ("qwen3_moe", 4, 1, 3, "1f1b", 1), (
 # [, sequence: each row split in that many slices, one a rank]
 OVERLAP = [(("qwen3_moe", 2, 1, 3, "1f1b", 1), False), (("mixtral", 2, 2, 1, "zbv", 2), False),
            (("qwen3_moe", 2, 1, 2, "1f1b", 1), True)]  # overlap on: (case, compiled)
-STEPS = [(case, {}) for case in CASES] + [(case, dict(overlap=True, compiled=c)) for case, c in OVERLAP]
+RECOMPUTED = [(("qwen3_moe", 2, 1, 3, "1f1b", 1), False), (("olmoe", 2, 2, 1, "dualpipev", 4), True)]  # (case, overlap)
+STEPS = [(case, {}) for case in CASES] + [(case, dict(overlap=True, compiled=c)) for case, c in OVERLAP] + \
+    [(case, dict(overlap=o, recompute="full")) for case, o in RECOMPUTED]
 WIDE = [("qwen3_moe", 4, 2, 3, "zbv", 2),  # the same at world 8: expert 4 x pipe 2 (data 1)
         ("mixtral", 2, 2, 1, "zbv", 2, 2)]  # pipe 2 x expert 2 x sequence 2 under ZB-V: the sums cross a stage
 
@@ -449,7 +460,7 @@ def test_expert_parallel_equals_one_process(tmp_path):
     for ranks, i, (family, want_loss, want_grads) in checked:
         grads, wholes = {}, set()
         for rank_results in ranks:
-            loss, rank_grads, (lo, hi), whole = rank_results[i]
+            loss, rank_grads, (lo, hi), whole = rank_results[i][:4]
             stepped = {n: p.detach() - want_grads[n] for n, p in _model(family).named_parameters()}
             assert whole is None or all(torch.allclose(t, stepped[n], rtol=1e-5, atol=1e-5) for n, t in whole.items())
             wholes |= set(whole or ())
@@ -461,6 +472,9 @@ def test_expert_parallel_equals_one_process(tmp_path):
                 grads[name] = value
         assert set(grads) == set(want_grads), (family, i, set(grads) ^ set(want_grads))
         assert ranks[0][i][3] is None or wholes == {n for n in want_grads if ".experts." in n}, (family, i, wholes)
+    plain = STEPS.index((RECOMPUTED[0][0], {}))  # the same case without checkpointing
+    for rank_results in results:  # a checkpointed MoE layer makes its forward's all-to-alls again in backward
+        assert rank_results[len(STEPS) - len(RECOMPUTED)][4] > rank_results[plain][4], rank_results[plain][4]
     local = [_local_grads(rank) for rank in range(WORLD)]
     for i, (stage, expert) in enumerate(ACCUMULATED, start=len(wanted)):
         for rank, updates in enumerate(results):
