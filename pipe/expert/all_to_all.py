@@ -4,7 +4,9 @@ Row block i of the input goes to rank i of `group`; the output is the blocks eve
 here, in rank order. Its backward is the same exchange the other way round (the gradients of
 the received rows go back to their senders), as in Megatron-core's and torchtitan's token
 dispatch. `exchange_counts` tells each rank how many rows it will receive (an all-to-all of
-the counts themselves), so both directions know their sizes before any row moves.
+the counts themselves), so both directions know their sizes before any row moves. The rows travel
+through in_flight.InFlight, launched and waited for at once: the launch is where a relay
+(pipe/expert/relay.py) lets another micro-batch run before the wait (eager inside a compiled layer).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pipezero.pipe.expert.in_flight import InFlight
 
 __all__ = ["all_to_all_rows", "exchange_counts"]
 
@@ -27,19 +31,17 @@ def exchange_counts(send: torch.Tensor, group: Any) -> torch.Tensor:
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = rows.new_empty((sum(recv), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
+        ctx.flight = flight = InFlight(send, recv, group)
+        flight.start(rows)  # a switch point under a relay (a DualPipeV pair's other side runs meanwhile)
+        return flight.finish()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
-                               group=ctx.group)
-        return back, None, None, None
+        ctx.flight.start(grad, reverse=True)
+        return ctx.flight.finish(), None, None, None
 
 
+@torch.compiler.disable  # a compiled layer runs the exchange eagerly: its launch may hand over (relay.py)
 def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
     """rows [sum(send), ...] -> [sum(recv), ...]: send[i] rows to rank i, recv[i] rows from rank i."""
     return _AllToAllRows.apply(rows, send, recv, group)
