@@ -101,7 +101,8 @@ def _check_overlap_pairs(overlap_pairs: Any, model: PipelineModule) -> None:
         raise ValueError(f"PipelineRunner(overlap_pairs=True) beside compiled layers (PipelineModule(compile="
                          f"{model.compile_config!r})): a recompile inside a pair would trace autograd while the "
                          "pair's backward holds autograd's device thread (pipe/expert/relay.py); build the "
-                         "module with compile=False, or leave overlap_pairs off")
+                         'module with compile=False (ds_config "compile": {"enabled": false}), or leave '
+                         "overlap_pairs off")
 
 
 def _paired_steps(schedule: PipelineSchedule, model: PipelineModule, steps: Sequence[Step]) -> frozenset[int]:
