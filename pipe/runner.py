@@ -106,11 +106,12 @@ def _check_overlap_pairs(overlap_pairs: Any, model: PipelineModule) -> None:
 
 
 def _paired_steps(schedule: PipelineSchedule, model: PipelineModule, steps: Sequence[Step]) -> frozenset[int]:
-    """The steps i this rank runs as a pair with i + 1 (pipe/pairs.py): those of the plan whose two chunks
-    both hold expert layers over more than one rank (nothing to hide elsewhere)."""
+    """The steps i this rank runs as a pair with i + 1 (pipe/pairs.py): those of the plan where either chunk
+    holds expert layers over more than one rank (nothing to hide elsewhere; the forward's launch lets a
+    backward without experts run whole while its rows travel)."""
     experts = expert_chunks(model)
     planned = schedule_pairs(schedule, model.num_stages)[model.grid.pipe_rank]
-    return frozenset(i for i in planned if {steps[i].action.chunk, steps[i + 1].action.chunk} <= experts)
+    return frozenset(i for i in planned if {steps[i].action.chunk, steps[i + 1].action.chunk} & experts)
 
 
 def _units(count: int, pairs: frozenset[int]) -> list[tuple[int, ...]]:
