@@ -54,11 +54,12 @@ WORLD = 4
 
 def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stage: int, schedule: str,
                  microbatches: int, sequence: int = 1, overlap: bool = False, compiled: bool = False,
-                 pairs: bool = False) -> tuple:
+                 pairs: bool = False, recompute: str = "none") -> tuple:
     """One step at pipe x data x expert x sequence = the world, one row per microbatch: the loss, each parameter's
     gradient by Hugging Face name, and which experts this rank holds. The groups are the Grid's; the asserts
     check them against the layout. overlap: the all-to-alls in two halves (pipe/expert/overlap.py); compiled:
-    each decoder layer traced by torch.compile (aot_eager); pairs: PipelineRunner(overlap_pairs=True)."""
+    each decoder layer traced by torch.compile (aot_eager); pairs: PipelineRunner(overlap_pairs=True); recompute:
+    PipelineModule's activation checkpointing ("full": each layer's forward again in backward)."""
     import torch.distributed as dist
 
     from pipezero.pipe import DualPipeV, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
@@ -87,7 +88,7 @@ def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stag
     v = schedule != "1f1b"  # ZB-V and DualPipeV: two chunks per rank in a V
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
                             partition_method="uniform", num_chunks=2 if v else 1, placement="v" if v else "looped",
-                            compile=CompileConfig(backend="aot_eager") if compiled else False)
+                            compile=CompileConfig(backend="aot_eager") if compiled else False, recompute=recompute)
     shard_experts(module, expert_group, overlap=overlap)  # none on a rank of dense layers only (DeepSeek-V3's first)
     experts = expert_parameters(module)
     assert all(p.shape[0] == 4 // expert for p in experts)  # this rank's experts only
