@@ -14,6 +14,10 @@ once sent, when no backward node saved its values (Megatron's output deallocatio
 schedule that splits backward the model's DeferringLinear layers (PipelineModule(
 deferred_linear=True), the default) defer their weight GEMMs to W (pipe/deferred_linear.py).
 What the runner tells the optimizer during a step is one protocol, pipe/readiness.py.
+`overlap_pairs=True` (off by default) runs each pair pipe/pairs.py plans, an F beside another chunk's B
+(DualPipeV's steady state) on a rank holding expert layers, as one step: both receives first, the two
+in turns through pipe/expert/relay.py (one microbatch's expert all-to-all travels while the other
+computes), both sends after; the timeline names the pair "0F3|1B1".
 """
 
 from __future__ import annotations
@@ -141,6 +145,9 @@ class PipelineRunner:
     needed through the step (False) or done with whenever another chunk runs.
     Transfer metadata (shapes, dtypes) is sent again when the inputs' shapes change;
     `variable_shapes=True` sends it every step (inner shapes that change on their own).
+    `overlap_pairs=True`: DualPipeV's F / B pairs in turns, each one's expert all-to-all behind the other's
+    compute (pipe/pairs.py; a no-op without expert layers over more than one rank; `pairs` lists the
+    paired step indices); refused beside compiled layers.
     """
 
     def __init__(self, model: PipelineModule, schedule: PipelineSchedule, optimizer: torch.optim.Optimizer | None = None,

@@ -10,12 +10,12 @@ Four gloo ranks, Grid(pipe=2, expert=2): OLMoE under DualPipeV (four microbatche
 PipelineRunner(overlap_pairs=True) equals transformers in one process (loss and every clipped gradient,
 fp32 1e-5, as tests/test_expert.py checks them) at ZeRO-1, with the two-halves overlap on too, at
 ZeRO-3, and with every layer recomputed in backward (the recompute's launches switch too, and its
-DeferringLinear layers must see the backward's sink, not the waiting forward's); at ZeRO-1 it equals the same run with pairs off exactly (the same ops on the same values). Its
-all-to-alls recorded (dist.all_to_all_single wrapped): some launch of the forward (the calling thread)
-is followed by a backward's launch (the relay's thread) before its own wait, on pipe rank 1 (the V's
-middle: both its chunks hold experts; pipe rank 0's second chunk is the head); with pairs off no such
-event. Without experts (expert 1) the option plans no pair; beside compiled layers, or not a bool, it
-is refused.
+DeferringLinear layers must see the backward's sink, not the waiting forward's); at ZeRO-1 it equals
+the same run with pairs off exactly (the same ops on the same values). Its all-to-alls recorded
+(dist.all_to_all_single wrapped): some launch of the forward (the calling thread) is followed by a
+backward's launch (the relay's thread) before its own wait, on pipe rank 1 (the V's middle: both its
+chunks hold experts; pipe rank 0's second chunk is the head); with pairs off no such event. Without
+experts (expert 1) the option plans no pair; beside compiled layers, or not a bool, it is refused.
 """
 
 import threading
