@@ -1,4 +1,4 @@
-"""Which of a rank's steps run as a pair: a forward beside another chunk's backward, overlapped.
+"""Which of a rank's steps run as a pair: a forward beside another microbatch's backward, overlapped.
 
 DualPipeV lists its steady state as pairs, the forward of one chunk beside the backward of the
 other, of different microbatches (DeepSeek-V3 technical report, 2024: DualPipe). Under
@@ -14,9 +14,12 @@ step order, each only if the table still runs with it. A pair left out runs as t
 without the option. A rank may pair fewer than planned (a rank without experts pairs none):
 fewer merged actions only start things earlier, so the table still runs.
 
-Candidates: an F directly followed by a full B (not a split I) of another chunk. So DualPipeV
-pairs its steady state; 1F1B (one chunk) and ZB-V (each F is followed by its own chunk's I) have
-none.
+Candidates: an F directly followed by a B or an I (a split backward's input half; its W stays on its
+own) of another (chunk, microbatch). So DualPipeV pairs its steady state, and the other schedules
+where they list such neighbours: 1F1B's steady F(i + k) | B(i) on every rank but the last (whose F
+and B of one microbatch depend on each other), ZB-V's F | I of its steady state (Megatron-core
+overlaps 1F1B's neighbours so, its "combined 1F1B"). The two sides of a same-chunk pair use the same
+layers in turns; what they must not share is swapped by the relay (pipe/expert/relay.py).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ __all__ = ["candidate_pairs", "expert_chunks", "plan_pairs", "schedule_pairs"]
 
 
 def candidate_pairs(table: Mapping[int, list[Action]]) -> dict[int, list[int]]:
-    """rank -> the steps k whose action is an F and whose next one is a B of another chunk."""
-    return {r: [k for k in range(len(acts) - 1) if acts[k].op is Op.FORWARD and acts[k + 1].op is Op.BACKWARD
-                and acts[k + 1].chunk != acts[k].chunk] for r, acts in table.items()}
+    """rank -> the steps k whose action is an F and whose next one is a B or I of another (chunk, microbatch)."""
+    backwards = (Op.BACKWARD, Op.BACKWARD_INPUT)
+    return {r: [k for k in range(len(acts) - 1) if acts[k].op is Op.FORWARD and acts[k + 1].op in backwards
+                and acts[k + 1][1:] != acts[k][1:]] for r, acts in table.items()}
 
 
 def plan_pairs(table: dict[int, list[Action]], placement: str) -> dict[int, tuple[int, ...]]:

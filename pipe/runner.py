@@ -14,10 +14,10 @@ once sent, when no backward node saved its values (Megatron's output deallocatio
 schedule that splits backward the model's DeferringLinear layers (PipelineModule(
 deferred_linear=True), the default) defer their weight GEMMs to W (pipe/deferred_linear.py).
 What the runner tells the optimizer during a step is one protocol, pipe/readiness.py.
-`overlap_pairs=True` (off by default) runs each pair pipe/pairs.py plans, an F beside another chunk's B
-(DualPipeV's steady state) on a rank holding expert layers, as one step: both receives first, the two
-in turns through pipe/expert/relay.py (one microbatch's expert all-to-all travels while the other
-computes), both sends after; the timeline names the pair "0F3|1B1".
+`overlap_pairs=True` (off by default) runs each pair pipe/pairs.py plans, an F beside another
+microbatch's B or I (DualPipeV's steady state; 1F1B's, ZB-V's) on a rank holding expert layers, as
+one step: both receives first, the two in turns through pipe/expert/relay.py (one microbatch's expert
+all-to-all travels while the other computes), both sends after; the timeline names it "0F3|1B1".
 """
 
 from __future__ import annotations
@@ -145,9 +145,10 @@ class PipelineRunner:
     needed through the step (False) or done with whenever another chunk runs.
     Transfer metadata (shapes, dtypes) is sent again when the inputs' shapes change;
     `variable_shapes=True` sends it every step (inner shapes that change on their own).
-    `overlap_pairs=True`: DualPipeV's F / B pairs in turns, each one's expert all-to-all behind the other's
-    compute (pipe/pairs.py; a no-op without expert layers over more than one rank; `pairs` lists the
-    paired step indices); refused beside compiled layers.
+    `overlap_pairs=True`: neighbouring F / B pairs (DualPipeV's steady state, and 1F1B's, ZB-V's) in
+    turns, each one's expert all-to-all behind the other's compute (pipe/pairs.py; a no-op without
+    expert layers over more than one rank; `pairs` lists the paired step indices); refused beside
+    compiled layers.
     """
 
     def __init__(self, model: PipelineModule, schedule: PipelineSchedule, optimizer: torch.optim.Optimizer | None = None,
@@ -328,10 +329,11 @@ class PipelineRunner:
         return self._backward(step, keep_graph=op is Op.BACKWARD_INPUT)
 
     def _pair(self, forward: Step, backward: Step) -> list:
-        """A forward and another chunk's backward in turns, switching at each expert all-to-all launch
-        (pipe/expert/relay.py): one microbatch's rows travel while the other's layers compute."""
+        """A forward and another microbatch's backward (B, or a split one's I) in turns, switching at each
+        expert all-to-all launch (pipe/expert/relay.py): one's rows travel while the other's layers compute."""
+        split = backward.action.op is Op.BACKWARD_INPUT
         sent = self._relay.run(lambda: self._forward(forward, True, True),
-                               lambda: self._backward(backward, keep_graph=False))
+                               lambda: self._backward(backward, keep_graph=split))
         return sent[0] + sent[1]
 
     def _forward(self, step: Step, train: bool, with_loss: bool) -> list:

@@ -3,13 +3,14 @@
 The relay alone, on threads (no process group): two sides strictly alternate at each hand-over, each
 finds its own value of a kept global at its turn, one that ends lets the other run to its end, and an
 exception on either side (before the other started, or while it waits) is raised on the caller with
-the helper thread gone, within seconds. The plan alone: DualPipeV pairs its steady state, 1F1B and
-ZB-V pair nothing, and a hand-made table whose merged pair would deadlock leaves that pair out (and
-keeps the other rank's).
-Four gloo ranks, Grid(pipe=2, expert=2): OLMoE under DualPipeV (four microbatches a rank) with
-PipelineRunner(overlap_pairs=True) equals transformers in one process (loss and every clipped gradient,
-fp32 1e-5, as tests/test_expert.py checks them) at ZeRO-1, with the two-halves overlap on too, at
-ZeRO-3, and with every layer recomputed in backward (the recompute's launches switch too, and its
+the helper thread gone, within seconds. The plan alone: DualPipeV pairs its steady state, 1F1B its
+F(i + 1) | B(i) but on the last rank, ZB-V an F | I, and a hand-made table whose merged pair would
+deadlock leaves that pair out (and keeps the other rank's).
+Four gloo ranks, Grid(pipe=2, expert=2): OLMoE under DualPipeV (four microbatches a rank), and
+Mixtral under 1F1B and ZB-V (two; their F | B and F | I neighbours), with
+PipelineRunner(overlap_pairs=True) equals transformers in one process (loss and every clipped
+gradient, fp32 1e-5, as tests/test_expert.py checks them); OLMoE at ZeRO-1, with the two-halves
+overlap on too, at ZeRO-3, and with every layer recomputed in backward (the recompute's launches switch too, and its
 DeferringLinear layers must see the backward's sink, not the waiting forward's); at ZeRO-1 it equals
 the same run with pairs off exactly (the same ops on the same values). Its all-to-alls recorded
 (dist.all_to_all_single wrapped): some launch of the forward (the calling thread) is followed by a
@@ -32,7 +33,9 @@ from test_hf_router import _model  # noqa: E402
 
 CASE = ("olmoe", 2, 2, 1, "dualpipev", 4)  # family, expert, pipe, ZeRO stage, schedule, microbatches a rank
 PAIRED = [(CASE, dict(pairs=True)), (CASE, dict(pairs=True, overlap=True)),
-          ((*CASE[:3], 3, *CASE[4:]), dict(pairs=True)), (CASE, dict(pairs=True, recompute="full"))]
+          ((*CASE[:3], 3, *CASE[4:]), dict(pairs=True)), (CASE, dict(pairs=True, recompute="full")),
+          (("mixtral", 2, 2, 1, "1f1b", 2), dict(pairs=True)), (("mixtral", 2, 2, 1, "zbv", 2), dict(pairs=True))]
+# 1F1B pairs pipe rank 0's F1 | B0; ZB-V pipe rank 1's 1F1 | 1I0 (the split backward's input half)
 
 
 # -- the relay alone --------------------------------------------------------------------------------
@@ -95,11 +98,14 @@ def test_relay_raises_either_sides_error_without_a_hang(fail):
 # -- the plan alone -----------------------------------------------------------------------------------
 def test_pairs_are_planned_where_the_merged_table_runs():
     from pipezero.pipe.pairs import schedule_pairs
-    from pipezero.pipe.schedule.schedules import Custom, DualPipeV, OneFOneB, ZeroBubbleV
+    from pipezero.pipe.schedule.schedules import Custom, DualPipeV, OneFOneB, ZeroBubbleH1, ZeroBubbleV
 
     assert schedule_pairs(DualPipeV(4), 2) == {0: (7, 9, 12), 1: (4, 6, 8, 10)}  # 0F3|1B1, 1F2|0B0, ...
-    assert [len(ks) for ks in schedule_pairs(DualPipeV(16), 4).values()] == [21, 22, 23, 24]
-    assert schedule_pairs(OneFOneB(8), 2) == schedule_pairs(ZeroBubbleV(8), 2) == {0: (), 1: ()}
+    assert [len(ks) for ks in schedule_pairs(DualPipeV(16), 4).values()] == [21, 24, 24, 24]  # F | I too
+    # 1F1B: F(i + 1) | B(i) on rank 0, none on the last rank (F(i), B(i) need each other); ZB-V: F | I
+    assert schedule_pairs(OneFOneB(8), 2) == {0: (1, 3, 5, 7, 9, 11, 13), 1: ()}
+    assert schedule_pairs(ZeroBubbleV(2), 2) == {0: (), 1: (3,)}  # 1F1 | 1I0
+    assert [len(ks) for ks in schedule_pairs(ZeroBubbleH1(8), 2).values()] == [7, 0]  # as 1F1B's, W's between
     # rank 0's 0F1|1B0 would wait for rank 1's 1B0, which comes after rank 1's 0F1 that needs rank 0's 0F1
     steps = "0F0 1F0 0F1 1B0 1F1 1B1 0B0 0B1".split()
     assert schedule_pairs(Custom({0: steps, 1: steps}), 2) == {0: (), 1: (2,)}
@@ -183,12 +189,14 @@ def test_paired_dualpipev_equals_one_process():
     truths = {key: _clipped(*key) for key in set(keys)}
     results = run(_paired, WORLD, [truths[key][2] for key in keys], timeout=300)
     names: list[set] = [set() for _ in keys]
+    interleaving = [False] * len(keys)
     for rank, (off, off_interleaved, *paired, refused) in enumerate(results):
         assert refused == [True] and not off_interleaved, rank
         for i, ((got, interleaved), key) in enumerate(zip(paired, keys)):
             names[i] |= set(got[1])
-            # pipe rank 1's chunks both hold experts: a backward launched between a forward's launch and wait
-            assert interleaved == (rank >= WORLD // 2), (rank, i)
+            if i < 4:  # DualPipeV: pipe rank 1's chunks both hold experts, a backward launched inside a forward's
+                assert interleaved == (rank >= WORLD // 2), (rank, i)  # launch and wait (rank 0's B has none)
+            interleaving[i] |= interleaved
             loss, grads, (lo, hi), _ = got
             family, (want_loss, want_grads) = key[0], truths[key][:2]
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{rank} {i}: {m}")
@@ -198,3 +206,4 @@ def test_paired_dualpipev_equals_one_process():
             if i == 0:  # pairs on, ZeRO-1: the same numbers as pairs off
                 assert torch.equal(loss, off[0]) and all(torch.equal(v, off[1][n]) for n, v in grads.items())
     assert all(seen == set(truths[key][1]) for seen, key in zip(names, keys))  # every gradient checked
+    assert all(interleaving), interleaving  # 1F1B's and ZB-V's pairs too, on some rank
