@@ -4,7 +4,8 @@ DualPipeV lists its steady state as pairs, a forward of one chunk beside a backw
 (different micro-batches); DeepSeek's DualPipe overlaps them so that the expert all-to-all of one
 travels while the other computes (DeepSeek-V3 technical report, 2024, 3.2.1). `Relay.run(forward,
 backward)` runs the pair's two halves, the forward on the calling thread and the backward on one
-helper thread, EXACTLY ONE of them running at any time:
+helper thread, EXACTLY ONE of them running at any time (pipe/pairs.py plans the pairs: DualPipeV's,
+and 1F1B's or ZB-V's neighbouring F | B and F | I):
 
 * the running side hands the turn to the other right after it launches an expert all-to-all
   (`hand_over()`, called by pipe/expert/in_flight.py's InFlight.start, the only switch point), and
