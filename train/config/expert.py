@@ -9,8 +9,9 @@ the keys it knows and passes over any other): "overlap": true cuts each MoE laye
 halves whose all-to-alls travel while the other half's experts compute (pipe/expert/overlap.py);
 off by default until a multi-GPU run measures it. A second one, "overlap_pairs": true, runs each
 pair of neighbouring steps (a forward beside another micro-batch's backward: DualPipeV's steady state,
-1F1B's, ZB-V's) in turns, one micro-batch's all-to-all travelling while the other computes (PipelineRunner(overlap_pairs=True), pipe/pairs.py); off by
-default too, a no-op at expert 1, refused beside compiled layers (ds_config "compile" off).
+1F1B's, ZB-V's) in turns, one micro-batch's all-to-all travelling while the other computes
+(PipelineRunner(overlap_pairs=True), pipe/pairs.py); off by default too, a no-op at expert 1, refused
+beside compiled layers (ds_config "compile" off).
 """
 
 from __future__ import annotations
