@@ -12,7 +12,9 @@ executor's model (pipe/schedule/validate.py's `execute`, buffered sends) runs wi
 merged into one action; when the merged table deadlocks, pairs are kept one by one, in rank and
 step order, each only if the table still runs with it. A pair left out runs as two steps, as
 without the option. A rank may pair fewer than planned (a rank without experts pairs none):
-fewer merged actions only start things earlier, so the table still runs.
+fewer merged actions only start things earlier, so the table still runs. Under ZeRO-3 both steps'
+chunks are gathered before the pair and released after it (with reshard_after_forward, two chunks
+whole at once where the steps alone would hold one and prefetch the other).
 
 Candidates: an F directly followed by a B or an I (a split backward's input half; its W stays on its
 own) of another (chunk, microbatch). So DualPipeV pairs its steady state, and the other schedules

@@ -32,7 +32,10 @@ saved-tensor hooks, torch's checkpoint and dispatch modes: the forward keeps the
 device thread takes the helper thread's), and process-global state is swapped at every switch:
 `kept`, pairs of (read it, set it), each side finds at its turn what it had left (the runner passes
 pipe/deferred_linear.py's collecting sink: the forward's and the backward's recompute differ).
-Nothing else in the package keeps such state across an expert layer.
+Nothing else in the package keeps such state across an expert layer: a Hugging Face stage's mask and
+cos/sin cache (pipe/hf/layer_inputs.py) is keyed by the micro-batch's own tensors, so turns only
+rebuild it; a checkpointed run's host offload is begun by forwards alone; the selective policy's flag
+is thread-local.
 """
 
 from __future__ import annotations
