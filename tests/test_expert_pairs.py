@@ -17,6 +17,7 @@ the same run with pairs off exactly (the same ops on the same values). Its all-t
 backward's launch (the relay's thread) before its own wait, on pipe rank 1 (the V's middle: both its
 chunks hold experts; pipe rank 0's second chunk is the head); with pairs off no such event. Without
 experts (expert 1) the option plans no pair; beside compiled layers, or not a bool, it is refused.
+build() with ds_config's "overlap_pairs" plans the pairs and trains transformers' loss.
 """
 
 import threading
@@ -29,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 from harness import run  # noqa: E402
 from test_expert import WORLD, _clipped, _expert_step, _rows  # noqa: E402
-from test_hf_router import _model  # noqa: E402
+from test_hf_router import _batch, _model, _targets  # noqa: E402
 
 CASE = ("olmoe", 2, 2, 1, "dualpipev", 4)  # family, expert, pipe, ZeRO stage, schedule, microbatches a rank
 PAIRED = [(CASE, dict(pairs=True)), (CASE, dict(pairs=True, overlap=True)),
@@ -175,11 +176,27 @@ def _refusals() -> list:
     return refused
 
 
+def _built() -> tuple:
+    """build() from a ds_config with "expert_parallel" "overlap_pairs" under DualPipeV at pipe 2 x expert 2: its
+    runner's pairs and one step's loss (the CASE's rows, four microbatches a replica)."""
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.train import build
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": CASE[5],
+              "pipeline": {"stages": 2, "schedule": "dualpipev"}, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.0}},
+              "expert_parallel": {"enabled": True, "autoep_size": 2, "overlap_pairs": True}}
+    parts = build(config, specs=hf_layer_specs(_model(CASE[0])), loss_fn=causal_lm_loss)
+    ids, mask, labels = _batch(True, _rows(CASE, WORLD))
+    rows = slice(parts.grid.data_expert_rank * CASE[5], (parts.grid.data_expert_rank + 1) * CASE[5])
+    return len(parts.runner.pairs), parts.runner.train_step((ids[rows], mask[rows]), _targets(labels)[rows])
+
+
 def _paired(norms: list[float]) -> list:
     off, off_events = _recorded(lambda: _expert_step(norms[0], *CASE))
     results = [_recorded(lambda c=case, o=options, m=m: _expert_step(m, *c, **o))
                for (case, options), m in zip(PAIRED, norms)]
-    return [off, _interleaved(off_events)] + [(r, _interleaved(e)) for r, e in results] + [_refusals()]
+    return [off, _interleaved(off_events)] + [(r, _interleaved(e)) for r, e in results] + [_refusals(), _built()]
 
 
 def test_paired_dualpipev_equals_one_process():
@@ -190,8 +207,10 @@ def test_paired_dualpipev_equals_one_process():
     results = run(_paired, WORLD, [truths[key][2] for key in keys], timeout=300)
     names: list[set] = [set() for _ in keys]
     interleaving = [False] * len(keys)
-    for rank, (off, off_interleaved, *paired, refused) in enumerate(results):
+    for rank, (off, off_interleaved, *paired, refused, (built_pairs, built_loss)) in enumerate(results):
         assert refused == [True] and not off_interleaved, rank
+        assert built_pairs > 0 or rank < WORLD // 2, rank  # build() passed ds_config's key on (pipe rank 1 pairs)
+        torch.testing.assert_close(built_loss, truths[keys[0]][0], rtol=1e-5, atol=1e-5)
         for i, ((got, interleaved), key) in enumerate(zip(paired, keys)):
             names[i] |= set(got[1])
             if i < 4:  # DualPipeV: pipe rank 1's chunks both hold experts, a backward launched inside a forward's
