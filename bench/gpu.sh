@@ -6,12 +6,13 @@
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
 #                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core|
 #                      seq-multi|seq-multi-alst|seq-multi-pipe|seq-multi-longest|moe-multi|moe-multi-titan|moe-multi-pipe|
-#                      moe-multi-overlap ...]
+#                      moe-multi-overlap|moe-multi-pairs ...]
 #   moe-multi*: issue 49 on every GPU of the machine (2, 4 or 8), bench/moe.py --nproc N, a Qwen3-30B-A3B-shaped MoE of
 #   6 x N layers (48 on 8), ZeRO-3, each run its own processes and time limit: moe-multi expert parallel N beside dense
 #   data parallel (compiled layers), moe-multi-titan torchtitan 0.3.0's expert parallel beside ours eager, moe-multi-pipe
 #   pipe 2 x expert N/2 under DualPipeV and 1F1B (the all-to-all hidden; 4+ GPUs for an expert axis), moe-multi-overlap
-#   expert parallel N with the all-to-all in two halves behind the experts beside without (its "a2a hidden"); carry .whl
+#   expert parallel N with the all-to-all in two halves behind the experts beside without (its "a2a hidden"),
+#   moe-multi-pairs pipe 2 x expert N/2 under DualPipeV with its pairs in turns beside without, eager; carry .whl
 #   (transformers 5.25.0, torchtitan 0.3.0 and its needs, as for moe).
 #   offload: ZeRO-Offload on one GPU beside DeepSpeed (1.3B GPT, 65,536 tokens/step); offload-big: a 4.3B GPT
 #   under a 16 GiB GPU memory cap, ZeRO-3 with both offloads (tokens/s, GPU and host peak);
@@ -112,11 +113,12 @@ for w in $what; do
     moe-more) run moe-more 560 python3 bench/moe.py --timeout 200 \
                 --runs hf-grouped_mm-compiled hf-grouped_mm torchtitan hf-eager hf-batched_mm hf-sonicmoe \
                 hf-deepgemm ;;
-    moe-multi|moe-multi-titan|moe-multi-pipe|moe-multi-overlap)  # issue 49: two runs a case, 270 s each (moe_multi.py)
+    moe-multi|moe-multi-titan|moe-multi-pipe|moe-multi-overlap|moe-multi-pairs)  # issue 49: two runs a case, 270 s each
       [ "$ngpu" -ge 2 ] || { echo "=== $w: needs 2+ GPUs, $ngpu here"; continue; }
       case $w in moe-multi) runs="expert-compiled dense-compiled" ;; moe-multi-titan) runs="torchtitan-compiled expert" ;;
                  moe-multi-pipe) runs="dualpipev-compiled 1f1b-compiled" ;;
-                 moe-multi-overlap) runs="expert-overlap-compiled expert-compiled" ;; esac
+                 moe-multi-overlap) runs="expert-overlap-compiled expert-compiled" ;;
+                 moe-multi-pairs) runs="dualpipev-pairs dualpipev" ;; esac  # eager both: pairs refuse compile
       run "$w" 570 python3 bench/moe.py --nproc "$ngpu" --timeout 270 --runs $runs ;;
     alst-8b) run alst-8b 570 env DS_SKIP_CUDA_CHECK=1 python3 bench/long_context.py --shape llama3-8b --layers 8 --steps 1 \
                --runs alst pipezero-offload --lengths 524288 ;;  # issue 45 beside ALST (deepspeed in .whl)

@@ -25,6 +25,10 @@ fresh processes (one spawn of N ranks, a time limit each; --tiny: all of them in
   dualpipev   pipezero at pipe 2 x expert N/2 under DualPipeV (the V, 2 chunks a rank), 2 x the
               microbatches per replica (half as many replicas), ZeRO-3 over the N/2 ranks of a stage
   1f1b        the same layout under 1F1B
+  dualpipev-pairs  dualpipev with ds_config "expert_parallel" "overlap_pairs": true: each F / B pair of the
+              steady state in turns, one microbatch's all-to-all travelling while the other computes
+              (pipe/expert/relay.py); eager (refused beside compiled layers), so its "a2a hidden" and step
+              time go beside dualpipev's (eager), not dualpipev-compiled's
   torchtitan  torchtitan 0.3.0's Qwen3 MoE (bench/moe.py's builder) with its expert parallel N and FSDP2
               over N, applied in these processes as its trainer applies them (ParallelDims(dp_shard=N,
               ep=N), its sharding config, parallelize_qwen3), flex attention, its all-to-all token
@@ -59,7 +63,8 @@ hf_layer_specs(config, fused_loss=True, experts="grouped_mm"). Columns, per run:
               kernels computed (bench/overlap.py says how). The runner's timeline (pipe/schedule/
               timeline.py) records compute actions and pipeline waits, not the all-to-all inside an
               action, so the share comes from the profiler. pipezero's executor runs a DualPipeV pair's
-              forward and backward one after the other on one stream, so little is expected hidden
+              forward and backward one after the other on one stream, so little is expected hidden,
+              unless the pairs take turns (dualpipev-pairs)
   bubble      the runner's measured bubble (pipe/schedule/timeline.py, the last timed step) / the
               planner's simulated one (pipe runs)
   plan ms, plan GiB, plan a2a ms   the planner's step time, peak memory of the fullest rank and its
@@ -90,7 +95,7 @@ import torch.distributed as dist
 from moe import PEAK_FLOPS, _failure, _torchtitan_model, active_parameters, qwen3_moe_config
 
 MULTI_RUNS = tuple(f"{run}{c}" for run in ("expert", "expert-overlap", "dense", "dualpipev", "1f1b",
-                                            "torchtitan") for c in ("", "-compiled"))
+                                            "torchtitan") for c in ("", "-compiled")) + ("dualpipev-pairs",)
 DEFAULT_MULTI_RUNS = ("expert-compiled", "dense-compiled", "torchtitan-compiled", "dualpipev-compiled",
                       "1f1b-compiled")
 PIPE_RUNS = ("dualpipev", "1f1b")
@@ -102,7 +107,7 @@ def _layout(run: str, world: int, args, checkpoint: bool = False) -> Any:
     """The planner's Layout of a pipezero run (ZeRO-3; checkpoint: every layer's activations recomputed)."""
     from pipezero.train.plan.layout import Layout
 
-    name = run.removesuffix("-compiled").removesuffix("-overlap")  # the overlap: the expert run's layout
+    name = run.removesuffix("-compiled").removesuffix("-overlap").removesuffix("-pairs")  # the same layouts
     pipe = 2 if name in PIPE_RUNS else 1
     expert = 1 if name == "dense" else world // pipe
     microbatches = args.microbatches * pipe  # the same rows a step: half the replicas at pipe 2
@@ -160,6 +165,8 @@ def _pipezero(run: str, config, args, device: torch.device, dtype: torch.dtype) 
     cfg = dict(ds_config(pred), optimizer={"type": "AdamW", "params": {"lr": LR}})
     if "-overlap" in run:  # pipezero's own key in DeepSpeed's AutoEP section (train/config/expert.py)
         cfg["expert_parallel"] = {**cfg["expert_parallel"], "overlap": True}
+    if run.endswith("-pairs"):  # its other one: DualPipeV's pairs in turns (pipe/pairs.py), eager only
+        cfg["expert_parallel"] = {**cfg["expert_parallel"], "overlap_pairs": True}
     compiled = CompileConfig(backend=args.backend) if run.endswith("-compiled") else False
     with _default_dtype(dtype):
         parts = build(cfg, specs=hf_layer_specs(config, fused_loss=True, experts="grouped_mm"),

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DeferringLinear", "WeightSink", "collecting", "defer_linear_weights", "has_deferring_linear"]
+__all__ = ["DeferringLinear", "WeightSink", "collecting", "collecting_into", "current_sink", "defer_linear_weights",
+           "has_deferring_linear"]
 
 _collecting: "WeightSink | None" = None  # a process-global, not thread-local: autograd's device
                                          # threads re-run checkpointed forwards and must see it
@@ -83,6 +84,18 @@ def collecting(sink: WeightSink | None) -> Iterator[None]:
         yield
     finally:
         _collecting = before
+
+
+def current_sink() -> WeightSink | None:
+    """The sink collecting now (None: none). With collecting_into, what a relay (pipe/expert/relay.py) keeps per
+    side: a DualPipeV pair's forward and backward take turns mid-layer, each collecting into its own sink."""
+    return _collecting
+
+
+def collecting_into(sink: WeightSink | None) -> None:
+    """Set the collecting sink (a relay's switch restores a side's own); elsewhere use `collecting`."""
+    global _collecting
+    _collecting = sink
 
 
 class _LinearKeepingWeightGrad(torch.autograd.Function):

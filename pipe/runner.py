@@ -14,6 +14,10 @@ once sent, when no backward node saved its values (Megatron's output deallocatio
 schedule that splits backward the model's DeferringLinear layers (PipelineModule(
 deferred_linear=True), the default) defer their weight GEMMs to W (pipe/deferred_linear.py).
 What the runner tells the optimizer during a step is one protocol, pipe/readiness.py.
+`overlap_pairs=True` (off by default) runs each pair pipe/pairs.py plans, an F beside another
+microbatch's B or I (DualPipeV's steady state; 1F1B's, ZB-V's) on a rank holding expert layers, as
+one step: both receives first, the two in turns through pipe/expert/relay.py (one microbatch's expert
+all-to-all travels while the other computes), both sends after; the timeline names it "0F3|1B1".
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ from pipezero.comm import P2P, CommTimeout, PeerLost, nvtx_range, partial_grad_g
 from pipezero.pipe.schedule.actions import Op
 from pipezero.pipe.batch_check import check_batch, split_batch, step_word
 from pipezero.pipe.dealloc import free, freeable, saved_storages
-from pipezero.pipe.deferred_linear import WeightSink, collecting, has_deferring_linear
+from pipezero.pipe.deferred_linear import WeightSink, collecting, collecting_into, current_sink, has_deferring_linear
+from pipezero.pipe.expert.relay import Relay
 from pipezero.pipe.gathering import chunk_gatherings
 from pipezero.pipe.groups import cpu_world_group, side_group
 from pipezero.pipe.module import PipelineModule
+from pipezero.pipe.pairs import expert_chunks, schedule_pairs
 from pipezero.pipe.schedule.placement import owner
 from pipezero.pipe.readiness import StepListener, loss_scaling, step_listener
 from pipezero.pipe.split_backward import WeightGrad, backward_input
@@ -91,6 +97,36 @@ def _check_sums_partial_grads(optimizer: Any, model: PipelineModule) -> None:
                          "them over comm.partial_grad_group(p) yourself before stepping")
 
 
+def _check_overlap_pairs(overlap_pairs: Any, model: PipelineModule) -> None:
+    """overlap_pairs is a bool; not beside compiled layers. Pure, alike on every rank."""
+    if not isinstance(overlap_pairs, bool):
+        raise TypeError(f"PipelineRunner(overlap_pairs={overlap_pairs!r}): expected True or False")
+    if overlap_pairs and model.compile_config is not None:
+        raise ValueError(f"PipelineRunner(overlap_pairs=True) beside compiled layers (PipelineModule(compile="
+                         f"{model.compile_config!r})): a recompile inside a pair would trace autograd while the "
+                         "pair's backward holds autograd's device thread (pipe/expert/relay.py); build the "
+                         'module with compile=False (ds_config "compile": {"enabled": false}), or leave '
+                         "overlap_pairs off")
+
+
+def _paired_steps(schedule: PipelineSchedule, model: PipelineModule, steps: Sequence[Step]) -> frozenset[int]:
+    """The steps i this rank runs as a pair with i + 1 (pipe/pairs.py): those of the plan where either chunk
+    holds expert layers over more than one rank (nothing to hide elsewhere; the forward's launch lets a
+    backward without experts run whole while its rows travel)."""
+    experts = expert_chunks(model)
+    planned = schedule_pairs(schedule, model.num_stages)[model.grid.pipe_rank]
+    return frozenset(i for i in planned if {steps[i].action.chunk, steps[i + 1].action.chunk} & experts)
+
+
+def _units(count: int, pairs: frozenset[int]) -> list[tuple[int, ...]]:
+    """Step indices as the loop runs them: one step, or a pair (i, i + 1) for i in `pairs`."""
+    units, i = [], 0
+    while i < count:
+        units.append((i, i + 1) if i in pairs else (i,))
+        i += len(units[-1])
+    return units
+
+
 def _joined(grid: Any) -> str:
     """"data x expert x sequence" with the axes above 1 of those after data."""
     return " x ".join(["data"] + ["expert"] * (grid.expert_size > 1) + ["sequence"] * (grid.sequence_size > 1))
@@ -109,11 +145,17 @@ class PipelineRunner:
     needed through the step (False) or done with whenever another chunk runs.
     Transfer metadata (shapes, dtypes) is sent again when the inputs' shapes change;
     `variable_shapes=True` sends it every step (inner shapes that change on their own).
+    `overlap_pairs=True`: neighbouring F / B pairs (DualPipeV's steady state, and 1F1B's, ZB-V's) in
+    turns, each one's expert all-to-all behind the other's compute (pipe/pairs.py; a no-op without
+    expert layers over more than one rank; `pairs` lists the paired step indices); refused beside
+    compiled layers.
     """
 
     def __init__(self, model: PipelineModule, schedule: PipelineSchedule, optimizer: torch.optim.Optimizer | None = None,
-                 timeout_s: float = 300.0, variable_shapes: bool = False, reshard_after_forward: bool = False):
+                 timeout_s: float = 300.0, variable_shapes: bool = False, reshard_after_forward: bool = False,
+                 overlap_pairs: bool = False):
         plan = plan_steps(schedule, model)  # checks and validates it: the same error on every rank
+        _check_overlap_pairs(overlap_pairs, model)
         _check_reduces_over_data(optimizer, model.grid)
         _check_sums_partial_grads(optimizer, model)
         self.model, self.schedule, self.optimizer = model, schedule, optimizer
@@ -140,6 +182,8 @@ class PipelineRunner:
         split = any(s.action.op is Op.BACKWARD_INPUT for s in self.steps)
         self._split = {s.action[1:] for s in self.steps if s.action.op is Op.FORWARD} \
             if split and has_deferring_linear(model) else set()
+        self.pairs = _paired_steps(schedule, model, self.steps) if overlap_pairs else frozenset()
+        self._relay = Relay(kept=[(current_sink, collecting_into)])  # each side its own collecting sink
 
     # -- public --------------------------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
@@ -219,21 +263,26 @@ class PipelineRunner:
         sends: list = []
         last_use = self._release_plan if train else {}
         gathering = self._gathering[train]
-        for i, step in enumerate(steps):
-            if sends or step.recvs:
-                self._exchange(sends, step.recvs, step)
-            if i + 1 < len(steps) and steps[i + 1].recvs:  # gloo: the next inputs arrive while this computes
-                self._p2p.post_early([(self.grid.rank_of(pipe=t.src), Message.of(t).stream)
-                                      for t in steps[i + 1].recvs])
-            release = last_use.get(i)
-            if release:  # gradients final after this step (pipe/readiness.py)
+        units = _units(len(steps), self.pairs if train else frozenset())  # (i,), or (i, i + 1): a pair
+        for n, unit in enumerate(units):
+            step, recvs = steps[unit[0]], tuple(t for i in unit for t in steps[i].recvs)
+            if sends or recvs:
+                self._exchange(sends, recvs, step)
+            following = [t for i in units[n + 1] for t in steps[i].recvs] if n + 1 < len(units) else []
+            if following:  # gloo: the next inputs arrive while this computes
+                self._p2p.post_early([(self.grid.rank_of(pipe=t.src), Message.of(t).stream) for t in following])
+            releases = [last_use[i] for i in unit if last_use.get(i)]
+            for release in releases:  # gradients final after this step (pipe/readiness.py)
                 self._listener.release_grad_sync(release)
-            gathering.before(i)
-            with self.timeline.span(str(step.action), "compute"), nvtx_range(step.action):
-                sends = self._do(step, train, with_loss)
-            if release:
+            for i in unit:
+                gathering.before(i)
+            name = "|".join(str(steps[i].action) for i in unit)
+            with self.timeline.span(name, "compute"), nvtx_range(name):
+                sends = self._do(step, train, with_loss) if len(unit) == 1 else self._pair(step, steps[unit[1]])
+            for release in releases:
                 self._listener.flush_grad_sync(release)
-            gathering.after(i)
+            for i in unit:
+                gathering.after(i)
         if sends:
             self._exchange(sends, (), steps[-1])
         try:
@@ -278,6 +327,14 @@ class PipelineRunner:
                 self._listener.collect_grad_sync(self.model.chunk_parameters(step.action.chunk))
             return []
         return self._backward(step, keep_graph=op is Op.BACKWARD_INPUT)
+
+    def _pair(self, forward: Step, backward: Step) -> list:
+        """A forward and another microbatch's backward (B, or a split one's I) in turns, switching at each
+        expert all-to-all launch (pipe/expert/relay.py): one's rows travel while the other's layers compute."""
+        split = backward.action.op is Op.BACKWARD_INPUT
+        sent = self._relay.run(lambda: self._forward(forward, True, True),
+                               lambda: self._backward(backward, keep_graph=split))
+        return sent[0] + sent[1]
 
     def _forward(self, step: Step, train: bool, with_loss: bool) -> list:
         _, chunk, mb = step.action

@@ -204,7 +204,8 @@ def test_expert_parallel_is_deepspeeds_autoep_section(monkeypatch):
     refused), read as DeepSpeed's own parser reads it; the rows stay per data x expert rank (the batch is
     DeepSpeed's); routing keys off their defaults, an expert tensor split and a size that does not divide
     the data degree are refused; the GPT job refuses --expert-parallel (no experts), finetune takes it. pipezero's
-    "overlap" key in the section (pipe/expert/overlap.py) is read, DeepSpeed's own parser takes the file with it."""
+    "overlap" and "overlap_pairs" keys in the section (pipe/expert/overlap.py, pipe/pairs.py) are read, DeepSpeed's
+    own parser takes the file with them."""
     raw = {"train_micro_batch_size_per_gpu": 2, "expert_parallel": {"enabled": True, "autoep_size": 2,
                                                                      "top_k": "auto", "use_grouped_mm": False}}
     ds = _deepspeed(raw, 4)
@@ -218,6 +219,15 @@ def test_expert_parallel_is_deepspeeds_autoep_section(monkeypatch):
     assert parse_config(overlap, world_size=4).expert_overlap
     with pytest.raises(ConfigError, match="overlap"):
         parse_config({**raw, "expert_parallel": {**raw["expert_parallel"], "overlap": "sometimes"}}, world_size=4)
+    assert not cfg.expert_pairs  # "overlap_pairs" (pipe/pairs.py), pipezero's too: off by default
+    pairs = {**raw, "expert_parallel": {**raw["expert_parallel"], "overlap_pairs": True}}
+    assert _deepspeed(pairs, 4).expert_parallel_config.autoep_size == 2
+    assert parse_config(pairs, world_size=4).expert_pairs
+    assert not parse_config({**pairs, "expert_parallel": {**pairs["expert_parallel"], "autoep_size": 1}},
+                            world_size=4).expert_pairs  # expert 1: no all-to-all to hide
+    with pytest.raises(ConfigError, match="overlap_pairs.* 'sometimes'"):
+        parse_config({**raw, "expert_parallel": {**raw["expert_parallel"], "overlap_pairs": "sometimes"}},
+                     world_size=4)
     for bad, match in (({"autoep_size": 3}, "autoep_size.. = 3 does not divide the data degree 4"),
                        ({"top_k": 4}, "top_k.. = 4: .* leave it at 'auto'"),
                        ({"expert_tensor_parallel_size": 2}, "set it to 1")):

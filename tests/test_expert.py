@@ -56,12 +56,12 @@ WORLD = 4
 
 def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stage: int, schedule: str,
                  microbatches: int, sequence: int = 1, overlap: bool = False, compiled: bool = False,
-                 recompute: str | None = None) -> tuple:
+                 pairs: bool = False, recompute: str | None = None) -> tuple:
     """One step at pipe x data x expert x sequence = the world, one row per microbatch: the loss, each parameter's
     gradient by Hugging Face name, and which experts this rank holds. The groups are the Grid's; the asserts
     check them against the layout. overlap: the all-to-alls in two halves (pipe/expert/overlap.py); compiled:
-    each decoder layer traced by torch.compile (aot_eager); recompute: every layer checkpointed ("full"), its
-    all-to-alls made again in backward."""
+    each decoder layer traced by torch.compile (aot_eager); pairs: PipelineRunner(overlap_pairs=True); recompute:
+    PipelineModule's activation checkpointing ("full": each layer's forward again in backward)."""
     import torch.distributed as dist
 
     from pipezero.pipe import DualPipeV, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
@@ -101,7 +101,8 @@ def _expert_step(max_norm: float, family: str, expert: int, pipe: int, zero_stag
     opt = ZeroOptimizer(scaler, stage=zero_stage, group=grid.data_sequence_group,
                         module=module if zero_stage == 3 else None)
     kind = {"1f1b": OneFOneB, "zbv": ZeroBubbleV, "dualpipev": DualPipeV}[schedule]
-    runner = PipelineRunner(module, kind(num_microbatches=microbatches), optimizer=opt)
+    runner = PipelineRunner(module, kind(num_microbatches=microbatches), optimizer=opt, overlap_pairs=pairs)
+    assert pairs or not runner.pairs
     ids, mask, labels = _batch(True, replicas // sequence * microbatches)
     rows = slice(grid.data_expert_rank * microbatches, (grid.data_expert_rank + 1) * microbatches)
     batch = (ids[rows], mask[rows]), _targets(labels)[rows]

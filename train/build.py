@@ -146,7 +146,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
                          config=cfg.zero)
     scheduler = build_scheduler(cfg.scheduler, inner) if cfg.scheduler is not None else None
     runner = PipelineRunner(module, schedule, optimizer=zero, timeout_s=cfg.pipeline.timeout,
-                            reshard_after_forward=cfg.pipeline.reshard_after_forward) if specs is not None else None
+                            reshard_after_forward=cfg.pipeline.reshard_after_forward,
+                            overlap_pairs=cfg.expert_pairs) if specs is not None else None
     return Parts(config=cfg, grid=grid, module=module, optimizer=zero, scaler=scaler, inner=inner,
                  scheduler=scheduler, schedule=schedule, runner=runner, dtype=dtype, device=dev)
 

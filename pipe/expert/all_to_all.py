@@ -4,7 +4,10 @@ Row block i of the input goes to rank i of `group`; the output is the blocks eve
 here, in rank order. Its backward is the same exchange the other way round (the gradients of
 the received rows go back to their senders), as in Megatron-core's and torchtitan's token
 dispatch. `exchange_counts` tells each rank how many rows it will receive (an all-to-all of
-the counts themselves), so both directions know their sizes before any row moves.
+the counts themselves), so both directions know their sizes before any row moves. While a relay runs
+(pipe/expert/relay.py: PipelineRunner(overlap_pairs=True), which refuses compiled layers) the rows travel
+through in_flight.InFlight, launched and waited for at once: the launch is where the pair's other
+micro-batch runs before the wait; elsewhere the exchange is one blocking call, traced into a compiled layer.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pipezero.pipe.expert.in_flight import InFlight
+from pipezero.pipe.expert.relay import relay_running
 
 __all__ = ["all_to_all_rows", "exchange_counts"]
 
@@ -28,16 +34,23 @@ class _AllToAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = rows.new_empty((sum(recv), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
+        return _exchange(rows, send, recv, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
-                               group=ctx.group)
-        return back, None, None, None
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    """One all-to-all, waited for: under a relay (a pair's turns) launched through InFlight, whose launch hands
+    the turn over; elsewhere one blocking call, which a compiled layer traces."""
+    if relay_running():
+        flight = InFlight(send, recv, group)
+        flight.start(rows)
+        return flight.finish()
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
 
 
 def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:

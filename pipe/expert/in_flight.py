@@ -20,6 +20,11 @@ Why work overlaps the exchange:
   wait node's backward has launched one half's reverse exchange, the other half's later-made nodes (its
   expert backward) run before the launch node's backward waits (pipe/expert/overlap.py orders them).
 
+Across micro-batches: under PipelineRunner(overlap_pairs=True) a launch is where a DualPipeV pair's
+forward and backward take turns (pipe/expert/relay.py): the other micro-batch's work runs until its own
+launch, then this one waits. Under a relay the serial path (all_to_all.py) exchanges through InFlight
+too, so its launches are switch points as well.
+
 The exchange drops its buffers at each wait, so no reference cycle (a node's context holding its own
 output) keeps a received tensor alive. An exchange is started at most once before its wait.
 """
@@ -30,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pipezero.pipe.expert.relay import hand_over
 
 __all__ = ["InFlight", "launch_rows", "wait_rows"]
 
@@ -52,6 +59,7 @@ class InFlight:
         self._work = dist.all_to_all_single(out, rows, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                             group=self.group, async_op=True)
         self._buffers = rows, out  # the sent rows must live until the exchange has read them
+        hand_over()  # under a relay (a DualPipeV pair), the other micro-batch computes while these travel
         return out
 
     def finish(self) -> torch.Tensor:

@@ -28,7 +28,7 @@ list) and the offending cells in brackets.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from pipezero.pipe.schedule.actions import Action, Op
@@ -333,16 +333,22 @@ class _BackwardKind:
 
 
 def execute(table: dict[int, list[Action]], placement: str,
-            duration: Callable[[int, Action], float], p2p: float, blocking_sends: bool = False
+            duration: Callable[[int, Action], float], p2p: float, blocking_sends: bool = False,
+            together: Mapping[int, Collection[int]] | None = None
             ) -> tuple[list[tuple[int, int, Action, float, float]], dict[int, int]]:
     """Run every rank's list in order; an action starts when its rank is free and its
     inputs have arrived (a dependency on another rank adds `p2p`). With `blocking_sends`
     an action also waits until the messages of the rank's previous action were taken.
+    `together`: rank -> steps k run as one with step k + 1 (a pair: both inputs received
+    before either starts, both outputs sent after both end), as an executor that pairs them runs.
 
     Returns the events (rank, step, action, start, end) and, for a deadlock, the step at
     which each unfinished rank is stuck (empty when everything ran).
     """
     waits = _waits(table, placement, blocking_sends)
+    for r, steps in (together or {}).items():
+        for k in steps:  # k waits for k + 1's inputs too; k + 1 then runs at once, before any other rank sees k
+            waits[(r, k)] = waits[(r, k)] + [w for w in waits[(r, k + 1)] if w != (r, table[r][k])]
     ptr = {r: 0 for r in table}
     free = {r: 0.0 for r in table}
     end: dict[Key, float] = {}

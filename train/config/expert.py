@@ -7,7 +7,11 @@ refuses (it runs the model's own router and transformers' experts implementation
 kernels, which are ignored. One key is pipezero's own, not DeepSpeed's (whose AutoEP parser reads
 the keys it knows and passes over any other): "overlap": true cuts each MoE layer's tokens in two
 halves whose all-to-alls travel while the other half's experts compute (pipe/expert/overlap.py);
-off by default until a multi-GPU run measures it.
+off by default until a multi-GPU run measures it. A second one, "overlap_pairs": true, runs each
+pair of neighbouring steps (a forward beside another micro-batch's backward: DualPipeV's steady state,
+1F1B's, ZB-V's) in turns, one micro-batch's all-to-all travelling while the other computes
+(PipelineRunner(overlap_pairs=True), pipe/pairs.py); off by default too, a no-op at expert 1, refused
+beside compiled layers (ds_config "compile" off).
 """
 
 from __future__ import annotations
@@ -33,17 +37,18 @@ _RULES = {"expert_tensor_parallel_size": Unsupported("expert weights split over 
           **{key: Ignored(f"AutoEP's kernel switch ({_OWN})", noop=lambda v: True) for key in _KERNELS}}
 
 
-def read_expert(value: Any, data_degree: int) -> tuple[int, bool]:
-    """(the expert degree (1: off), "overlap") from the section, the degree checked to divide the data degree
-    (world / pipe x tensor x sequence, which the expert axis splits into data x expert)."""
+def read_expert(value: Any, data_degree: int) -> tuple[int, bool, bool]:
+    """(the expert degree (1: off), "overlap", "overlap_pairs") from the section, the degree checked to divide
+    the data degree (world / pipe x tensor x sequence, which the expert axis splits into data x expert)."""
     section = Section(value, ("expert_parallel",))
-    section.check(("enabled", "autoep_size", "overlap"), _RULES)
-    overlap = section.bool("overlap", False)  # pipezero's key
+    section.check(("enabled", "autoep_size", "overlap", "overlap_pairs"), _RULES)
+    overlap = section.bool("overlap", False)  # pipezero's keys
+    pairs = section.bool("overlap_pairs", False)
     if not section.bool("enabled", False):
-        return 1, False
+        return 1, False, False
     size = section.int("autoep_size", 1, lo=1)
     if data_degree % size:
         raise ConfigError(f'{section.where("autoep_size")} = {size} does not divide the data degree {data_degree} '
                           "(world / (pipe x tensor x sequence)), which the expert axis splits into data x expert: "
                           "start a multiple of it as data ranks, or pick a divisor")
-    return size, overlap and size > 1
+    return size, overlap and size > 1, pairs and size > 1

@@ -153,6 +153,7 @@ class TrainConfig:
     sequence: int = 1                # "sequence_parallel_size" (DeepSpeed's key): the grid's sequence axis
     expert: int = 1                  # "expert_parallel"'s "autoep_size" (expert.py): the grid's expert axis
     expert_overlap: bool = False     # "expert_parallel"'s "overlap", pipezero's key: all-to-alls behind compute
+    expert_pairs: bool = False       # its "overlap_pairs", pipezero's: a DualPipeV pair's halves in turns
     recompute: RecomputeConfig = RecomputeConfig()  # activation checkpointing (recompute.py)
     wandb: WandbConfig = WandbConfig()            # "wandb" (monitor.py): W&B beside TensorBoard
     raw: Mapping[str, Any] = field(default_factory=dict)
@@ -183,7 +184,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
     sequence = top.int("sequence_parallel_size", 1, lo=1)
     batch = resolve_batch(filled, world_size=world, pipe=pipeline.stages, tensor=tensor,
                           micro_batches=pipeline.micro_batches, sequence=sequence)
-    expert, expert_overlap = read_expert(filled.get("expert_parallel"),
+    expert, expert_overlap, expert_pairs = read_expert(filled.get("expert_parallel"),
                                          data_degree(world, pipeline.stages, tensor, sequence))
     clip = top.float("gradient_clipping", 1.0, lo=0.0)
     precision = read_precision(filled, clip_grad_norm=clip)
@@ -198,7 +199,8 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any], *, world_size: i
         scheduler=SchedulerConfig.parse(top.section("scheduler")) if "scheduler" in filled else None,
         gradient_clipping=clip, steps_per_print=top.int("steps_per_print", None, lo=1),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False), compile=read_compile(filled.get("compile")),
-        sequence=sequence, expert=expert, expert_overlap=expert_overlap, recompute=recompute,
+        sequence=sequence, expert=expert, expert_overlap=expert_overlap, expert_pairs=expert_pairs,
+        recompute=recompute,
         wandb=WandbConfig.parse(top.section("wandb", auto_default=True)),
         raw=raw)
 

@@ -29,9 +29,9 @@
 * expert parallel (pipe/expert/, a MoE's experts over the expert axis): each MoE block sends every
   token's hidden state to its top-k experts' ranks and back, dispatch and combine, each
   tokens x d x top-k x bytes per element of which (E-1)/E leave the rank, plus E-1 latencies: 2
-  all-to-alls forward, 2 backward (2 more recomputed under checkpointing), not overlapped
-  (DualPipeV's overlap of them is not built); beside a tensor split each tensor rank dispatches
-  its share of the tokens (pipe/tensor_tokens.py: the block's gather back counted as the MLP's
+  all-to-alls forward, 2 backward (2 more recomputed under checkpointing), not overlapped (the
+  runner's opt-in overlap_pairs, neighbouring F / B in turns, is not counted until measured); beside
+  a tensor split each tensor rank dispatches its share of the tokens (pipe/tensor_tokens.py: the block's gather back counted as the MLP's
   all-reduce); the experts' gradients are all-reduced over the ranks that hold the same experts
   (data x sequence x tensor, also without an expert axis: the whole experts' tensor sum joins that
   reduction, once a step), the dense ones over data x expert x sequence;
