@@ -108,7 +108,10 @@ class _KeptRows:
     """
 
     def __init__(self, flat: torch.Tensor, tile_rows: int):
-        self.node = _KeepRows.apply(flat).grad_fn  # keeps the saved rows (not the tensor) alive
+        # the node's empty output, not its grad_fn: torch 2.11's grad_fn of a custom Function refers to its
+        # node weakly, so with the output gone the node and its saved rows were freed before the tiles'
+        # backward read them ("Trying to backward through the graph a second time", CUDA and CPU)
+        self.keeper = _KeepRows.apply(flat)
         self.tile_rows, self.count, self.tiles = tile_rows, 0, None
         self.expected: torch.Tensor | None = None
 
@@ -131,7 +134,7 @@ class _KeptRows:
         if isinstance(packed, torch.Tensor):
             return packed
         if self.tiles is None:
-            (flat,) = self.node.saved_tensors
+            (flat,) = self.keeper.grad_fn.saved_tensors
             self.tiles, self.left = flat.split(self.tile_rows), self.count
         out = self.tiles[packed]
         self.left -= 1
