@@ -41,14 +41,42 @@ except ImportError:  # pragma: no cover
     _stage_backward_input = _stage_backward_weight = None
 
 
+class _Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _custom_nodes_held_weakly() -> bool:
+    """Does this torch free a custom autograd.Function's node once nothing in the graph refers to it, though
+    Python still holds the node (torch 2.11 does, 2.13 keeps it)? stage_backward_input keeps the nodes W
+    starts from in Python and cuts the outputs' graph, so there they went before W ("Attribute
+    '_input_metadata' is invalid for this instance of _C._FunctionBase")."""
+    node = _Probe.apply(torch.zeros(1, requires_grad=True)).grad_fn
+    try:
+        node._input_metadata
+    except RuntimeError:
+        return True
+    return False
+
+
+_WEAK_NODES = _custom_nodes_held_weakly()
+
+
 @dataclass(frozen=True)
 class WeightGrad:
     """What W needs, kept by I: torch's parameter groups (`groups`), a backward still to run
-    (`backward`: outputs and their gradients), or the deferred Linear GEMMs (`sink`)."""
+    (`backward`: outputs and their gradients), or the deferred Linear GEMMs (`sink`). `anchors`: aliases
+    of the outputs that hold their graph until W, where torch holds a custom Function's node weakly."""
 
     groups: tuple | None = None     # (weights, intermediate gradient groups) for stage_backward_weight
     backward: tuple | None = None   # (outputs, their gradients)
     sink: WeightSink | None = None
+    anchors: tuple = ()
 
     def run(self) -> bool:
         """Compute the weight gradients; True when some .grad was assigned without autograd hooks
@@ -80,7 +108,8 @@ def backward_input(outs: list, grads: list, leaves: list, weights: list,
         torch.autograd.backward(outs, grads)
         return tuple(t.grad for t in leaves), WeightGrad()
     if _stage_backward_input is not None:
+        anchors = tuple(t.view_as(t) for t in outs if t.requires_grad) if _WEAK_NODES else ()
         in_grads, groups = _stage_backward_input(outs, None if grads == [None] else grads, leaves, iter(weights))
-        return in_grads, WeightGrad(groups=(weights, groups))
+        return in_grads, WeightGrad(groups=(weights, groups), anchors=anchors)
     in_grads = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
     return in_grads, WeightGrad(backward=(outs, grads))
