@@ -4,7 +4,7 @@
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
-#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core|
+#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core|moe-why|
 #                      seq-multi|seq-multi-alst|seq-multi-pipe|seq-multi-longest|moe-multi|moe-multi-titan|moe-multi-pipe|
 #                      moe-multi-overlap|moe-multi-pairs ...]
 #   moe-multi*: issue 49 on every GPU of the machine (2, 4 or 8), bench/moe.py --nproc N, a Qwen3-30B-A3B-shaped MoE of
@@ -110,6 +110,8 @@ for w in $what; do
     moe) run moe 560 python3 bench/moe.py --timeout 240 \
            --runs pipezero pipezero-compiled hf-grouped_mm-compiled torchtitan-compiled ;;  # issue 47; .whl
     moe-core) run moe-core 290 python3 bench/moe.py --timeout 140 --runs pipezero-compiled hf-grouped_mm-compiled ;;
+    moe-why) run moe-why 390 python3 bench/moe.py --timeout 190 --runs pipezero-compiled hf-grouped_mm-compiled \
+               --explain "$out/moe-why" ;;  # moe-core, then each run's peak by place and kernel table
     moe-more) run moe-more 560 python3 bench/moe.py --timeout 200 \
                 --runs hf-grouped_mm-compiled hf-grouped_mm torchtitan hf-eager hf-batched_mm hf-sonicmoe \
                 hf-deepgemm ;;

@@ -3,6 +3,7 @@
     python bench/moe.py --tiny                  # CPU, fp32: a tiny Qwen3-MoE, every runner, seconds
     python bench/moe.py                         # CUDA, bf16: Qwen3-30B-A3B's layer shape, 8 of its 48 layers
     python bench/moe.py --runs pipezero hf-grouped_mm-compiled --layers 6 --batch 4 --seq 2048
+    python bench/moe.py --runs pipezero-compiled hf-grouped_mm-compiled --explain /tmp/why  # the peak by place
 
 The model: Qwen3-30B-A3B's shape per layer (hidden 2048, 32 query / 4 key-value heads of 128,
 128 experts of 768, top 8, vocab 151,936, untied head), random weights, nothing downloaded; one
@@ -237,10 +238,26 @@ def measure(run: str, args) -> dict:
             step(ids, targets)
         _sync(device)
         seconds = (time.perf_counter() - start) / args.steps
+        explain(run, step, ids, targets, args.explain)
     except Exception as err:  # noqa: BLE001 - a runner that cannot run says why; the others still run
         return {"error": _failure(err)}
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     return {"ms": seconds * 1e3, "loss": first, "peak_gib": peak}
+
+
+def explain(run: str, step: Callable, ids: torch.Tensor, targets: torch.Tensor, folder: str | None) -> None:
+    """--explain: two more steps, one under the allocator's history (what is alive at the peak, by place:
+    bench/memory_history.py), one under torch.profiler (the kernels by GPU time: bench/profiling.py)."""
+    if not folder:
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from memory_history import peak_history
+    from profiling import profiled
+
+    with peak_history(folder, run):
+        step(ids, targets)
+    with profiled(folder, run):
+        step(ids, targets)
 
 
 def _in_subprocess(run: str, argv: list[str], timeout: float) -> dict:
@@ -321,6 +338,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --tiny 1)")
     p.add_argument("--backend", default=None,
                    help="torch.compile backend (default inductor; --tiny aot_eager)")
+    p.add_argument("--explain", default=None, help="a folder: after the timed steps, each runner's peak by "
+                   "place (<run>-peak.txt, CUDA) and its kernels by GPU time (<run>.txt)")
     p.add_argument("--timeout", type=float, default=300, help="seconds a runner's process may take")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

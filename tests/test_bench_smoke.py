@@ -104,3 +104,35 @@ def test_overlap_counts_the_all_to_all_kernels_that_ran_beside_compute():
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
     a2a, hidden = all_to_all_overlap(prof)
     assert a2a == pytest.approx(100e-9) and hidden == pytest.approx(30e-9)  # the GEMMs cover 170..200
+
+
+def test_memory_history_names_what_is_alive_at_the_peak():
+    """bench/memory_history.py on a stand-in allocator trace: the peak is the running sum's largest value
+    (frees counted when completed), and what is alive then is grouped by its innermost frames outside torch."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from memory_history import summarize
+
+    def at(file, line, name="f"):
+        return {"filename": file, "line": line, "name": name}
+    loss = [at("/x/torch/nn/functional.py", 1), at("/w/pipe/fused_loss.py", 160, "_chunk")]
+    layer = [at("/tmp/torchinductor_u/ab/cab.py", 9, "call"), at("/w/pipe/hf/layers.py", 200, "forward")]
+    trace = [{"action": "alloc", "addr": 1, "size": 300, "frames": layer},
+             {"action": "alloc", "addr": 2, "size": 500, "frames": loss},
+             {"action": "free_requested", "addr": 2, "size": 500, "frames": loss},
+             {"action": "alloc", "addr": 3, "size": 400, "frames": layer},   # 2 is still held: the peak, 1200
+             {"action": "free_completed", "addr": 2, "size": 500, "frames": loss},
+             {"action": "alloc", "addr": 4, "size": 100, "frames": loss}]
+    lines = summarize(trace, start=2**30)
+    assert lines[0].startswith("allocated at the start 1.00 GiB; peak 1.00 GiB (+0.00) at event 3 of 6"), lines
+    assert "cab.py:9 call < layers.py:200 forward" in lines[1] and " 2 x " in lines[1], lines
+    assert "fused_loss.py:160 _chunk" in lines[2] and "functional.py" not in lines[2], lines
+    assert len(lines) == 3, lines
+
+
+def test_moe_bench_explain_writes_each_runners_kernel_table(tmp_path):
+    """--explain's profiled step runs on CPU too (the peak by place needs CUDA: no file here)."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--tiny", "--runs", "pipezero",
+                           "--explain", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipezero.txt"], done.stdout
+    assert "pipezero: wall" in (tmp_path / "pipezero.txt").read_text()
