@@ -232,10 +232,11 @@ def _deepspeed_peer(name, args, grid, device, bounds):
 
 def _costs(events) -> dict:
     """Mean seconds of each op letter (F, B, I, W): over every rank's compute events (key
-    "all") and per (pipe rank, chunk), from a step's events (names such as "1W3")."""
+    "all") and per (pipe rank, chunk), from a step's events (names such as "1W3"; a pair run in turns,
+    "0F3|1B1" under overlap_pairs, is no one op's time and is left out)."""
     by_op: dict = {}
     for e in events:
-        if e.kind == "compute":
+        if e.kind == "compute" and "|" not in e.name:
             a = Action.parse(e.name)
             for key in ("all", (e.rank, a.chunk)):
                 by_op.setdefault(key, {}).setdefault(a.op.value, []).append(e.end - e.start)

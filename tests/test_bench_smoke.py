@@ -136,3 +136,17 @@ def test_moe_bench_explain_writes_each_runners_kernel_table(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipezero.txt"], done.stdout
     assert "pipezero: wall" in (tmp_path / "pipezero.txt").read_text()
+
+
+def test_pipe_bench_costs_leave_out_a_pair_run_in_turns():
+    """bench/pipe.py's per-op means read each compute span's action; a pair's span ("0F3|1B1", overlap_pairs)
+    is no one op's time: left out, the singles' means as before."""
+    from bench.pipe import _costs
+    from pipezero.pipe.schedule.timeline import Event
+
+    events = [Event("0F0", "compute", 0, 0.0, 1.0), Event("0F1", "compute", 0, 1.0, 4.0),
+              Event("0F2|1B0", "compute", 0, 4.0, 9.0), Event("1B1", "compute", 0, 9.0, 11.0),
+              Event("wait", "comm", 0, 11.0, 12.0)]
+    costs = _costs(events)
+    assert costs["all"] == {"F": 2.0, "B": 2.0}
+    assert costs[(0, 0)] == {"F": 2.0} and costs[(0, 1)] == {"B": 2.0}
