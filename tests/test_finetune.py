@@ -30,6 +30,10 @@ from data_tokenizer import WORDS, make_tokenizer
 from harness import run
 
 LR = 3e-3  # the MoE's runs: a constant lr (its ds_config), its first steps too
+# AdamW's eps in the MoE's runs and their transformers loop: at torch's 1e-8, an element whose gradient
+# is near 0 moves by lr x g / (|g| + eps), so kernels' rounding (~1e-10) turned into 2.5e-5 of one
+# q_proj element after 3 steps on a 2-core CPU (the four layouts agreeing to 1e-9); at 1e-6 it is 100x less
+EPS = 1e-6
 
 
 def _model_dir(root: Path) -> Path:
@@ -62,8 +66,10 @@ def _moe_dir(root: Path) -> Path:
                                       output_router_logits=True, router_aux_loss_coef=0.5,
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    (root / "constant.json").write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {
-        "warmup_min_lr": LR, "warmup_max_lr": LR, "warmup_num_steps": 1}}}))
+    (root / "constant.json").write_text(json.dumps({  # finetune's AdamW at EPS, a constant lr
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "eps": EPS}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": LR, "warmup_max_lr": LR,
+                                                     "warmup_num_steps": 1}}}))
     return folder
 
 
@@ -204,7 +210,7 @@ def _transformers_truth(root: Path) -> tuple[float, dict[str, torch.Tensor]]:
     one = SimpleNamespace(data_expert_size=1, data_expert_rank=0, sequence_rank=0, sequence_size=1)
     layout = SimpleNamespace(grid=one, config=finetune.train_config(args, None, cfg.hidden_size))
     train, _ = finetune.batches(args, layout, corpus, pad_id)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=EPS)
     for _ in range(3):
         (ids, _, positions), (labels, _) = train.next_batch()
         trained, loss = int((labels != -100).sum()), 0.0
