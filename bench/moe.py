@@ -238,11 +238,15 @@ def measure(run: str, args) -> dict:
             step(ids, targets)
         _sync(device)
         seconds = (time.perf_counter() - start) / args.steps
-        explain(run, step, ids, targets, args.explain)
     except Exception as err:  # noqa: BLE001 - a runner that cannot run says why; the others still run
         return {"error": _failure(err)}
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-    return {"ms": seconds * 1e3, "loss": first, "peak_gib": peak}
+    result = {"ms": seconds * 1e3, "loss": first, "peak_gib": peak}
+    try:
+        explain(run, step, ids, targets, args.explain)
+    except Exception as err:  # noqa: BLE001 - the measurement stands; say why the explanation is missing
+        result["explain"] = _failure(err)
+    return result
 
 
 def explain(run: str, step: Callable, ids: torch.Tensor, targets: torch.Tensor, folder: str | None) -> None:
