@@ -107,7 +107,10 @@ TENSOR_COMPILE_TORCH = (2, 13)  # the first torch whose compiled tensor-parallel
 def _check_tensor_compile(value: Any, tensor_size: int, version: str = torch.__version__) -> None:
     """Refuse compiled layers beside a tensor split on a torch that trains them wrong: on torch 2.11 the
     compiled case of tests/test_tensor_3d.py (the hooks' all-reduces traced into the blocks' graphs)
-    gave a second step's loss of 3.4614 against one process's 3.4519; eager, and on torch 2.13, equal."""
+    gave a second step's loss of 3.4614 against one process's 3.4519; eager, and on torch 2.13, equal.
+    There every parameter of a compiled block gets an all-zero gradient (tensor 2, no ZeRO, aot_eager;
+    the loss alone compiled trains right); the all-reduces done out of place and the input node's output
+    copied instead of viewed change nothing: not root-caused."""
     found = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
     if tensor_size > 1 and found < TENSOR_COMPILE_TORCH:
         want = ".".join(map(str, TENSOR_COMPILE_TORCH))
