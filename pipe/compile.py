@@ -36,8 +36,7 @@ parallelism (bench/RESULTS.md, issue 31, one H200: the 1.34B GPT's step through 
 Hugging Face Llama's under ZeRO-1 1.36x, its 1F1B pipeline 1.38x, level with a plain PyTorch loop
 over compiled decoder layers); on CPU, where compiling costs more than it gives a short run, it
 stays off. With tensor parallelism it works (tests/test_tensor_3d.py: the column/row hooks'
-all-reduces trace into the block's one graph) but is off by default until measured on two GPUs,
-and refused on torch < 2.13 (on 2.11 that test's compiled case trains wrong: _check_tensor_compile).
+all-reduces trace into the block's one graph) but is off by default until measured on two GPUs.
 `compile=False` turns it off, `compile=True` or a CompileConfig on anywhere.
 
 Donated buffers are off, for the process, once pipezero compiles (torch._functorch.config.
@@ -95,29 +94,11 @@ class CompileConfig:
             return cls() if device is not None and compile_by_default(device, tensor_size) else None
         if value is False:
             return None
-        if value is not True and not isinstance(value, cls):
+        if value is True:
+            return cls()
+        if not isinstance(value, cls):
             raise TypeError(f"compile={value!r}: expected True, False, None or a CompileConfig")
-        _check_tensor_compile(value, tensor_size)
-        return cls() if value is True else value
-
-
-TENSOR_COMPILE_TORCH = (2, 13)  # the first torch whose compiled tensor-parallel layers train right here
-
-
-def _check_tensor_compile(value: Any, tensor_size: int, version: str = torch.__version__) -> None:
-    """Refuse compiled layers beside a tensor split on a torch that trains them wrong: on torch 2.11 the
-    compiled case of tests/test_tensor_3d.py (the hooks' all-reduces traced into the blocks' graphs)
-    gave a second step's loss of 3.4614 against one process's 3.4519; eager, and on torch 2.13, equal.
-    There every parameter of a compiled block gets an all-zero gradient (tensor 2, no ZeRO, aot_eager;
-    the loss alone compiled trains right); the all-reduces done out of place and the input node's output
-    copied instead of viewed change nothing: not root-caused."""
-    found = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    if tensor_size > 1 and found < TENSOR_COMPILE_TORCH:
-        want = ".".join(map(str, TENSOR_COMPILE_TORCH))
-        raise ValueError(f"compile={value!r} beside tensor parallelism (tensor {tensor_size}) on torch {version}: "
-                         f"this torch trains compiled tensor-parallel layers wrong (torch 2.11 measured, "
-                         f"tests/test_tensor_3d.py); pass compile=False (the default with a tensor split) or "
-                         f"use torch >= {want}")
+        return value
 
 
 def compile_by_default(device: torch.device, tensor_size: int = 1) -> bool:

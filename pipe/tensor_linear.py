@@ -31,6 +31,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from pipezero.comm import TensorShard, mark_tensor_shard
@@ -59,10 +60,14 @@ def _reduce_output(y: torch.Tensor, bias: torch.Tensor | None, extra: int, group
 
     The sum's gradient is the identity, so a fresh output (a plain Linear's) is reduced in place
     outside autograd: no node, nothing saved it. A view (DeferringLinear's node returns one)
-    cannot be changed in place and goes through `_FromTensorGroup`, which reduces a copy.
+    cannot be changed in place and goes through `_FromTensorGroup`, which reduces a copy. Traced (a
+    compiled layer), the sum is out of place (`_SumOutOfPlace`): torch 2.11 traced the in-place forms
+    into all-zero gradients for every parameter before them (tests/test_tensor_parallel.py).
     """
     if not extra:  # a group of one (the benchmarks' one-rank mesh): nothing to sum
         return y
+    if torch.compiler.is_compiling():
+        return _SumOutOfPlace.apply(y, bias, extra, group)
     if not y.is_contiguous() or y._base is not None:
         return _FromTensorGroup.apply(y, bias, extra, group)
     with torch.no_grad():
@@ -74,6 +79,21 @@ def _sum_less_bias(y: torch.Tensor, bias: torch.Tensor | None, extra: int, group
     dist.all_reduce(y, group=group)
     if bias is not None:
         y.sub_(bias.to(y.dtype), alpha=extra)
+
+
+class _SumOutOfPlace(torch.autograd.Function):
+    """The sum forward without an in-place collective (what a compiled layer traces); identity backward.
+    On torch 2.11 the traced _FromTensorGroup (an in-place all-reduce of a copy) gave every parameter
+    before it an all-zero gradient."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, extra: int, group) -> torch.Tensor:
+        summed = funcol.all_reduce(y, "sum", group)
+        return summed - bias.to(summed.dtype) * extra if bias is not None else summed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None, None
 
 
 class _FromTensorGroup(torch.autograd.Function):

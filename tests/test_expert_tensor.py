@@ -28,7 +28,6 @@ param group that would not sum them, or a plain torch optimizer, is refused on e
 LoRA (lora_tensor_plan) on the attention and the shared expert inside the token-split block of that
 Qwen2-MoE at tensor 2, compiled, two AdamW steps under ZeRO-1, equals peft + transformers in one
 process (losses and adapters); it failed in the compiled layer's trace of a DTensor adapter before.
-The compiled cases run eager on a torch that refuses compiled layers beside a tensor split (< 2.13).
 """
 
 import contextlib
@@ -105,6 +104,7 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
     from pipezero.comm import TRAFFIC
     from pipezero.comm.traffic import group_name
     from pipezero.pipe import DualPipeV, OneFOneB, PipelineModule, PipelineRunner, ZeroBubbleV
+    from pipezero.pipe.compile import CompileConfig
     from pipezero.pipe.expert import expert_param_groups, shard_experts
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_tensor_plan
     from pipezero.pipe.sequence import shard_batch, whole_positions
@@ -119,7 +119,7 @@ def _step(max_norm: float, family: str, pipe: int, expert: int, tensor: int, sta
     module = PipelineModule(hf_layer_specs(_model(family)), grid=grid, loss_fn=causal_lm_loss,
                             partition_method="uniform", num_chunks=2 if v else 1, placement="v" if v else "looped",
                             tensor_plan=hf_tensor_plan(),
-                            compile=_compiled() if compiled else False)
+                            compile=CompileConfig(backend="aot_eager") if compiled else False)
     if expert > 1:
         shard_experts(module, grid.expert_group, overlap=overlap)
     groups = expert_param_groups(module, grid)  # at expert 1 too: the blocks' parameters summed over tensor
@@ -204,18 +204,10 @@ def _lora_truth(root: str) -> tuple[list[float], dict]:
                       lr=LORA["lr"])
 
 
-def _compiled():
-    """Compiled layers (aot_eager) where this torch takes them beside a tensor split, else eager (torch < 2.13
-    refuses them: pipe/compile.py, tests/test_compile.py)."""
-    from pipezero.pipe.compile import TENSOR_COMPILE_TORCH, CompileConfig
-
-    found = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    return CompileConfig(backend="aot_eager") if found >= TENSOR_COMPILE_TORCH else False
-
-
 def _lora_compiled(root: str) -> tuple[list[float], dict]:
     """The same through PipelineModule at tensor 2 (lora_tensor_plan, compiled layers, ZeroOptimizer)."""
     from pipezero.pipe import OneFOneB, PipelineModule, PipelineRunner
+    from pipezero.pipe.compile import CompileConfig
     from pipezero.pipe.expert import expert_param_groups
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs, hf_tensor_plan
     from pipezero.pipe.lora import adapter_state_dict, lora_specs
@@ -227,7 +219,7 @@ def _lora_compiled(root: str) -> tuple[list[float], dict]:
     grid = Grid(tensor=2)
     module = PipelineModule(lora_specs(hf_layer_specs(f"{root}/base"), _lora_config()), grid=grid,
                             loss_fn=causal_lm_loss, tensor_plan=lora_tensor_plan(hf_tensor_plan()),
-                            compile=_compiled())
+                            compile=CompileConfig(backend="aot_eager"))
     assert load_peft_adapter(module, f"{root}/start")
     opt = ZeroOptimizer(torch.optim.AdamW(expert_param_groups(module, grid), lr=LORA["lr"]), stage=1,
                         group=grid.data_sequence_group)

@@ -17,7 +17,6 @@ import torch
 
 from harness import run
 from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
-from pipezero.pipe.compile import TENSOR_COMPILE_TORCH
 from pipezero.pipe.tensor_parallel import is_replicated, whole_tensor
 from pipezero.precision import LossScaler
 from pipezero.topology import Grid
@@ -26,8 +25,6 @@ from pipezero.zero import ZeroOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig, gpt_loss, gpt_specs, gpt_tensor_plan  # noqa: E402
-
-_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 CFG = GPTConfig(vocab_size=32, n_layer=2, n_head=4, d_model=16, seq_len=8, seed=1)
 STEPS, BATCH, LR, CLIP = 3, 8, 1e-2, 0.05  # CLIP is below the grad norm: clipping is active
@@ -102,8 +99,7 @@ def _check(results, tensor: int) -> None:
     (4, 1, 2, 0, "1f1b", False),   # tensor 2 x data 2, ZeRO-0: the shards' .grad are views of the all-reduce buffer
     (8, 2, 2, 2, "1f1b", False),   # pipe 2 x data 2 x tensor 2
     (4, 1, 2, 3, "1f1b", False),   # tensor 2 x data 2, ZeRO-3: each tensor rank's shards partitioned over data
-    pytest.param(4, 1, 2, 2, "1f1b", True,  # the Blocks and the loss compiled (the hooks' all-reduces traced)
-                 marks=pytest.mark.skipif(_TORCH < TENSOR_COMPILE_TORCH, reason="refused on this torch")),
+    (4, 1, 2, 2, "1f1b", True),    # the Blocks and the loss compiled (traced: the hooks' all-reduces in the graph)
 ])
 def test_3d_parity(world, pipe, tensor, stage, schedule, compiled):
     # compiled: the workers go afterwards (a compile leaves fake tensors that the memory tests' scans of
