@@ -80,4 +80,5 @@ def _change(event: dict) -> int:
 def _place(frames: list[dict[str, Any]], depth: int = 3) -> str:
     """The innermost `depth` frames outside torch's own package (inductor's generated files count)."""
     own = [f for f in frames if "torchinductor" in f["filename"] or "/torch/" not in f["filename"]]
-    return " < ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in own[:depth]) or "torch"
+    names = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in own[:depth]]
+    return " < ".join(names) or "torch"
