@@ -60,15 +60,12 @@ def _reduce_output(y: torch.Tensor, bias: torch.Tensor | None, extra: int, group
 
     The sum's gradient is the identity, so a fresh output (a plain Linear's) is reduced in place
     outside autograd: no node, nothing saved it. A view (DeferringLinear's node returns one)
-    cannot be changed in place and goes through `_FromTensorGroup`, which reduces a copy. Traced (a
-    compiled layer), the sum is out of place (`_SumOutOfPlace`): torch 2.11 traced the in-place forms
-    into all-zero gradients for every parameter before them (tests/test_tensor_parallel.py).
+    cannot be changed in place and goes through `_FromTensorGroup`, which reduces a copy; so does a
+    traced one (a compiled layer), out of place there.
     """
     if not extra:  # a group of one (the benchmarks' one-rank mesh): nothing to sum
         return y
-    if torch.compiler.is_compiling():
-        return _SumOutOfPlace.apply(y, bias, extra, group)
-    if not y.is_contiguous() or y._base is not None:
+    if torch.compiler.is_compiling() or not y.is_contiguous() or y._base is not None:
         return _FromTensorGroup.apply(y, bias, extra, group)
     with torch.no_grad():
         _sum_less_bias(y, bias, extra, group)
@@ -81,26 +78,18 @@ def _sum_less_bias(y: torch.Tensor, bias: torch.Tensor | None, extra: int, group
         y.sub_(bias.to(y.dtype), alpha=extra)
 
 
-class _SumOutOfPlace(torch.autograd.Function):
-    """The sum forward without an in-place collective (what a compiled layer traces); identity backward.
-    On torch 2.11 the traced _FromTensorGroup (an in-place all-reduce of a copy) gave every parameter
-    before it an all-zero gradient."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, extra: int, group) -> torch.Tensor:
-        summed = funcol.all_reduce(y, "sum", group)
-        return summed - bias.to(summed.dtype) * extra if bias is not None else summed
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None, None, None
-
-
 class _FromTensorGroup(torch.autograd.Function):
-    """All-reduce forward of a copy (less `extra` copies of the bias); identity backward."""
+    """All-reduce forward of a copy (less `extra` copies of the bias); identity backward.
+
+    Traced, the sum is a functional all-reduce: torch 2.11 traced the in-place one on the copy into an
+    all-zero gradient for every parameter before it (tests/test_tensor_parallel.py's compiled case).
+    """
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor | None, extra: int, group) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            summed = funcol.all_reduce(y, "sum", group)
+            return summed - bias.to(summed.dtype) * extra if bias is not None else summed
         y = y.clone(memory_format=torch.contiguous_format)
         _sum_less_bias(y, bias, extra, group)
         return y
