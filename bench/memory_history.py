@@ -23,7 +23,7 @@ import torch
 __all__ = ["peak_history", "summarize"]
 
 MAX_ENTRIES = 2_000_000  # allocator events kept; one step of an 8-layer MoE makes far fewer
-ALLOC, FREED = ("alloc",), ("free_completed",)
+ALLOC, FREED = "alloc", "free_completed"  # a free counts once completed, as torch's allocated bytes do
 
 
 @contextlib.contextmanager
@@ -54,9 +54,9 @@ def summarize(trace: list[dict], start: int = 0, top: int = 25) -> list[str]:
             peak, at = total, i
     alive: dict[int, dict] = {}
     for event in trace[:at + 1]:
-        if event["action"] in ALLOC:
+        if event["action"] == ALLOC:
             alive[event["addr"]] = event
-        elif event["action"] in FREED:
+        elif event["action"] == FREED:
             alive.pop(event["addr"], None)
     places: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for event in alive.values():
@@ -72,9 +72,9 @@ def summarize(trace: list[dict], start: int = 0, top: int = 25) -> list[str]:
 
 
 def _change(event: dict) -> int:
-    if event["action"] in ALLOC:
+    if event["action"] == ALLOC:
         return event["size"]
-    return -event["size"] if event["action"] in FREED else 0
+    return -event["size"] if event["action"] == FREED else 0
 
 
 def _place(frames: list[dict[str, Any]], depth: int = 3) -> str:
