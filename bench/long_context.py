@@ -12,6 +12,8 @@ per document), a training step each (forward, backward, AdamW), the same random-
             mask), the MLP in row tiles from 8K tokens, the head + loss in row chunks
   pipezero-full / pipezero-offload   the same with every layer checkpointed (recomputed in its
             backward), the second with the checkpointed inputs in pinned host memory
+  pipezero-selective   every layer checkpointed selectively: the matmuls' and attention's outputs
+            kept, the rest (norms, activations, rotary) recomputed
   torch     transformers' LlamaForCausalLM(sdpa) called with the packed position ids (transformers
             then builds the block-diagonal [T, T] mask), its logits and F.cross_entropy, AdamW
   torch-ckpt  the same with transformers' gradient_checkpointing_enable()
@@ -136,7 +138,7 @@ def _row(length: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, t
     return ids.to(device), positions.to(device)
 
 
-RUNS = ("pipezero", "pipezero-full", "pipezero-offload", "torch", "torch-ckpt", "alst")
+RUNS = ("pipezero", "pipezero-full", "pipezero-selective", "pipezero-offload", "torch", "torch-ckpt", "alst")
 
 
 def _pipezero_step(config, device, dtype, run="pipezero", offload_optimizer=False):
@@ -150,7 +152,8 @@ def pipezero_parts(config, device, dtype, run="pipezero", offload_optimizer=Fals
     from pipezero.pipe.memory.recompute import RecomputeConfig
     from pipezero.topology import Grid
 
-    recompute = RecomputeConfig(mode="none" if run == "pipezero" else "full", offload=run == "pipezero-offload")
+    mode = {"pipezero": "none", "pipezero-selective": "selective"}.get(run, "full")
+    recompute = RecomputeConfig(mode=mode, offload=run == "pipezero-offload")
     with torch.device(device):
         module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1),
                                 loss_fn=causal_lm_loss, recompute=recompute, compile=False).to(dtype)
@@ -259,7 +262,7 @@ def main() -> None:
     print(f"{args.shape} Llama{depth} on {device}, one packed sequence per step; optimizer on the "
           f"{'host' if offload else 'device'}; peak: "
           f"{'max allocated' if torch.cuda.is_available() else 'max RSS of a fresh process'}")
-    print(f"{'run':<16} {'length':>8} {'tokens/s':>10} {'peak GB':>9} {'x previous':>11}")
+    print(f"{'run':<18} {'length':>8} {'tokens/s':>10} {'peak GB':>9} {'x previous':>11}")
     available = host_available_gib()
     for run in args.runs:
         previous = None
@@ -269,11 +272,11 @@ def main() -> None:
             r = {"error": refusal} if refusal else _in_subprocess(run, args.shape, length, args.steps,
                                                                    args.layers, offload)
             if "error" in r:
-                print(f"{run:<16} {length:>8} {r['error']}", flush=True)
+                print(f"{run:<18} {length:>8} {r['error']}", flush=True)
                 previous = None
                 continue
             ratio = f"{r['peak_gb'] / previous:.2f}x" if previous else ""
-            print(f"{run:<16} {length:>8} {r['tokens_per_s']:>10.0f} {r['peak_gb']:>9.2f} {ratio:>11}", flush=True)
+            print(f"{run:<18} {length:>8} {r['tokens_per_s']:>10.0f} {r['peak_gb']:>9.2f} {ratio:>11}", flush=True)
             previous = r["peak_gb"]
 
 
