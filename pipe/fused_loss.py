@@ -25,9 +25,18 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CHUNK_ELEMENTS", "HeadLogits", "fused_cross_entropy", "hf_head_logits", "linear_cross_entropy"]
+__all__ = ["CHUNK_ELEMENTS", "HeadLogits", "fused_cross_entropy", "hf_head_logits", "linear_cross_entropy",
+           "rows_per_chunk"]
 
-CHUNK_ELEMENTS = 2**25  # logits per chunk: 128 MiB in fp32 (1,048 rows of a 32,000 vocabulary)
+CHUNK_ELEMENTS = 2**25  # the fewest logits in a chunk: 128 MiB in fp32 (1,048 rows of a 32,000 vocabulary)
+
+
+def rows_per_chunk(vocab: int, d: int) -> int:
+    """Rows in a chunk: CHUNK_ELEMENTS logits, or d / 2 rows where the head's weight is larger. Each
+    chunk reads and writes the whole fp32 weight gradient once, so a chunk of d / 2 rows or more keeps
+    that below twice the chunk's own logits: a vocabulary of 151,936 at d 2,048 takes 1,024-row chunks,
+    not 220 (8 passes over the gradient for 8,192 rows, not 38)."""
+    return max(1, CHUNK_ELEMENTS // vocab, d // 2)
 
 
 class HeadLogits(NamedTuple):
@@ -86,7 +95,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
                          reduction: str = "mean") -> torch.Tensor:
     """mean CE(softcap(scale * (hidden @ weight^T + bias)), targets) over targets != ignore_index.
 
-    hidden [..., d] with targets [...]; chunk_rows rows at a time (default: 2^25 logits per chunk, so a
+    hidden [..., d] with targets [...]; chunk_rows rows at a time (default: rows_per_chunk, so a
     micro-batch of fewer rows is one chunk, computed as the unfused head and loss would: the chunking
     starts past that size and costs nothing, the gradients being made in the forward pass either way).
     reduction "sum": the sum over those targets (0 when there is none), as F.cross_entropy's.
@@ -102,7 +111,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
                          f"{tuple(hidden.shape)}; expected targets {tuple(hidden.shape[:-1])}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"linear_cross_entropy(softcap={softcap}): expected a positive cap or None")
-    rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    rows = chunk_rows or rows_per_chunk(*weight.shape)
     if rows < 1:
         raise ValueError(f"linear_cross_entropy(chunk_rows={chunk_rows}): expected a positive number of rows")
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
@@ -133,7 +142,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if g_hidden is not None:
                 g_hidden[lo:lo + rows] = g @ weight
             if g_weight is not None:
-                g_weight += (g.t() @ h).float()
+                g_weight = _add_weight_grad(g_weight, g, h)
             if g_bias is not None:
                 g_bias += g.float().sum(0)
         # saved, not an attribute: autograd frees them after a backward that does not retain the graph
@@ -151,6 +160,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         out_w = (g_weight * grad).to(w_dtype) if g_weight is not None else None
         out_b = (g_bias * grad).to(b_dtype) if g_bias is not None else None
         return out_h, out_w, out_b, None, None, None, None, None, None, None
+
+
+def _add_weight_grad(g_weight: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """g_weight (fp32) + g^T h, summed inside the GEMM: no [vocab, d] product in the weights' dtype, no
+    cast, one read and one write of g_weight. Traced, a chain of GEMMs, each waiting for the last
+    (inductor fused `+= (g^T h).float()` over every chunk into one sum, all the products alive at once:
+    22 GiB at vocabulary 151,936 and 8,192 rows). CPU has no fp32-out GEMM for half inputs."""
+    if g.dtype == g_weight.dtype:
+        return g_weight.addmm_(g.t(), h)
+    if g.is_cuda:
+        return torch.addmm(g_weight, g.t(), h, out_dtype=torch.float32)
+    return g_weight.add_((g.t() @ h).float())
 
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,

@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from harness import run
-from pipezero.pipe.fused_loss import HeadLogits, fused_cross_entropy, hf_head_logits
+from pipezero.pipe.fused_loss import (CHUNK_ELEMENTS, HeadLogits, fused_cross_entropy, hf_head_logits,
+                                      rows_per_chunk)
 
 N_BATCH, SEQ, D, VOCAB = 3, 7, 16, 50
 
@@ -101,6 +102,63 @@ def test_logits_never_whole(fused):
         assert mode.largest <= 32 * vocab, (mode.largest, tokens * vocab)
     else:
         assert mode.largest >= tokens * vocab   # the check sees whole logits when they are made
+
+
+def test_rows_per_chunk_grow_with_the_head_weight():
+    assert rows_per_chunk(32000, 2048) == CHUNK_ELEMENTS // 32000 == 1048   # a Llama-2 vocabulary
+    assert rows_per_chunk(151936, 2048) == 1024    # Qwen's: d / 2 rows, not 220 (38 passes over the fp32 gradient)
+    assert rows_per_chunk(10**9, 1) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_traced_loss_equals_eager(dtype):
+    """Traced (aot_eager: functionalized as inductor sees it), the weight gradient's chain of in-place sums
+    over chunks gives what eager gives."""
+    def loss_and_grads(fn):
+        hidden, weight, b, targets = _inputs(True, dtype)
+        loss = fn(HeadLogits(hidden, weight, b, 0.5, 3.0), targets)
+        return [loss, *torch.autograd.grad(loss, [hidden, weight, b])]
+
+    eager = loss_and_grads(lambda h, t: fused_cross_entropy(h, t, chunk_rows=4))
+    traced_fn = torch.compile(lambda h, t: fused_cross_entropy(h, t, chunk_rows=4), backend="aot_eager",
+                              fullgraph=True)
+    traced = loss_and_grads(traced_fn)
+    for got, want in zip(traced, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a GEMM with fp32 out, inductor)")
+def test_cuda_half_loss_compiled_is_right_and_holds_one_chunk():
+    """bf16 on CUDA: the weight gradient summed in fp32 inside the GEMM (addmm out_dtype), eager and compiled,
+    equals fp32's over the same bf16 values; compiled at Qwen3's vocabulary (151,936, d 2,048, 8,192 rows:
+    8 chunks), the loss holds a few chunks' worth over its inputs, not every chunk's [vocab, d] product (22 GiB
+    when inductor fused the sum over chunks)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(512, 256, device="cuda", generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(3000, 256, device="cuda", generator=g) * 0.1).bfloat16().requires_grad_()
+    targets = torch.randint(0, 3000, (512,), device="cuda", generator=g)
+    wide = [t.detach().float().requires_grad_() for t in (hidden, weight)]
+    truth = F.cross_entropy(wide[0] @ wide[1].t(), targets)
+    want = [truth, *torch.autograd.grad(truth, wide)]
+    for fn in (fused_cross_entropy, torch.compile(fused_cross_entropy)):
+        loss = fn(HeadLogits(hidden, weight), targets, chunk_rows=100)
+        got = [loss, *torch.autograd.grad(loss, [hidden, weight])]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-3)
+    rows, d, vocab = 8192, 2048, 151936
+    hidden = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    fn = torch.compile(fused_cross_entropy)
+    fn(HeadLogits(hidden, weight), targets).backward()  # compiles
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(HeadLogits(hidden, weight), targets).backward()
+    extra = torch.cuda.max_memory_allocated() - base
+    chunk = rows_per_chunk(vocab, d) * vocab * 4
+    assert extra < 3 * vocab * d * 4 + 4 * chunk, (extra / 2**30, chunk / 2**30)
 
 
 def test_hf_head_logits_reads_scale_and_cap():
