@@ -163,14 +163,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _add_weight_grad(g_weight: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """g_weight (fp32) + g^T h, summed inside the GEMM: no [vocab, d] product in the weights' dtype, no
-    cast, one read and one write of g_weight. Traced, a chain of GEMMs, each waiting for the last
-    (inductor fused `+= (g^T h).float()` over every chunk into one sum, all the products alive at once:
-    22 GiB at vocabulary 151,936 and 8,192 rows). CPU has no fp32-out GEMM for half inputs."""
+    """g_weight (fp32) + g^T h: inside the GEMM where the dtypes agree (fp32), else the product in the
+    weights' dtype added in fp32. Traced, inductor fuses these adds over every chunk into one sum that
+    holds all the chunks' [vocab, d] products at once, which is why chunks are never small beside the
+    weight (rows_per_chunk). A GEMM with fp32 out for half inputs (addmm's out_dtype) would avoid the
+    products, but its CUDA kernel's dtype rules differ between torch versions: left until measured."""
     if g.dtype == g_weight.dtype:
         return g_weight.addmm_(g.t(), h)
-    if g.is_cuda:
-        return torch.addmm(g_weight, g.t(), h, out_dtype=torch.float32)
     return g_weight.add_((g.t() @ h).float())
 
 
