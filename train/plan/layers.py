@@ -110,6 +110,6 @@ def head_terms(d: int, vocab: int, fused: bool) -> dict[str, float]:
     """The head's LayerProfile fields for its loss: fused (pipe/fused_loss.py) or over whole logits."""
     if fused:
         return dict(act_shared=2.0 * d, loss_bytes=0.0, backward_bytes=8.0 * vocab,
-                    backward_cap_bytes=2 * rows_per_chunk(vocab, d) * vocab * 4.0, backward_fixed_bytes=4.0 * vocab * d,
-                    keeps_input=False)
+                    backward_cap_bytes=2 * rows_per_chunk(vocab, d) * vocab * 4.0,
+                    backward_fixed_bytes=4.0 * vocab * d, keeps_input=False)
     return dict(act_shared=float(d), loss_bytes=4.0 * vocab, backward_bytes=8.0 * vocab)
