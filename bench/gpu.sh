@@ -35,7 +35,7 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p /tmp/pz && ln -sfn "$PWD" /tmp/pz/pipezero
 export PYTHONPATH=/tmp/pz:$PWD
-if ls .whl/*.whl >/dev/null 2>&1; then  # DeepSpeed as a bench-only peer (carry .whl; see bench/RESULTS.md)
+if ls .whl/*.whl >/dev/null 2>&1; then  # the bench-only peers: `bash bench/wheels.sh` fetches them; carry .whl
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
