@@ -132,7 +132,7 @@ for w in $what; do
     long-128k) run long-128k 80 python3 bench/long_context.py --shape tinyllama --steps 1 --runs pipezero-offload \
                  --lengths 131072 ;;
     long-1m) run long-1m 240 python3 bench/long_context.py --shape tinyllama --steps 0 --runs pipezero-offload \
-               --lengths 1048576 ;;  # one step of 1M tokens, its time the first step's
+               --lengths 1048576 ;;  # one 1M-token step, after a 4K one (the AdamW state)
     long-512k) run long-512k 300 env DS_SKIP_CUDA_CHECK=1 python3 bench/long_context.py --shape tinyllama --steps 1 \
                  --runs pipezero-offload alst --lengths 524288 ;;  # beside DeepSpeed ALST (deepspeed in .whl)
     seq-multi) run seq-multi 570 env DS_SKIP_CUDA_CHECK=1 python3 bench/sequence_scaling.py --cases sequence \

@@ -138,6 +138,7 @@ def _row(length: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, t
     return ids.to(device), positions.to(device)
 
 
+WARM_ROW = 4096  # --steps 0: the tokens of the step before the timed one
 RUNS = ("pipezero", "pipezero-full", "pipezero-selective", "pipezero-offload", "torch", "torch-ckpt", "alst")
 
 
@@ -212,11 +213,13 @@ def measure(run: str, shape: str, length: int, steps: int, layers: int | None = 
     step = build(config, device, dtype, run, offload_optimizer)
     ids, positions = _row(length, config.vocab_size, device)
     try:
-        timed = [_timed(step, ids, positions, cuda) for _ in range(1 + steps)]  # the first: warm-up
+        if steps == 0:  # one long step, timed after a short one, which makes the optimizer's state
+            _timed(step, *_row(min(length, WARM_ROW), config.vocab_size, device), cuda)
+        timed = [_timed(step, ids, positions, cuda) for _ in range(1 + steps)][-max(steps, 1):]
     except torch.OutOfMemoryError:
         return {"error": "out of memory"}
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    seconds = sum(timed[1:]) if steps else timed[0]  # --steps 0: the warm-up step's time (a long row's only step)
+    seconds = sum(timed)
     return {"tokens_per_s": max(steps, 1) * length / seconds, "peak_gb": peak / 2**30}
 
 
@@ -245,7 +248,8 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--runs", nargs="+", default=["pipezero", "torch"], choices=RUNS)
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step (0: time the warm-up step)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step (0: one timed step "
+                   f"after a warm-up step of {WARM_ROW} tokens, for rows too long to run twice)")
     p.add_argument("--layers", type=int, default=None, help="the shape's depth cut to N layers (same width)")
     p.add_argument("--offload-optimizer", default="auto", choices=("auto", "on", "off"),
                    help="AdamW state on the host (auto: on for llama3-8b)")
