@@ -213,9 +213,11 @@ def measure(run: str, shape: str, length: int, steps: int, layers: int | None = 
     step = build(config, device, dtype, run, offload_optimizer)
     ids, positions = _row(length, config.vocab_size, device)
     try:
-        if steps == 0:  # one long step, timed after a short one, which makes the optimizer's state
-            _timed(step, *_row(min(length, WARM_ROW), config.vocab_size, device), cuda)
-        timed = [_timed(step, ids, positions, cuda) for _ in range(1 + steps)][-max(steps, 1):]
+        # the warm-up: --steps 0 (a row too long to run twice) warms up on a short row, which makes the
+        # optimizer's state all the same, then times one step of the long row
+        warm = _row(min(length, WARM_ROW), config.vocab_size, device) if steps == 0 else (ids, positions)
+        _timed(step, *warm, cuda)
+        timed = [_timed(step, ids, positions, cuda) for _ in range(max(steps, 1))]
     except torch.OutOfMemoryError:
         return {"error": "out of memory"}
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

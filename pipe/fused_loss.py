@@ -142,7 +142,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if g_hidden is not None:
                 g_hidden[lo:lo + rows] = g @ weight
             if g_weight is not None:
-                g_weight = _add_weight_grad(g_weight, g, h)
+                _add_weight_grad(g_weight, g, h)
             if g_bias is not None:
                 g_bias += g.float().sum(0)
         # saved, not an attribute: autograd frees them after a backward that does not retain the graph
@@ -162,15 +162,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return out_h, out_w, out_b, None, None, None, None, None, None, None
 
 
-def _add_weight_grad(g_weight: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """g_weight (fp32) + g^T h: inside the GEMM where the dtypes agree (fp32), else the product in the
-    weights' dtype added in fp32. Traced, inductor fuses these adds over every chunk into one sum that
-    holds all the chunks' [vocab, d] products at once, which is why chunks are never small beside the
-    weight (rows_per_chunk). A GEMM with fp32 out for half inputs (addmm's out_dtype) would avoid the
-    products, but its CUDA kernel's dtype rules differ between torch versions: left until measured."""
+def _add_weight_grad(g_weight: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """g_weight (fp32) += g^T h: inside the GEMM where the dtypes agree, else the product in the weights'
+    dtype added in fp32. Traced, inductor fuses these adds over every chunk into one sum that holds all
+    the chunks' [vocab, d] products at once: why chunks are never small beside the weight (rows_per_chunk)."""
     if g.dtype == g_weight.dtype:
-        return g_weight.addmm_(g.t(), h)
-    return g_weight.add_((g.t() @ h).float())
+        g_weight.addmm_(g.t(), h)
+    else:
+        g_weight.add_((g.t() @ h).float())
 
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
