@@ -178,8 +178,10 @@ def _built_truth() -> tuple[torch.Tensor, dict]:
 
 
 # LoRA on the attention and the shared expert (inside the token-split block) of a Qwen2-MoE at tensor 2, its
-# layers compiled: by a pattern, since peft maps the names gate_proj / down_proj onto the fused experts too
-LORA = dict(targets=r".*\.(q_proj|o_proj|shared_expert\.down_proj)", steps=2, lr=1e-2)
+# layers compiled. The shared expert by its qualified name: peft maps a bare down_proj onto the fused experts
+# too, and peft 0.22 reads a pattern as the leaf names it matches (so "shared_expert\.down_proj" adapts the
+# routed experts' down_proj as well)
+LORA = dict(targets=("q_proj", "o_proj", "shared_expert.down_proj"), steps=2, lr=1e-2)
 
 
 def _lora_config():
