@@ -182,6 +182,7 @@ def _names(module: nn.Module, index: int | None) -> Iterator[tuple[str, str, nn.
 
 def _targets(module: nn.Module, index: int | None, config: LoraConfig, where: str) -> list[tuple[str, str]]:
     """(path inside module, full name) of each target; ValueError for a target that cannot take one."""
+    _refuse_fused(module, index, config, where)
     out = []
     for path, name, sub in _names(module, index):
         if not config.matches(name) or isinstance(sub, LoraLinear) or ".lora_" in "." + path:
@@ -196,6 +197,27 @@ def _targets(module: nn.Module, index: int | None, config: LoraConfig, where: st
                              f"{min(sub.in_features, sub.out_features)}")
         out.append((path, name))
     return out
+
+
+def _fused_parameters(module: nn.Module, index: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(full name, parameter) of each parameter held directly by a module that is not an nn.Linear (fused
+    experts' gate_up_proj / down_proj, a router's weight, a norm's weight)."""
+    for _, name, sub in _names(module, index):
+        if type(sub) is not nn.Linear and not isinstance(sub, LoraLinear):
+            for leaf, p in sub.named_parameters(recurse=False):
+                yield f"{name}.{leaf}", p
+
+
+def _refuse_fused(module: nn.Module, index: int | None, config: LoraConfig, where: str) -> None:
+    """A target naming a parameter outside nn.Linear (e.g. down_proj of a Qwen3-MoE's fused experts): peft
+    adapts it there (as target_parameters) and the pipeline's LoRA cannot, so not a silent difference."""
+    for name, p in _fused_parameters(module, index):
+        if config.matches(name):
+            raise ValueError(f"LoraConfig(target_modules={config.target_modules!r}) names {name!r} in {where}, a "
+                             f"{tuple(p.shape)} parameter outside nn.Linear (fused experts): peft adapts it "
+                             "(target_parameters), the pipeline's LoRA adapts nn.Linear layers only; qualify the "
+                             "name to the dense projections you mean (e.g. 'shared_expert.down_proj', "
+                             "'self_attn.o_proj')")
 
 
 def apply_lora(module: nn.Module, config: LoraConfig | Any, index: int | None = None) -> list[str]:
@@ -293,6 +315,12 @@ def _all_linear(specs: Sequence[Any], config: LoraConfig) -> LoraConfig:
     for index, spec in layers[:-1]:
         with torch.device("meta"):
             module = spec.build()
+        fused = [name for name, p in _fused_parameters(module, index) if p.dim() > 2]
+        if fused:
+            raise ValueError(f"LoraConfig(target_modules={ALL_LINEAR!r}) on layer {index} with fused experts "
+                             f"({fused[0]!r}, ...): peft's all-linear adapts them too (target_parameters), the "
+                             "pipeline's LoRA adapts nn.Linear layers only; name the modules you mean (e.g. "
+                             "q_proj k_proj v_proj o_proj)")
         names += [name for _, name, sub in _names(module, index) if type(sub) is nn.Linear]
     if not names:
         raise ValueError(f"LoraConfig(target_modules={ALL_LINEAR!r}) finds no nn.Linear outside the output layer "

@@ -372,3 +372,20 @@ def test_all_linear_targets_what_peft_targets():
     assert mine == wanted and "lm_head.lora_A.weight" not in mine and len(mine) == 2 * 7 * _LLAMA["num_hidden_layers"]
     with pytest.raises(ValueError, match="one module does not say which layer is the output layer"):
         apply_lora(torch.nn.Linear(4, 4), LoraConfig(target_modules="all-linear"))
+
+
+
+def test_targets_peft_puts_on_fused_experts_are_refused():
+    """peft (0.17-0.22) adapts the fused experts' parameters a target names on a Qwen3-MoE (a bare down_proj,
+    a pattern, all-linear); the pipeline's LoRA adapts nn.Linear only, so such a config is refused, not trained
+    with fewer adapters than peft's. A name qualified to the dense projections is taken."""
+    from test_hf_router import _model
+
+    specs = hf_layer_specs(_model("qwen3_moe").config)
+    for targets in (["q_proj", "down_proj"], r".*\.(q_proj|down_proj)", "all-linear"):
+        theirs = peft.get_peft_model(_model("qwen3_moe"), peft.LoraConfig(r=2, target_modules=targets))
+        assert any(k.endswith("mlp.experts.lora_A.weight") for k in peft.get_peft_model_state_dict(theirs))
+        with pytest.raises(ValueError, match="fused experts.*nn.Linear layers only"):
+            lora_specs(specs, LoraConfig(r=2, target_modules=targets))
+    moe2 = hf_layer_specs(_model("qwen2_moe").config)
+    assert lora_specs(moe2, LoraConfig(r=2, target_modules=["q_proj", "shared_expert.down_proj"]))
