@@ -34,11 +34,13 @@ def _table(out: str) -> dict[str, list[str]]:
     return {row[0]: row[1:] for row in rows}
 
 
-def test_moe_bench_tiny_runs_every_runner_on_the_same_work():
+def test_moe_bench_tiny_runs_every_runner_on_the_same_work_and_explains_each(tmp_path):
+    """Every runner on the same batch, and --explain's profiled step of each (its kernel table; the peak by
+    place needs CUDA: no file for it here)."""
     from bench.moe import DEFAULT_RUNS
 
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--tiny"], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--tiny", "--explain", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _table(done.stdout)
     assert list(rows) == list(DEFAULT_RUNS), done.stdout
@@ -51,6 +53,9 @@ def test_moe_bench_tiny_runs_every_runner_on_the_same_work():
         assert loss == pytest.approx(first["hf-grouped_mm"], abs=1e-4), (run, first)
     for run in ("hf-sonicmoe", "hf-deepgemm", "torchtitan"):  # a reason, not a number, on CPU
         assert rows[run][0] and not rows[run][0][0].isdigit(), (run, rows[run])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{run}.txt" for run in measured), done.stdout
+    for run in measured:
+        assert f"{run}: wall" in (tmp_path / f"{run}.txt").read_text(), run
 
 
 
@@ -127,15 +132,6 @@ def test_memory_history_names_what_is_alive_at_the_peak():
     assert "cab.py:9 call < layers.py:200 forward" in lines[1] and " 2 x " in lines[1], lines
     assert "fused_loss.py:160 _chunk" in lines[2] and "functional.py" not in lines[2], lines
     assert len(lines) == 3, lines
-
-
-def test_moe_bench_explain_writes_each_runners_kernel_table(tmp_path):
-    """--explain's profiled step runs on CPU too (the peak by place needs CUDA: no file here)."""
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--tiny", "--runs", "pipezero",
-                           "--explain", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipezero.txt"], done.stdout
-    assert "pipezero: wall" in (tmp_path / "pipezero.txt").read_text()
 
 
 def test_pipe_bench_costs_leave_out_a_pair_run_in_turns():
