@@ -378,3 +378,38 @@ def test_a_checkpointed_layer_recomputes_no_mlp_tile_before_its_backward():
     for name, a, b, c in zip(["x", "up.w", "up.b", "down.w", "down.b", "norm.w", "norm.b"], grads, again, ref):
         _close(a, c, name)
         _close(b, c, f"{name}, second backward")
+
+
+def test_selective_run_builds_a_micro_batchs_documents_once(monkeypatch):
+    """The layers of a selectively checkpointed stage share the micro-batch's documents and cos/sin (each
+    build of the documents is a host sync; before, every layer built them in its forward and its recompute:
+    8 here), and the recompute still replays the kept outputs: two micro-batches' forwards before either
+    backward, so each micro-batch's first recompute misses what its forward shared (built once in the forward
+    and once in the recompute: 4); losses and gradients equal the unchecked run's."""
+    import pipezero.pipe.hf.layers as layers
+    from pipezero.pipe import PipelineModule
+    from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
+    from pipezero.pipe.memory.recompute import RecomputeConfig
+    from pipezero.topology import Grid
+
+    config = _long_row_llama(monkeypatch, 512)
+    builds = []
+    monkeypatch.setattr(layers, "documents_from_positions",
+                        lambda p, real=layers.documents_from_positions: builds.append(1) or real(p))
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 32, (1, 512), generator=gen) for _ in range(2)]
+    positions = [torch.arange(512).remainder(n)[None] for n in (200, 300)]
+    results = {}
+    for mode in ("none", "selective"):
+        builds.clear()
+        torch.manual_seed(0)
+        module = PipelineModule(hf_layer_specs(config), grid=Grid(pipe=1), loss_fn=causal_lm_loss,
+                                recompute=RecomputeConfig(mode=mode))
+        losses = [module.loss(module((ids, None, pos)), ids) for ids, pos in zip(rows, positions)]
+        for loss in losses:
+            loss.backward()
+        results[mode] = [float(x) for x in losses], {n: p.grad for n, p in module.named_parameters()}, len(builds)
+    (want, want_grads, _), (got, grads, built) = results["none"], results["selective"]
+    assert got == pytest.approx(want, abs=1e-6) and built == 4, (got, want, built)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -28,7 +28,7 @@ from pipezero.pipe.hf.layer_inputs import mask_builder, mask_kind
 from pipezero.pipe.hf.model import _Model, _persistent
 from pipezero.pipe.hf.router import Routed, RouterTap, as_routed, split_stats
 from pipezero.pipe.hf.static_cache import StaticKVCache
-from pipezero.pipe.memory.recompute import in_selective_run
+from pipezero.pipe.memory.recompute import in_selective_run, recomputed_matmuls
 from pipezero.pipe.sequence.comms import gather_sequence, sum_over_sequence
 from pipezero.pipe.sequence.hf_attention import check_hf_sequence, whole_mask_inputs
 from pipezero.pipe.tensor_tokens import sum_over_tensor, token_share
@@ -220,10 +220,15 @@ class HFDecoderLayer(_HFLayer):
 
     def _shared(self, key: tuple, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any,
                 make: Callable[[], Any]) -> Any:
-        """make(), once per micro-batch for the stage's layers; while decoding (a cache) or in a selectively
-        checkpointed run (its recompute must run the forward's very ops: pipe/memory/recompute.py) every call."""
-        if cache is not None or in_selective_run():
+        """make(), once per micro-batch for the stage's layers; while decoding (a cache) every call. In a
+        selectively checkpointed run, shared only where torch's checkpoint does not see the ops (a hit in
+        the forward and a miss in the recompute, another micro-batch between them, would differ), else
+        made by every layer (pipe/memory/recompute.py's in_selective_run)."""
+        if cache is not None:
             return make()
+        if in_selective_run():
+            with recomputed_matmuls() as unseen:
+                return self.model.per_micro_batch.get(positions, padding, key, make) if unseen else make()
         return self.model.per_micro_batch.get(positions, padding, key, make)
 
     def _mask(self, hidden: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor | None, cache: Any) -> Any:

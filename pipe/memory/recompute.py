@@ -25,6 +25,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+try:  # torch's selective-checkpoint dispatch modes (private; without them the policy alone decides)
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    _SAC_MODES: tuple = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+except ImportError:  # pragma: no cover - a torch that renamed them
+    _SAC_MODES = ()
+
 from pipezero.pipe.memory.offload import HostOffload
 
 __all__ = ["MODES", "SAVED_OPS", "RecomputeConfig", "checkpoint_blocks", "checkpointed", "checkpointed_runs",
@@ -110,11 +117,21 @@ def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
 def recomputed_matmuls():
     """Within it, a selective run keeps no matmul output: code that recomputes its own pieces (the row
     tiles of pipe/tiled_mlp.py) would otherwise have every tile's [rows, intermediate] outputs kept by
-    the enclosing selective checkpoint, the whole [T, intermediate] the tiles exist to avoid. The same
-    code runs under it in the forward and the recompute, so the policy decides alike in both."""
+    the enclosing selective checkpoint, the whole [T, intermediate] the tiles exist to avoid.
+
+    Where it can (eager, the checkpoint's dispatch mode innermost), it steps out of that mode: torch
+    then neither records nor replays the ops inside, which it would only have recomputed, and they skip
+    its per-op Python dispatch (many small ops for tiles). Yields whether it stepped out: inside, code
+    may then run other ops in the recompute than in the forward (a cache hit and a miss), which torch
+    otherwise refuses; elsewhere the policy keeps nothing inside and the ops must match."""
     before, _selective.recomputed = getattr(_selective, "recomputed", False), True
     try:
-        yield
+        if _SAC_MODES and not torch.compiler.is_compiling() and isinstance(_get_current_dispatch_mode(),
+                                                                            _SAC_MODES):
+            with _pop_mode_temporarily():
+                yield True
+        else:
+            yield False
     finally:
         _selective.recomputed = before
 
@@ -128,10 +145,10 @@ def _context_fn(mode: str) -> Callable | None:
 def in_selective_run() -> bool:
     """Is a selectively checkpointed run's forward, or its recompute, running on this thread?
 
-    torch replays the kept matmul outputs by their order of calls, so the recompute must run exactly
-    the forward's ops: what layers share per microbatch from a cache (a Hugging Face stage's mask and
-    rotary cos/sin, pipe/hf/layers.py) is then made by each layer, as a cache hit in the forward and a
-    miss in the recompute (another microbatch ran between them) would run different ops.
+    torch checks that the recompute runs the forward's ops, one by one, so what layers share per
+    microbatch from a cache (a Hugging Face stage's mask and rotary cos/sin, pipe/hf/layers.py) is taken
+    from it only outside torch's view (recomputed_matmuls), as a cache hit in the forward and a miss in
+    the recompute (another microbatch ran between them) run different ops; elsewhere each layer makes it.
     """
     return getattr(_selective, "on", False)
 
