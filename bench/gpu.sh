@@ -127,7 +127,7 @@ for w in $what; do
     varlen-test) python3 -c "import inspect, torch.nn.attention.varlen as v; print(inspect.signature(v.varlen_attn))"
                  run varlen-test 60 python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py -k varlen ;;
     docatt) run docatt 100 python3 bench/document_attention.py --device cuda --lengths 131072 524288 --rounds 3 ;;  # one varlen call vs a loop
-    long-kit) run long-kit 230 python3 bench/long_context.py --shape tinyllama --steps 3 \
+    long-kit) run long-kit 300 python3 bench/long_context.py --shape tinyllama --steps 3 --profile "$out/long-kit" \
                 --runs pipezero pipezero-selective pipezero-full pipezero-offload --lengths 32768 ;;  # kit's cost
     long-128k) run long-128k 80 python3 bench/long_context.py --shape tinyllama --steps 1 --runs pipezero-offload \
                  --lengths 131072 ;;

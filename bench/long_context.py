@@ -3,6 +3,7 @@
     python bench/long_context.py                                  # CPU: finetune's tiny Llama, 2K..16K
     python bench/long_context.py --lengths 8192 16384 --runs pipezero
     python bench/long_context.py --shape tinyllama --lengths 32768 65536   # CUDA: TinyLlama's shape, bf16
+    python bench/long_context.py --shape tinyllama --lengths 32768 --runs pipezero-selective --profile prof
     python bench/long_context.py --shape llama3-8b --layers 8 --runs pipezero-offload alst --lengths 131072
 
 One packed sequence per step (documents of 256..4,096 tokens end to end, positions restarting
@@ -198,8 +199,9 @@ def _alst_step(config, device, dtype, run="alst", offload_optimizer=False):
 
 
 def measure(run: str, shape: str, length: int, steps: int, layers: int | None = None,
-            offload_optimizer: bool = False) -> dict:
-    """One run at one length in this process: {tokens_per_s, peak_gb} or {error}."""
+            offload_optimizer: bool = False, profile: str | None = None) -> dict:
+    """One run at one length in this process: {tokens_per_s, peak_gb} or {error}; with `profile` (a folder)
+    one more step under torch.profiler after the timed ones, its table in <profile>/<run>-<length>.txt."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -218,9 +220,15 @@ def measure(run: str, shape: str, length: int, steps: int, layers: int | None = 
         warm = _row(min(length, WARM_ROW), config.vocab_size, device) if steps == 0 else (ids, positions)
         _timed(step, *warm, cuda)
         timed = [_timed(step, ids, positions, cuda) for _ in range(max(steps, 1))]
+        peak = (torch.cuda.max_memory_allocated() if cuda
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        if profile:
+            from profiling import profiled
+
+            with profiled(profile, f"{run}-{length}"):
+                step(ids, positions)
     except torch.OutOfMemoryError:
         return {"error": "out of memory"}
-    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     seconds = sum(timed)
     return {"tokens_per_s": max(steps, 1) * length / seconds, "peak_gb": peak / 2**30}
 
@@ -233,10 +241,12 @@ def _timed(step, ids: torch.Tensor, positions: torch.Tensor, cuda: bool) -> floa
     return time.perf_counter() - start
 
 
-def _in_subprocess(run: str, shape: str, length: int, steps: int, layers: int | None, offload: bool) -> dict:
+def _in_subprocess(run: str, shape: str, length: int, steps: int, layers: int | None, offload: bool,
+                   profile: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", run, "--shape", shape, "--lengths", str(length),
            "--steps", str(steps), "--offload-optimizer", "on" if offload else "off"]
     cmd += ["--layers", str(layers)] if layers else []
+    cmd += ["--profile", profile] if profile else []
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -255,12 +265,15 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="the shape's depth cut to N layers (same width)")
     p.add_argument("--offload-optimizer", default="auto", choices=("auto", "on", "off"),
                    help="AdamW state on the host (auto: on for llama3-8b)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="one more step of each (run, length) under torch.profiler, untimed: DIR/<run>-<length>.txt "
+                   "(wall against the kernels' time: the GPU waiting on the host; the top ops)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     auto = args.offload_optimizer == "auto"
     offload = args.offload_optimizer == "on" or (auto and args.shape == "llama3-8b")
     if args.worker:
-        r = measure(args.worker, args.shape, args.lengths[0], args.steps, args.layers, offload)
+        r = measure(args.worker, args.shape, args.lengths[0], args.steps, args.layers, offload, args.profile)
         print(json.dumps(r), flush=True)
         return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (fp32)"
@@ -276,7 +289,7 @@ def main() -> None:
             config = _config(args.shape, length, args.layers)
             refusal = host_refusal(run, config, length, offload, available, torch.cuda.is_available())
             r = {"error": refusal} if refusal else _in_subprocess(run, args.shape, length, args.steps,
-                                                                   args.layers, offload)
+                                                                   args.layers, offload, args.profile)
             if "error" in r:
                 print(f"{run:<18} {length:>8} {r['error']}", flush=True)
                 previous = None

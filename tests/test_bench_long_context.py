@@ -110,3 +110,14 @@ def test_alst_at_sequence_2_equals_transformers():
     torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
     for name, p in truth.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_measure_times_a_selective_run_and_profiles_one_more_step(tmp_path, monkeypatch):
+    """A worker's measure() as `bash bench/gpu.sh long-kit` runs it (--profile), tiny and on CPU: the numbers,
+    and the profiled step's table."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(lc.__file__).parent))  # the worker imports bench/profiling.py by name
+    done = lc.measure("pipezero-selective", "tiny", 512, 1, profile=str(tmp_path))
+    assert done["tokens_per_s"] > 0 and done["peak_gb"] > 0, done
+    assert (tmp_path / "pipezero-selective-512.txt").read_text().startswith("pipezero-selective-512: wall")
