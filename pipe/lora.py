@@ -285,13 +285,16 @@ def lora_specs(specs: Sequence[Any], config: LoraConfig | Any) -> list[Any]:
     config = LoraConfig.of(config)
     if config.target_modules == ALL_LINEAR:
         config = _all_linear(specs, config)
-    out, found = [], 0
+    out, found, names, fused = [], 0, [], False
     for index, spec in enumerate(specs):
         if not isinstance(spec, LayerSpec):
             out.append(spec)
             continue
         with torch.device("meta"):
-            targets = _targets(spec.build(), index, config, f"layer {index} ({spec.cls.__name__})")
+            module = spec.build()
+        targets = _targets(module, index, config, f"layer {index} ({spec.cls.__name__})")
+        names += [name for _, name, _ in _names(module, index)]
+        fused = fused or any(p.dim() > 2 for _, p in _fused_parameters(module, index))
         if targets and isinstance(spec, TiedLayerSpec):
             raise ValueError(f"LoRA targets {[n for _, n in targets]} lie in layer {index}, a TiedLayerSpec (key "
                              f"{spec.key!r}) shared by several stages; adapt the decoder layers' projections instead")
@@ -304,7 +307,23 @@ def lora_specs(specs: Sequence[Any], config: LoraConfig | Any) -> list[Any]:
     if not found:
         raise ValueError(f"LoraConfig(target_modules={config.target_modules!r}) matches no nn.Linear of the "
                          f"{len(specs)} layers; module names look like {_examples(specs)}")
+    if fused:
+        _refuse_expert_names(config, names)
     return out
+
+
+def _refuse_expert_names(config: LoraConfig, names: list[str]) -> None:
+    """On a model with fused experts, a listed name that matches no module: peft maps the experts' names of
+    transformers v4 (Mixtral's w1 / w2 / w3, a Qwen-MoE's gate_proj / up_proj) onto the fused parameters, so
+    it would adapt the experts where the pipeline's LoRA adapts nothing."""
+    if isinstance(config.target_modules, str):
+        return
+    unmatched = [t for t in config.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        raise ValueError(f"LoraConfig(target_modules={config.target_modules!r}): {unmatched} match no module of "
+                         "this model with fused experts; peft maps such names (transformers v4's expert "
+                         "projections, e.g. Mixtral's w1 / w2 / w3) onto the fused experts' parameters, the "
+                         "pipeline's LoRA adapts nn.Linear layers only: leave them out")
 
 
 def _all_linear(specs: Sequence[Any], config: LoraConfig) -> LoraConfig:

@@ -376,9 +376,10 @@ def test_all_linear_targets_what_peft_targets():
 
 
 def test_targets_peft_puts_on_fused_experts_are_refused():
-    """peft (0.17-0.22) adapts the fused experts' parameters a target names on a Qwen3-MoE (a bare down_proj,
-    a pattern, all-linear); the pipeline's LoRA adapts nn.Linear only, so such a config is refused, not trained
-    with fewer adapters than peft's. A name qualified to the dense projections is taken."""
+    """peft (0.21, 0.22) adapts the fused experts' parameters a target names on a Qwen3-MoE (a bare down_proj,
+    a pattern, all-linear) and those transformers v4's names stand for (Mixtral's w2, a Qwen-MoE's gate_proj
+    and up_proj, which name no module now); the pipeline's LoRA adapts nn.Linear only, so such a config is
+    refused, not trained with fewer adapters than peft's. A name qualified to the dense projections is taken."""
     from test_hf_router import _model
 
     specs = hf_layer_specs(_model("qwen3_moe").config)
@@ -387,5 +388,10 @@ def test_targets_peft_puts_on_fused_experts_are_refused():
         assert any(k.endswith("mlp.experts.lora_A.weight") for k in peft.get_peft_model_state_dict(theirs))
         with pytest.raises(ValueError, match="fused experts.*nn.Linear layers only"):
             lora_specs(specs, LoraConfig(r=2, target_modules=targets))
+    for family, targets in (("mixtral", ["q_proj", "w2"]), ("qwen3_moe", ["q_proj", "gate_proj", "up_proj"])):
+        theirs = peft.get_peft_model(_model(family), peft.LoraConfig(r=2, target_modules=targets))
+        assert any(k.endswith("mlp.experts.lora_A.weight") for k in peft.get_peft_model_state_dict(theirs))
+        with pytest.raises(ValueError, match=r"match no module of this model with fused experts"):
+            lora_specs(hf_layer_specs(_model(family).config), LoraConfig(r=2, target_modules=targets))
     moe2 = hf_layer_specs(_model("qwen2_moe").config)
     assert lora_specs(moe2, LoraConfig(r=2, target_modules=["q_proj", "shared_expert.down_proj"]))
