@@ -374,7 +374,6 @@ def test_all_linear_targets_what_peft_targets():
         apply_lora(torch.nn.Linear(4, 4), LoraConfig(target_modules="all-linear"))
 
 
-
 def test_targets_peft_puts_on_fused_experts_are_refused():
     """peft (0.21, 0.22) adapts the fused experts' parameters a target names on a Qwen3-MoE (a bare down_proj,
     a pattern, all-linear) and those transformers v4's names stand for (Mixtral's w2, a Qwen-MoE's gate_proj
