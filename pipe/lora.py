@@ -199,19 +199,20 @@ def _targets(module: nn.Module, index: int | None, config: LoraConfig, where: st
     return out
 
 
-def _fused_parameters(module: nn.Module, index: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(full name, parameter) of each parameter held directly by a module that is not an nn.Linear (fused
-    experts' gate_up_proj / down_proj, a router's weight, a norm's weight)."""
+def _fused_experts(module: nn.Module, index: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(full name, parameter) of each stacked expert weight: a parameter of more than two dimensions held
+    directly by a module that is not an nn.Linear (a MoE's fused gate_up_proj / down_proj)."""
     for _, name, sub in _names(module, index):
         if type(sub) is not nn.Linear and not isinstance(sub, LoraLinear):
             for leaf, p in sub.named_parameters(recurse=False):
-                yield f"{name}.{leaf}", p
+                if p.dim() > 2:
+                    yield f"{name}.{leaf}", p
 
 
 def _refuse_fused(module: nn.Module, index: int | None, config: LoraConfig, where: str) -> None:
-    """A target naming a parameter outside nn.Linear (e.g. down_proj of a Qwen3-MoE's fused experts): peft
-    adapts it there (as target_parameters) and the pipeline's LoRA cannot, so not a silent difference."""
-    for name, p in _fused_parameters(module, index):
+    """A target naming a fused expert weight (e.g. down_proj of a Qwen3-MoE): peft adapts it (as
+    target_parameters) and the pipeline's LoRA cannot, so not a silent difference."""
+    for name, p in _fused_experts(module, index):
         if config.matches(name):
             raise ValueError(f"LoraConfig(target_modules={config.target_modules!r}) names {name!r} in {where}, a "
                              f"{tuple(p.shape)} parameter outside nn.Linear (fused experts): peft adapts it "
@@ -294,7 +295,7 @@ def lora_specs(specs: Sequence[Any], config: LoraConfig | Any) -> list[Any]:
             module = spec.build()
         targets = _targets(module, index, config, f"layer {index} ({spec.cls.__name__})")
         names += [name for _, name, _ in _names(module, index)]
-        fused = fused or any(p.dim() > 2 for _, p in _fused_parameters(module, index))
+        fused = fused or next(_fused_experts(module, index), None) is not None
         if targets and isinstance(spec, TiedLayerSpec):
             raise ValueError(f"LoRA targets {[n for _, n in targets]} lie in layer {index}, a TiedLayerSpec (key "
                              f"{spec.key!r}) shared by several stages; adapt the decoder layers' projections instead")
@@ -334,7 +335,7 @@ def _all_linear(specs: Sequence[Any], config: LoraConfig) -> LoraConfig:
     for index, spec in layers[:-1]:
         with torch.device("meta"):
             module = spec.build()
-        fused = [name for name, p in _fused_parameters(module, index) if p.dim() > 2]
+        fused = [name for name, _ in _fused_experts(module, index)]
         if fused:
             raise ValueError(f"LoraConfig(target_modules={ALL_LINEAR!r}) on layer {index} with fused experts "
                              f"({fused[0]!r}, ...): peft's all-linear adapts them too (target_parameters), the "
