@@ -4,7 +4,7 @@
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
-#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core|moe-why|
+#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-kit-compiled|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core|moe-why|
 #                      seq-multi|seq-multi-alst|seq-multi-pipe|seq-multi-longest|moe-multi|moe-multi-titan|moe-multi-pipe|
 #                      moe-multi-overlap|moe-multi-pairs ...]
 #   moe-multi*: issue 49 on every GPU of the machine (2, 4 or 8), bench/moe.py --nproc N, a Qwen3-30B-A3B-shaped MoE of
@@ -129,6 +129,9 @@ for w in $what; do
     docatt) run docatt 100 python3 bench/document_attention.py --device cuda --lengths 131072 524288 --rounds 3 ;;  # one varlen call vs a loop
     long-kit) run long-kit 300 python3 bench/long_context.py --shape tinyllama --steps 3 --profile "$out/long-kit" \
                 --runs pipezero pipezero-selective pipezero-full pipezero-offload --lengths 32768 ;;  # kit's cost
+    long-kit-compiled) run long-kit-compiled 370 python3 bench/long_context.py --shape tinyllama --steps 2 \
+                         --runs pipezero-compiled pipezero-full-compiled pipezero-offload-compiled \
+                         --lengths 32768 ;;  # the kit's cost with the layers and the loss compiled
     long-128k) run long-128k 80 python3 bench/long_context.py --shape tinyllama --steps 1 --runs pipezero-offload \
                  --lengths 131072 ;;
     long-1m) run long-1m 240 python3 bench/long_context.py --shape tinyllama --steps 0 --runs pipezero-offload \

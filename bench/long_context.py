@@ -29,7 +29,8 @@ the machine has available is refused with the numbers instead of started: the OO
 the whole job. `--layers N` keeps a shape's layer width and cuts its depth (llama3-8b's 32 layers need
 ~120 GiB of host memory for the offloaded optimizer alone).
 pipezero and torch are eager (pipezero's default compile is off here: a fresh process per length would
-recompile); alst attends through flash_attention_2 if installed, else flex_attention (compiled).
+recompile); pipezero-*-compiled: the same run with PipelineModule(compile=True), its layers and loss
+compiled (selective keeps its layers eager: pipe/memory/recompute.py's compiles_checkpointed); alst attends through flash_attention_2 if installed, else flex_attention (compiled).
 Each (run, length) is a fresh subprocess, so the peak is that run's alone: CPU, the process's
 maximum resident set (getrusage; the interpreter and libraries included, ~0.4 GB); CUDA,
 torch.cuda.max_memory_allocated. A run that does not fit prints "out of memory".
@@ -84,7 +85,7 @@ def host_need(run: str, config, length: int, offload_optimizer: bool,
         gib = parameter_count(config) * per / _GIB
         parts.append(f"optimizer {parameter_count(config) / 1e9:.2f}B params x {per} B = {gib:.1f} GiB")
         total += gib
-    if run in _OFFLOADS_ACTIVATIONS:
+    if run.removesuffix("-compiled") in _OFFLOADS_ACTIVATIONS:
         gib = config.num_hidden_layers * length * config.hidden_size * 2 / _GIB
         parts.append(f"layer inputs {config.num_hidden_layers} x {length:,} x {config.hidden_size} x 2 B = "
                      f"{gib:.1f} GiB")
@@ -140,7 +141,8 @@ def _row(length: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, t
 
 
 WARM_ROW = 4096  # --steps 0: the tokens of the step before the timed one
-RUNS = ("pipezero", "pipezero-full", "pipezero-selective", "pipezero-offload", "torch", "torch-ckpt", "alst")
+_PIPEZERO = ("pipezero", "pipezero-full", "pipezero-selective", "pipezero-offload")
+RUNS = (*_PIPEZERO, *(f"{run}-compiled" for run in _PIPEZERO), "torch", "torch-ckpt", "alst")
 
 
 def _pipezero_step(config, device, dtype, run="pipezero", offload_optimizer=False):
@@ -154,11 +156,13 @@ def pipezero_parts(config, device, dtype, run="pipezero", offload_optimizer=Fals
     from pipezero.pipe.memory.recompute import RecomputeConfig
     from pipezero.topology import Grid
 
-    mode = {"pipezero": "none", "pipezero-selective": "selective"}.get(run, "full")
-    recompute = RecomputeConfig(mode=mode, offload=run == "pipezero-offload")
+    kind = run.removesuffix("-compiled")
+    mode = {"pipezero": "none", "pipezero-selective": "selective"}.get(kind, "full")
+    recompute = RecomputeConfig(mode=mode, offload=kind == "pipezero-offload")
     with torch.device(device):
         module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1),
-                                loss_fn=causal_lm_loss, recompute=recompute, compile=False).to(dtype)
+                                loss_fn=causal_lm_loss, recompute=recompute,
+                                compile=run.endswith("-compiled")).to(dtype)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=offload_optimizer or None)
     if offload_optimizer:  # fp32 masters and Adam on the host; the fused CPU AdamW steps them
         from pipezero.zero import ZeroConfig, ZeroOptimizer
@@ -281,7 +285,7 @@ def main() -> None:
     print(f"{args.shape} Llama{depth} on {device}, one packed sequence per step; optimizer on the "
           f"{'host' if offload else 'device'}; peak: "
           f"{'max allocated' if torch.cuda.is_available() else 'max RSS of a fresh process'}")
-    print(f"{'run':<18} {'length':>8} {'tokens/s':>10} {'peak GB':>9} {'x previous':>11}")
+    print(f"{'run':<28} {'length':>8} {'tokens/s':>10} {'peak GB':>9} {'x previous':>11}")
     available = host_available_gib()
     for run in args.runs:
         previous = None
@@ -291,11 +295,11 @@ def main() -> None:
             r = {"error": refusal} if refusal else _in_subprocess(run, args.shape, length, args.steps,
                                                                    args.layers, offload, args.profile)
             if "error" in r:
-                print(f"{run:<18} {length:>8} {r['error']}", flush=True)
+                print(f"{run:<28} {length:>8} {r['error']}", flush=True)
                 previous = None
                 continue
             ratio = f"{r['peak_gb'] / previous:.2f}x" if previous else ""
-            print(f"{run:<18} {length:>8} {r['tokens_per_s']:>10.0f} {r['peak_gb']:>9.2f} {ratio:>11}", flush=True)
+            print(f"{run:<28} {length:>8} {r['tokens_per_s']:>10.0f} {r['peak_gb']:>9.2f} {ratio:>11}", flush=True)
             previous = r["peak_gb"]
 
 

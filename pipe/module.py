@@ -22,7 +22,7 @@ from pipezero.pipe.compile import CompileConfig, compile_layers, compile_loss, r
 from pipezero.pipe.deferred_linear import defer_linear_weights
 from pipezero.pipe.float8 import Float8Config, check_float8, to_float8
 from pipezero.pipe.memory.offload import HostOffload
-from pipezero.pipe.memory.recompute import RecomputeConfig, checkpointed_runs
+from pipezero.pipe.memory.recompute import RecomputeConfig, checkpointed_runs, compiles_checkpointed
 from pipezero.pipe.partition import partition, partition_table
 from pipezero.pipe.schedule.placement import PLACEMENTS, owner, virtual_stage
 from pipezero.pipe.shared_layers import check_shared_layers
@@ -99,7 +99,8 @@ class PipelineModule(nn.Module):
             defer_linear_weights(self)
         self.compile_config = CompileConfig.of(compile, self.device, grid.tensor_size)  # None: on CUDA
         if self.compile_config is not None:
-            compile_layers(self.layers.values(), self.compile_config, repeated)
+            if compiles_checkpointed(self.recompute):
+                compile_layers(self.layers.values(), self.compile_config, repeated)
             if loss_fn is not None and self.num_virtual_stages - 1 in self.stage_ids:
                 self.loss_fn = compile_loss(self.loss_fn, self.compile_config)
 

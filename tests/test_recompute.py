@@ -154,6 +154,30 @@ def _build_cases() -> list:
                                       {"pipeline": {"activation_checkpointing": "selective"}})]
 
 
+def test_selective_runs_its_layers_eager_under_compile():
+    """compile=True with selective recomputation: torch's selective checkpoint refuses a compiled layer's
+    kernels (they write into buffers they reuse: "Tensor cached during selective activation checkpoint has
+    been mutated" at the first backward, before), so those layers run eager and train exactly as without
+    compile; full recomputation keeps them compiled (compilation is lazy: nothing is traced here for it)."""
+    ids, labels = _batch()
+    results = []
+    for compile_ in (False, True):
+        specs, loss_fn = _specs("llama")
+        torch.manual_seed(0)
+        module = PipelineModule(specs, Grid(pipe=1), loss_fn=loss_fn, recompute=SELECTIVE, compile=compile_)
+        assert not any(getattr(m, "_pipezero_compiled", False) for m in module.layers.values())
+        loss = module.loss(module(ids), labels)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in module.named_parameters()}))
+    (want, want_grads), (got, grads) = results
+    assert got == pytest.approx(want, abs=1e-6), (got, want)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    full = PipelineModule(_specs("llama")[0], Grid(pipe=1), loss_fn=_specs("llama")[1], recompute=FULL, compile=True)
+    assert sum(getattr(m, "_pipezero_compiled", False) for m in full.layers.values()) == LLAMA["num_hidden_layers"]
+    assert "eager" in SELECTIVE.describe() and "eager" not in FULL.describe()
+
+
 def test_build_model_checkpoints_its_blocks():
     (loss, grads, calls), *checkpointed = run(_build_cases, 1, timeout=300)[0]
     for got_loss, got, got_calls in checkpointed:

@@ -31,7 +31,7 @@ from pipezero.pipe.compile import CompileConfig, compile_layers, model_blocks
 from pipezero.pipe.expert import expert_param_groups, shard_experts
 from pipezero.pipe.float8 import Float8Config, to_float8
 from pipezero.pipe.memory.offload import HostOffload
-from pipezero.pipe.memory.recompute import RecomputeConfig, checkpoint_blocks
+from pipezero.pipe.memory.recompute import RecomputeConfig, checkpoint_blocks, compiles_checkpointed
 from pipezero.pipe.module import PipelineModule
 from pipezero.pipe.schedule.registry import make_schedule
 from pipezero.pipe.runner import PipelineRunner
@@ -134,7 +134,8 @@ def build(config: TrainConfig | str | os.PathLike | Mapping[str, Any], *,
         module = model.to(dev)
         if fp8 is not None:  # before compiling: the compiled blocks trace the fp8 Linears
             to_float8(model_blocks(module), fp8, dev)
-        _compile_blocks(module, CompileConfig.of(cfg.compile if compile is None else compile, dev))
+        if compiles_checkpointed(cfg.recompute):
+            _compile_blocks(module, CompileConfig.of(cfg.compile if compile is None else compile, dev))
         _checkpoint_blocks(module, cfg.recompute)
     if cfg.recompute.enabled:
         get_logger().info("activation checkpointing: %s", cfg.recompute.describe())

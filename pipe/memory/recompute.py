@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - a torch that renamed them
 from pipezero.pipe.memory.offload import HostOffload
 
 __all__ = ["MODES", "SAVED_OPS", "RecomputeConfig", "checkpoint_blocks", "checkpointed", "checkpointed_runs",
-           "in_selective_run", "recomputed_matmuls"]
+           "compiles_checkpointed", "in_selective_run", "recomputed_matmuls"]
 
 MODES = ("none", "full", "selective")
 _selective = threading.local()  # set while a selectively checkpointed run's forward (or its recompute) runs
@@ -91,7 +91,8 @@ class RecomputeConfig:
         if not self.enabled:
             return "no activation checkpointing"
         runs = "every layer" if self.interval == 1 else f"every run of {self.interval} layers"
-        return f"{self.mode} recompute of {runs}" + (", its inputs in pinned host memory" if self.offload else "")
+        eager = ", the layers eager (not compiled)" if self.mode == "selective" else ""
+        return f"{self.mode} recompute of {runs}{eager}" + (", its inputs in pinned host memory" if self.offload else "")
 
     @classmethod
     def of(cls, value: "RecomputeConfig | str | bool | None") -> "RecomputeConfig":
@@ -134,6 +135,15 @@ def recomputed_matmuls():
             yield False
     finally:
         _selective.recomputed = before
+
+
+def compiles_checkpointed(config: RecomputeConfig) -> bool:
+    """May the checkpointed layers be compiled? Not under selective: torch's selective checkpoint runs
+    the layer's ops through a Python dispatch mode that caches the kept outputs, and a compiled layer's
+    kernels write into buffers they reuse (`mm(..., out=)`), which that mode refuses ("Tensor cached
+    during selective activation checkpoint has been mutated", torch 2.11 to 2.13). Those layers run
+    eager; full recomputation reruns a compiled layer whole and keeps it compiled."""
+    return config.mode != "selective"
 
 
 def _context_fn(mode: str) -> Callable | None:
