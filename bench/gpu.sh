@@ -107,7 +107,7 @@ for w in $what; do
                  tests/test_generate_static.py tests/test_zero_offload.py tests/test_state_hand.py ;;  # CUDA cases too
     offload-test) run offload-test 240 python3 -m pytest -q -p no:cacheprovider tests/test_zero_offload.py -k cuda ;;
     hf) run hf 540 python3 bench/hf.py --device cuda ;;  # needs transformers (carry its wheels in .whl)
-    moe) run moe 560 python3 bench/moe.py --timeout 240 \
+    moe) run moe 560 python3 bench/moe.py --timeout 150 \
            --runs pipezero pipezero-compiled hf-grouped_mm-compiled torchtitan-compiled ;;  # issue 47; .whl
     moe-core) run moe-core 290 python3 bench/moe.py --timeout 140 --runs pipezero-compiled hf-grouped_mm-compiled ;;
     moe-why) run moe-why 390 python3 bench/moe.py --timeout 190 --runs pipezero-compiled hf-grouped_mm-compiled \
