@@ -30,7 +30,8 @@ the whole job. `--layers N` keeps a shape's layer width and cuts its depth (llam
 ~120 GiB of host memory for the offloaded optimizer alone).
 pipezero and torch are eager (pipezero's default compile is off here: a fresh process per length would
 recompile); pipezero-*-compiled: the same run with PipelineModule(compile=True), its layers and loss
-compiled (selective keeps its layers eager: pipe/memory/recompute.py's compiles_checkpointed); alst attends through flash_attention_2 if installed, else flex_attention (compiled).
+compiled (selective keeps its layers eager: pipe/memory/recompute.py's compiles_checkpointed); alst
+attends through flash_attention_2 if installed, else flex_attention (compiled).
 Each (run, length) is a fresh subprocess, so the peak is that run's alone: CPU, the process's
 maximum resident set (getrusage; the interpreter and libraries included, ~0.4 GB); CUDA,
 torch.cuda.max_memory_allocated. A run that does not fit prints "out of memory".

@@ -92,7 +92,8 @@ class RecomputeConfig:
             return "no activation checkpointing"
         runs = "every layer" if self.interval == 1 else f"every run of {self.interval} layers"
         eager = ", the layers eager (not compiled)" if self.mode == "selective" else ""
-        return f"{self.mode} recompute of {runs}{eager}" + (", its inputs in pinned host memory" if self.offload else "")
+        host = ", its inputs in pinned host memory" if self.offload else ""
+        return f"{self.mode} recompute of {runs}{eager}{host}"
 
     @classmethod
     def of(cls, value: "RecomputeConfig | str | bool | None") -> "RecomputeConfig":
