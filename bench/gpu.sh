@@ -4,7 +4,7 @@
 #                      zero3-pipe (4 GPUs: ZeRO-3 x pipe 2 x data 2 beside torch pipelining + fully_shard)|
 #                      profile|trace|smoke|offload|offload-big|offload-test|split-backward|data|speed|speed-profile|speed-more|
 #                      tp-dispatch|attention|float8|float8-more|float8-init|grad-sums-hf|grad-sums-gpt|grad-fusion|autotune|
-#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-kit-compiled|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core|moe-why|
+#                      main-resume|gpu-tests|moe|moe-more|alst-8b|alst-tiny|long-kit|long-kit-compiled|long-8b|long-1m|long-512k|long-128k|varlen-test|docatt|moe-core|moe-why|
 #                      seq-multi|seq-multi-alst|seq-multi-pipe|seq-multi-longest|moe-multi|moe-multi-titan|moe-multi-pipe|
 #                      moe-multi-overlap|moe-multi-pairs ...]
 #   moe-multi*: issue 49 on every GPU of the machine (2, 4 or 8), bench/moe.py --nproc N, a Qwen3-30B-A3B-shaped MoE of
@@ -132,6 +132,9 @@ for w in $what; do
     long-kit-compiled) run long-kit-compiled 370 python3 bench/long_context.py --shape tinyllama --steps 2 \
                          --runs pipezero-compiled pipezero-full-compiled pipezero-offload-compiled \
                          --lengths 32768 ;;  # the kit's cost with the layers and the loss compiled
+    long-8b) run long-8b 570 python3 bench/long_context.py --shape llama3-8b --steps 0 --offload-optimizer off \
+               --offload-layers 26 --runs pipezero-offload --lengths 524288 ;;  # the whole 8B at 512K: bf16 AdamW
+               # on the GPU, 26 of 32 layers' inputs on the host (~110 GiB); an H200 only (run's needs_h200)
     long-128k) run long-128k 80 python3 bench/long_context.py --shape tinyllama --steps 1 --runs pipezero-offload \
                  --lengths 131072 ;;
     long-1m) run long-1m 240 python3 bench/long_context.py --shape tinyllama --steps 0 --runs pipezero-offload \

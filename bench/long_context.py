@@ -21,13 +21,16 @@ per document), a training step each (forward, backward, AdamW), the same random-
   alst      DeepSpeed 0.19.8's ALST at sequence degree 1 as its one-GPU recipe sets it: ZeRO-3, TiledMLP,
             TiledFusedLogitsLoss, every layer checkpointed with its input on the host
             (bench/long_context_alst.py; CUDA and deepspeed only, else the row says why)
-With --offload-optimizer (on by default for llama3-8b, whose AdamW state does not fit one GPU) the
+pipezero's AdamW is fused on CUDA, its state in the weights' bf16 (no fp32 masters). With
+--offload-optimizer (on by default for llama3-8b, whose fp32 AdamW state does not fit one GPU) the
 optimizer steps on the host: pipezero through ZeroOptimizer(stage=1, offload_optimizer) with a fused
 AdamW, alst through ZeRO-3's optimizer and parameter offload with DeepSpeed's CPU Adam. A run whose
 host memory (fp32 masters and Adam state when offloaded, the offloaded layer inputs) would exceed what
 the machine has available is refused with the numbers instead of started: the OOM killer would take
 the whole job. `--layers N` keeps a shape's layer width and cuts its depth (llama3-8b's 32 layers need
-~120 GiB of host memory for the offloaded optimizer alone).
+~120 GiB of host memory for the offloaded optimizer alone). `--offload-layers N`: pipezero-offload
+offloads the inputs of each forward's first N layers only (RecomputeConfig.offload_layers), the rest
+stay on the GPU, for a machine whose host memory is short of all of them.
 pipezero and torch are eager (pipezero's default compile is off here: a fresh process per length would
 recompile); pipezero-*-compiled: the same run with PipelineModule(compile=True), its layers and loss
 compiled (selective keeps its layers eager: pipe/memory/recompute.py's compiles_checkpointed); alst
@@ -70,7 +73,7 @@ def parameter_count(config) -> int:
 
 
 def host_need(run: str, config, length: int, offload_optimizer: bool,
-              cuda: bool = True) -> tuple[float, str]:
+              cuda: bool = True, offload_layers: int | None = None) -> tuple[float, str]:
     """(GiB, how it adds up) of host memory one (run, length) takes: the offloaded optimizer (pipezero:
     fp32 masters, Adam's two moments and the fp32 gradient landing buffers, 16 B/param; ALST's ZeRO-3
     offload adds the bf16 parameters, 18 B/param), the offloaded layer inputs (layers x length x hidden
@@ -87,9 +90,10 @@ def host_need(run: str, config, length: int, offload_optimizer: bool,
         parts.append(f"optimizer {parameter_count(config) / 1e9:.2f}B params x {per} B = {gib:.1f} GiB")
         total += gib
     if run.removesuffix("-compiled") in _OFFLOADS_ACTIVATIONS:
-        gib = config.num_hidden_layers * length * config.hidden_size * 2 / _GIB
-        parts.append(f"layer inputs {config.num_hidden_layers} x {length:,} x {config.hidden_size} x 2 B = "
-                     f"{gib:.1f} GiB")
+        layers = config.num_hidden_layers if offload_layers is None or run == "alst" else offload_layers
+        gib = min(layers, config.num_hidden_layers) * length * config.hidden_size * 2 / _GIB
+        parts.append(f"layer inputs {min(layers, config.num_hidden_layers)} x {length:,} x {config.hidden_size} "
+                     f"x 2 B = {gib:.1f} GiB")
         total += gib
     return total, " + ".join(parts + [f"{_PROCESS_GIB:.0f} GiB for the process"])
 
@@ -105,9 +109,9 @@ def host_available_gib() -> float:
 
 
 def host_refusal(run: str, config, length: int, offload_optimizer: bool, available: float,
-                 cuda: bool = True) -> str | None:
+                 cuda: bool = True, offload_layers: int | None = None) -> str | None:
     """The message that refuses a run whose host memory would exceed `available` GiB, or None."""
-    need, parts = host_need(run, config, length, offload_optimizer, cuda)
+    need, parts = host_need(run, config, length, offload_optimizer, cuda, offload_layers)
     if need <= available:
         return None
     return (f"refused: needs ~{need:.0f} GiB of host memory ({parts}), {available:.0f} GiB available; "
@@ -146,11 +150,11 @@ _PIPEZERO = ("pipezero", "pipezero-full", "pipezero-selective", "pipezero-offloa
 RUNS = (*_PIPEZERO, *(f"{run}-compiled" for run in _PIPEZERO), "torch", "torch-ckpt", "alst")
 
 
-def _pipezero_step(config, device, dtype, run="pipezero", offload_optimizer=False):
-    return pipezero_parts(config, device, dtype, run, offload_optimizer)[1]
+def _pipezero_step(config, device, dtype, run="pipezero", offload_optimizer=False, offload_layers=None):
+    return pipezero_parts(config, device, dtype, run, offload_optimizer, offload_layers)[1]
 
 
-def pipezero_parts(config, device, dtype, run="pipezero", offload_optimizer=False):
+def pipezero_parts(config, device, dtype, run="pipezero", offload_optimizer=False, offload_layers=None):
     """(module, step) of a pipezero run (bench/live_tensors.py names the allocations by the module's layers)."""
     from pipezero.pipe import PipelineModule, PipelineRunner, make_schedule
     from pipezero.pipe.hf import causal_lm_loss, hf_layer_specs
@@ -159,12 +163,13 @@ def pipezero_parts(config, device, dtype, run="pipezero", offload_optimizer=Fals
 
     kind = run.removesuffix("-compiled")
     mode = {"pipezero": "none", "pipezero-selective": "selective"}.get(kind, "full")
-    recompute = RecomputeConfig(mode=mode, offload=kind == "pipezero-offload")
+    offload = kind == "pipezero-offload"
+    recompute = RecomputeConfig(mode=mode, offload=offload, offload_layers=offload_layers if offload else None)
     with torch.device(device):
         module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1),
                                 loss_fn=causal_lm_loss, recompute=recompute,
                                 compile=run.endswith("-compiled")).to(dtype)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=offload_optimizer or None)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=offload_optimizer or device.type == "cuda" or None)
     if offload_optimizer:  # fp32 masters and Adam on the host; the fused CPU AdamW steps them
         from pipezero.zero import ZeroConfig, ZeroOptimizer
 
@@ -204,7 +209,7 @@ def _alst_step(config, device, dtype, run="alst", offload_optimizer=False):
 
 
 def measure(run: str, shape: str, length: int, steps: int, layers: int | None = None,
-            offload_optimizer: bool = False, profile: str | None = None) -> dict:
+            offload_optimizer: bool = False, profile: str | None = None, offload_layers: int | None = None) -> dict:
     """One run at one length in this process: {tokens_per_s, peak_gb} or {error}; with `profile` (a folder)
     one more step under torch.profiler after the timed ones, its table in <profile>/<run>-<length>.txt."""
     cuda = torch.cuda.is_available()
@@ -217,7 +222,8 @@ def measure(run: str, shape: str, length: int, steps: int, layers: int | None = 
         if reason := unavailable():
             return {"error": reason}
     build = _alst_step if run == "alst" else _pipezero_step if run.startswith("pipezero") else _torch_step
-    step = build(config, device, dtype, run, offload_optimizer)
+    extra = {"offload_layers": offload_layers} if build is _pipezero_step else {}
+    step = build(config, device, dtype, run, offload_optimizer, **extra)
     ids, positions = _row(length, config.vocab_size, device)
     try:
         # the warm-up: --steps 0 (a row too long to run twice) warms up on a short row, which makes the
@@ -247,11 +253,12 @@ def _timed(step, ids: torch.Tensor, positions: torch.Tensor, cuda: bool) -> floa
 
 
 def _in_subprocess(run: str, shape: str, length: int, steps: int, layers: int | None, offload: bool,
-                   profile: str | None = None) -> dict:
+                   profile: str | None = None, offload_layers: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", run, "--shape", shape, "--lengths", str(length),
            "--steps", str(steps), "--offload-optimizer", "on" if offload else "off"]
     cmd += ["--layers", str(layers)] if layers else []
     cmd += ["--profile", profile] if profile else []
+    cmd += ["--offload-layers", str(offload_layers)] if offload_layers else []
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -273,12 +280,16 @@ def main() -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="one more step of each (run, length) under torch.profiler, untimed: DIR/<run>-<length>.txt "
                    "(wall against the kernels' time: the GPU waiting on the host; the top ops)")
+    p.add_argument("--offload-layers", type=int, default=None, metavar="N",
+                   help="pipezero-offload: only each forward's first N layers offload their inputs, the rest "
+                   "keep them on the GPU (RecomputeConfig.offload_layers; default: all)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     auto = args.offload_optimizer == "auto"
     offload = args.offload_optimizer == "on" or (auto and args.shape == "llama3-8b")
     if args.worker:
-        r = measure(args.worker, args.shape, args.lengths[0], args.steps, args.layers, offload, args.profile)
+        r = measure(args.worker, args.shape, args.lengths[0], args.steps, args.layers, offload, args.profile,
+                    args.offload_layers)
         print(json.dumps(r), flush=True)
         return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (fp32)"
@@ -292,9 +303,11 @@ def main() -> None:
         previous = None
         for length in args.lengths:
             config = _config(args.shape, length, args.layers)
-            refusal = host_refusal(run, config, length, offload, available, torch.cuda.is_available())
+            refusal = host_refusal(run, config, length, offload, available, torch.cuda.is_available(),
+                                   args.offload_layers)
             r = {"error": refusal} if refusal else _in_subprocess(run, args.shape, length, args.steps,
-                                                                   args.layers, offload, args.profile)
+                                                                   args.layers, offload, args.profile,
+                                                                   args.offload_layers)
             if "error" in r:
                 print(f"{run:<28} {length:>8} {r['error']}", flush=True)
                 previous = None

@@ -42,6 +42,10 @@ def test_host_memory_guard_refuses_what_the_host_cannot_hold():
     assert lc.host_refusal("pipezero-offload", cut, 524288, True, available=120.0) is None
     assert lc.host_refusal("torch", full, 524288, False, available=120.0) is None  # nothing on the host
     assert "fp32 training state 8.03B" in lc.host_refusal("torch", full, 4096, False, 120.0, cuda=False)
+    # the whole 8B at 512K with its optimizer on the GPU: 26 of 32 layers' inputs on the host fit 120 GiB
+    need, parts = lc.host_need("pipezero-offload", full, 524288, False, offload_layers=26)
+    assert need == pytest.approx(6 + 26 * 524288 * 4096 * 2 / 2**30) and "26 x 524,288" in parts, parts
+    assert lc.host_refusal("pipezero-offload", full, 524288, False, available=120.0, offload_layers=26) is None
 
 
 def test_alst_model_and_loss_equal_transformers(monkeypatch):

@@ -40,6 +40,7 @@ LORA = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear")
 BATCH, SEQ, MICRO, LR = 8, 8, 4, 0.5
 FULL, SELECTIVE = RecomputeConfig(mode="full"), RecomputeConfig(mode="selective")
 FULL_OFF, SELECTIVE_OFF = RecomputeConfig(mode="full", offload=True), RecomputeConfig(mode="selective", offload=True)
+FIRST_OFF = RecomputeConfig(mode="full", offload=True, offload_layers=1)  # a forward's first layer's inputs only
 CASES = [  # (model, schedule, recompute, deferred_linear)
     ("gpt", "1f1b", FULL_OFF, True),
     ("gpt", "zbv", SELECTIVE_OFF, False),                  # ZB-V through torch's graph split
@@ -49,6 +50,7 @@ CASES = [  # (model, schedule, recompute, deferred_linear)
     ("llama-lora", "zbv", FULL_OFF, True),
     ("gpt", "zb_h1", FULL_OFF, False),                     # no graph split: one backward call, one recompute
     ("llama-lora", "dualpipev", SELECTIVE_OFF, True),
+    ("llama", "1f1b", FIRST_OFF, True),
 ]
 
 
@@ -151,7 +153,9 @@ def _llama_grads(recompute: dict | None) -> tuple[float, dict, int]:
 
 def _build_cases() -> list:
     return [_llama_grads(r) for r in (None, {"activation_checkpointing": {"cpu_checkpointing": True}},
-                                      {"pipeline": {"activation_checkpointing": "selective"}})]
+                                      {"pipeline": {"activation_checkpointing": "selective"}},
+                                      {"activation_checkpointing": {"cpu_checkpointing": True},
+                                       "pipeline": {"offload_activation_layers": 2}})]
 
 
 def test_selective_runs_its_layers_eager_under_compile():
@@ -265,6 +269,8 @@ def test_checkpointing_keeps_less():
     assert full < none / 3, (full, none)
     _, moved = _kept_bytes(FULL_OFF)
     assert moved == 4 * 4 * 64 * 32 * 4  # the four blocks' inputs [batch, seq, d_model] in fp32, no more
+    _, moved = _kept_bytes(RecomputeConfig(mode="full", offload=True, offload_layers=3))
+    assert moved == 3 * 4 * 64 * 32 * 4  # the first three blocks' inputs; the last block keeps its own
 
 
 # -- ds_config --------------------------------------------------------------------------------------
@@ -305,6 +311,15 @@ def test_pipeline_keys_and_refusals(caplog):
         _recompute({"partition_activations": True}, tensor=2)
     with pytest.raises(ConfigError, match="did you mean"):
         _recompute({"cpu_checkpoint": True})
+    first_two = RecomputeConfig(mode="full", offload=True, offload_layers=2)
+    assert _recompute({"cpu_checkpointing": True}, {"offload_activation_layers": 2}) == first_two
+    with pytest.raises(ConfigError, match="offload_activation_layers.* = 2 without .*cpu_checkpointing"):
+        _recompute(pipeline={"activation_checkpointing": "full", "offload_activation_layers": 2})
+    with pytest.raises(ValueError, match="offload_layers=0.*positive integer"):
+        RecomputeConfig(mode="full", offload=True, offload_layers=0)
+    with pytest.raises(ValueError, match="offload_layers=2, offload=False"):
+        RecomputeConfig(mode="full", offload_layers=2)
+    assert "first 2 layers in pinned host memory" in first_two.describe()
     _recompute({"profile": True, "synchronize_checkpoint_boundary": True})
     assert "profile\"] is ignored" in caplog.text and "synchronize_checkpoint_boundary" in caplog.text
 
@@ -319,3 +334,6 @@ def test_command_line_flags():
     assert cfg.recompute == FULL_OFF
     cfg = parse_config(job.ds_config(job.parse_args([])), world_size=2)
     assert cfg.recompute == RecomputeConfig()
+    args = finetune.parse_args(["--offload-activation-layers", "3"])
+    assert finetune.train_config(args, None, 32).recompute == RecomputeConfig(mode="full", offload=True,
+                                                                              offload_layers=3)

@@ -100,8 +100,8 @@ def add_preempt_flag(p: argparse.ArgumentParser) -> None:
 
 
 def add_recompute_flags(p: argparse.ArgumentParser) -> None:
-    """--activation-checkpointing and --offload-activations (train/config/recompute.py writes them into
-    the ds_config: apply_recompute_flags)."""
+    """--activation-checkpointing, --offload-activations and --offload-activation-layers
+    (train/config/recompute.py writes them into the ds_config: apply_recompute_flags)."""
     p.add_argument("--activation-checkpointing", default=None, choices=RECOMPUTE_MODES,
                    help="recompute each layer's forward in backward: all of it (full) or all but the matmuls "
                         "(selective); default: the config's (ds_config pipeline.activation_checkpointing)")
@@ -109,6 +109,9 @@ def add_recompute_flags(p: argparse.ArgumentParser) -> None:
                    help="keep the checkpointed layers' inputs in pinned host memory, fetched back ahead of "
                         "their backward (ds_config activation_checkpointing.cpu_checkpointing; implies "
                         "--activation-checkpointing full unless given)")
+    p.add_argument("--offload-activation-layers", type=int, default=None, metavar="N",
+                   help="offload only the inputs of each forward's first N layers, the rest kept on the "
+                        "device (ds_config pipeline.offload_activation_layers; implies --offload-activations)")
 
 
 def add_lora_flags(parser: argparse.ArgumentParser) -> None:

@@ -67,8 +67,8 @@ class _Stashed:
 class _Run:
     """The inputs one checkpointed run offloaded; `before` is the run its backward comes to next."""
 
-    def __init__(self, before: "_Run | None"):
-        self.before, self.stashed = before, []
+    def __init__(self, before: "_Run | None", on_host: bool = True):
+        self.before, self.stashed, self.on_host = before, [], on_host
 
     def prefetch(self) -> None:
         for s in self.stashed:
@@ -89,9 +89,10 @@ class HostOffload:
         self._last = None
 
     @contextmanager
-    def run(self) -> Iterator[None]:
-        """Around one torch.utils.checkpoint call: its saved inputs go to the host."""
-        current = _Run(self._last() if self._last is not None else None)
+    def run(self, on_host: bool = True) -> Iterator[None]:
+        """Around one torch.utils.checkpoint call: its saved inputs go to the host (on_host False: they
+        stay, and its backward starts the copy of the run before it, as an offloaded run's does)."""
+        current = _Run(self._last() if self._last is not None else None, on_host)
         self._last = weakref.ref(current)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(current, t), self._unpack):
             yield
@@ -99,6 +100,8 @@ class HostOffload:
     def _pack(self, run: _Run, t: torch.Tensor) -> object:
         if not t.requires_grad:  # a mask, cos/sin, token ids: shared or small, left in place
             return t
+        if not run.on_host:
+            return (run, t)
         stashed = _Stashed(t, self._stream(t.device))
         run.stashed.append(stashed)
         self.offloaded_bytes += t.numel() * t.element_size()
@@ -109,7 +112,7 @@ class HostOffload:
         if isinstance(packed, torch.Tensor):
             return packed
         run, stashed = packed
-        out = stashed.fetch()
+        out = stashed if isinstance(stashed, torch.Tensor) else stashed.fetch()
         if run.before is not None:  # the next run backward reaches: its copy overlaps this one's
             run.before.prefetch()
         return out

@@ -67,6 +67,8 @@ class RecomputeConfig:
     mode: str = "none"      # "none", "full" (recompute everything) or "selective" (keep matmul outputs)
     interval: int = 1       # layers per checkpointed run (DeepSpeed's activation_checkpoint_interval)
     offload: bool = False   # each run's kept inputs in pinned host memory (DeepSpeed's cpu_checkpointing)
+    offload_layers: int | None = None  # with offload: only the runs among a forward's first N layers
+                                       # (None: all; Megatron's cpu_offloading_num_layers), the rest on the device
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,6 +82,18 @@ class RecomputeConfig:
             raise ValueError("RecomputeConfig(mode='none', offload=True): offload moves the inputs that "
                              "checkpointed layers keep, and mode='none' checkpoints none; use mode='full' "
                              "or 'selective'")
+        self._check_offload_layers()
+
+    def _check_offload_layers(self) -> None:
+        n = self.offload_layers
+        if n is None:
+            return
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"RecomputeConfig(offload_layers={n!r}): expected a positive integer (how many "
+                             "of a forward's first layers keep their inputs on the host) or None (all)")
+        if not self.offload:
+            raise ValueError(f"RecomputeConfig(offload_layers={n}, offload=False): offload_layers says how many "
+                             "layers offload their inputs; set offload=True with it, or drop it")
 
     @property
     def enabled(self) -> bool:
@@ -93,6 +107,8 @@ class RecomputeConfig:
         runs = "every layer" if self.interval == 1 else f"every run of {self.interval} layers"
         eager = ", the layers eager (not compiled)" if self.mode == "selective" else ""
         host = ", its inputs in pinned host memory" if self.offload else ""
+        if self.offload and self.offload_layers is not None:
+            host = f", the inputs of a forward's first {self.offload_layers} layers in pinned host memory"
         return f"{self.mode} recompute of {runs}{eager}{host}"
 
     @classmethod
@@ -173,8 +189,9 @@ def _marked_selective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def checkpointed(fn: Callable[..., Any], args: tuple, config: RecomputeConfig,
-                 offload: HostOffload | None = None, **kwargs: Any) -> Any:
-    """fn(*args, **kwargs) checkpointed as `config` says (offload: where the kept inputs wait).
+                 offload: HostOffload | None = None, on_host: bool = True, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) checkpointed as `config` says (offload: where the kept inputs wait; on_host
+    False: this run keeps them on the device, and its backward still starts the copy of the run before).
 
     Only positional tensors are the run's kept inputs (torch keeps keyword arguments as they are);
     a pipeline layer's tuple of tensors is passed spread, so each is one.
@@ -183,7 +200,7 @@ def checkpointed(fn: Callable[..., Any], args: tuple, config: RecomputeConfig,
     extra = {"context_fn": context} if context is not None else {}
     if context is not None:
         fn = functools.partial(_marked_selective, fn)
-    with offload.run() if offload is not None else nullcontext():
+    with offload.run(on_host) if offload is not None else nullcontext():
         return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
 
@@ -196,7 +213,7 @@ def checkpointed_runs(run: Callable[[int, int, Any], Any], lo: int, hi: int, x: 
         end = min(hi, start + config.interval)
         spread = isinstance(x, tuple)
         x = checkpointed(functools.partial(_call_run, run, start, end, spread), x if spread else (x,),
-                         config, offload)
+                         config, offload, on_host=config.offload_layers is None or start - lo < config.offload_layers)
     return x
 
 
@@ -215,17 +232,18 @@ def checkpoint_blocks(blocks: Iterable[nn.Module], config: RecomputeConfig,
     if not config.enabled:
         return count
     for block in blocks:
-        block.forward = functools.partial(_checkpointed_forward, block.forward, config, offload)
+        on_host = config.offload_layers is None or count < config.offload_layers
+        block.forward = functools.partial(_checkpointed_forward, block.forward, config, offload, on_host)
         count += 1
     return count
 
 
 def _checkpointed_forward(forward: Callable[..., Any], config: RecomputeConfig, offload: HostOffload | None,
-                          *args: Any, **kwargs: Any) -> Any:
+                          on_host: bool, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):  # a KV cache, filled by the forward
         raise ValueError("a checkpointed block was given a KV cache (cache=) while training: its recompute "
                          "would append the keys and values a second time; call the model with use_cache=False "
                          "(as transformers' own gradient checkpointing does), or turn activation checkpointing off")
-    return checkpointed(forward, args, config, offload, **kwargs)
+    return checkpointed(forward, args, config, offload, on_host, **kwargs)

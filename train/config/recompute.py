@@ -15,7 +15,9 @@ applies to them. Its keys, as DeepSpeed reads them (`DeepSpeedActivationCheckpoi
   `profile` (timers around each): nothing to act on; warned when set, silent at their defaults.
 
 The mode lives in pipezero's own pipeline section: `"activation_checkpointing": "none" | "full" |
-"selective"` beside DeepSpeed's `activation_checkpoint_interval` (layers per checkpointed run).
+"selective"` beside DeepSpeed's `activation_checkpoint_interval` (layers per checkpointed run), and
+`"offload_activation_layers": N` (with cpu_checkpointing: only a forward's first N layers offload their
+inputs, the rest keep them on the device; Megatron's cpu_offloading_num_layers).
 """
 
 from __future__ import annotations
@@ -68,13 +70,25 @@ def read_recompute(raw: Any, pipeline: Section, tensor: int = 1) -> RecomputeCon
                           f'{where} to "full" or "selective"')
     if mode == "none":
         return RecomputeConfig()
-    return RecomputeConfig(mode=mode, interval=interval or 1, offload=offload)
+    return RecomputeConfig(mode=mode, interval=interval or 1, offload=offload,
+                           offload_layers=_offload_layers(pipeline, sec, offload))
+
+
+def _offload_layers(pipeline: Section, sec: Section, offload: bool) -> int | None:
+    layers = pipeline.int("offload_activation_layers", None, lo=1)
+    if layers is not None and not offload:
+        raise ConfigError(f'{pipeline.where("offload_activation_layers")} = {layers} without '
+                          f'{sec.where("cpu_checkpointing")} = true: it says how many layers offload their '
+                          "inputs; set cpu_checkpointing too (--offload-activations), or remove it")
+    return layers
 
 
 def apply_recompute_flags(raw: dict, args: argparse.Namespace) -> dict:
     """The ds_config `raw` with the two flags written into its keys (edited in place, and returned)."""
     if args.activation_checkpointing is not None:
         raw["pipeline"] = {**raw.get("pipeline", {}), "activation_checkpointing": args.activation_checkpointing}
-    if args.offload_activations:
+    if args.offload_activations or args.offload_activation_layers is not None:
         raw["activation_checkpointing"] = {**(raw.get("activation_checkpointing") or {}), "cpu_checkpointing": True}
+    if args.offload_activation_layers is not None:
+        raw["pipeline"] = {**raw.get("pipeline", {}), "offload_activation_layers": args.offload_activation_layers}
     return raw
