@@ -313,8 +313,10 @@ def test_pipeline_keys_and_refusals(caplog):
         _recompute({"cpu_checkpoint": True})
     first_two = RecomputeConfig(mode="full", offload=True, offload_layers=2)
     assert _recompute({"cpu_checkpointing": True}, {"offload_activation_layers": 2}) == first_two
-    with pytest.raises(ConfigError, match="offload_activation_layers.* = 2 without .*cpu_checkpointing"):
-        _recompute(pipeline={"activation_checkpointing": "full", "offload_activation_layers": 2})
+    for pipeline in ({"activation_checkpointing": "full", "offload_activation_layers": 2},
+                     {"offload_activation_layers": 2}):  # not silently dropped when nothing is checkpointed
+        with pytest.raises(ConfigError, match="offload_activation_layers.* = 2 without .*cpu_checkpointing"):
+            _recompute(pipeline=pipeline)
     with pytest.raises(ValueError, match="offload_layers=0.*positive integer"):
         RecomputeConfig(mode="full", offload=True, offload_layers=0)
     with pytest.raises(ValueError, match="offload_layers=2, offload=False"):

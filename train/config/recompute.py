@@ -68,10 +68,10 @@ def read_recompute(raw: Any, pipeline: Section, tensor: int = 1) -> RecomputeCon
                  else f'{sec.where("cpu_checkpointing")} = true')
         raise ConfigError(f'{where} = "none" but {asked} asks for checkpointed layers: remove one, or set '
                           f'{where} to "full" or "selective"')
+    layers = _offload_layers(pipeline, sec, offload)
     if mode == "none":
         return RecomputeConfig()
-    return RecomputeConfig(mode=mode, interval=interval or 1, offload=offload,
-                           offload_layers=_offload_layers(pipeline, sec, offload))
+    return RecomputeConfig(mode=mode, interval=interval or 1, offload=offload, offload_layers=layers)
 
 
 def _offload_layers(pipeline: Section, sec: Section, offload: bool) -> int | None:
@@ -84,7 +84,7 @@ def _offload_layers(pipeline: Section, sec: Section, offload: bool) -> int | Non
 
 
 def apply_recompute_flags(raw: dict, args: argparse.Namespace) -> dict:
-    """The ds_config `raw` with the two flags written into its keys (edited in place, and returned)."""
+    """The ds_config `raw` with the three flags written into its keys (edited in place, and returned)."""
     if args.activation_checkpointing is not None:
         raw["pipeline"] = {**raw.get("pipeline", {}), "activation_checkpointing": args.activation_checkpointing}
     if args.offload_activations or args.offload_activation_layers is not None:
