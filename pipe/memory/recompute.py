@@ -68,7 +68,7 @@ class RecomputeConfig:
     interval: int = 1       # layers per checkpointed run (DeepSpeed's activation_checkpoint_interval)
     offload: bool = False   # each run's kept inputs in pinned host memory (DeepSpeed's cpu_checkpointing)
     offload_layers: int | None = None  # with offload: only the runs among a forward's first N layers
-                                       # (None: all; Megatron's cpu_offloading_num_layers), the rest on the device
+                                       # (None: all), the rest keep their inputs on the device
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -94,6 +94,10 @@ class RecomputeConfig:
         if not self.offload:
             raise ValueError(f"RecomputeConfig(offload_layers={n}, offload=False): offload_layers says how many "
                              "layers offload their inputs; set offload=True with it, or drop it")
+
+    def on_host(self, layer: int) -> bool:
+        """Does the run starting at a forward's `layer`-th layer (from 0) offload its inputs?"""
+        return self.offload_layers is None or layer < self.offload_layers
 
     @property
     def enabled(self) -> bool:
@@ -213,7 +217,7 @@ def checkpointed_runs(run: Callable[[int, int, Any], Any], lo: int, hi: int, x: 
         end = min(hi, start + config.interval)
         spread = isinstance(x, tuple)
         x = checkpointed(functools.partial(_call_run, run, start, end, spread), x if spread else (x,),
-                         config, offload, on_host=config.offload_layers is None or start - lo < config.offload_layers)
+                         config, offload, on_host=config.on_host(start - lo))
     return x
 
 
@@ -232,8 +236,8 @@ def checkpoint_blocks(blocks: Iterable[nn.Module], config: RecomputeConfig,
     if not config.enabled:
         return count
     for block in blocks:
-        on_host = config.offload_layers is None or count < config.offload_layers
-        block.forward = functools.partial(_checkpointed_forward, block.forward, config, offload, on_host)
+        block.forward = functools.partial(_checkpointed_forward, block.forward, config, offload,
+                                          config.on_host(count))
         count += 1
     return count
 

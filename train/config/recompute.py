@@ -17,7 +17,7 @@ applies to them. Its keys, as DeepSpeed reads them (`DeepSpeedActivationCheckpoi
 The mode lives in pipezero's own pipeline section: `"activation_checkpointing": "none" | "full" |
 "selective"` beside DeepSpeed's `activation_checkpoint_interval` (layers per checkpointed run), and
 `"offload_activation_layers": N` (with cpu_checkpointing: only a forward's first N layers offload their
-inputs, the rest keep them on the device; Megatron's cpu_offloading_num_layers).
+inputs, the rest keep them on the device).
 """
 
 from __future__ import annotations
