@@ -105,7 +105,16 @@ def test_pipezero_plan_reads_a_hugging_face_config_and_prints_the_finetune_line(
     from pipezero.train.config import parse_config
 
     parsed = parse_config(json.loads(config.read_text()), world_size=1)
-    assert parsed.recompute.mode == "full" and parsed.recompute.offload
+    assert parsed.recompute.mode == "full" and parsed.recompute.offload and parsed.recompute.offload_layers is None
+    # 80 GB of host memory: all 23 inputs (109 GB) do not fit it; the first 18 layers' do, the rest on the device
+    assert main(["plan", "--hardware", "h100", "--gpus-per-node", "1", "--hf-config", str(tmp_path / "tinyllama"),
+                 "--seq-len", "1048576", "--global-batch", "1", "--precision", "bf16", "--top", "1",
+                 "--write-config", str(config), "--host-memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "ck1+h18" in out and "full, every 1 layer, the first 18 layers' inputs in pinned host memory" in out, out
+    assert "--offload-activations --offload-activation-layers 18" in out, out
+    parsed = parse_config(json.loads(config.read_text()), world_size=1)
+    assert parsed.recompute.offload and parsed.recompute.offload_layers == 18
 
 
 def _saved_bytes_per_layer(layers: int, tokens: int) -> float:
@@ -282,8 +291,10 @@ def _distinct_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def test_host_bytes_are_what_the_offloads_hold():
-    """A tiny Llama in bf16, every layer checkpointed with its input offloaded, two micro-batches in flight,
+@pytest.mark.parametrize("first", [None, 3])
+def test_host_bytes_are_what_the_offloads_hold(first):
+    """A tiny Llama in bf16, every layer checkpointed with its input offloaded (or, `first`, the first three
+    layers': the embedding's token ids and two decoder layers' hidden states), two micro-batches in flight,
     under ZeroOptimizer(stage 1, offload_optimizer) over AdamW, one step on CPU: the planner's host bytes are
     the offloaded inputs alive at once (every allocation tracked, bench/live_tensors.py) and the tensors the
     offloaded optimizer keeps (fp32 masters, their gradients, Adam's moments), the masters and gradients
@@ -303,7 +314,8 @@ def test_host_bytes_are_what_the_offloads_hold():
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=tokens)
     module = PipelineModule(hf_layer_specs(config, fused_loss=True), grid=Grid(pipe=1), loss_fn=causal_lm_loss,
-                            recompute=RecomputeConfig(mode="full", offload=True)).to(torch.bfloat16)
+                            recompute=RecomputeConfig(mode="full", offload=True, offload_layers=first)
+                            ).to(torch.bfloat16)
     opt = ZeroOptimizer(torch.optim.AdamW(module.parameters()),  # the bucket size the planner's ds_config sets
                         config=ZeroConfig(stage=1, offload_optimizer=True, reduce_bucket_size=64 * 64))
     ids = torch.randint(0, 64, (micro, 1, tokens), generator=torch.Generator().manual_seed(0))
@@ -321,11 +333,12 @@ def test_host_bytes_are_what_the_offloads_hold():
 
     shape = ModelShape.from_hf_config(config, tokens)
     profile = flops_profile(shape, 1.0)
-    layout = Layout(1, 1, 1, "1f1b", 1, micro, 1, 1, True, 1, host_inputs=True)
+    layout = Layout(1, 1, 1, "1f1b", 1, micro, 1, 1, True, 1, host_inputs=True, host_layers=first)
     planned = host_bytes(profile, range(len(profile)), float(micro), layout, h100(1, 1), "bf16", shape.d_model,
                          tokens)
     # each micro-batch's decoder layers' and final norm's inputs, and the fused head's copy, dropped at once
-    assert planned.inputs == _host_peak(tracker) == (micro * (3 + 1) + 1) * tokens * 64 * 2
+    held_inputs = micro * (3 + 1) + 1 if first is None else micro * (first - 1)
+    assert planned.inputs == _host_peak(tracker) == held_inputs * tokens * 64 * 2
     assert planned.optimizer == held
     assert planned.reserved == h100(1, 1).host_reserved_gb * 1e9
 

@@ -109,6 +109,7 @@ def _finetune_line(args: argparse.Namespace, pred, config_path: str) -> str:
     folder = folder if folder.is_dir() else folder.parent
     kit = (f" --activation-checkpointing {lay.recompute}" if lay.checkpoint else "") + (
         " --offload-activations" if lay.host_inputs else "") + (
+        f" --offload-activation-layers {lay.host_layers}" if lay.host_layers else "") + (
         f" --sequence-parallel {lay.sequence}" if lay.sequence > 1 else "") + (
         f" --tensor {lay.tensor}" if lay.tensor > 1 else "")  # not a ds_config key: world / the rest is data
     return (f"pipezero finetune --nproc {lay.world} --model {folder} --data DATA --seq-len {args.seq_len} "

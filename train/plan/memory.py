@@ -51,8 +51,8 @@ Host memory per rank (HostBreakdown), what the offloads allocate there:
   buckets are cut as zero/partition.py cuts them (optimizer_shards; tests/test_plan_kit.py checks them
   against plan_groups): TinyLlama's 4.4 GB of fp32 shards take 5.8 GB pinned, the 8B's 32.1 take 35.4.
   The routed experts' param group is counted at its bytes;
-* checkpointed inputs in pinned host memory (pipe/memory/offload.py): every checkpointed run's input
-  that requires a gradient (the hidden states; a run that starts at the embedding has token ids) of
+* checkpointed inputs in pinned host memory (pipe/memory/offload.py): every offloaded run's input
+  (all of them, or with Layout.host_layers the first ones) that requires a gradient (the hidden states; a run that starts at the embedding has token ids) of
   every micro-batch in flight, at the peak all of them; the fused head's run copies its input and drops
   it at once (LayerProfile.keeps_input), one copy more while it lives. Each is a tensor of its own, and
   CUDA's pinned allocator rounds every block up to a power of two bytes (torch's CachingHostAllocator)
@@ -177,13 +177,14 @@ def _runs(layers: Sequence[int], layout: Layout) -> list[Sequence[int]]:
 
 
 def _kept(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, precision: str, d_model: int,
-          tile: bool, norms: bool) -> float:
-    """Bytes per token a run keeps on the device from its forward to its backward."""
+          tile: bool, norms: bool, on_host: bool) -> float:
+    """Bytes per token a run keeps on the device from its forward to its backward (`on_host`: its input waits
+    on the host)."""
     t, e = layout.tensor, bytes_per_element(precision)
     if not layout.checkpoint:
         return sum(profile[i].act_bytes(precision, t, tile, norms) for i in run)
     first = profile[run[0]]
-    inputs = 0.0 if layout.host_inputs or first.kind == "Embedding" else d_model * e  # token ids: tiny
+    inputs = 0.0 if on_host or first.kind == "Embedding" else d_model * e  # token ids: tiny
     # row tiles keep none of their matmuls' outputs (pipe/memory/recompute.py's recomputed_matmuls)
     selective = sum(profile[i].selective_bytes(precision, t, tile) for i in run) if layout.selective else 0.0
     return inputs + selective + sum(profile[i].loss_bytes for i in run)  # the loss sits outside the checkpoint
@@ -192,7 +193,8 @@ def _kept(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, p
 def _working(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, precision: str, d_model: int,
              tokens: float, tile: bool, norms: bool, before: bool) -> float:
     """Bytes alive only while the run's backward runs: its recompute (when checkpointed), the largest
-    backward transient, under offload the input of the run before, prefetched."""
+    backward transient, and the input of the run before where `before` (that one's waits on the host),
+    prefetched."""
     t, e = layout.tensor, bytes_per_element(precision)
     total = 0.0
     for i in run:
@@ -206,7 +208,7 @@ def _working(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout
         kept = sum(profile[i].selective_bytes(precision, t, tile) for i in run) if layout.selective else 0.0
         # offloaded: the input unpacked for the recompute is dropped once it ran (the recomputed ops keep
         # their own tensors); the run before's, prefetched as this recompute starts, waits on the device
-        fetched = before * d_model * e if layout.host_inputs and profile[run[0]].kind != "Embedding" else 0
+        fetched = before * d_model * e if profile[run[0]].kind != "Embedding" else 0
         total += (saved - kept + fetched) * tokens
     return total
 
@@ -224,14 +226,16 @@ def backward_peak(profile: Sequence[LayerProfile], layers: Sequence[int], live: 
     if live <= 0:  # no micro-batch in flight (the planner's memory floor)
         return 0.0, 0.0
     tokens, tile, norms = rank_tokens(layout, seq_len), tiled(layout, seq_len), norms_tiled(layout, seq_len)
-    runs = _runs(list(layers), layout)
-    kept = [_kept(profile, run, layout, precision, d_model, tile, norms) * tokens for run in runs]
+    runs, k = _runs(list(layers), layout), layout.checkpoint or 1
+    kept = [_kept(profile, run, layout, precision, d_model, tile, norms, layout.on_host(r * k)) * tokens
+            for r, run in enumerate(runs)]
     grads = dict(zip(layers, grad_bytes)) if grad_bytes is not None else {}
     others, pending, made = max(live - 1.0, 0.0) * sum(kept), sum(kept), 0.0
     best = (0.0, 0.0)
     for r in range(len(runs) - 1, -1, -1):
         made += sum(grads.get(i, 0.0) for i in runs[r])
-        alive = others + pending + _working(profile, runs[r], layout, precision, d_model, tokens, tile, norms, r > 0)
+        before = r > 0 and layout.on_host((r - 1) * k)
+        alive = others + pending + _working(profile, runs[r], layout, precision, d_model, tokens, tile, norms, before)
         if alive + made > sum(best):
             best = (alive, made)
         pending -= kept[r]
@@ -322,7 +326,9 @@ def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: flo
     inputs = 0.0
     if layout.checkpoint and layout.host_inputs and live > 0:
         one = pinned(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision))
-        firsts = [profile[run[0]] for run in _runs(list(layers), layout) if profile[run[0]].kind != "Embedding"]
+        k = layout.checkpoint
+        firsts = [profile[run[0]] for r, run in enumerate(_runs(list(layers), layout))
+                  if layout.on_host(r * k) and profile[run[0]].kind != "Embedding"]
         kept = sum(p.keeps_input for p in firsts)
         inputs = (live * kept + (kept < len(firsts))) * one  # a run that keeps none: one copy, briefly
     return HostBreakdown(optimizer, inputs, hw.host_reserved_gb * 1e9)

@@ -64,22 +64,58 @@ class Prediction:
 
 def predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape: ModelShape,
             precision: str, memo: dict | None = None) -> Prediction:
-    """Step time and peak memory of one layout (`memo`: see step_time.simulate_layout)."""
+    """Step time and peak memory of one layout (`memo`: see step_time.simulate_layout).
+
+    A layout whose checkpointed inputs all on the host would overflow it, while the device holds the
+    rest, comes back as its twin that offloads only the first layers' inputs, as many as the host
+    holds (Layout.host_layers), where that twin fits; otherwise as it is."""
+    pred, live = _predict(profile, layout, hw, shape, precision, memo)
+    count = _host_layers(profile, pred, live)
+    if count is None:
+        return pred
+    partial = _predict(profile, replace(layout, host_layers=count), hw, shape, precision, memo)[0]
+    return partial if partial.fits else pred
+
+
+def _predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape: ModelShape,
+             precision: str, memo: dict | None) -> tuple[Prediction, Sequence[float]]:
+    """predict() of this very layout, and the micro-batches each pipe rank holds at its peak."""
     time, result, held = step_time(profile, layout, hw, precision, shape.d_model, shape.seq_len, memo)
-    live = result.live
-    worst, hosts = None, []
-    for rank in range(layout.pipe):
-        layers = [i for (r, _), rng in sorted(held.items()) if r == rank for i in rng]
-        mem = rank_memory(profile, layers, live[rank], layout, hw, precision, shape.d_model, shape.seq_len,
-                          _gathered(profile, layout, held, rank))
-        worst = mem if worst is None or mem.total > worst.total else worst
-        hosts.append(mem.host)
-    worst = replace(worst, host=node_host(hosts, layout, hw))  # the device's fullest rank, the host's fullest node
+    worst = _fullest(profile, layout, hw, precision, shape, held, result.live)
     tokens = layout.replicas * layout.microbatches * layout.microbatch_size * shape.seq_len
     flops = sum(p.flops for p in profile) * tokens
     total = sum(p.seconds for p in profile) or 1.0
     return Prediction(layout, time, worst, tokens, flops, hw, shape, precision,
-                      tuple(round(p.seconds / total, 6) for p in profile))
+                      tuple(round(p.seconds / total, 6) for p in profile)), result.live
+
+
+def _fullest(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str, shape: ModelShape,
+             held: dict, live: Sequence[float] | None) -> MemoryBreakdown:
+    """The device's fullest pipe rank's memory, with the host's fullest node's (`live`: the micro-batches each
+    rank holds at its peak; None: none, the floor)."""
+    worst, hosts = None, []
+    for rank in range(layout.pipe):
+        layers = [i for (r, _), rng in sorted(held.items()) if r == rank for i in rng]
+        mem = rank_memory(profile, layers, 0.0 if live is None else live[rank], layout, hw, precision,
+                          shape.d_model, shape.seq_len, _gathered(profile, layout, held, rank))
+        worst = mem if worst is None or mem.total > worst.total else worst
+        hosts.append(mem.host)
+    return replace(worst, host=node_host(hosts, layout, hw))
+
+
+def _host_layers(profile: Sequence[LayerProfile], pred: Prediction, live: Sequence[float]) -> int | None:
+    """The most first layers whose inputs the host holds beside the rest, where offloading all of them
+    overflows it and the device holds the rest; None where that is not the case (or one cannot help)."""
+    lay, hw, mem = pred.layout, pred.hardware, pred.memory
+    if not lay.may_offload_fewer or mem.fits(hw) or mem.total > hw.memory_gb * 1e9:
+        return None
+    held = chunk_layers(profile, lay, schedule_entry(lay.schedule).placement)
+    for count in range(max(len(rng) for rng in held.values()) - 1, 0, -1):
+        option = replace(lay, host_layers=count)
+        host = _fullest(profile, option, hw, pred.precision, pred.shape, held, live).host
+        if host.total <= hw.host_memory_gb * 1e9:
+            return count
+    return None
 
 
 def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, global_batch: int,
@@ -191,7 +227,7 @@ def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Har
         preds.append(pred)
         if pred.fits:
             best = sorted(best + [pred.time.total])[:top]
-            fitting.add(layouts[i])
+            fitting.add(pred.layout)
     return preds
 
 
@@ -201,22 +237,15 @@ def _needless(layout: Layout, fitting: set) -> bool:
     switched on only where what it saves is needed."""
     if not layout.checkpoint:
         return False
-    plain = replace(layout, checkpoint=0, selective=False, host_inputs=False)
-    return plain in fitting or (layout.host_inputs and replace(layout, host_inputs=False) in fitting)
+    plain = replace(layout, checkpoint=0, selective=False, host_inputs=False, host_layers=None)
+    return plain in fitting or (layout.host_inputs and replace(layout, host_inputs=False, host_layers=None) in fitting)
 
 
 def _memory_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str,
                   shape: ModelShape) -> MemoryBreakdown:
     """The fullest rank's memory with no micro-batch in flight, device and host: a lower bound of predict()'s."""
     held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
-    worst, hosts = None, []
-    for rank in range(layout.pipe):
-        layers = [i for (r, _), rng in held.items() if r == rank for i in rng]
-        mem = rank_memory(profile, layers, 0.0, layout, hw, precision, shape.d_model, shape.seq_len,
-                          _gathered(profile, layout, held, rank))
-        worst = mem if worst is None or mem.total > worst.total else worst
-        hosts.append(mem.host)
-    return replace(worst, host=node_host(hosts, layout, hw))
+    return _fullest(profile, layout, hw, precision, shape, held, None)
 
 
 def _gathered(profile: Sequence[LayerProfile], layout: Layout, held: dict, rank: int) -> float | None:
@@ -290,8 +319,9 @@ def _zero3_words(lay: Layout) -> str:
 def _kit_words(lay: Layout) -> str:
     if not lay.checkpoint:
         return "none"
+    host = f", the first {lay.host_layers} layers' inputs" if lay.host_layers else ", its inputs"
     return (f"{lay.recompute}, every {lay.checkpoint} layer{'s' if lay.checkpoint > 1 else ''}"
-            + (", its inputs in pinned host memory" if lay.host_inputs else ""))
+            + (f"{host} in pinned host memory" if lay.host_inputs else ""))
 
 
 def kit_table(profile: Sequence[LayerProfile], winner: Prediction) -> str:
@@ -303,12 +333,12 @@ def kit_table(profile: Sequence[LayerProfile], winner: Prediction) -> str:
     kits = [(0, False, False), (1, True, False), (1, False, False)]
     kits += [(1, True, True), (1, False, True)] if hw.host_offload else []
     for ck, selective, host in kits:
-        option = replace(lay, checkpoint=ck, selective=selective, host_inputs=host)
+        option = replace(lay, checkpoint=ck, selective=selective, host_inputs=host, host_layers=None)
         pred = predict(profile, option, hw, winner.shape, winner.precision)
         misfit = pred.memory.misfit(hw)
         fits = f"does not fit ({misfit})" if misfit else "fits"
         on_host = f", host {pred.memory.host.total / 1e9:5.3g} GB" if hw.host_offload else ""
-        rows.append(f"  {_kit_words(option):<58} {pred.memory.total / 1e9:8.3g} GB{on_host}  {fits}, "
+        rows.append(f"  {_kit_words(pred.layout):<76} {pred.memory.total / 1e9:8.3g} GB{on_host}  {fits}, "
                     f"{pred.tokens_per_second:,.0f} tokens/s")
     return "\n".join(rows)
 
@@ -336,6 +366,8 @@ def ds_config(p: Prediction) -> dict[str, Any]:
     }
     if lay.host_inputs:
         out["activation_checkpointing"] = {"cpu_checkpointing": True}
+    if lay.host_layers:
+        out["pipeline"]["offload_activation_layers"] = lay.host_layers
     if lay.expert > 1:  # DeepSpeed's AutoEP section, which build() reads as the grid's expert axis
         out["expert_parallel"] = {"enabled": True, "autoep_size": lay.expert}
     return out

@@ -154,9 +154,10 @@ def expert_all_to_all_seconds(layout: Layout, hw: Hardware, precision: str, d_mo
 
 
 def kit_seconds(p: LayerProfile, layout: Layout, hw: Hardware, precision: str, d_model: int, seq_len: int,
-                forward: float) -> tuple[float, float]:
+                forward: float, on_host: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds the memory kit adds to one layer and micro-batch (module docstring):
-    `forward` is the layer's own forward seconds, under which a host copy hides."""
+    `forward` is the layer's own forward seconds, under which a host copy hides; `on_host` False: the
+    layer keeps its input on the device whatever the layout (Layout.host_layers)."""
     tokens, e = rank_tokens(layout, seq_len), bytes_per_element(precision)
     back = 0.0
     if tiled(layout, seq_len) and p.act_tiled and p.flops:
@@ -165,7 +166,7 @@ def kit_seconds(p: LayerProfile, layout: Layout, hw: Hardware, precision: str, d
         redone = p.act_bytes(precision, layout.tensor, tiled(layout, seq_len)) - p.selective_bytes(
             precision, layout.tensor, tiled(layout, seq_len)) - p.loss_bytes
         back += 2 * redone * tokens / (hw.memory_gbps * 1e9)
-    if layout.checkpoint and layout.host_inputs and p.kind != "Embedding":
+    if layout.checkpoint and layout.host_inputs and on_host and p.kind != "Embedding":
         copy = tokens * d_model * e / (hw.pcie_gbps * 1e9)
         return max(0.0, copy - forward), back + max(0.0, copy - forward)
     return 0.0, back
@@ -203,10 +204,11 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
         back += launches + 2 * blocks * one + a2a
     elif layout.checkpoint:  # selective: the matmuls' outputs kept, the exchanges and elementwise ops re-run
         back += a2a
-    for i in layers:
+    k = layout.checkpoint or 1
+    for j, i in enumerate(layers):
         p = profile[i]
         own_forward = p.seconds / 3 * tokens * hw.compute_slowdown / (1 if p.tied else t)
-        added = kit_seconds(p, layout, hw, precision, d_model, seq_len, own_forward)
+        added = kit_seconds(p, layout, hw, precision, d_model, seq_len, own_forward, layout.on_host(j - j % k))
         fwd, back = fwd + added[0], back + added[1]
     return Costs(forward=fwd, backward_input=back, backward_weight=weight, p2p=p2p), tp * layout.microbatches
 
@@ -400,6 +402,8 @@ def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
     their floors and stops once a floor exceeds the step time of the table's last row.
     """
     held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
+    # predict() may offload fewer inputs than the layout (planner.predict): the floor copies the fewest, one
+    layout = replace(layout, host_layers=1) if layout.may_offload_fewer else layout
     key = replace(layout, zero=0, offload=False, reshard=False)  # `memo`: the busy part, the same for every ZeRO stage
     busy: dict[int, float] = {} if memo is None or key not in memo else memo[key]
     for (rank, _), layers in held.items() if not busy else ():
