@@ -134,7 +134,9 @@ for w in $what; do
                          --lengths 32768 ;;  # the kit's cost with the layers and the loss compiled
     long-8b) run long-8b 570 python3 bench/long_context.py --shape llama3-8b --steps 0 --offload-optimizer off \
                --offload-layers 26 --runs pipezero-offload --lengths 524288 ;;  # the whole 8B at 512K: bf16 AdamW
-               # on the GPU, 26 of 32 layers' inputs on the host (~110 GiB); an H200 only (run's needs_h200)
+               # on the GPU, the first 26 layers' inputs on the host (the embedding's ids and 25 decoder layers':
+               # 100 GiB + the process); the planner's model of it: 113.6 GiB on the device. An H200 only
+               # (run's needs_h200)
     long-128k) run long-128k 80 python3 bench/long_context.py --shape tinyllama --steps 1 --runs pipezero-offload \
                  --lengths 131072 ;;
     long-1m) run long-1m 240 python3 bench/long_context.py --shape tinyllama --steps 0 --runs pipezero-offload \

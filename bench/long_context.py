@@ -76,9 +76,12 @@ def host_need(run: str, config, length: int, offload_optimizer: bool,
               cuda: bool = True, offload_layers: int | None = None) -> tuple[float, str]:
     """(GiB, how it adds up) of host memory one (run, length) takes: the offloaded optimizer (pipezero:
     fp32 masters, Adam's two moments and the fp32 gradient landing buffers, 16 B/param; ALST's ZeRO-3
-    offload adds the bf16 parameters, 18 B/param), the offloaded layer inputs (layers x length x hidden
-    bf16), and the process itself. Without CUDA everything is on the host: fp32 weights, gradients and
-    Adam, 16 B/param, at the least."""
+    offload adds the bf16 parameters, 18 B/param), the offloaded layer inputs (inputs x length x hidden
+    bf16: ALST's decoder layers'; pipezero's as the planner counts them, train/plan/memory.py, checked
+    against the runtime's: the decoder layers' and the final norm's and the fused head's brief copy, or
+    with offload_layers those among the pipeline's first N layers, the embedding's token ids the first),
+    and the process itself. Without CUDA everything is on the host: fp32 weights, gradients and Adam,
+    16 B/param, at the least."""
     parts, total = [], _PROCESS_GIB
     if not cuda:
         gib = parameter_count(config) * 16 / _GIB
@@ -90,12 +93,26 @@ def host_need(run: str, config, length: int, offload_optimizer: bool,
         parts.append(f"optimizer {parameter_count(config) / 1e9:.2f}B params x {per} B = {gib:.1f} GiB")
         total += gib
     if run.removesuffix("-compiled") in _OFFLOADS_ACTIVATIONS:
-        layers = config.num_hidden_layers if offload_layers is None or run == "alst" else offload_layers
-        gib = min(layers, config.num_hidden_layers) * length * config.hidden_size * 2 / _GIB
-        parts.append(f"layer inputs {min(layers, config.num_hidden_layers)} x {length:,} x {config.hidden_size} "
-                     f"x 2 B = {gib:.1f} GiB")
+        inputs = config.num_hidden_layers if run == "alst" else offloaded_inputs(config, length, offload_layers)
+        gib = inputs * length * config.hidden_size * 2 / _GIB
+        parts.append(f"layer inputs {inputs} x {length:,} x {config.hidden_size} x 2 B = {gib:.1f} GiB")
         total += gib
     return total, " + ".join(parts + [f"{_PROCESS_GIB:.0f} GiB for the process"])
+
+
+def offloaded_inputs(config, length: int, offload_layers: int | None) -> int:
+    """The [length, hidden] inputs a one-stage pipezero-offload run holds on the host at once (the planner's
+    count, train/plan/memory.py's host_bytes)."""
+    from pipezero.train.plan.hardware import h100
+    from pipezero.train.plan.layout import Layout
+    from pipezero.train.plan.memory import host_bytes, pinned
+    from pipezero.train.plan.model import ModelShape, flops_profile
+
+    shape = ModelShape.from_hf_config(config, length)
+    profile = flops_profile(shape, 1.0)
+    layout = Layout(1, 1, 1, "1f1b", 1, 1, 1, 0, False, 1, host_inputs=True, host_layers=offload_layers)
+    held = host_bytes(profile, range(len(profile)), 1.0, layout, h100(1, 1), "bf16", shape.d_model, length).inputs
+    return round(held / pinned(length * config.hidden_size * 2))
 
 
 def host_available_gib() -> float:

@@ -36,15 +36,16 @@ def test_host_memory_guard_refuses_what_the_host_cannot_hold():
     full = lc._config("llama3-8b", 524288)
     refusal = lc.host_refusal("alst", full, 524288, True, available=120.0)
     assert refusal and "8.03B params x 18 B" in refusal and "32 x 524,288 x 4096" in refusal, refusal
-    need, _ = lc.host_need("pipezero-offload", full, 524288, True)
-    assert need == pytest.approx(6 + 8.03e9 * 16 / 2**30 + 32 * 524288 * 4096 * 2 / 2**30, rel=1e-3)
+    need, _ = lc.host_need("pipezero-offload", full, 524288, True)  # 32 layers', the final norm's, the head's
+    assert need == pytest.approx(6 + 8.03e9 * 16 / 2**30 + 34 * 524288 * 4096 * 2 / 2**30, rel=1e-3)
     cut = lc._config("llama3-8b", 524288, layers=8)
     assert lc.host_refusal("pipezero-offload", cut, 524288, True, available=120.0) is None
     assert lc.host_refusal("torch", full, 524288, False, available=120.0) is None  # nothing on the host
     assert "fp32 training state 8.03B" in lc.host_refusal("torch", full, 4096, False, 120.0, cuda=False)
-    # the whole 8B at 512K with its optimizer on the GPU: 26 of 32 layers' inputs on the host fit 120 GiB
+    # the whole 8B at 512K with its optimizer on the GPU: the pipeline's first 26 layers are the embedding
+    # (token ids) and 25 decoder layers, whose inputs fit 120 GiB
     need, parts = lc.host_need("pipezero-offload", full, 524288, False, offload_layers=26)
-    assert need == pytest.approx(6 + 26 * 524288 * 4096 * 2 / 2**30) and "26 x 524,288" in parts, parts
+    assert need == pytest.approx(6 + 25 * 524288 * 4096 * 2 / 2**30) and "25 x 524,288" in parts, parts
     assert lc.host_refusal("pipezero-offload", full, 524288, False, available=120.0, offload_layers=26) is None
 
 
