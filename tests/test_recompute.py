@@ -41,6 +41,7 @@ BATCH, SEQ, MICRO, LR = 8, 8, 4, 0.5
 FULL, SELECTIVE = RecomputeConfig(mode="full"), RecomputeConfig(mode="selective")
 FULL_OFF, SELECTIVE_OFF = RecomputeConfig(mode="full", offload=True), RecomputeConfig(mode="selective", offload=True)
 FIRST_OFF = RecomputeConfig(mode="full", offload=True, offload_layers=1)  # a forward's first layer's inputs only
+FIRST_TWO = RecomputeConfig(mode="full", checkpoint_layers=2)  # a forward's first two layers checkpointed
 CASES = [  # (model, schedule, recompute, deferred_linear)
     ("gpt", "1f1b", FULL_OFF, True),
     ("gpt", "zbv", SELECTIVE_OFF, False),                  # ZB-V through torch's graph split
@@ -51,6 +52,7 @@ CASES = [  # (model, schedule, recompute, deferred_linear)
     ("gpt", "zb_h1", FULL_OFF, False),                     # no graph split: one backward call, one recompute
     ("llama-lora", "dualpipev", SELECTIVE_OFF, True),
     ("llama", "1f1b", FIRST_OFF, True),
+    ("llama", "1f1b", FIRST_TWO, True),                    # 2 of the 3 decoder layers (one a stage)
 ]
 
 
@@ -120,8 +122,10 @@ def test_checkpointed_pipelines_equal_one_process():
         for rank in ranks:
             assert rank[0] == pytest.approx(loss, rel=1e-6, abs=1e-6), case
         # each rank ran its blocks forward once per microbatch, and once again in the recompute (a graph
-        # split would recompute in each of its backward calls)
-        assert sum(r[3] for r in ranks) == 2 * calls, (case, calls, [r[3] for r in ranks])
+        # split would recompute in each of its backward calls); with checkpoint_layers=2 the stages' layers
+        # are [embedding, 0, 1] and [2, norm, head]: blocks 0 and 2 are among their forward's first two
+        redone = calls * 2 // 3 if recompute.checkpoint_layers else calls
+        assert sum(r[3] for r in ranks) == calls + redone, (case, calls, [r[3] for r in ranks])
         for name, want in (("grad", grads), ("param", params)):
             have = _merged(ranks, {"grad": 1, "param": 2}[name])
             assert set(have) == set(want), (case, set(have) ^ set(want))
@@ -244,13 +248,14 @@ class _LiveBytes(TorchDispatchMode):
         return sum(n for ref, n in self.refs.values() if not ref.expired())
 
 
-def _kept_bytes(recompute: RecomputeConfig | None) -> tuple[int, int]:
-    """Bytes a GPT forward leaves alive for its backward (and what the offload moved)."""
+def _kept_bytes(recompute: RecomputeConfig | None, blocks: int = 4) -> tuple[int, int]:
+    """Bytes a GPT forward leaves alive for its backward (and what the offload moved); `blocks`: of its 4
+    blocks, how many checkpoint_blocks checkpoints."""
     cfg = GPTConfig(vocab_size=64, n_layer=4, n_head=2, d_model=32, seq_len=64, seed=1)
     model = GPT(cfg)
     offload = HostOffload() if recompute is not None and recompute.offload else None
     if recompute is not None:
-        assert checkpoint_blocks(model_blocks(model), recompute, offload) == 4
+        assert checkpoint_blocks(model_blocks(model), recompute, offload) == blocks
     ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(0))
     params = {StorageWeakRef(p.untyped_storage()).cdata for p in model.parameters()}
     with _LiveBytes(params) as mode:
@@ -271,6 +276,10 @@ def test_checkpointing_keeps_less():
     assert moved == 4 * 4 * 64 * 32 * 4  # the four blocks' inputs [batch, seq, d_model] in fp32, no more
     _, moved = _kept_bytes(RecomputeConfig(mode="full", offload=True, offload_layers=3))
     assert moved == 3 * 4 * 64 * 32 * 4  # the first three blocks' inputs; the last block keeps its own
+    # the first two of four blocks checkpointed: half of what checkpointing saves, saved
+    half, moved = _kept_bytes(RecomputeConfig(mode="full", offload=True, checkpoint_layers=2), blocks=2)
+    assert half == pytest.approx((none + full) / 2, rel=0.02), (half, none, full)
+    assert moved == 2 * 4 * 64 * 32 * 4  # the two checkpointed blocks' inputs
 
 
 # -- ds_config --------------------------------------------------------------------------------------
@@ -322,6 +331,17 @@ def test_pipeline_keys_and_refusals(caplog):
     with pytest.raises(ValueError, match="offload_layers=2, offload=False"):
         RecomputeConfig(mode="full", offload_layers=2)
     assert "first 2 layers in pinned host memory" in first_two.describe()
+    assert _recompute(pipeline={"activation_checkpoint_layers": 2}) == FIRST_TWO
+    assert "full recompute of a forward's first 2 layers" in FIRST_TWO.describe()
+    with pytest.raises(ConfigError, match='"none" but .*activation_checkpoint_layers.* = 2'):
+        _recompute(pipeline={"activation_checkpointing": "none", "activation_checkpoint_layers": 2})
+    with pytest.raises(ConfigError, match="offload_activation_layers.* = 3 exceeds .*activation_checkpoint_layers"
+                                          ".* = 2"):
+        _recompute({"cpu_checkpointing": True}, {"activation_checkpoint_layers": 2, "offload_activation_layers": 3})
+    with pytest.raises(ValueError, match="checkpoint_layers=2, mode='none'"):
+        RecomputeConfig(checkpoint_layers=2)
+    with pytest.raises(ValueError, match="checkpoint_layers=0.*positive integer"):
+        RecomputeConfig(mode="full", checkpoint_layers=0)
     _recompute({"profile": True, "synchronize_checkpoint_boundary": True})
     assert "profile\"] is ignored" in caplog.text and "synchronize_checkpoint_boundary" in caplog.text
 
@@ -339,3 +359,7 @@ def test_command_line_flags():
     args = finetune.parse_args(["--offload-activation-layers", "3"])
     assert finetune.train_config(args, None, 32).recompute == RecomputeConfig(mode="full", offload=True,
                                                                               offload_layers=3)
+    args = finetune.parse_args(["--activation-checkpoint-layers", "2", "--activation-checkpointing", "selective"])
+    assert finetune.train_config(args, None, 32).recompute == RecomputeConfig(mode="selective", checkpoint_layers=2)
+    cfg = parse_config(job.ds_config(job.parse_args(["--activation-checkpoint-layers", "2"])), world_size=2)
+    assert cfg.recompute == FIRST_TWO

@@ -100,11 +100,16 @@ def add_preempt_flag(p: argparse.ArgumentParser) -> None:
 
 
 def add_recompute_flags(p: argparse.ArgumentParser) -> None:
-    """--activation-checkpointing, --offload-activations and --offload-activation-layers
-    (train/config/recompute.py writes them into the ds_config: apply_recompute_flags)."""
+    """--activation-checkpointing, --activation-checkpoint-layers, --offload-activations and
+    --offload-activation-layers (train/config/recompute.py writes them into the ds_config:
+    apply_recompute_flags)."""
     p.add_argument("--activation-checkpointing", default=None, choices=RECOMPUTE_MODES,
                    help="recompute each layer's forward in backward: all of it (full) or all but the matmuls "
                         "(selective); default: the config's (ds_config pipeline.activation_checkpointing)")
+    p.add_argument("--activation-checkpoint-layers", type=int, default=None, metavar="N",
+                   help="checkpoint only each forward's first N layers, the rest keep every activation "
+                        "(ds_config pipeline.activation_checkpoint_layers; implies --activation-checkpointing "
+                        "full unless given)")
     p.add_argument("--offload-activations", action="store_true",
                    help="keep the checkpointed layers' inputs in pinned host memory, fetched back ahead of "
                         "their backward (ds_config activation_checkpointing.cpu_checkpointing; implies "

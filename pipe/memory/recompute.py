@@ -69,6 +69,9 @@ class RecomputeConfig:
     offload: bool = False   # each run's kept inputs in pinned host memory (DeepSpeed's cpu_checkpointing)
     offload_layers: int | None = None  # with offload: only the runs among a forward's first N layers
                                        # (None: all), the rest keep their inputs on the device
+    checkpoint_layers: int | None = None  # only the runs among a forward's first N layers are checkpointed
+                                          # (None: all), the rest keep every activation (Megatron's
+                                          # recompute_method="block" with recompute_num_layers=N)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,22 +85,33 @@ class RecomputeConfig:
             raise ValueError("RecomputeConfig(mode='none', offload=True): offload moves the inputs that "
                              "checkpointed layers keep, and mode='none' checkpoints none; use mode='full' "
                              "or 'selective'")
-        self._check_offload_layers()
+        self._check_layer_counts()
 
-    def _check_offload_layers(self) -> None:
-        n = self.offload_layers
-        if n is None:
-            return
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"RecomputeConfig(offload_layers={n!r}): expected a positive integer (how many "
-                             "of a forward's first layers keep their inputs on the host) or None (all)")
-        if not self.offload:
+    def _check_layer_counts(self) -> None:
+        for name, what in (("offload_layers", "keep their inputs on the host"),
+                           ("checkpoint_layers", "are checkpointed")):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"RecomputeConfig({name}={n!r}): expected a positive integer (how many of a "
+                                 f"forward's first layers {what}) or None (all)")
+        n, k = self.offload_layers, self.checkpoint_layers
+        if n is not None and not self.offload:
             raise ValueError(f"RecomputeConfig(offload_layers={n}, offload=False): offload_layers says how many "
                              "layers offload their inputs; set offload=True with it, or drop it")
+        if k is not None and self.mode == "none":
+            raise ValueError(f"RecomputeConfig(checkpoint_layers={k}, mode='none'): checkpoint_layers says how many "
+                             "layers are checkpointed; set mode='full' or 'selective' with it, or drop it")
+        if n is not None and k is not None and n > k:
+            raise ValueError(f"RecomputeConfig(offload_layers={n}, checkpoint_layers={k}): only checkpointed layers "
+                             f"keep inputs to offload; set offload_layers <= {k}")
+
+    def checkpoints(self, layer: int) -> bool:
+        """Is the run starting at a forward's `layer`-th layer (from 0) checkpointed?"""
+        return self.enabled and (self.checkpoint_layers is None or layer < self.checkpoint_layers)
 
     def on_host(self, layer: int) -> bool:
         """Does the run starting at a forward's `layer`-th layer (from 0) offload its inputs?"""
-        return self.offload_layers is None or layer < self.offload_layers
+        return self.checkpoints(layer) and (self.offload_layers is None or layer < self.offload_layers)
 
     @property
     def enabled(self) -> bool:
@@ -109,6 +123,9 @@ class RecomputeConfig:
         if not self.enabled:
             return "no activation checkpointing"
         runs = "every layer" if self.interval == 1 else f"every run of {self.interval} layers"
+        if self.checkpoint_layers is not None:
+            runs = f"a forward's first {self.checkpoint_layers} layers" + ("" if self.interval == 1 else
+                                                                           f" in runs of {self.interval}")
         eager = ", the layers eager (not compiled)" if self.mode == "selective" else ""
         host = ", its inputs in pinned host memory" if self.offload else ""
         if self.offload and self.offload_layers is not None:
@@ -215,6 +232,9 @@ def checkpointed_runs(run: Callable[[int, int, Any], Any], lo: int, hi: int, x: 
         offload.begin()
     for start in range(lo, hi, config.interval):
         end = min(hi, start + config.interval)
+        if not config.checkpoints(start - lo):  # past checkpoint_layers: every activation kept
+            x = run(start, end, x)
+            continue
         spread = isinstance(x, tuple)
         x = checkpointed(functools.partial(_call_run, run, start, end, spread), x if spread else (x,),
                          config, offload, on_host=config.on_host(start - lo))
@@ -236,6 +256,8 @@ def checkpoint_blocks(blocks: Iterable[nn.Module], config: RecomputeConfig,
     if not config.enabled:
         return count
     for block in blocks:
+        if not config.checkpoints(count):
+            break
         block.forward = functools.partial(_checkpointed_forward, block.forward, config, offload,
                                           config.on_host(count))
         count += 1

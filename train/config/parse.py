@@ -92,8 +92,8 @@ class PipelineConfig:
     def parse(cls, sec: Section) -> "PipelineConfig":
         """Read the section and check that chunks fit the schedule."""
         sec.check(("stages", "schedule", "chunks", "micro_batches", "activation_checkpoint_interval",
-                   "activation_checkpointing", "offload_activation_layers", "partition_method", "reshard_after_forward",
-                   "timeout"), _DS_PIPELINE_RULES)
+                   "activation_checkpointing", "activation_checkpoint_layers", "offload_activation_layers",
+                   "partition_method", "reshard_after_forward", "timeout"), _DS_PIPELINE_RULES)
         name = sec.raw("schedule", "1f1b")
         try:
             entry = schedule_entry(name)

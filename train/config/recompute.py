@@ -17,7 +17,8 @@ applies to them. Its keys, as DeepSpeed reads them (`DeepSpeedActivationCheckpoi
 The mode lives in pipezero's own pipeline section: `"activation_checkpointing": "none" | "full" |
 "selective"` beside DeepSpeed's `activation_checkpoint_interval` (layers per checkpointed run), and
 `"offload_activation_layers": N` (with cpu_checkpointing: only a forward's first N layers offload their
-inputs, the rest keep them on the device).
+inputs, the rest keep them on the device) and `"activation_checkpoint_layers": N` (only a forward's
+first N layers are checkpointed, the rest keep every activation: Megatron's recompute_method "block").
 """
 
 from __future__ import annotations
@@ -57,21 +58,28 @@ def read_recompute(raw: Any, pipeline: Section, tensor: int = 1) -> RecomputeCon
                           "(each tensor rank keeps the whole input) or use cpu_checkpointing")
     interval = pipeline.int("activation_checkpoint_interval", 0, lo=0)
     where = pipeline.where("activation_checkpointing")
+    counted = pipeline.int("activation_checkpoint_layers", None, lo=1)
     mode = pipeline.raw("activation_checkpointing")
     if mode is None:
-        mode = "full" if interval or offload or partition else "none"
+        mode = "full" if interval or offload or partition or counted else "none"
     elif not isinstance(mode, str) or mode.lower() not in MODES:
         raise ConfigError(f"{where} = {mode!r}: expected one of {', '.join(repr(m) for m in MODES)}")
     mode = mode.lower()
-    if mode == "none" and (interval or offload):
+    if mode == "none" and (interval or offload or counted):
         asked = (f'{pipeline.where("activation_checkpoint_interval")} = {interval}' if interval
+                 else f'{pipeline.where("activation_checkpoint_layers")} = {counted}' if counted
                  else f'{sec.where("cpu_checkpointing")} = true')
         raise ConfigError(f'{where} = "none" but {asked} asks for checkpointed layers: remove one, or set '
                           f'{where} to "full" or "selective"')
     layers = _offload_layers(pipeline, sec, offload)
     if mode == "none":
         return RecomputeConfig()
-    return RecomputeConfig(mode=mode, interval=interval or 1, offload=offload, offload_layers=layers)
+    if layers is not None and counted is not None and layers > counted:
+        raise ConfigError(f'{pipeline.where("offload_activation_layers")} = {layers} exceeds '
+                          f'{pipeline.where("activation_checkpoint_layers")} = {counted}: only checkpointed layers '
+                          f"keep inputs to offload; set it to {counted} or less")
+    return RecomputeConfig(mode=mode, interval=interval or 1, offload=offload, offload_layers=layers,
+                           checkpoint_layers=counted)
 
 
 def _offload_layers(pipeline: Section, sec: Section, offload: bool) -> int | None:
@@ -84,11 +92,13 @@ def _offload_layers(pipeline: Section, sec: Section, offload: bool) -> int | Non
 
 
 def apply_recompute_flags(raw: dict, args: argparse.Namespace) -> dict:
-    """The ds_config `raw` with the three flags written into its keys (edited in place, and returned)."""
+    """The ds_config `raw` with the four flags written into its keys (edited in place, and returned)."""
     if args.activation_checkpointing is not None:
         raw["pipeline"] = {**raw.get("pipeline", {}), "activation_checkpointing": args.activation_checkpointing}
     if args.offload_activations or args.offload_activation_layers is not None:
         raw["activation_checkpointing"] = {**(raw.get("activation_checkpointing") or {}), "cpu_checkpointing": True}
     if args.offload_activation_layers is not None:
         raw["pipeline"] = {**raw.get("pipeline", {}), "offload_activation_layers": args.offload_activation_layers}
+    if args.activation_checkpoint_layers is not None:
+        raw["pipeline"] = {**raw.get("pipeline", {}), "activation_checkpoint_layers": args.activation_checkpoint_layers}
     return raw
