@@ -72,17 +72,26 @@ def test_offloaded_peak_is_within_5_percent_of_the_h100s(seq_len):
 
 
 def test_the_kit_the_plan_picks_is_the_fastest_that_fits():
-    """On one H100 at 32K nothing needs checkpointing (the fastest fits); at 512K and 1M only checkpointed
-    inputs in host memory fit, and the table says which choices do not; 2M does not fit."""
+    """On one H100 at 32K nothing needs checkpointing (the fastest fits); at 512K with the optimizer on the host
+    the device holds the last layers whole, so only the first 22 of the 25 are checkpointed (less recompute
+    than the inputs on the host, next); at 1M only checkpointed inputs in host memory fit, and the table says
+    which choices do not; 2M does not fit."""
     hw = h100(1, 1)
-    for seq_len, recompute, host in ((32768, "none", False), (524288, "full", True), (1048576, "full", True)):
+    for seq_len, recompute, host, first, misfits in ((32768, "none", False, None, 0), (524288, "full", False, 22, 3),
+                                                     (1048576, "full", True, None, 4)):
         shape = tinyllama(seq_len)
         profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
         preds = plan(shape, profile, hw, 1, "bf16", top=3)
         best = preds[0].layout
-        assert (best.recompute, best.host_inputs) == (recompute, host), best.label
+        assert (best.recompute, best.host_inputs, best.checkpoint_layers) == (recompute, host, first), best.label
         table = kit_table(profile, preds[0])
-        assert table.count("does not fit") == (0 if seq_len == 32768 else 4), table
+        assert table.count("does not fit") == misfits, table
+    shape = tinyllama(524288)
+    profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
+    twin = plan(shape, profile, hw, 1, "bf16", top=1)[0]
+    every, fewer = (predict(profile, replace(twin.layout, checkpoint_layers=n), hw, shape, "bf16") for n in (None, 21))
+    assert every.fits and every.tokens_per_second < twin.tokens_per_second  # each recompute costs
+    assert not fewer.fits and twin.fits  # 22 is the fewest the device holds
     with pytest.raises(ValueError, match="no layout"):
         plan(tinyllama(2 * 1048576), flops_profile(tinyllama(2 * 1048576), 1e15), hw, 1, "bf16", top=3)
 

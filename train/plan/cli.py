@@ -108,6 +108,7 @@ def _finetune_line(args: argparse.Namespace, pred, config_path: str) -> str:
     lay, folder = pred.layout, Path(args.hf_config)
     folder = folder if folder.is_dir() else folder.parent
     kit = (f" --activation-checkpointing {lay.recompute}" if lay.checkpoint else "") + (
+        f" --activation-checkpoint-layers {lay.checkpoint_layers}" if lay.checkpoint_layers else "") + (
         " --offload-activations" if lay.host_inputs else "") + (
         f" --offload-activation-layers {lay.host_layers}" if lay.host_layers else "") + (
         f" --sequence-parallel {lay.sequence}" if lay.sequence > 1 else "") + (

@@ -23,7 +23,8 @@ Enumeration rules (each one a fact of the runtime, not a taste):
 * activation checkpointing off (0) or every layer (1), full or selective (the matmuls' outputs kept),
   its inputs on the device or in pinned host memory (where the hardware has a host to offload to);
   with one chunk a rank, the prediction may offload only the first layers' inputs (host_layers: as
-  many as the host holds, planner.predict), never an enumerated choice;
+  many as the host holds) or, on the device, checkpoint only the first layers (checkpoint_layers: as
+  few as the device holds), planner.predict, never an enumerated choice;
   the MLP in row tiles and the fused head + loss are not choices: the runtime tiles from
   TILE_FROM_ROWS tokens a micro-batch (pipe/tiled_mlp.py) and the shape says whether the loss is fused.
 """
@@ -64,22 +65,39 @@ class Layout:
     expert: int = 1        # the expert axis' degree: data x expert ranks share the dense reduction
     reshard: bool = False  # ZeRO-3: a chunk freed whenever another runs (the pipeline's reshard_after_forward)
     host_layers: int | None = None  # host_inputs: only the chunk's first N layers offload (None: all of them)
+    checkpoint_layers: int | None = None  # only the chunk's first N layers checkpointed (None: all of them)
 
     def __post_init__(self) -> None:
         if self.host_layers is not None and not (self.host_inputs and self.checkpoint and self.chunks == 1
                                                  and self.host_layers >= 1):
             raise ValueError(f"Layout(host_layers={self.host_layers!r}): a positive count, with host_inputs and "
                              f"checkpointing, at one chunk a rank (chunks={self.chunks})")
+        if self.checkpoint_layers is not None and not (self.checkpoint and not self.host_inputs and self.chunks == 1
+                                                       and self.checkpoint_layers >= 1):
+            raise ValueError(f"Layout(checkpoint_layers={self.checkpoint_layers!r}): a positive count, with "
+                             f"checkpointing on the device, at one chunk a rank (chunks={self.chunks})")
 
     @property
     def may_offload_fewer(self) -> bool:
         """May the planner's prediction offload only the first layers' inputs (a host_layers twin)?"""
         return bool(self.checkpoint and self.host_inputs and self.host_layers is None and self.chunks == 1)
 
+    @property
+    def may_checkpoint_fewer(self) -> bool:
+        """May the planner's prediction checkpoint only the first layers (a checkpoint_layers twin)?"""
+        return bool(self.checkpoint and not self.host_inputs and self.checkpoint_layers is None
+                    and self.chunks == 1)
+
+    def checkpoints(self, position: int) -> bool:
+        """Is the run starting at a chunk's `position`-th layer (from 0) checkpointed? RecomputeConfig's
+        rule, with checkpoint_layers as its own."""
+        return bool(self.checkpoint) and (self.checkpoint_layers is None or position < self.checkpoint_layers)
+
     def on_host(self, position: int) -> bool:
         """Does the checkpointed run starting at a chunk's `position`-th layer (from 0) keep its input on the
         host? RecomputeConfig.on_host's rule, with host_layers as its offload_layers."""
-        return bool(self.checkpoint and self.host_inputs) and (self.host_layers is None or position < self.host_layers)
+        return (self.checkpoints(position) and self.host_inputs
+                and (self.host_layers is None or position < self.host_layers))
 
     @property
     def world(self) -> int:
@@ -113,9 +131,10 @@ class Layout:
     def label(self) -> str:
         """Short form for tables: p2 d2 t1 1f1b v1 m4x2 z2 (e2 and s4 after d when the experts or the sequence
         are split; rs ZeRO-3 chunks freed whenever another runs; ck1 checkpointed, ck1s selectively, +h its
-        inputs on the host, +h26 the first 26 layers' only)."""
+        inputs on the host, +h26 the first 26 layers' only; ck1:12 the first 12 layers checkpointed)."""
         host = ("+h" + (str(self.host_layers) if self.host_layers else "")) if self.host_inputs else ""
-        kit = f" ck{self.checkpoint}" + ("s" if self.selective else "") + host
+        first = f":{self.checkpoint_layers}" if self.checkpoint_layers else ""
+        kit = f" ck{self.checkpoint}{first}" + ("s" if self.selective else "") + host
         extra = (" rs" if self.reshard else "") + (" off" if self.offload else "") + (kit if self.checkpoint else "")
         seq = (f" e{self.expert}" if self.expert > 1 else "") + (f" s{self.sequence}" if self.sequence > 1 else "")
         return (f"p{self.pipe} d{self.data}{seq} t{self.tensor} {self.schedule} v{self.chunks} "

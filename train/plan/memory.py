@@ -170,18 +170,23 @@ def norms_tiled(layout: Layout, seq_len: int) -> bool:
     return rows >= NORM_TILE_FROM_ROWS and rows > NORM_TILE_ROWS
 
 
-def _runs(layers: Sequence[int], layout: Layout) -> list[Sequence[int]]:
-    """The rank's layers as the backward meets them: checkpointed runs of `checkpoint` layers, or one each."""
-    k = layout.checkpoint or 1
-    return [layers[j:j + k] for j in range(0, len(layers), k)]
+def _runs(layers: Sequence[int], layout: Layout) -> list[tuple[int, Sequence[int]]]:
+    """The rank's layers as the backward meets them, each run with the position of its first layer:
+    checkpointed runs of `checkpoint` layers (Layout.checkpoints), or one each."""
+    runs, j = [], 0
+    while j < len(layers):
+        k = layout.checkpoint if layout.checkpoints(j) else 1
+        runs.append((j, layers[j:j + k]))
+        j += k
+    return runs
 
 
 def _kept(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, precision: str, d_model: int,
-          tile: bool, norms: bool, on_host: bool) -> float:
+          tile: bool, norms: bool, checkpointed: bool, on_host: bool) -> float:
     """Bytes per token a run keeps on the device from its forward to its backward (`on_host`: its input waits
     on the host)."""
     t, e = layout.tensor, bytes_per_element(precision)
-    if not layout.checkpoint:
+    if not checkpointed:
         return sum(profile[i].act_bytes(precision, t, tile, norms) for i in run)
     first = profile[run[0]]
     inputs = 0.0 if on_host or first.kind == "Embedding" else d_model * e  # token ids: tiny
@@ -191,7 +196,7 @@ def _kept(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, p
 
 
 def _working(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout, precision: str, d_model: int,
-             tokens: float, tile: bool, norms: bool, before: bool) -> float:
+             tokens: float, tile: bool, norms: bool, checkpointed: bool, before: bool) -> float:
     """Bytes alive only while the run's backward runs: its recompute (when checkpointed), the largest
     backward transient, and the input of the run before where `before` (that one's waits on the host),
     prefetched."""
@@ -203,7 +208,7 @@ def _working(profile: Sequence[LayerProfile], run: Sequence[int], layout: Layout
         if tile and p.act_tiled:  # or, earlier in it, one tile's MLP intermediates, saved and their gradients
             backward = max(backward, 2 * TILE_ROWS * p.act_tiled / (1 if p.tied else t) * e)
         total = max(total, backward, p.norm_backward(precision, tokens, norms, NORM_TILE_ROWS))
-    if layout.checkpoint:
+    if checkpointed:
         saved = sum(profile[i].act_bytes(precision, t, tile, norms) - profile[i].loss_bytes for i in run)
         kept = sum(profile[i].selective_bytes(precision, t, tile) for i in run) if layout.selective else 0.0
         # offloaded: the input unpacked for the recompute is dropped once it ran (the recomputed ops keep
@@ -226,16 +231,17 @@ def backward_peak(profile: Sequence[LayerProfile], layers: Sequence[int], live: 
     if live <= 0:  # no micro-batch in flight (the planner's memory floor)
         return 0.0, 0.0
     tokens, tile, norms = rank_tokens(layout, seq_len), tiled(layout, seq_len), norms_tiled(layout, seq_len)
-    runs, k = _runs(list(layers), layout), layout.checkpoint or 1
-    kept = [_kept(profile, run, layout, precision, d_model, tile, norms, layout.on_host(r * k)) * tokens
-            for r, run in enumerate(runs)]
+    runs = _runs(list(layers), layout)
+    kept = [_kept(profile, run, layout, precision, d_model, tile, norms, layout.checkpoints(j), layout.on_host(j))
+            * tokens for j, run in runs]
     grads = dict(zip(layers, grad_bytes)) if grad_bytes is not None else {}
     others, pending, made = max(live - 1.0, 0.0) * sum(kept), sum(kept), 0.0
     best = (0.0, 0.0)
     for r in range(len(runs) - 1, -1, -1):
-        made += sum(grads.get(i, 0.0) for i in runs[r])
-        before = r > 0 and layout.on_host((r - 1) * k)
-        alive = others + pending + _working(profile, runs[r], layout, precision, d_model, tokens, tile, norms, before)
+        (j, run), before = runs[r], r > 0 and layout.on_host(runs[r - 1][0])
+        made += sum(grads.get(i, 0.0) for i in run)
+        alive = others + pending + _working(profile, run, layout, precision, d_model, tokens, tile, norms,
+                                            layout.checkpoints(j), before)
         if alive + made > sum(best):
             best = (alive, made)
         pending -= kept[r]
@@ -326,9 +332,8 @@ def host_bytes(profile: Sequence[LayerProfile], layers: Sequence[int], live: flo
     inputs = 0.0
     if layout.checkpoint and layout.host_inputs and live > 0:
         one = pinned(rank_tokens(layout, seq_len) * d_model * bytes_per_element(precision))
-        k = layout.checkpoint
-        firsts = [profile[run[0]] for r, run in enumerate(_runs(list(layers), layout))
-                  if layout.on_host(r * k) and profile[run[0]].kind != "Embedding"]
+        firsts = [profile[run[0]] for j, run in _runs(list(layers), layout)
+                  if layout.on_host(j) and profile[run[0]].kind != "Embedding"]
         kept = sum(p.keeps_input for p in firsts)
         inputs = (live * kept + (kept < len(firsts))) * one  # a run that keeps none: one copy, briefly
     return HostBreakdown(optimizer, inputs, hw.host_reserved_gb * 1e9)

@@ -27,7 +27,7 @@ from pipezero.train.plan.step_time import TimeBreakdown, chunk_layers, step_time
 from pipezero.train.plan.zero3 import layout_gathers
 
 __all__ = ["Prediction", "ds_config", "explain", "format_table", "kit_table", "node_host", "plan", "predict",
-           "torchrun_command"]
+           "predict_fitted", "torchrun_command"]
 
 _MESSAGE_PREDICTIONS = 64  # layouts predicted, least host memory first, to say why none fits
 
@@ -64,22 +64,30 @@ class Prediction:
 
 def predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape: ModelShape,
             precision: str, memo: dict | None = None) -> Prediction:
-    """Step time and peak memory of one layout (`memo`: see step_time.simulate_layout).
+    """Step time and peak memory of one layout (`memo`: see step_time.simulate_layout)."""
+    return _predict(profile, layout, hw, shape, precision, memo)[0]
+
+
+def predict_fitted(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape: ModelShape,
+                   precision: str, memo: dict | None = None) -> Prediction:
+    """predict(), or its twin that does less of the memory kit where that twin fits (what plan() ranks).
 
     A layout whose checkpointed inputs all on the host would overflow it, while the device holds the
     rest, comes back as its twin that offloads only the first layers' inputs, as many as the host
-    holds (Layout.host_layers), where that twin fits; otherwise as it is."""
+    holds (Layout.host_layers); one that checkpoints every layer on the device and fits, as its twin
+    that checkpoints only the first layers, as few as the device holds (Layout.checkpoint_layers:
+    less recompute)."""
     pred, live = _predict(profile, layout, hw, shape, precision, memo)
-    count = _host_layers(profile, pred, live)
-    if count is None:
+    twin = _fewer(profile, pred, live)
+    if twin is None:
         return pred
-    partial = _predict(profile, replace(layout, host_layers=count), hw, shape, precision, memo)[0]
+    partial = _predict(profile, twin, hw, shape, precision, memo)[0]
     return partial if partial.fits else pred
 
 
 def _predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape: ModelShape,
              precision: str, memo: dict | None) -> tuple[Prediction, Sequence[float]]:
-    """predict() of this very layout, and the micro-batches each pipe rank holds at its peak."""
+    """predict() of the layout, and the micro-batches each pipe rank holds at its peak."""
     time, result, held = step_time(profile, layout, hw, precision, shape.d_model, shape.seq_len, memo)
     worst = _fullest(profile, layout, hw, precision, shape, held, result.live)
     tokens = layout.replicas * layout.microbatches * layout.microbatch_size * shape.seq_len
@@ -103,19 +111,22 @@ def _fullest(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, prec
     return replace(worst, host=node_host(hosts, layout, hw))
 
 
-def _host_layers(profile: Sequence[LayerProfile], pred: Prediction, live: Sequence[float]) -> int | None:
-    """The most first layers whose inputs the host holds beside the rest, where offloading all of them
-    overflows it and the device holds the rest; None where that is not the case (or one cannot help)."""
+def _fewer(profile: Sequence[LayerProfile], pred: Prediction, live: Sequence[float]) -> Layout | None:
+    """The twin predict() takes instead of pred's layout (its docstring), or None: the most first layers
+    whose inputs the host holds, where offloading all overflows it and the device holds the rest; the
+    fewest first layers checkpointed that the device holds, where checkpointing all of them fits."""
     lay, hw, mem = pred.layout, pred.hardware, pred.memory
-    if not lay.may_offload_fewer or mem.fits(hw) or mem.total > hw.memory_gb * 1e9:
-        return None
     held = chunk_layers(profile, lay, schedule_entry(lay.schedule).placement)
-    for count in range(max(len(rng) for rng in held.values()) - 1, 0, -1):
-        option = replace(lay, host_layers=count)
-        host = _fullest(profile, option, hw, pred.precision, pred.shape, held, live).host
-        if host.total <= hw.host_memory_gb * 1e9:
-            return count
-    return None
+    most = max(len(rng) for rng in held.values())
+    if lay.may_offload_fewer and not mem.fits(hw) and mem.total <= hw.memory_gb * 1e9:
+        options, fits = [replace(lay, host_layers=n) for n in range(most - 1, 0, -1)], \
+            (lambda m: m.host.total <= hw.host_memory_gb * 1e9)
+    elif lay.may_checkpoint_fewer and mem.fits(hw):
+        options, fits = [replace(lay, checkpoint_layers=n) for n in range(1, most)], (lambda m: m.fits(hw))
+    else:
+        return None
+    return next((option for option in options
+                 if fits(_fullest(profile, option, hw, pred.precision, pred.shape, held, live))), None)
 
 
 def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, global_batch: int,
@@ -141,8 +152,8 @@ def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, globa
     layouts = list(enumerate_layouts(hw.world, hw.gpus_per_node, global_batch, len(profile), shape.heads,
                                      **enumerate_kw))
     if top is None:
-        preds = [predict(profile, layout, hw, shape, precision, memo) for layout in layouts]
-        fitting = {p.layout for p in preds if p.fits}
+        preds = [predict_fitted(profile, layout, hw, shape, precision, memo) for layout in layouts]
+        fitting = {lay for p, asked in zip(preds, layouts) if p.fits for lay in (p.layout, asked)}
         preds = [p for p in preds if not _needless(p.layout, fitting)]
     else:
         preds = _bounded(profile, layouts, hw, shape, precision, top, memo)
@@ -212,7 +223,7 @@ def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Har
         device = sorted((i for i, m in enumerate(memory) if m.total <= hw.memory_gb * 1e9),
                         key=lambda i: memory[i].host.total)[:_MESSAGE_PREDICTIONS] or \
             [min(range(len(layouts)), key=lambda i: memory[i].total)]  # or the leanest
-        return [predict(profile, layouts[i], hw, shape, precision, memo) for i in device]
+        return [predict_fitted(profile, layouts[i], hw, shape, precision, memo) for i in device]
     busy: dict = {}
     floors = sorted((step_time_floor(profile, lay, hw, precision, d, s, busy), i) for i, lay in enumerate(layouts)
                     if possible[i])
@@ -223,21 +234,22 @@ def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Har
             break
         if _needless(layouts[i], fitting):
             continue
-        pred = predict(profile, layouts[i], hw, shape, precision, memo)
+        pred = predict_fitted(profile, layouts[i], hw, shape, precision, memo)
         preds.append(pred)
         if pred.fits:
             best = sorted(best + [pred.time.total])[:top]
-            fitting.add(pred.layout)
+            fitting.update((pred.layout, layouts[i]))  # what it was asked as, and the twin it came back as
     return preds
 
 
 def _needless(layout: Layout, fitting: set) -> bool:
-    """Is a lighter twin of this layout among those that fit? Checkpointing and host inputs only add time,
-    so the twin without them (its floor is no higher: it comes first) is as fast or faster: the kit is
-    switched on only where what it saves is needed."""
+    """Is a lighter twin of this layout among those that fit (`fitting`: each as it was asked, and as
+    predict() returned it)? Checkpointing and host inputs only add time, so the twin without them (its
+    floor is no higher: it comes first) is as fast or faster: the kit is switched on only where what it
+    saves is needed."""
     if not layout.checkpoint:
         return False
-    plain = replace(layout, checkpoint=0, selective=False, host_inputs=False, host_layers=None)
+    plain = replace(layout, checkpoint=0, selective=False, host_inputs=False, host_layers=None, checkpoint_layers=None)
     return plain in fitting or (layout.host_inputs and replace(layout, host_inputs=False, host_layers=None) in fitting)
 
 
@@ -320,7 +332,8 @@ def _kit_words(lay: Layout) -> str:
     if not lay.checkpoint:
         return "none"
     host = f", the first {lay.host_layers} layers' inputs" if lay.host_layers else ", its inputs"
-    return (f"{lay.recompute}, every {lay.checkpoint} layer{'s' if lay.checkpoint > 1 else ''}"
+    which = f" of the first {lay.checkpoint_layers}" if lay.checkpoint_layers else ""
+    return (f"{lay.recompute}, every {lay.checkpoint} layer{'s' if lay.checkpoint > 1 else ''}{which}"
             + (f"{host} in pinned host memory" if lay.host_inputs else ""))
 
 
@@ -333,8 +346,9 @@ def kit_table(profile: Sequence[LayerProfile], winner: Prediction) -> str:
     kits = [(0, False, False), (1, True, False), (1, False, False)]
     kits += [(1, True, True), (1, False, True)] if hw.host_offload else []
     for ck, selective, host in kits:
-        option = replace(lay, checkpoint=ck, selective=selective, host_inputs=host, host_layers=None)
-        pred = predict(profile, option, hw, winner.shape, winner.precision)
+        option = replace(lay, checkpoint=ck, selective=selective, host_inputs=host, host_layers=None,
+                         checkpoint_layers=None)
+        pred = predict_fitted(profile, option, hw, winner.shape, winner.precision)
         misfit = pred.memory.misfit(hw)
         fits = f"does not fit ({misfit})" if misfit else "fits"
         on_host = f", host {pred.memory.host.total / 1e9:5.3g} GB" if hw.host_offload else ""
@@ -368,6 +382,8 @@ def ds_config(p: Prediction) -> dict[str, Any]:
         out["activation_checkpointing"] = {"cpu_checkpointing": True}
     if lay.host_layers:
         out["pipeline"]["offload_activation_layers"] = lay.host_layers
+    if lay.checkpoint_layers:
+        out["pipeline"]["activation_checkpoint_layers"] = lay.checkpoint_layers
     if lay.expert > 1:  # DeepSpeed's AutoEP section, which build() reads as the grid's expert axis
         out["expert_parallel"] = {"enabled": True, "autoep_size": lay.expert}
     return out

@@ -154,19 +154,19 @@ def expert_all_to_all_seconds(layout: Layout, hw: Hardware, precision: str, d_mo
 
 
 def kit_seconds(p: LayerProfile, layout: Layout, hw: Hardware, precision: str, d_model: int, seq_len: int,
-                forward: float, on_host: bool = True) -> tuple[float, float]:
+                forward: float, position: int = 0) -> tuple[float, float]:
     """(forward, backward) seconds the memory kit adds to one layer and micro-batch (module docstring):
-    `forward` is the layer's own forward seconds, under which a host copy hides; `on_host` False: the
-    layer keeps its input on the device whatever the layout (Layout.host_layers)."""
+    `forward` is the layer's own forward seconds, under which a host copy hides; `position`: the layer's in
+    its chunk (Layout.checkpoints and on_host: whether it is checkpointed, its input on the host)."""
     tokens, e = rank_tokens(layout, seq_len), bytes_per_element(precision)
     back = 0.0
     if tiled(layout, seq_len) and p.act_tiled and p.flops:
         back += p.seconds * p.mlp_flops / p.flops / 3 * tokens * hw.compute_slowdown / (1 if p.tied else layout.tensor)
-    if layout.checkpoint and layout.selective:
+    if layout.checkpoints(position) and layout.selective:
         redone = p.act_bytes(precision, layout.tensor, tiled(layout, seq_len)) - p.selective_bytes(
             precision, layout.tensor, tiled(layout, seq_len)) - p.loss_bytes
         back += 2 * redone * tokens / (hw.memory_gbps * 1e9)
-    if layout.checkpoint and layout.host_inputs and on_host and p.kind != "Embedding":
+    if layout.on_host(position) and p.kind != "Embedding":
         copy = tokens * d_model * e / (hw.pcie_gbps * 1e9)
         return max(0.0, copy - forward), back + max(0.0, copy - forward)
     return 0.0, back
@@ -199,18 +199,26 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
         dispatch = 2 * len(moe) * expert_all_to_all_seconds(layout, hw, precision, d_model, seq_len, moe[0].moe_top_k)
         fwd, back = fwd + dispatch, back + dispatch
         a2a += dispatch / 2  # recomputed under checkpointing with the rest of the forward's exchanges
-    if layout.checkpoint and not layout.selective:  # the recompute: measured, or one more forward
-        back += seconds(lambda p: p.seconds / 3 if p.recompute_seconds is None else p.recompute_seconds)
-        back += launches + 2 * blocks * one + a2a
-    elif layout.checkpoint:  # selective: the matmuls' outputs kept, the exchanges and elementwise ops re-run
-        back += a2a
     k = layout.checkpoint or 1
+    redone = [i for j, i in enumerate(layers) if layout.checkpoints(j - j % k)]  # the checkpointed layers
+    share = len(redone) / len(layers) if layers else 0.0  # of the chunk's exchanges and launches, recomputed
+    if redone and not layout.selective:  # the recompute: measured, or one more forward
+        back += sum(_recompute_seconds(profile[i]) / (1 if profile[i].tied else t) for i in redone) * tokens \
+            * hw.compute_slowdown
+        back += (launches + 2 * blocks * one + a2a) * share
+    elif redone:  # selective: the matmuls' outputs kept, the exchanges and elementwise ops re-run
+        back += a2a * share
     for j, i in enumerate(layers):
         p = profile[i]
         own_forward = p.seconds / 3 * tokens * hw.compute_slowdown / (1 if p.tied else t)
-        added = kit_seconds(p, layout, hw, precision, d_model, seq_len, own_forward, layout.on_host(j - j % k))
+        added = kit_seconds(p, layout, hw, precision, d_model, seq_len, own_forward, j - j % k)
         fwd, back = fwd + added[0], back + added[1]
     return Costs(forward=fwd, backward_input=back, backward_weight=weight, p2p=p2p), tp * layout.microbatches
+
+
+def _recompute_seconds(p: LayerProfile) -> float:
+    """Per token, what checkpointing adds to a layer's backward: measured, or one more forward."""
+    return p.seconds / 3 if p.recompute_seconds is None else p.recompute_seconds
 
 
 class Sim(NamedTuple):
@@ -402,8 +410,10 @@ def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
     their floors and stops once a floor exceeds the step time of the table's last row.
     """
     held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
-    # predict() may offload fewer inputs than the layout (planner.predict): the floor copies the fewest, one
-    layout = replace(layout, host_layers=1) if layout.may_offload_fewer else layout
+    # predict() may offload or checkpoint fewer layers than the layout (planner.predict): the floor takes the
+    # fewest, one
+    layout = (replace(layout, host_layers=1) if layout.may_offload_fewer else
+              replace(layout, checkpoint_layers=1) if layout.may_checkpoint_fewer else layout)
     key = replace(layout, zero=0, offload=False, reshard=False)  # `memo`: the busy part, the same for every ZeRO stage
     busy: dict[int, float] = {} if memo is None or key not in memo else memo[key]
     for (rank, _), layers in held.items() if not busy else ():
