@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pipezero.pipe.schedule.registry import schedule_entry
 from pipezero.train.plan.hardware import Hardware
@@ -112,9 +112,9 @@ def _fullest(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, prec
 
 
 def _fewer(profile: Sequence[LayerProfile], pred: Prediction, live: Sequence[float]) -> Layout | None:
-    """The twin predict() takes instead of pred's layout (its docstring), or None: the most first layers
-    whose inputs the host holds, where offloading all overflows it and the device holds the rest; the
-    fewest first layers checkpointed that the device holds, where checkpointing all of them fits."""
+    """The twin predict_fitted() takes instead of pred's layout (its docstring), or None: the most first
+    layers whose inputs the host holds, where offloading all overflows it and the device holds the rest;
+    the fewest first layers checkpointed that the device holds, where checkpointing all of them fits."""
     lay, hw, mem = pred.layout, pred.hardware, pred.memory
     held = chunk_layers(profile, lay, schedule_entry(lay.schedule).placement)
     most = max(len(rng) for rng in held.values())
@@ -125,8 +125,21 @@ def _fewer(profile: Sequence[LayerProfile], pred: Prediction, live: Sequence[flo
         options, fits = [replace(lay, checkpoint_layers=n) for n in range(1, most)], (lambda m: m.fits(hw))
     else:
         return None
-    return next((option for option in options
-                 if fits(_fullest(profile, option, hw, pred.precision, pred.shape, held, live))), None)
+    return _first(options, lambda option: fits(_fullest(profile, option, hw, pred.precision, pred.shape, held,
+                                                         live)))
+
+
+def _first(options: Sequence[Layout], fits: Callable[[Layout], bool]) -> Layout | None:
+    """The first of `options` that fits, where each after a fitting one fits too: by bisection (the memory
+    walk is as long as the rank's layers, and so are the options)."""
+    lo, hi = 0, len(options)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(options[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return options[lo] if lo < len(options) else None
 
 
 def plan(shape: ModelShape, profile: Sequence[LayerProfile], hw: Hardware, global_batch: int,
@@ -244,7 +257,7 @@ def _bounded(profile: Sequence[LayerProfile], layouts: Sequence[Layout], hw: Har
 
 def _needless(layout: Layout, fitting: set) -> bool:
     """Is a lighter twin of this layout among those that fit (`fitting`: each as it was asked, and as
-    predict() returned it)? Checkpointing and host inputs only add time, so the twin without them (its
+    predict_fitted() returned it)? Checkpointing and host inputs only add time, so the twin without them (its
     floor is no higher: it comes first) is as fast or faster: the kit is switched on only where what it
     saves is needed."""
     if not layout.checkpoint:
