@@ -9,7 +9,8 @@ whatever planner.py's `__all__` lists. They import planner.py on first use (pipe
 
 from pipezero.lazy import lazy_package
 
+# planner.py's __all__, and write_config, public there though not in it
 __all__ = ["Prediction", "ds_config", "explain", "format_table", "kit_table", "node_host", "plan", "predict",
-           "predict_fitted", "torchrun_command", "write_config"]  # planner.py's __all__, and write_config, public there though not in it
+           "predict_fitted", "torchrun_command", "write_config"]
 
 lazy_package(__name__, {name: "pipezero.train.plan.planner" for name in __all__})

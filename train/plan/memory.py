@@ -52,9 +52,10 @@ Host memory per rank (HostBreakdown), what the offloads allocate there:
   against plan_groups): TinyLlama's 4.4 GB of fp32 shards take 5.8 GB pinned, the 8B's 32.1 take 35.4.
   The routed experts' param group is counted at its bytes;
 * checkpointed inputs in pinned host memory (pipe/memory/offload.py): every offloaded run's input
-  (all of them, or with Layout.host_layers the first ones) that requires a gradient (the hidden states; a run that starts at the embedding has token ids) of
-  every micro-batch in flight, at the peak all of them; the fused head's run copies its input and drops
-  it at once (LayerProfile.keeps_input), one copy more while it lives. Each is a tensor of its own, and
+  (all of them, or with Layout.host_layers the first ones) that requires a gradient (the hidden
+  states; a run that starts at the embedding has token ids) of every micro-batch in flight, at the
+  peak all of them; the fused head's run copies its input and drops it at once
+  (LayerProfile.keeps_input), one copy more while it lives. Each is a tensor of its own, and
   CUDA's pinned allocator rounds every block up to a power of two bytes (torch's CachingHostAllocator)
   and keeps freed blocks for the next copy;
 * the process itself (Hardware.host_reserved_gb).
