@@ -326,6 +326,28 @@ def test_checkpointing_adds_the_measured_recompute_to_the_backward():
         assert ck - predict(profile, plain, hw, SMALL, "bf16").time.pipeline == pytest.approx(added, rel=1e-6)
 
 
+def test_selective_adds_the_measured_selective_cost_to_the_backward():
+    """A measured profile's selective_seconds (the block eager under torch's selective checkpoint, less the
+    block as it runs unchecked) is what selective recomputation adds; without it, the modelled bytes."""
+    layout, plain = Layout(1, 1, 1, "1f1b", 1, 4, 2, 0, False, 1, selective=True), Layout(1, 1, 1, "1f1b", 1, 4, 2, 0)
+    tokens = layout.microbatches * layout.microbatch_size * SMALL.seq_len
+    blocks = [i for i, p in enumerate(PROFILE) if p.kind == "Block"]
+    hw = replace(HW, layer_overhead_us=0.0)
+    profile = [replace(p, selective_seconds=2e-6) if p.kind == "Block" else p for p in PROFILE]
+    added = [predict(prof, layout, hw, SMALL, "bf16").time.pipeline - predict(prof, plain, hw, SMALL, "bf16").time.pipeline
+             for prof in (PROFILE, profile)]
+    assert added[1] == pytest.approx(len(blocks) * 2e-6 * tokens + (added[0] - _modelled_selective(layout)), rel=1e-6)
+
+
+def _modelled_selective(layout: Layout) -> float:
+    """The modelled selective cost of PROFILE's blocks (step_time.kit_seconds' bytes at the memory bandwidth)."""
+    from pipezero.train.plan.memory import tiled
+
+    tokens, tile = layout.microbatches * layout.microbatch_size * SMALL.seq_len, tiled(layout, SMALL.seq_len)
+    return sum(2 * (p.act_bytes("bf16", 1, tile) - p.selective_bytes("bf16", 1, tile) - p.loss_bytes) * tokens
+               / (HW.memory_gbps * 1e9) for p in PROFILE if p.kind == "Block")
+
+
 def test_a_split_schedule_pays_what_the_runners_split_measured():
     """ZB-V at micro-batch 1 on 2 H200s ran at twice 1F1B while the planner assumed I + W = B:
     under a split schedule I and W take measure_profile's split time, other schedules B's."""
@@ -370,6 +392,8 @@ def test_measured_profile_times_what_runs_compiled_or_not():
         profile = measure_profile(shape, microbatch=1, rounds=1, compile=CompileConfig(backend=counting))
         assert len(graphs) >= 2, graphs  # the block (alone, checkpointed, split: one code object) and the loss
         assert all(p.seconds > 0 for p in profile)
+        # the selective block runs eager (compiles_checkpointed): timed so, and what it adds is measured
+        assert all(p.selective_seconds is not None for p in profile if p.kind == "Block")
         graphs.clear()
         measure_profile(shape, microbatch=1, rounds=1, compile=False)
         assert not graphs

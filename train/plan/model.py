@@ -133,6 +133,9 @@ class LayerProfile:
     tied: bool = False
     recompute_seconds: float | None = None  # per token, what checkpointing adds to the backward; None: a third
                                             # of `seconds` (one more forward)
+    selective_seconds: float | None = None  # per token, what selective checkpointing adds, measured as it runs
+                                            # (eager, through torch's dispatch mode); None: the re-run
+                                            # elementwise bytes at the memory bandwidth
     split_seconds: float | None = None      # per token, forward + backward split into I and W as zero-bubble
                                             # schedules run it; None: `seconds`
     tensor_overhead: float = 0.0            # seconds per micro-batch (not per token) that tensor parallelism's
@@ -279,21 +282,21 @@ def _measure(shape: ModelShape, precision: str, microbatch: int, repeats: int, d
                     vocab_size=shape.vocab)  # the blocks are alike: one is timed, none other is built
     specs, config = gpt_specs(cfg), CompileConfig.of(compile, torch.device(device))
     with torch.device(device):
-        blocks = [specs[1].build().to(dtype) for _ in range(3)]  # timed alone, checkpointed, split
+        blocks = [specs[1].build().to(dtype) for _ in range(4)]  # timed alone, checkpointed, split, selective
         hidden = torch.randn(microbatch, shape.seq_len, shape.d_model, dtype=dtype)
-    split = _split(blocks[2])
+    split, selective = _split(blocks[2]), _selective(blocks[3])
     loss_fn = gpt_loss
-    if config is not None:
-        compile_layers(blocks, config, {type(blocks[0])})
+    if config is not None:  # not the selective one: PipelineModule runs those layers eager (compiles_checkpointed)
+        compile_layers(blocks[:3], config, {type(blocks[0])})
         loss_fn = compile_loss(gpt_loss, config)
     layers, checkpointed = [specs[0], blocks[0], *specs[2:]], _checkpointed(blocks[1])
-    embed, block, norm, head, again, halves = (min(t) for t in zip(*(
+    embed, block, norm, head, again, halves, kept = (min(t) for t in zip(*(
         measure_layer_costs(layers, tokens, loss_fn=loss_fn, targets=tokens, dtype=dtype, repeats=repeats)
-        + measure_layer_costs([checkpointed, split], hidden, repeats=repeats) for _ in range(rounds))))
+        + measure_layer_costs([checkpointed, split, selective], hidden, repeats=repeats) for _ in range(rounds))))
     ms = [embed, *([block] * shape.layers), norm, head]
     per_token = microbatch * shape.seq_len
-    recompute = max(0.0, again - block) / 1e3 / per_token
-    blocks = dict(recompute_seconds=recompute, split_seconds=halves / 1e3 / per_token,
+    recompute, selected = (max(0.0, t - block) / 1e3 / per_token for t in (again, kept))
+    blocks = dict(recompute_seconds=recompute, selective_seconds=selected, split_seconds=halves / 1e3 / per_token,
                   tensor_overhead=_tensor_overhead_ms(cfg, dtype, hidden, repeats, rounds) / 1e3)
     return [replace(p, seconds=t / 1e3 / per_token, **(blocks if p.kind == "Block" else {}))
             for p, t in zip(_layers(shape), ms)]
@@ -306,6 +309,18 @@ def _checkpointed(block):
     from torch.utils.checkpoint import checkpoint
 
     return lambda h: checkpoint(block, h, use_reentrant=False)
+
+
+def _selective(block):
+    """The block as PipelineModule runs it under selective recomputation: eager, its ops through torch's
+    selective dispatch mode in the forward and again in the recompute (pipe/memory/recompute.py)."""
+    from pipezero.pipe.memory.recompute import RecomputeConfig, checkpointed
+
+    config = RecomputeConfig(mode="selective")
+
+    def selective_block(h):  # its own name: measure_layer_costs reuses times by name and shapes
+        return checkpointed(block, (h,), config)
+    return selective_block
 
 
 def _split(block):

@@ -38,7 +38,9 @@
 * the memory kit: the MLP in row tiles (from TILE_FROM_ROWS tokens a micro-batch, as the runtime
   does) adds one MLP forward to the backward; a selective recompute re-runs only the elementwise
   ops, whose cost is their bytes read and written once at the device's memory bandwidth
-  (Hardware.memory_gbps); checkpointed inputs in host memory cross PCIe out in the forward and
+  (Hardware.memory_gbps), or where the profile was measured what the block cost more under it, as
+  PipelineModule runs it (eager, its ops through torch's dispatch mode: LayerProfile.selective_seconds);
+  checkpointed inputs in host memory cross PCIe out in the forward and
   back in the backward, on a side stream: what a block's copy takes beyond its own compute shows;
 * p2p: one activation (tokens x d_model, the sequence slice under a sequence axis) per hop,
   latency + bytes / bandwidth of the link
@@ -162,7 +164,9 @@ def kit_seconds(p: LayerProfile, layout: Layout, hw: Hardware, precision: str, d
     back = 0.0
     if tiled(layout, seq_len) and p.act_tiled and p.flops:
         back += p.seconds * p.mlp_flops / p.flops / 3 * tokens * hw.compute_slowdown / (1 if p.tied else layout.tensor)
-    if layout.checkpoints(position) and layout.selective:
+    if layout.checkpoints(position) and layout.selective and p.selective_seconds is not None:  # measured
+        back += p.selective_seconds * tokens * hw.compute_slowdown / (1 if p.tied else layout.tensor)
+    elif layout.checkpoints(position) and layout.selective:
         redone = p.act_bytes(precision, layout.tensor, tiled(layout, seq_len)) - p.selective_bytes(
             precision, layout.tensor, tiled(layout, seq_len)) - p.loss_bytes
         back += 2 * redone * tokens / (hw.memory_gbps * 1e9)
