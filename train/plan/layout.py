@@ -24,7 +24,7 @@ Enumeration rules (each one a fact of the runtime, not a taste):
   its inputs on the device or in pinned host memory (where the hardware has a host to offload to);
   with one chunk a rank, the prediction may offload only the first layers' inputs (host_layers: as
   many as the host holds) or, on the device, checkpoint only the first layers (checkpoint_layers: as
-  few as the device holds), planner.predict, never an enumerated choice;
+  few as the device holds: planner.predict_fitted), never an enumerated choice;
   the MLP in row tiles and the fused head + loss are not choices: the runtime tiles from
   TILE_FROM_ROWS tokens a micro-batch (pipe/tiled_mlp.py) and the shape says whether the loss is fused.
 """
@@ -79,12 +79,12 @@ class Layout:
 
     @property
     def may_offload_fewer(self) -> bool:
-        """May the planner's prediction offload only the first layers' inputs (a host_layers twin)?"""
+        """May predict_fitted offload only the first layers' inputs (a host_layers twin)?"""
         return bool(self.checkpoint and self.host_inputs and self.host_layers is None and self.chunks == 1)
 
     @property
     def may_checkpoint_fewer(self) -> bool:
-        """May the planner's prediction checkpoint only the first layers (a checkpoint_layers twin)?"""
+        """May predict_fitted checkpoint only the first layers (a checkpoint_layers twin)?"""
         return bool(self.checkpoint and not self.host_inputs and self.checkpoint_layers is None
                     and self.chunks == 1)
 

@@ -414,7 +414,7 @@ def step_time_floor(profile: Sequence[LayerProfile], layout: Layout, hw: Hardwar
     their floors and stops once a floor exceeds the step time of the table's last row.
     """
     held = chunk_layers(profile, layout, schedule_entry(layout.schedule).placement)
-    # predict() may offload or checkpoint fewer layers than the layout (planner.predict): the floor takes the
+    # predict_fitted may offload or checkpoint fewer layers than the layout (planner.py): the floor takes the
     # fewest, one
     layout = (replace(layout, host_layers=1) if layout.may_offload_fewer else
               replace(layout, checkpoint_layers=1) if layout.may_checkpoint_fewer else layout)
