@@ -70,8 +70,7 @@ class RecomputeConfig:
     offload_layers: int | None = None  # with offload: only the runs among a forward's first N layers
                                        # (None: all), the rest keep their inputs on the device
     checkpoint_layers: int | None = None  # only the runs among a forward's first N layers are checkpointed
-                                          # (None: all), the rest keep every activation (Megatron's
-                                          # recompute_method="block" with recompute_num_layers=N)
+                                          # (None: all), the rest keep every activation
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

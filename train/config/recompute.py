@@ -18,7 +18,7 @@ The mode lives in pipezero's own pipeline section: `"activation_checkpointing": 
 "selective"` beside DeepSpeed's `activation_checkpoint_interval` (layers per checkpointed run), and
 `"offload_activation_layers": N` (with cpu_checkpointing: only a forward's first N layers offload their
 inputs, the rest keep them on the device) and `"activation_checkpoint_layers": N` (only a forward's
-first N layers are checkpointed, the rest keep every activation: Megatron's recompute_method "block").
+first N layers are checkpointed, the rest keep every activation).
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ def predict_fitted(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware
     holds (Layout.host_layers); one that checkpoints every layer on the device and fits, as its twin
     that checkpoints only the first layers, as few as the device holds (Layout.checkpoint_layers:
     less recompute)."""
-    pred, live = _predict(profile, layout, hw, shape, precision, memo)
-    twin = _fewer(profile, pred, live)
+    pred, live, held = _predict(profile, layout, hw, shape, precision, memo)
+    twin = _fewer(profile, pred, live, held)
     if twin is None:
         return pred
     partial = _predict(profile, twin, hw, shape, precision, memo)[0]
@@ -86,15 +86,16 @@ def predict_fitted(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware
 
 
 def _predict(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, shape: ModelShape,
-             precision: str, memo: dict | None) -> tuple[Prediction, Sequence[float]]:
-    """predict() of the layout, and the micro-batches each pipe rank holds at its peak."""
+             precision: str, memo: dict | None) -> tuple[Prediction, Sequence[float], dict]:
+    """predict() of the layout, the micro-batches each pipe rank holds at its peak, and each (rank, chunk)'s
+    layers."""
     time, result, held = step_time(profile, layout, hw, precision, shape.d_model, shape.seq_len, memo)
     worst = _fullest(profile, layout, hw, precision, shape, held, result.live)
     tokens = layout.replicas * layout.microbatches * layout.microbatch_size * shape.seq_len
     flops = sum(p.flops for p in profile) * tokens
     total = sum(p.seconds for p in profile) or 1.0
     return Prediction(layout, time, worst, tokens, flops, hw, shape, precision,
-                      tuple(round(p.seconds / total, 6) for p in profile)), result.live
+                      tuple(round(p.seconds / total, 6) for p in profile)), result.live, held
 
 
 def _fullest(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, precision: str, shape: ModelShape,
@@ -111,12 +112,11 @@ def _fullest(profile: Sequence[LayerProfile], layout: Layout, hw: Hardware, prec
     return replace(worst, host=node_host(hosts, layout, hw))
 
 
-def _fewer(profile: Sequence[LayerProfile], pred: Prediction, live: Sequence[float]) -> Layout | None:
+def _fewer(profile: Sequence[LayerProfile], pred: Prediction, live: Sequence[float], held: dict) -> Layout | None:
     """The twin predict_fitted() takes instead of pred's layout (its docstring), or None: the most first
     layers whose inputs the host holds, where offloading all overflows it and the device holds the rest;
     the fewest first layers checkpointed that the device holds, where checkpointing all of them fits."""
     lay, hw, mem = pred.layout, pred.hardware, pred.memory
-    held = chunk_layers(profile, lay, schedule_entry(lay.schedule).placement)
     most = max(len(rng) for rng in held.values())
     if lay.may_offload_fewer and not mem.fits(hw) and mem.total <= hw.memory_gb * 1e9:
         options, fits = [replace(lay, host_layers=n) for n in range(most - 1, 0, -1)], \
