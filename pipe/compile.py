@@ -11,6 +11,11 @@ it), tied weights (the tied embedding and head are not compiled), activation che
 Linear is a break between graphs, so its weight GEMM can still wait for W; under any other
 schedule it is a plain Linear and the block compiles as one graph).
 
+A layer's MLP in row tiles (pipe/tiled_mlp.py, past 8K tokens) runs outside the layer's graph, a
+break, its function compiled on its own, one graph for every tile and layer: traced into the layer's
+graph, the tiles' inputs were kept at the graph's end, so a checkpointed layer's recompute ran the
+whole MLP once more for nothing (fullgraph=True keeps them in the graph, and that cost).
+
 The last stage's loss_fn is compiled too (`compile_loss`): one fused pass over the logits each
 way instead of an fp32 copy, log-softmax and their backward. A layer whose glue must stay eager
 names the submodule to compile instead (`compiled_part`: the Hugging Face decoder layer builds
@@ -60,8 +65,8 @@ import torch
 import torch._functorch.config as functorch_config
 from torch import nn
 
-__all__ = ["CompileConfig", "compile_by_default", "compile_layers", "compile_loss", "compiled_part", "model_blocks",
-           "repeated_classes"]
+__all__ = ["CompileConfig", "compile_by_default", "compile_layers", "compile_loss", "compiled", "compiled_part",
+           "model_blocks", "repeated_classes"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -128,10 +133,22 @@ def compile_layers(layers: Iterable[nn.Module], config: CompileConfig,
         if not _wanted(layer, config, repeated) or getattr(layer, "_pipezero_compiled", False):
             continue
         part = compiled_part(layer)
-        part.forward = _training_only(part.forward, _compiled(part.forward, config))
+        part.forward = _training_only(part.forward, compiled(part.forward, config))
+        _tiles_compiled_alone(part, config)
         layer._pipezero_compiled = True
         done.append(layer)
     return done
+
+
+def _tiles_compiled_alone(part: nn.Module, config: CompileConfig) -> None:
+    """The row tiles inside a compiled layer (pipe/tiled_mlp.py: the modules that declare
+    `tiles_compile_as`) run outside its graph, each compiled on its own, so a checkpointed layer's
+    recompute stops before them; under fullgraph, where a graph break is an error, they stay in it."""
+    if config.fullgraph:
+        return
+    for m in part.modules():
+        if hasattr(type(m), "tiles_compile_as"):
+            m.tiles_compile_as = config
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -157,7 +174,7 @@ def compile_loss(loss_fn: Callable, config: CompileConfig) -> Callable:
     backward as separate passes over them; compiled, each direction is one fused pass that reads
     the low-precision logits (torchtitan compiles its loss for the same reason).
     """
-    return _training_only(loss_fn, _compiled(loss_fn, config))
+    return _training_only(loss_fn, compiled(loss_fn, config))
 
 
 def compiled_part(layer: nn.Module) -> nn.Module:
@@ -172,7 +189,8 @@ def compiled_part(layer: nn.Module) -> nn.Module:
     return layer.get_submodule(name) if name else layer
 
 
-def _compiled(fn: Callable, config: CompileConfig) -> Callable:
+def compiled(fn: Callable, config: CompileConfig) -> Callable:
+    """fn under torch.compile as config says."""
     functorch_config.donated_buffer = False  # for the process: the module docstring says why
     return torch.compile(fn, backend=config.backend, mode=config.mode, fullgraph=config.fullgraph,
                          dynamic=config.dynamic, options=config.options or None)

@@ -40,16 +40,18 @@ not limit the length and the passes would only cost time.
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipezero.pipe.compile import CompileConfig, compiled
 from pipezero.pipe.memory.recompute import recomputed_matmuls
 
 __all__ = ["NORM_TILE_FROM_ROWS", "NORM_TILE_ROWS", "TILE_FROM_ROWS", "TILE_ROWS", "tile_mlp", "tile_norm",
-           "tiled_rows"]
+           "tiled_rows", "tiles_outside_the_graph"]
 
 TILE_FROM_ROWS = 8192  # tokens per micro-batch from which the MLP runs in tiles by default
 TILE_ROWS = 2048       # rows per tile
@@ -58,10 +60,11 @@ NORM_TILE_ROWS = 16384
 
 
 def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_rows: int | None = None,
-               from_rows: int | None = None) -> torch.Tensor:
+               from_rows: int | None = None, compile_as: CompileConfig | None = None) -> torch.Tensor:
     """fn(x) for a row-wise fn (each token alone) on x [..., d], in tiles of tile_rows rows (TILE_ROWS) when
     x has at least from_rows rows (TILE_FROM_ROWS) and autograd records (no gradient: fn(x) whole, nothing
-    is kept anyway)."""
+    is kept anyway). compile_as: traced inside a compiled layer, the tiles run outside its graph and fn
+    is compiled on its own as it says (`tiles_outside_the_graph`); None: the tiles are traced with it."""
     tile_rows = TILE_ROWS if tile_rows is None else tile_rows
     from_rows = TILE_FROM_ROWS if from_rows is None else from_rows
     if tile_rows < 1:
@@ -69,6 +72,40 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile
     rows = x[..., 0].numel()
     if rows < from_rows or rows <= tile_rows or not torch.is_grad_enabled():
         return fn(x)
+    if compile_as is not None and torch.compiler.is_compiling():
+        return tiles_outside_the_graph(fn, x, tile_rows, compile_as)
+    return _tiles(fn, x, tile_rows)
+
+
+@torch.compiler.disable  # a break in the compiled layer's graph, so the tiles' inputs are kept ahead of them
+def tiles_outside_the_graph(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_rows: int,
+                            compile_as: CompileConfig) -> torch.Tensor:
+    """The tiles of a compiled layer, each tile's fn compiled on its own (one graph for every tile).
+
+    Traced inside the layer's graph, the tiles' inputs are kept by the graph as a whole, at its end, so
+    a checkpointed layer's recompute (pipe/memory/recompute.py), which stops once it has made every
+    tensor the forward kept, ran the whole MLP forward once more for nothing: out here they are kept
+    ahead of the tiles (_KeptRows) and the recompute stops before them, as it does for an eager layer.
+    """
+    return _tiles(_compiled_alone(fn, compile_as), x, tile_rows)
+
+
+_COMPILED_FNS: dict[tuple[Any, int], tuple[CompileConfig, Callable]] = {}
+
+
+def _compiled_alone(fn: Callable, config: CompileConfig) -> Callable:
+    """fn compiled as config says; a bound method through its class's function, so the layers of a
+    model share one compiled graph (their modules are its inputs)."""
+    func, owner = getattr(fn, "__func__", fn), getattr(fn, "__self__", None)
+    key = (func, id(config))
+    if key not in _COMPILED_FNS:  # the config kept with it: its id is not reused while it is here
+        _COMPILED_FNS[key] = (config, compiled(func, config))
+    run = _COMPILED_FNS[key][1]
+    return run if owner is None else functools.partial(run, owner)
+
+
+def _tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    rows = x[..., 0].numel()
     flat = x.reshape(rows, x.shape[-1])
     tiles = flat.split(tile_rows)
     with recomputed_matmuls():  # under a selective checkpoint too, no tile's matmul output is kept
@@ -164,7 +201,8 @@ def _tiled(mlp: nn.Module, tile_rows: int | None, from_rows: int | None, norm: b
     cls = type(mlp)
     if cls not in _TILED.values():
         if cls not in _TILED:
-            _TILED[cls] = type(f"Tiled{cls.__name__}", (cls,), {"forward": _tiled_forward})
+            _TILED[cls] = type(f"Tiled{cls.__name__}", (cls,), {"forward": _tiled_forward,
+                                                                  "tiles_compile_as": None})
         mlp.__class__ = _TILED[cls]
     mlp.tile_rows, mlp.tile_from_rows, mlp.tile_norm = tile_rows, from_rows, norm
     return mlp
@@ -175,5 +213,5 @@ def _tiled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if self.tile_norm:  # the defaults read at each call (tests change them)
         rows = NORM_TILE_ROWS if self.tile_rows is None else self.tile_rows
         start = NORM_TILE_FROM_ROWS if self.tile_from_rows is None else self.tile_from_rows
-        return tiled_rows(whole, x, rows, start)
-    return tiled_rows(whole, x, self.tile_rows, self.tile_from_rows)
+        return tiled_rows(whole, x, rows, start, self.tiles_compile_as)
+    return tiled_rows(whole, x, self.tile_rows, self.tile_from_rows, self.tiles_compile_as)

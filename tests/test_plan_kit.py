@@ -96,6 +96,28 @@ def test_the_kit_the_plan_picks_is_the_fastest_that_fits():
         plan(tinyllama(2 * 1048576), flops_profile(tinyllama(2 * 1048576), 1e15), hw, 1, "bf16", top=3)
 
 
+def test_a_tiled_layers_recompute_is_its_forward_less_the_mlp(monkeypatch):
+    """Full checkpointing adds one forward of each layer to the step, but where the MLP runs in row tiles the
+    recompute stops before them (they recompute themselves, tiled or not checkpointed): the MLP's share of
+    the forward is not counted twice (the runtime: tests/test_long_context.py counts the matmuls)."""
+    from pipezero.train.plan import memory
+
+    hw = h100(1, 1)
+    shape = tinyllama(32768)
+    profile = flops_profile(shape, hw.peak_tflops * 1e12 * hw.efficiency)
+
+    def added() -> float:  # what checkpointing every layer adds to the step
+        steps = [predict(profile, Layout(1, 1, 1, "1f1b", 1, 1, 1, 0, False, k), hw, shape, "bf16").time.total
+                 for k in (0, 1)]
+        return steps[1] - steps[0]
+
+    tiled = added()
+    monkeypatch.setattr(memory, "TILE_FROM_ROWS", 10**9)  # the MLP whole at this length
+    mlp = sum(p.seconds / 3 * p.mlp_flops / p.flops for p in profile if p.act_tiled) * 32768 * hw.compute_slowdown
+    assert mlp > 0.1 * added()
+    assert tiled == pytest.approx(added() - mlp, rel=1e-6)
+
+
 def test_pipezero_plan_reads_a_hugging_face_config_and_prints_the_finetune_line(tmp_path, capsys):
     from transformers import LlamaConfig
 

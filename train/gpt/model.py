@@ -121,6 +121,8 @@ class Block(nn.Module):
     head count from the width it gets, so the same forward runs whole or sharded.
     """
 
+    tiles_compile_as = None  # compiled (pipe/compile.py): the MLP's row tiles run outside the graph
+
     def __init__(self, cfg: GPTConfig, index: int):
         super().__init__()
         d = cfg.d_model
@@ -171,7 +173,7 @@ class Block(nn.Module):
         else:
             att = _attend(q, k, v, attn_mask, docs)
         h = h + self.proj(rearrange(att, "b nh t hd -> b t (nh hd)"))
-        return h + tiled_rows(self._mlp, self.ln2(h))
+        return h + tiled_rows(self._mlp, self.ln2(h), compile_as=self.tiles_compile_as)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(F.gelu(self.fc(x)))

@@ -9,7 +9,8 @@
   makes small micro-batches slower on a GPU;
   checkpointing adds the recompute to the backward: one forward, or what measure_profile
   timed a checkpointed block to add (on a GPU at small micro-batches the recompute's launches
-  and torch.utils.checkpoint's own work cost more than the forward's kernels);
+  and torch.utils.checkpoint's own work cost more than the forward's kernels), less the MLP's
+  share where its row tiles recompute it anyway (the layer's recompute stops before them);
 * tensor parallel: Megatron's two all-reduces of the block's output in forward and two in
   backward, ring time 2(t-1)/t x bytes / bandwidth, not overlapped; plus what the split's hooks
   and collective calls add to a block per micro-batch (measure_profile), which is host time that
@@ -207,8 +208,9 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
     redone = [i for j, i in enumerate(layers) if layout.checkpoints(j - j % k)]  # the checkpointed layers
     share = len(redone) / len(layers) if layers else 0.0  # of the chunk's exchanges and launches, recomputed
     if redone and not layout.selective:  # the recompute: measured, or one more forward
-        back += sum(_recompute_seconds(profile[i]) / (1 if profile[i].tied else t) for i in redone) * tokens \
-            * hw.compute_slowdown
+        tile = tiled(layout, seq_len)
+        back += sum(_recompute_seconds(profile[i], tile) / (1 if profile[i].tied else t)
+                    for i in redone) * tokens * hw.compute_slowdown
         back += (launches + 2 * blocks * one + a2a) * share
     elif redone:  # selective: the matmuls' outputs kept, the exchanges and elementwise ops re-run
         back += a2a * share
@@ -220,9 +222,12 @@ def _chunk_costs(profile: Sequence[LayerProfile], layers: range, layout: Layout,
     return Costs(forward=fwd, backward_input=back, backward_weight=weight, p2p=p2p), tp * layout.microbatches
 
 
-def _recompute_seconds(p: LayerProfile) -> float:
-    """Per token, what checkpointing adds to a layer's backward: measured, or one more forward."""
-    return p.seconds / 3 if p.recompute_seconds is None else p.recompute_seconds
+def _recompute_seconds(p: LayerProfile, tile: bool) -> float:
+    """Per token, what checkpointing adds to a layer's backward: measured, or one more forward; with its
+    MLP in row tiles, less the MLP's share (the recompute stops before the tiles, which recompute
+    themselves in their own backward: pipe/tiled_mlp.py)."""
+    whole = p.seconds / 3 if p.recompute_seconds is None else p.recompute_seconds
+    return whole * (1 - p.mlp_flops / p.flops) if tile and p.act_tiled and p.flops else whole
 
 
 class Sim(NamedTuple):
