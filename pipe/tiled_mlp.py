@@ -51,7 +51,7 @@ from pipezero.pipe.compile import CompileConfig, compiled
 from pipezero.pipe.memory.recompute import recomputed_matmuls
 
 __all__ = ["NORM_TILE_FROM_ROWS", "NORM_TILE_ROWS", "TILE_FROM_ROWS", "TILE_ROWS", "tile_mlp", "tile_norm",
-           "tiled_rows", "tiles_outside_the_graph"]
+           "tiled_rows"]
 
 TILE_FROM_ROWS = 8192  # tokens per micro-batch from which the MLP runs in tiles by default
 TILE_ROWS = 2048       # rows per tile
@@ -64,7 +64,7 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile
     """fn(x) for a row-wise fn (each token alone) on x [..., d], in tiles of tile_rows rows (TILE_ROWS) when
     x has at least from_rows rows (TILE_FROM_ROWS) and autograd records (no gradient: fn(x) whole, nothing
     is kept anyway). compile_as: traced inside a compiled layer, the tiles run outside its graph and fn
-    is compiled on its own as it says (`tiles_outside_the_graph`); None: the tiles are traced with it."""
+    is compiled on its own as it says (`_tiles_outside_the_graph`); None: the tiles are traced with it."""
     tile_rows = TILE_ROWS if tile_rows is None else tile_rows
     from_rows = TILE_FROM_ROWS if from_rows is None else from_rows
     if tile_rows < 1:
@@ -73,12 +73,12 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile
     if rows < from_rows or rows <= tile_rows or not torch.is_grad_enabled():
         return fn(x)
     if compile_as is not None and torch.compiler.is_compiling():
-        return tiles_outside_the_graph(fn, x, tile_rows, compile_as)
+        return _tiles_outside_the_graph(fn, x, tile_rows, compile_as)
     return _tiles(fn, x, tile_rows)
 
 
 @torch.compiler.disable  # a break in the compiled layer's graph, so the tiles' inputs are kept ahead of them
-def tiles_outside_the_graph(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_rows: int,
+def _tiles_outside_the_graph(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_rows: int,
                             compile_as: CompileConfig) -> torch.Tensor:
     """The tiles of a compiled layer, each tile's fn compiled on its own (one graph for every tile).
 
