@@ -129,9 +129,9 @@ for w in $what; do
     docatt) run docatt 100 python3 bench/document_attention.py --device cuda --lengths 131072 524288 --rounds 3 ;;  # one varlen call vs a loop
     long-kit) run long-kit 300 python3 bench/long_context.py --shape tinyllama --steps 3 --profile "$out/long-kit" \
                 --runs pipezero pipezero-selective pipezero-full pipezero-offload --lengths 32768 ;;  # kit's cost
-    long-kit-compiled) run long-kit-compiled 370 python3 bench/long_context.py --shape tinyllama --steps 2 \
-                         --runs pipezero-compiled pipezero-full-compiled pipezero-offload-compiled \
-                         --lengths 32768 ;;  # the kit's cost with the layers and the loss compiled
+    long-kit-compiled) run long-kit-compiled 480 python3 bench/long_context.py --shape tinyllama --steps 2 \
+                         --runs pipezero-whole-compiled pipezero-compiled pipezero-full-compiled \
+                         pipezero-offload-compiled --lengths 32768 ;;  # the kit's cost, layers and loss compiled
     long-8b) run long-8b 570 python3 bench/long_context.py --shape llama3-8b --steps 0 --offload-optimizer off \
                --offload-layers 26 --runs pipezero-offload --lengths 524288 ;;  # the whole 8B at 512K: bf16 AdamW
                # on the GPU, the first 26 layers' inputs on the host (the embedding's ids and 25 decoder layers':

@@ -11,6 +11,8 @@ per document), a training step each (forward, backward, AdamW), the same random-
   pipezero  hf_layer_specs(fused_loss=True) in a one-stage PipelineModule under PipelineRunner,
             as `pipezero finetune` builds it: packed documents attended each on its own (no [T, T]
             mask), the MLP in row tiles from 8K tokens, the head + loss in row chunks
+  pipezero-whole  the same without the memory kit: the MLP and the norms whole at any length, no layer
+            checkpointed (what the kit's cost is measured against)
   pipezero-full / pipezero-offload   the same with every layer checkpointed (recomputed in its
             backward), the second with the checkpointed inputs in pinned host memory
   pipezero-selective   every layer checkpointed selectively: the matmuls' and attention's outputs
@@ -163,7 +165,7 @@ def _row(length: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, t
 
 
 WARM_ROW = 4096  # --steps 0: the tokens of the step before the timed one
-_PIPEZERO = ("pipezero", "pipezero-full", "pipezero-selective", "pipezero-offload")
+_PIPEZERO = ("pipezero", "pipezero-whole", "pipezero-full", "pipezero-selective", "pipezero-offload")
 RUNS = (*_PIPEZERO, *(f"{run}-compiled" for run in _PIPEZERO), "torch", "torch-ckpt", "alst")
 
 
@@ -179,7 +181,11 @@ def pipezero_parts(config, device, dtype, run="pipezero", offload_optimizer=Fals
     from pipezero.topology import Grid
 
     kind = run.removesuffix("-compiled")
-    mode = {"pipezero": "none", "pipezero-selective": "selective"}.get(kind, "full")
+    mode = {"pipezero": "none", "pipezero-whole": "none", "pipezero-selective": "selective"}.get(kind, "full")
+    if kind == "pipezero-whole":  # the kit off: the MLP and the norms whole at any length (a fresh process)
+        from pipezero.pipe import tiled_mlp
+
+        tiled_mlp.TILE_FROM_ROWS = tiled_mlp.NORM_TILE_FROM_ROWS = sys.maxsize
     offload = kind == "pipezero-offload"
     recompute = RecomputeConfig(mode=mode, offload=offload, offload_layers=offload_layers if offload else None)
     with torch.device(device):
