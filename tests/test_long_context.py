@@ -404,8 +404,8 @@ def _matmuls_and_grads(config, compile_as, mode: str) -> tuple[int, dict]:
 def test_a_compiled_checkpointed_layer_recomputes_no_mlp_tile(monkeypatch):
     """Compiled layers (aot_eager: inductor's graphs, run op by op) under full recomputation: the row
     tiles run outside the layer's graph, so its recompute stops before them, as an eager layer's does:
-    the step adds the attention's 4 projections a layer, not the MLP's 3 matmuls a tile too (56 more
-    than unchecked here before: 8 + 48); the gradients equal the eager layers'."""
+    the step adds the attention's 4 projections a layer, not the MLP's 3 matmuls a tile too (32 more
+    than unchecked here before: 8 + 24, 4 tiles a layer); the gradients equal the eager layers'."""
     from pipezero.pipe.compile import CompileConfig
 
     config = _long_row_llama(monkeypatch, hidden=32)
